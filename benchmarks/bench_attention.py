@@ -1,0 +1,277 @@
+"""GPU benchmark of the paged attention kernels at Llama-3-8B attention shapes.
+
+Times the Pallas decode kernel and plain XLA attention (gather pages + dot, the
+reference) for batch x context combinations, reports KV bytes read / time against a
+device copy measured in the same run, tunes the decode tiling at one shape, and times
+the ragged prefill kernel. Runs from a source checkout without installation:
+
+    python3 benchmarks/bench_attention.py --out benchmarks/results/attention_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _ensure_importable() -> None:
+    """Maps `pjinfer.kernels` onto ./kernels like the installed package does."""
+    sys.path.insert(0, str(REPO))
+    import pjinfer
+
+    if str(REPO) not in pjinfer.__path__:
+        pjinfer.__path__.append(str(REPO))
+
+
+_ensure_importable()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from pjinfer.kernels.decode_attention import (  # noqa: E402
+    DecodeBlockSizes,
+    decode_attention,
+    decode_attention_reference,
+    default_decode_block_sizes,
+)
+from pjinfer.kernels.metadata import AttentionMetadata  # noqa: E402
+from pjinfer.kernels.ragged_attention import (  # noqa: E402
+    RaggedBlockSizes,
+    ragged_attention,
+    ragged_attention_reference,
+)
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16  # Llama-3-8B attention
+DTYPE = jnp.bfloat16
+SCALE = HEAD_DIM**-0.5
+
+
+def bench(fn, *args, reps: int = 20, repeats: int = 7) -> float:
+    """Median seconds per call: `reps` back-to-back async calls per sample, after warm-up."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / reps)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(gib: float = 2.0) -> float:
+    """Bytes read + written per second of a large elementwise device pass (the HBM ceiling)."""
+    x = jnp.ones((int(gib * 2**30) // 4,), jnp.float32)
+    f = jax.jit(lambda a: a * 1.0001)
+    return 2 * x.nbytes / bench(f, x, reps=10, repeats=5)
+
+
+def make_decode_inputs(batch: int, context: int, seed: int = 0):
+    """Random bf16 cache with shuffled pages; every sequence has `context` tokens."""
+    rng = np.random.default_rng(seed)
+    pages = context // BLOCK_SIZE
+    num_blocks = batch * pages + 1
+    key = jax.random.PRNGKey(seed)
+    kk, kv, kq = jax.random.split(key, 3)
+    shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    k_cache = jax.random.normal(kk, shape, DTYPE)
+    v_cache = jax.random.normal(kv, shape, DTYPE)
+    tables = (rng.permutation(num_blocks - 1) + 1).reshape(batch, pages).astype(np.int32)
+    q = jax.random.normal(kq, (batch, HEADS, HEAD_DIM), DTYPE)
+    lens = jnp.full((batch,), context, jnp.int32)
+    return q, k_cache, v_cache, jnp.asarray(tables), lens
+
+
+def kv_bytes(batch: int, context: int) -> int:
+    return batch * context * KV_HEADS * HEAD_DIM * 2 * jnp.dtype(DTYPE).itemsize
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def decode_fn(sizes: DecodeBlockSizes):
+    return jax.jit(lambda *a: decode_attention(*a, scale=SCALE, block_sizes=sizes))
+
+
+XLA_DECODE = jax.jit(lambda *a: decode_attention_reference(*a, scale=SCALE))
+
+
+def tune_decode(batch: int, context: int, quick: bool) -> list[dict]:
+    """Sweeps the decode tiling at one shape; returns rows sorted by time."""
+    args = make_decode_inputs(batch, context)
+    rows = []
+    default = default_decode_block_sizes(batch, KV_HEADS, context // BLOCK_SIZE, BLOCK_SIZE)
+    for pages in (2, 4, 8):
+        for warps in (4, 8):
+            for stages in (2,) if quick else (1, 2, 3):
+                for splits in sorted({1, default.num_splits} if quick else {1, 2, 4}):
+                    sizes = DecodeBlockSizes(pages, splits, warps, stages)
+                    try:
+                        t = bench(decode_fn(sizes), *args, reps=10, repeats=5)
+                    except Exception as e:  # a tiling Triton rejects is a result too
+                        print("tune fail", sizes, type(e).__name__, str(e)[:200])
+                        continue
+                    rows.append(dict(dataclasses.asdict(sizes), time_s=t))
+    return sorted(rows, key=lambda r: r["time_s"])
+
+
+def decode_grid(best: DecodeBlockSizes | None, hbm: float) -> list[dict]:
+    rows = []
+    for batch in (1, 16, 64, 256):
+        for context in (512, 4096, 32768):
+            rows.append(decode_row(batch, context, best, hbm))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def decode_row(batch: int, context: int, best: DecodeBlockSizes | None, hbm: float) -> dict:
+    args = make_decode_inputs(batch, context)
+    sizes = default_decode_block_sizes(batch, KV_HEADS, context // BLOCK_SIZE, BLOCK_SIZE)
+    if best is not None:
+        sizes = dataclasses.replace(best, num_splits=sizes.num_splits)
+    row = dict(batch=batch, context=context, kv_bytes=kv_bytes(batch, context),
+               block_sizes=dataclasses.asdict(sizes))
+    t = bench(decode_fn(sizes), *args)
+    row.update(pallas_s=t, pallas_bw=row["kv_bytes"] / t, pallas_frac_hbm=row["kv_bytes"] / t / hbm)
+    try:
+        tx = bench(XLA_DECODE, *args, reps=5, repeats=5)
+        row.update(xla_s=tx, xla_bw=row["kv_bytes"] / tx, speedup_vs_xla=tx / t)
+    except Exception as e:  # XLA materialises the gathered pages; large shapes may OOM
+        row.update(xla_s=None, xla_error=type(e).__name__)
+    del args
+    return row
+
+
+def check_correctness() -> dict:
+    """bf16 kernels vs references on the GPU before any timing."""
+    args = make_decode_inputs(8, 1000 // BLOCK_SIZE * BLOCK_SIZE, seed=1)
+    lens = jnp.asarray(np.random.default_rng(2).integers(1, 992, 8), jnp.int32)
+    args = (*args[:4], lens)
+    ref = decode_attention_reference(*args, scale=SCALE)
+    errs = {}
+    for splits in (1, 4):
+        sizes = DecodeBlockSizes(num_splits=splits)
+        out = decode_attention(*args, scale=SCALE, block_sizes=sizes)
+        errs[f"decode_splits{splits}"] = rel_err(out, ref)
+    out = decode_attention(*args, scale=SCALE, sliding_window=100, soft_cap=30.0)
+    ref = decode_attention_reference(*args, scale=SCALE, sliding_window=100, soft_cap=30.0)
+    errs["decode_window_cap"] = rel_err(out, ref)
+    q, k_cache, v_cache, md = make_prefill_inputs([300, 1, 77], [700, 500, 77], seed=3)
+    out = ragged_attention(q, k_cache, v_cache, md, scale=SCALE, sliding_window=128)
+    ref = ragged_attention_reference(q, k_cache, v_cache, md, scale=SCALE, sliding_window=128)
+    errs["ragged_window"] = rel_err(out, ref)
+    return errs
+
+
+def make_prefill_inputs(q_lens: list[int], seq_lens: list[int], seed: int = 0):
+    """Ragged batch: sequence s has seq_lens[s] cached + new tokens, q_lens[s] of them new."""
+    rng = np.random.default_rng(seed)
+    pages = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    num_blocks = sum(pages) + 1
+    perm = rng.permutation(num_blocks - 1) + 1
+    tables = np.zeros((len(q_lens), max(pages)), np.int32)
+    for s, start in enumerate(np.cumsum([0, *pages[:-1]])):
+        tables[s, : pages[s]] = perm[start : start + pages[s]]
+    kk, kv, kq = jax.random.split(jax.random.PRNGKey(seed), 3)
+    shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    md = AttentionMetadata(
+        slot_mapping=jnp.zeros((int(qsl[-1]),), jnp.int32), block_tables=jnp.asarray(tables),
+        seq_lens=jnp.asarray(seq_lens, jnp.int32), query_start_loc=jnp.asarray(qsl),
+    )
+    q = jax.random.normal(kq, (int(qsl[-1]), HEADS, HEAD_DIM), DTYPE)
+    return q, jax.random.normal(kk, shape, DTYPE), jax.random.normal(kv, shape, DTYPE), md
+
+
+def prefill_rows(quick: bool) -> list[dict]:
+    rows = []
+    for batch, n in ((1, 2048), (8, 512)):
+        args = make_prefill_inputs([n] * batch, [n] * batch)
+        pairs = batch * n * (n + 1) // 2  # causal (query, key) pairs
+        flops = 4 * pairs * HEADS * HEAD_DIM
+        for bq in (16, 32) if quick else (16, 32, 64):
+            for pages in (2, 4) if quick else (2, 4, 8):
+                for warps in (4,) if quick else (4, 8):
+                    sizes = RaggedBlockSizes(block_q=bq, pages_per_compute_block=pages,
+                                             num_warps=warps, num_stages=2)
+                    fn = jax.jit(lambda *a, s=sizes: ragged_attention(*a, scale=SCALE,
+                                                                      block_sizes=s))
+                    try:
+                        t = bench(fn, *args, reps=5, repeats=5)
+                    except Exception as e:
+                        print("prefill fail", sizes, type(e).__name__, str(e)[:200])
+                        continue
+                    rows.append(dict(batch=batch, q_len=n, block_sizes=dataclasses.asdict(sizes),
+                                     pallas_s=t, tflops=flops / t / 1e12))
+        xla = jax.jit(lambda *a: ragged_attention_reference(*a, scale=SCALE))
+        tx = bench(xla, *args, reps=3, repeats=3)
+        rows.append(dict(batch=batch, q_len=n, xla_s=tx, tflops=flops / tx / 1e12))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/attention.json")
+    parser.add_argument("--skip-tune", action="store_true")
+    parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="smaller tuning sweeps")
+    opts = parser.parse_args()
+    result = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+                  settings=dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                block_size=BLOCK_SIZE, dtype="bfloat16"))
+    save = lambda: opts.out.write_text(json.dumps(result, indent=1))  # noqa: E731
+    opts.out.parent.mkdir(parents=True, exist_ok=True)
+    result["correctness_rel_err"] = check_correctness()
+    print("correctness", result["correctness_rel_err"], flush=True)
+    result["hbm_copy_bytes_per_s"] = hbm = copy_bandwidth()
+    print(f"copy bandwidth {hbm / 1e12:.2f} TB/s", flush=True)
+    best = None
+    if not opts.skip_tune:
+        result["tune_64x4096"] = tune = tune_decode(64, 4096, opts.quick)
+        print("tune top5", json.dumps(tune[:5]), flush=True)
+        keys = ("pages_per_compute_block", "num_warps", "num_stages")
+        top = {k: tune[0][k] for k in keys}
+        best = DecodeBlockSizes(num_splits=1, **top)
+        save()
+    result["decode"] = decode_grid(best, hbm)
+    save()
+    if not opts.skip_prefill:
+        result["prefill"] = prefill_rows(opts.quick)
+        save()
+    print_table(result)
+
+
+def print_table(result: dict) -> None:
+    print(f"\n{result['device']}  jax {result['jax']}  copy "
+          f"{result['hbm_copy_bytes_per_s'] / 1e12:.2f} TB/s")
+    print("batch context  pallas_us  TB/s  %HBM   xla_us  speedup")
+    for r in result["decode"]:
+        xla = f"{r['xla_s'] * 1e6:8.1f} {r['speedup_vs_xla']:6.2f}x" if r.get("xla_s") else "  n/a"
+        print(f"{r['batch']:5d} {r['context']:7d} {r['pallas_s'] * 1e6:9.1f} "
+              f"{r['pallas_bw'] / 1e12:5.2f} {100 * r['pallas_frac_hbm']:5.1f} {xla}")
+    for r in result.get("prefill", []):
+        if "xla_s" in r:
+            print(f"prefill {r['batch']}x{r['q_len']} xla {r['xla_s'] * 1e3:.2f} ms "
+                  f"{r['tflops']:.1f} TFLOP/s")
+    best = {}
+    for r in result.get("prefill", []):
+        key = (r["batch"], r["q_len"])
+        if "pallas_s" in r and (key not in best or r["pallas_s"] < best[key]["pallas_s"]):
+            best[key] = r
+    for (b, n), r in best.items():
+        print(f"prefill {b}x{n} pallas {r['pallas_s'] * 1e3:.2f} ms {r['tflops']:.1f} TFLOP/s "
+              f"{r['block_sizes']}")
+
+
+if __name__ == "__main__":
+    main()

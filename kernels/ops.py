@@ -1,0 +1,85 @@
+"""The one dispatch module for paged attention: cache layout, KV writes, attention.
+
+The engine calls only these functions; backends are swapped with `backend=`:
+"auto" (Pallas on GPU, pure JAX elsewhere), "reference", "pallas"/"triton" (Pallas
+Triton; interpret mode when no GPU is present, which is how CI runs the kernels).
+"""
+
+from __future__ import annotations
+
+import jax
+from pjinfer.kernels.decode_attention import (
+    decode_attention,
+    decode_attention_reference,
+    default_decode_block_sizes,
+)
+from pjinfer.kernels.metadata import AttentionMetadata
+from pjinfer.kernels.ragged_attention import ragged_attention, ragged_attention_reference
+
+BACKENDS = ("auto", "reference", "pallas", "triton")
+
+
+def get_kv_cache_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+) -> tuple[int, ...]:
+    """Per-layer K (and V) cache shape; block 0 is the reserved null block.
+
+    Token-major pages, [NB, bs, KVH, D]: a token's K for all heads is one contiguous row,
+    so `write_kv` is a row scatter and the kernels gather rows of one head with a stride.
+    """
+    return (num_blocks, block_size, num_kv_heads, head_dim)
+
+
+def write_kv(
+    k_cache: jax.Array,  # [NB, bs, KVH, D]
+    v_cache: jax.Array,
+    k: jax.Array,  # [T, KVH, D]
+    v: jax.Array,
+    slot_mapping: jax.Array,  # [T] int32 flat slots
+) -> tuple[jax.Array, jax.Array]:
+    """Scatters the step's new K/V into their slots; in place when the caches are donated."""
+    shape = k_cache.shape
+    flat = (shape[0] * shape[1], *shape[2:])
+    k_cache = k_cache.reshape(flat).at[slot_mapping].set(k.astype(k_cache.dtype))
+    v_cache = v_cache.reshape(flat).at[slot_mapping].set(v.astype(v_cache.dtype))
+    return k_cache.reshape(shape), v_cache.reshape(shape)
+
+
+def _use_pallas(backend: str) -> bool:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return jax.default_backend() == "gpu"
+    return backend in ("pallas", "triton")
+
+
+def paged_attention(
+    q: jax.Array,  # [T, H, D]
+    k_cache: jax.Array,  # [NB, bs, KVH, D]
+    v_cache: jax.Array,
+    md: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    decode_only: bool = False,
+    backend: str = "auto",
+) -> jax.Array:
+    """Causal attention of the ragged batch q over the paged cache; [T, H, D] in q.dtype.
+
+    `decode_only` (static) promises q_len == 1 for every sequence and T == S.
+    """
+    opts = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    pallas = _use_pallas(backend)
+    interpret = jax.default_backend() != "gpu"
+    if decode_only:
+        args = (q, k_cache, v_cache, md.block_tables, md.seq_lens)
+        if not pallas:
+            return decode_attention_reference(*args, **opts)
+        sizes = default_decode_block_sizes(
+            q.shape[0], k_cache.shape[2], md.block_tables.shape[1], k_cache.shape[1]
+        )
+        return decode_attention(*args, **opts, block_sizes=sizes, interpret=interpret)
+    if not pallas:
+        return ragged_attention_reference(q, k_cache, v_cache, md, **opts)
+    return ragged_attention(q, k_cache, v_cache, md, **opts, interpret=interpret)

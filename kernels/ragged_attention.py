@@ -1,0 +1,211 @@
+"""Ragged paged attention (mixed prefill chunks and decodes in one call) in Pallas.
+
+The ragged query tokens are cut into tiles of `block_q` tokens that never straddle two
+sequences (`metadata.make_query_tiles`). Grid (tile, kv_head): each program scores the
+tile's `block_q * G` query rows (all heads of one KV group folded into the M dimension
+of `pl.dot`) against the pages of its own sequence, from the sliding-window start up to
+its last token, causally masked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from pjinfer.kernels import common
+from pjinfer.kernels.common import MASK_VALUE
+from pjinfer.kernels.metadata import (
+    AttentionMetadata,
+    QueryTiles,
+    make_query_tiles,
+    pad_queries,
+    unpad_outputs,
+)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RaggedBlockSizes:
+    """Static tiling of the ragged kernel."""
+
+    block_q: int = 16  # query tokens per tile (times G rows per dot)
+    pages_per_compute_block: int = 4  # pages gathered per inner-loop step
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_q", "pages_per_compute_block", "num_warps", "num_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RaggedBlockSizes.{name} must be >= 1")
+
+
+def _ragged_kernel(
+    tile_seq_ref,  # [NT] int32
+    tile_pos_ref,  # [NT] int32 absolute position of the tile's first token
+    tile_valid_ref,  # [NT] int32 real tokens in the tile
+    tables_ref,  # [S, MB] int32
+    q_ref,  # [M, D] rows (token, group head) of this tile and kv head
+    k_ref,  # [NB * bs, KVH, D] flat cache
+    v_ref,  # [NB * bs, KVH, D]
+    o_ref,  # [M, D]
+    *,
+    group: int,
+    block_size: int,
+    pages: int,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+):
+    tile, head = pl.program_id(0), pl.program_id(1)
+    seq, first_pos, num_valid = tile_seq_ref[tile], tile_pos_ref[tile], tile_valid_ref[tile]
+    block_k = pages * block_size
+    q = q_ref[...]  # [M, D]
+    rows = jnp.arange(q.shape[0], dtype=jnp.int32) // group  # [M] token inside the tile
+    q_pos = first_pos + rows  # [M]
+    row_valid = rows < num_valid
+    key_end = jnp.where(num_valid > 0, first_pos + num_valid, 0)  # keys [.., key_end)
+    lo_key = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
+    offs = jnp.arange(block_k, dtype=jnp.int32)  # [N]
+
+    def body(c, carry):
+        acc, m, l_sum = carry
+        k_pos = c * block_k + offs  # [N]
+        page_ids = tables_ref[seq, c * pages + offs // block_size]  # [N]
+        slots = page_ids * block_size + offs % block_size
+        mask = common.key_mask(q_pos, k_pos, sliding_window) & row_valid[:, None]  # [M, N]
+        k = k_ref[slots, head, :]  # [N, D]
+        v = jnp.where((k_pos < key_end)[:, None], v_ref[slots, head, :], 0)  # [N, D]
+        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale  # [M, N]
+        s = jnp.where(mask, common.cap_scores(s, soft_cap), MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return acc * alpha[:, None] + pv, m_new, l_sum * alpha + p.sum(axis=1)
+
+    init = (
+        jnp.zeros(q.shape, jnp.float32),
+        jnp.full((q.shape[0],), MASK_VALUE, jnp.float32),
+        jnp.zeros((q.shape[0],), jnp.float32),
+    )
+    lo, hi = lo_key // block_k, (key_end + block_k - 1) // block_k
+    acc, _, l_sum = jax.lax.fori_loop(lo, hi, body, init)
+    denom = jnp.maximum(l_sum, jnp.finfo(jnp.float32).tiny)
+    o_ref[...] = (acc / denom[:, None]).astype(o_ref.dtype)
+
+
+def _whole_spec(shape: tuple[int, ...]) -> pl.BlockSpec:
+    """Whole-array block: the kernel indexes (gathers) it itself."""
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+def _ragged_call(tiles: QueryTiles, tables, qt, k_flat, v_flat, *, group, block_size, scale,
+                 sliding_window, soft_cap, block_sizes: RaggedBlockSizes, interpret: bool):
+    """Builds grid, BlockSpecs and the `pallas_call` over the tiled layout qt [KVH, R, D]."""
+    num_kv_heads, num_rows, head_dim = qt.shape
+    num_tiles = tiles.seq_id.shape[0]
+    m_rows = num_rows // num_tiles
+    kernel = functools.partial(
+        _ragged_kernel, group=group, block_size=block_size,
+        pages=block_sizes.pages_per_compute_block, scale=scale,
+        sliding_window=sliding_window, soft_cap=soft_cap,
+    )
+    tile_spec = pl.BlockSpec((None, m_rows, head_dim), lambda t, h: (h, t, 0))
+    return pl.pallas_call(
+        kernel,
+        grid=(num_tiles, num_kv_heads),
+        in_specs=[
+            _whole_spec((num_tiles,)), _whole_spec((num_tiles,)), _whole_spec((num_tiles,)),
+            _whole_spec(tables.shape), tile_spec,
+            _whole_spec(k_flat.shape), _whole_spec(v_flat.shape),
+        ],
+        out_specs=tile_spec,
+        out_shape=jax.ShapeDtypeStruct(qt.shape, qt.dtype),
+        compiler_params=common.triton_params(block_sizes.num_warps, block_sizes.num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(tiles.seq_id, tiles.first_pos, tiles.num_valid, tables, qt, k_flat, v_flat)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "sliding_window", "soft_cap", "block_sizes", "interpret"),
+)
+def ragged_attention(
+    q: jax.Array,  # [T, H, D] ragged batch, each sequence's tokens contiguous
+    k_cache: jax.Array,  # [NB, bs, KVH, D]
+    v_cache: jax.Array,
+    md: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_sizes: RaggedBlockSizes = RaggedBlockSizes(),
+    interpret: bool = False,
+) -> jax.Array:
+    """Pallas ragged paged attention; returns [T, H, D] in q.dtype."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    gp = common.next_pow2(group)  # Triton tiles are powers of two
+    bq = block_sizes.block_q
+    tiles = make_query_tiles(md, num_tokens, bq)
+    qp = pad_queries(q, tiles, bq).reshape(-1, num_kv_heads, group, head_dim)  # [R, KVH, G, D]
+    qp = jnp.pad(qp, ((0, 0), (0, 0), (0, gp - group), (0, 0)))
+    qt = qp.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)  # [KVH, R * Gp, D]
+    pages = block_sizes.pages_per_compute_block
+    width = md.block_tables.shape[1]
+    tables = jnp.pad(md.block_tables.astype(jnp.int32), ((0, 0), (0, -width % pages)))
+    flat = (num_blocks * block_size, num_kv_heads, head_dim)
+    ot = _ragged_call(
+        tiles, tables, qt, k_cache.reshape(flat), v_cache.reshape(flat), group=gp,
+        block_size=block_size, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        block_sizes=block_sizes, interpret=interpret,
+    )
+    op = ot.reshape(num_kv_heads, -1, gp, head_dim)[:, :, :group].transpose(1, 0, 2, 3)
+    return unpad_outputs(op.reshape(-1, num_heads, head_dim), tiles)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "block_q")
+)
+def ragged_attention_reference(
+    q: jax.Array,  # [T, H, D]
+    k_cache: jax.Array,  # [NB, bs, KVH, D]
+    v_cache: jax.Array,
+    md: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_q: int = 16,
+) -> jax.Array:
+    """Pure-JAX ragged attention, one query tile at a time (`lax.map`).
+
+    Per tile it gathers only that sequence's pages, so memory stays at
+    O(context * KVH * D + block_q * H * context) instead of a per-token copy of the keys.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    tiles = make_query_tiles(md, num_tokens, block_q)
+    qp = pad_queries(q, tiles, block_q)
+    qp = qp.reshape(-1, block_q, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    attend = functools.partial(
+        common.attend_one_seq, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap
+    )
+
+    def one_tile(args):
+        q_tile, seq, first_pos, num_valid = args  # q_tile [bq, KVH, G, D]
+        table = md.block_tables[seq]
+        k = common.gather_seq_pages(k_cache, table)
+        v = common.gather_seq_pages(v_cache, table)
+        q_pos = first_pos + jnp.arange(block_q, dtype=jnp.int32)
+        # Padding rows get position -1: they see no key, so they cannot read unused slots.
+        q_pos = jnp.where(jnp.arange(block_q) < num_valid, q_pos, -1)
+        return attend(q_tile, k, v, q_pos, jnp.where(num_valid > 0, md.seq_lens[seq], 0))
+
+    out = jax.lax.map(one_tile, (qp, tiles.seq_id, tiles.first_pos, tiles.num_valid))
+    out = out.reshape(-1, num_heads, head_dim)  # [NT * bq, H, D]
+    return unpad_outputs(out, tiles).astype(q.dtype)

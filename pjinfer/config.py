@@ -1,0 +1,229 @@
+"""Model configuration read from a Hugging Face `config.json`.
+
+Hub checkpoints come from transformers 4.x (`rope_theta`, `rope_scaling`, `torch_dtype`, often no
+`head_dim`) and 5.x (`rope_parameters`, `dtype`); both are accepted and mean what the transformers
+implementation of the architecture makes them mean, including flags that switch a feature off
+(Qwen2's `use_sliding_window`, Mistral's `sliding_window: null`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pjinfer.errors import ModelLoadError
+
+DTYPES = ("float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+                  "half": "float16"}
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+
+def normalize_dtype(name: str | None, *, field_name: str = "dtype") -> str:
+    """Map 'bf16', 'torch.bfloat16', 'bfloat16' ... to one of DTYPES."""
+    if name is None:
+        return "float32"
+    key = str(name).removeprefix("torch.").lower()
+    key = _DTYPE_ALIASES.get(key, key)
+    if key not in DTYPES:
+        raise ValueError(
+            f"{field_name}: unknown dtype {name!r}; use one of auto, {', '.join(DTYPES)}")
+    return key
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Rotary-embedding frequency scaling, as transformers' `ROPE_INIT_FUNCTIONS` define it."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int | None = None  # llama3
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"rope_scaling: unsupported rope type {self.rope_type!r}; "
+                f"supported: {', '.join(ROPE_TYPES)}")
+        if not (self.factor > 0 and math.isfinite(self.factor)):
+            raise ValueError(f"rope_scaling.factor must be a positive number, got {self.factor}")
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any] | None) -> RopeScaling:
+        if not raw:
+            return cls()
+        rope_type = raw.get("rope_type", raw.get("type", "default"))
+        kwargs = {k: raw[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                      "original_max_position_embeddings") if raw.get(k) is not None}
+        return cls(rope_type=rope_type, **kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The shape and numerics of a Llama-family decoder; hashable so it can be a static jit arg."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # bias on q/k/v projections (Qwen2; Llama's `attention_bias`)
+    o_bias: bool = False  # bias on the output projection (Llama's `attention_bias`)
+    mlp_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    # Per-layer sliding window (None = full attention), HF semantics: attend to keys with q-k < W.
+    sliding_windows: tuple[int | None, ...] = ()
+    hidden_act: str = "silu"
+    dtype: str = "float32"  # the checkpoint's own dtype (`torch_dtype` / `dtype`)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"config.json: {name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"config.json: num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                f"of num_key_value_heads ({self.num_key_value_heads})")
+        if self.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"config.json: hidden_act {self.hidden_act!r} is not supported; "
+                             "Llama-family models use 'silu'")
+        if self.sliding_windows and len(self.sliding_windows) != self.num_hidden_layers:
+            raise ValueError("sliding_windows needs one entry per layer")
+        normalize_dtype(self.dtype, field_name="config.json dtype")
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def sliding_window(self, layer: int) -> int | None:
+        return self.sliding_windows[layer] if self.sliding_windows else None
+
+    def num_params(self) -> int:
+        """Parameter count, for memory sizing and the roofline."""
+        d, h, kv, hd, i = (self.hidden_size, self.num_attention_heads, self.num_key_value_heads,
+                           self.head_dim, self.intermediate_size)
+        attn = d * (h + 2 * kv) * hd + h * hd * d
+        per_layer = attn + 3 * d * i + 2 * d + (2 * hd if self.qk_norm else 0)
+        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * per_layer + embed + d
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any], *, architecture: str | None = None) -> ModelConfig:
+        """Build from a parsed HF config.json (transformers 4.x or 5.x spelling)."""
+        arch = architecture or _architecture(raw)
+        try:
+            return cls(**_hf_fields(raw, arch))
+        except KeyError as e:
+            raise ValueError(f"config.json: missing required field {e.args[0]!r}") from None
+        except TypeError as e:
+            raise ValueError(f"config.json: {e}") from None
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not Path(model_dir).is_dir():
+            raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist; pass a local "
+                                 "Hugging Face model folder (with config.json and *.safetensors)")
+        if not path.is_file():
+            raise ModelLoadError(f"{path} not found: {model_dir!r} is not a Hugging Face model "
+                                 "folder (it needs config.json and *.safetensors)")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
+        try:
+            return cls.from_hf_dict(raw)
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: {e}") from None
+
+
+def _architecture(raw: dict[str, Any]) -> str:
+    archs = raw.get("architectures") or []
+    if not archs:
+        raise ValueError("'architectures' is missing; set it to e.g. [\"LlamaForCausalLM\"]")
+    return archs[0]
+
+
+def _rope_fields(raw: dict[str, Any]) -> tuple[float, RopeScaling]:
+    """transformers 5 nests theta and scaling in `rope_parameters`; 4.x has them top-level."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form
+        params = params["full_attention"]
+    if params:
+        return float(params.get("rope_theta", raw.get("rope_theta", 10000.0))), \
+            RopeScaling.from_hf(params)
+    return float(raw.get("rope_theta", 10000.0)), RopeScaling.from_hf(raw.get("rope_scaling"))
+
+
+def _sliding_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
+    """Which layers use a sliding window, following each transformers implementation."""
+    window = raw.get("sliding_window")
+    if not window:
+        return ()
+    layer_types = raw.get("layer_types")
+    if arch.startswith("Qwen"):
+        if not raw.get("use_sliding_window", False):
+            return ()
+        if layer_types is None:
+            start = raw.get("max_window_layers", num_layers)
+            layer_types = ["sliding_attention" if i >= start else "full_attention"
+                           for i in range(num_layers)]
+    if layer_types is None:  # Mistral: every layer slides
+        return (int(window),) * num_layers
+    return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+
+
+def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
+    eos = raw.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _hf_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
+    heads = raw["num_attention_heads"]
+    rope_theta, rope_scaling = _rope_fields(raw)
+    attention_bias = bool(raw.get("attention_bias", False))
+    is_qwen2 = arch == "Qwen2ForCausalLM"
+    return dict(
+        architecture=arch,
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=True if is_qwen2 else attention_bias,
+        o_bias=False if is_qwen2 else attention_bias,
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        sliding_windows=_sliding_windows(raw, arch, raw["num_hidden_layers"]),
+        hidden_act=raw.get("hidden_act", "silu"),
+        dtype=normalize_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32",
+                              field_name="config.json dtype"),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_eos_ids(raw),
+    )

@@ -1,0 +1,181 @@
+"""Per-step sampling inputs as one device pytree, and the host builder that fills it.
+
+Shapes are bucketed so the jitted step compiles a handful of variants: S is the step's sequence
+bucket, and the optional tables (token history L, logit bias B, min-tokens suppression E) are
+padded to powers of two, or have width 0 when no row in the step needs them. Static flags in
+the pytree's aux data let the step skip the [S, V] sort, the penalty histograms and the random
+noise altogether when no row uses them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from pjinfer.sampling_params import SamplingParams
+
+PAD_TOKEN_ID = -1  # Padding in every token-id table; the sampler drops these scatters.
+MIN_HISTORY_BUCKET = 256  # Smallest L: keeps the number of compiled history shapes low.
+MIN_BIAS_BUCKET = 8
+MIN_SUPPRESS_BUCKET = 4
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingRow:
+    """Host view of one sequence to sample from this step.
+
+    `seed` is the request's `SamplingParams.seed`, or, for unseeded requests, a seed the engine
+    drew once when the request arrived (so its sampling still never depends on batch mates).
+    For n > 1 the engine derives one seed per sequence (e.g. seed + index).
+    The PRNG step is len(output_token_ids): recomputation after preemption replays the same key.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    seed: int
+    eos_token_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingMetadata:
+    """Device arrays for one step, padded to S sequences; padding rows are greedy no-ops."""
+
+    temperature: jax.Array  # [S] f32, 0 = greedy
+    top_k: jax.Array  # [S] i32, 0 = off
+    top_p: jax.Array  # [S] f32, 1 = off
+    min_p: jax.Array  # [S] f32, 0 = off
+    presence_penalty: jax.Array  # [S] f32
+    frequency_penalty: jax.Array  # [S] f32
+    repetition_penalty: jax.Array  # [S] f32
+    seed_data: jax.Array  # [S, 2] u32, threefry key data (hi, lo words of the 64-bit seed)
+    steps: jax.Array  # [S] i32, folded into the key
+    token_history: jax.Array  # [S, L] i32 prompt then output ids, PAD_TOKEN_ID after
+    num_prompt_tokens: jax.Array  # [S] i32, history[:, :P] is prompt, the rest output
+    bias_token_ids: jax.Array  # [S, B] i32
+    bias_values: jax.Array  # [S, B] f32
+    suppress_token_ids: jax.Array  # [S, E] i32, stop/eos ids masked until min_tokens
+    all_greedy: bool = True  # static: skip temperature, top-k/p, min-p and noise
+    needs_sort: bool = False  # static: some row uses top_k or top_p
+    needs_penalties: bool = False  # static: some row uses a penalty
+
+    @classmethod
+    def build(cls, rows: Sequence[SamplingRow], num_seqs_padded: int) -> SamplingMetadata:
+        """NumPy-filled metadata for `rows`, padded to `num_seqs_padded` sequences."""
+        if len(rows) > num_seqs_padded:
+            raise ValueError(f"{len(rows)} rows do not fit num_seqs_padded={num_seqs_padded}")
+        params = [r.params for r in rows]
+        needs_penalties = any(p.uses_penalties for p in params)
+        history, num_prompt = _token_history(rows, num_seqs_padded, needs_penalties)
+        bias_ids, bias_values = _logit_bias(params, num_seqs_padded)
+        return cls(
+            **_scalar_fields(params, num_seqs_padded),
+            seed_data=_seed_data(rows, num_seqs_padded),
+            steps=_padded([len(r.output_token_ids) for r in rows], num_seqs_padded, 0, np.int32),
+            token_history=history,
+            num_prompt_tokens=num_prompt,
+            bias_token_ids=bias_ids,
+            bias_values=bias_values,
+            suppress_token_ids=_suppressed_ids(rows, num_seqs_padded),
+            all_greedy=all(p.greedy for p in params),
+            needs_sort=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
+            needs_penalties=needs_penalties,
+        )
+
+
+_META_FIELDS = ["all_greedy", "needs_sort", "needs_penalties"]  # static: change the trace
+jax.tree_util.register_dataclass(
+    SamplingMetadata,
+    data_fields=[f.name for f in dataclasses.fields(SamplingMetadata)
+                 if f.name not in _META_FIELDS],
+    meta_fields=_META_FIELDS,
+)
+
+
+def bucket(n: int, minimum: int) -> int:
+    """0 stays 0 (table absent); otherwise the next power of two, at least `minimum`."""
+    if n == 0:
+        return 0
+    return max(minimum, 1 << (n - 1).bit_length())
+
+
+def _padded(values: Sequence[float], size: int, fill: float, dtype: type) -> np.ndarray:
+    out = np.full(size, fill, dtype=dtype)
+    out[: len(values)] = values
+    return out
+
+
+def _scalar_fields(params: Sequence[SamplingParams], size: int) -> dict[str, np.ndarray]:
+    """Padding rows are greedy with every processor off, so they cost nothing and sample 0."""
+
+    def col(name: str, fill: float, dtype: type = np.float32) -> np.ndarray:
+        return _padded([getattr(p, name) for p in params], size, fill, dtype)
+
+    temperature = col("temperature", 0.0)
+    temperature[: len(params)][[p.greedy for p in params]] = 0.0
+    return {
+        "temperature": temperature,
+        "top_k": col("top_k", 0, np.int32),
+        "top_p": col("top_p", 1.0),
+        "min_p": col("min_p", 0.0),
+        "presence_penalty": col("presence_penalty", 0.0),
+        "frequency_penalty": col("frequency_penalty", 0.0),
+        "repetition_penalty": col("repetition_penalty", 1.0),
+    }
+
+
+def _seed_data(rows: Sequence[SamplingRow], size: int) -> np.ndarray:
+    """Threefry key data from the full 64-bit seed; jax.random.key(seed) would truncate it to
+    32 bits when x64 is off. For 0 <= seed < 2**32 it equals jax.random.key(seed)'s data."""
+    seeds = np.array([r.seed % 2**64 for r in rows], dtype=np.uint64)
+    out = np.zeros((size, 2), dtype=np.uint32)
+    out[: len(rows), 0] = seeds >> np.uint64(32)
+    out[: len(rows), 1] = seeds & np.uint64(0xFFFFFFFF)
+    return out
+
+
+def _token_history(
+    rows: Sequence[SamplingRow], size: int, needs_penalties: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt+output ids of penalised rows only; others stay PAD, so L covers just those."""
+    num_prompt = np.zeros(size, dtype=np.int32)
+    used = [i for i, r in enumerate(rows) if r.params.uses_penalties] if needs_penalties else []
+    lengths = [len(rows[i].prompt_token_ids) + len(rows[i].output_token_ids) for i in used]
+    history = np.full((size, bucket(max(lengths, default=0), MIN_HISTORY_BUCKET)), PAD_TOKEN_ID,
+                      dtype=np.int32)
+    for i in used:
+        prompt, output = rows[i].prompt_token_ids, rows[i].output_token_ids
+        history[i, : len(prompt)] = prompt
+        history[i, len(prompt) : len(prompt) + len(output)] = output
+        num_prompt[i] = len(prompt)
+    return history, num_prompt
+
+
+def _logit_bias(params: Sequence[SamplingParams], size: int) -> tuple[np.ndarray, np.ndarray]:
+    width = bucket(max((len(p.logit_bias or ()) for p in params), default=0), MIN_BIAS_BUCKET)
+    ids = np.full((size, width), PAD_TOKEN_ID, dtype=np.int32)
+    values = np.zeros((size, width), dtype=np.float32)
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            ids[i, : len(p.logit_bias)] = list(p.logit_bias.keys())
+            values[i, : len(p.logit_bias)] = list(p.logit_bias.values())
+    return ids, values
+
+
+def _suppressed_ids(rows: Sequence[SamplingRow], size: int) -> np.ndarray:
+    """Stop ids (and eos unless ignore_eos) for rows still short of min_tokens, as in vLLM."""
+    per_row = [_stop_ids(r) if len(r.output_token_ids) < r.params.min_tokens else () for r in rows]
+    out = np.full((size, bucket(max(map(len, per_row), default=0), MIN_SUPPRESS_BUCKET)),
+                  PAD_TOKEN_ID, dtype=np.int32)
+    for i, ids in enumerate(per_row):
+        out[i, : len(ids)] = ids
+    return out
+
+
+def _stop_ids(row: SamplingRow) -> tuple[int, ...]:
+    eos = () if row.params.ignore_eos or row.eos_token_id is None else (row.eos_token_id,)
+    return tuple(dict.fromkeys(row.params.stop_token_ids + eos))

@@ -1,0 +1,17 @@
+"""Errors raised at pjinfer's boundaries; each message says what was wrong and how to fix it."""
+
+
+class PjinferError(Exception):
+    """Base class of pjinfer's own errors."""
+
+
+class ModelLoadError(PjinferError, ValueError):
+    """A model directory, config or checkpoint cannot be used as given."""
+
+
+class EngineOverloadedError(PjinferError):
+    """The waiting queue is full; the caller should retry later (HTTP 503)."""
+
+
+class EngineDeadError(PjinferError):
+    """The engine loop stopped after an internal error; no more requests can be served."""

@@ -1,0 +1,192 @@
+"""How one request wants its tokens chosen: vLLM's `SamplingParams`, validated where it enters.
+
+Every field keeps vLLM's name and default so OpenAI/vLLM clients map onto it one to one. The
+object is frozen: `stop` and `stop_token_ids` are normalised to tuples and `logit_bias` is
+copied, so a caller mutating its own list or dict later cannot change a running request.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs; also bounds the sampler's static top-K.
+MAX_N = 128  # Sequences per request; each one is a full sequence in the batch.
+GREEDY_TEMPERATURE = 1e-5  # Below this vLLM samples greedily: dividing by it overflows f32.
+_PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for presence/frequency penalties.
+
+
+def _is_int(value: Any) -> bool:
+    """`bool` is an `int` subclass; `True` as a token count is a caller bug, not a 1."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _require_int(name: str, value: Any) -> None:
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+
+
+def _require_float(name: str, value: Any) -> None:
+    if not _is_number(value) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def _require_range(name: str, value: float, lo: float, hi: float, interval: str) -> None:
+    """`interval` is how the range reads in the message, e.g. '(0, 1]'."""
+    lo_ok = value > lo if interval[0] == "(" else value >= lo
+    hi_ok = value < hi if interval[-1] == ")" else value <= hi
+    if not (lo_ok and hi_ok):
+        raise ValueError(f"{name} must be in {interval}, got {value}")
+
+
+def _normalise_stop(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list | tuple) or not all(isinstance(s, str) for s in stop):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    if any(s == "" for s in stop):
+        raise ValueError("stop must not contain the empty string; remove it")
+    return tuple(stop)
+
+
+def _normalise_token_ids(name: str, ids: Any) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    if not isinstance(ids, list | tuple) or not all(_is_int(t) and t >= 0 for t in ids):
+        raise ValueError(f"{name} must be a list of non-negative token ids, got {ids!r}")
+    return tuple(ids)
+
+
+def _normalise_logit_bias(bias: Any) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+    for token_id, value in bias.items():
+        if not _is_int(token_id) or token_id < 0:
+            raise ValueError(f"logit_bias keys must be non-negative token ids, got {token_id!r}")
+        if not _is_number(value) or not math.isfinite(value):
+            raise ValueError(
+                f"logit_bias values must be finite numbers, got {value!r} for token {token_id}"
+            )
+    return {int(t): float(v) for t, v in bias.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling settings; invalid values raise `ValueError` naming field and fix."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled (normalised to 0)
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | tuple[str, ...] | None = None  # normalised to tuple[str, ...]
+    stop_token_ids: list[int] | tuple[int, ...] | None = None  # normalised to tuple[int, ...]
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-N of the raw distribution; 0: only the chosen token
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self._check_counts()
+        self._check_probabilities()
+        self._check_penalties()
+        self._check_logprobs()
+        self._check_flags()
+        if self.seed is not None:
+            _require_int("seed", self.seed)
+            _require_range("seed", self.seed, -(2**63), 2**64, "[-2**63, 2**64)")
+        object.__setattr__(self, "stop", _normalise_stop(self.stop))
+        ids = _normalise_token_ids("stop_token_ids", self.stop_token_ids)
+        object.__setattr__(self, "stop_token_ids", ids)
+        object.__setattr__(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
+
+    def _check_counts(self) -> None:
+        _require_int("n", self.n)
+        _require_range("n", self.n, 1, MAX_N, f"[1, {MAX_N}]")
+        if self.max_tokens is not None:
+            _require_int("max_tokens", self.max_tokens)
+            if self.max_tokens <= 0:
+                raise ValueError(f"max_tokens must be at least 1 (or None), got {self.max_tokens}")
+        _require_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} > "
+                f"max_tokens={self.max_tokens}; lower min_tokens or raise max_tokens"
+            )
+
+    def _check_probabilities(self) -> None:
+        _require_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        _require_float("top_p", self.top_p)
+        _require_range("top_p", self.top_p, 0.0, 1.0, "(0, 1]")
+        _require_float("min_p", self.min_p)
+        _require_range("min_p", self.min_p, 0.0, 1.0, "[0, 1]")
+        _require_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k}")
+        object.__setattr__(self, "top_k", max(self.top_k, 0))
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require_float(name, value)
+            _require_range(name, value, *_PENALTY_RANGE, "[-2, 2]")
+        _require_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(
+                f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}"
+            )
+
+    def _check_logprobs(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _require_int(name, value)
+                _require_range(name, value, 0, MAX_LOGPROBS, f"[0, {MAX_LOGPROBS}]")
+
+    def _check_flags(self) -> None:
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """Greedy rows take the argmax and skip temperature/top-k/top-p/min-p entirely."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids can only be range-checked once the model is known; call at admission."""
+        ids = list(self.stop_token_ids) + list(self.logit_bias or ())
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise ValueError(
+                f"stop_token_ids/logit_bias token ids must be < vocab_size={vocab_size}, got {bad}"
+            )

@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny random-weight Hugging Face models, built once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Several tests shard over fake CPU devices; the flag must be set before JAX initialises.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+# name -> (transformers config class name, overrides, save_pretrained kwargs)
+MODEL_VARIANTS = {
+    # GQA, Llama-3 rope scaling, sharded checkpoint (index.json + several files)
+    "llama": ("LlamaConfig", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                "original_max_position_embeddings": 32}),
+              dict(max_shard_size="60KB")),
+    # tied embeddings, MHA, biases everywhere, linear rope scaling
+    "llama_tied": ("LlamaConfig", dict(tie_word_embeddings=True, num_key_value_heads=4,
+                                       attention_bias=True, mlp_bias=True,
+                                       rope_scaling={"rope_type": "linear", "factor": 2.0}), {}),
+    "mistral": ("MistralConfig", dict(sliding_window=6, num_key_value_heads=1), {}),
+    # use_sliding_window=False must switch the window off although sliding_window is set
+    "qwen2": ("Qwen2Config", dict(use_sliding_window=False, sliding_window=4), {}),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, attention_bias=False), {}),
+}
+
+
+def build_hf_model(root: Path, name: str) -> Path:
+    """Save a tiny random model of variant `name` (float32, safetensors) and return its folder."""
+    import torch
+    import transformers
+
+    cls_name, overrides, save_kwargs = MODEL_VARIANTS[name]
+    config = getattr(transformers, cls_name)(**{**TINY, **overrides})
+    torch.manual_seed(sum(map(ord, name)))
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # norms away from 1 so a missing or misplaced weight shows
+        for pname, p in model.named_parameters():
+            if "norm" in pname or pname.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    path = root / name
+    model.save_pretrained(path, safe_serialization=True, **save_kwargs)
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf_models")
+    return {name: build_hf_model(root, name) for name in MODEL_VARIANTS}
