@@ -56,8 +56,8 @@ def test_config_is_a_gqa_llama_in_float32(tokenizer):
 
 
 def test_beautiful_is_better_than_ugly(model, tokenizer):
-    text = complete(model, tokenizer, tokenizer("Beautiful is better than").input_ids, 3)
-    assert text == " ugly.\n"
+    text = complete(model, tokenizer, tokenizer("Beautiful is better than").input_ids, 8)
+    assert text.startswith(" ugly.\nExplicit")
 
 
 def test_every_line_beginning_completes_its_line(model, tokenizer):

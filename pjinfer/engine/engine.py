@@ -1,0 +1,282 @@
+"""The synchronous engine: requests in, one `step()` at a time, request outputs out."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Sequence
+
+from pjinfer.cache.kv_cache_manager import KVCacheManager
+from pjinfer.demo import DEMO_MODEL_DIR, DEMO_MODEL_NAME
+from pjinfer.engine.config import EngineConfig
+from pjinfer.engine.detokenizer import IncrementalDetokenizer
+from pjinfer.engine.metrics import EngineMetrics
+from pjinfer.engine.request import Request, RequestStatus
+from pjinfer.engine.runner import ModelRunner, StepResult
+from pjinfer.engine.sampling_metadata import SamplingRow
+from pjinfer.engine.scheduler import POLICIES, Scheduler, SchedulerConfig, SchedulerOutput
+from pjinfer.errors import EngineOverloadedError
+from pjinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pjinfer.sampling_params import SamplingParams
+from pjinfer.tokenizer import load_tokenizer
+from pjinfer.weights import load_model
+
+log = logging.getLogger("pjinfer")
+
+
+class LLMEngine:
+    """Owns the runner (device state) and the scheduler (host state); `step()` joins them."""
+
+    def __init__(self, config: EngineConfig, *, policy=None, params=None):
+        self.config = config
+        model_dir = config.model or str(DEMO_MODEL_DIR)
+        start = time.perf_counter()
+        self.model_config, loaded = load_model(model_dir, dtype=config.dtype,
+                                               load_format=config.load_format, seed=config.seed)
+        self.tokenizer = load_tokenizer(model_dir, config.tokenizer)
+        self.served_model_name = config.served_model_name or (
+            DEMO_MODEL_NAME if config.model is None else model_dir.rstrip("/").split("/")[-1])
+        self.max_model_len = self._max_model_len()
+        self.runner = ModelRunner(self.model_config, config, params or loaded,
+                                  max_model_len=self.max_model_len)
+        self.kv = KVCacheManager(num_blocks=self.runner.num_blocks, block_size=config.block_size,
+                                 enable_prefix_caching=config.enable_prefix_caching)
+        sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                    config.enable_chunked_prefill, config.enable_prefix_caching)
+        self.scheduler = Scheduler(sched_cfg, self.kv,
+                                   policy or POLICIES[config.scheduling_policy]())
+        self.metrics = EngineMetrics()
+        self._groups: dict[str, list[Request]] = {}
+        self._rng = random.Random(config.seed)
+        self.eos_token_id = self._eos_token_id()
+        log.info("loaded %s (%s, %d layers) in %.1fs; KV cache: %d blocks of %d tokens",
+                 self.served_model_name, self.model_config.architecture,
+                 self.model_config.num_hidden_layers, time.perf_counter() - start,
+                 self.runner.num_blocks, config.block_size)
+        if config.warmup:
+            start = time.perf_counter()
+            n = self.runner.warmup()
+            log.info("compiled %d step shapes in %.1fs", n, time.perf_counter() - start)
+
+    def _max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        if self.model_config.rope_scaling.rope_type != "default":
+            limit = int(limit * self.model_config.rope_scaling.factor)
+        wanted = self.config.max_model_len or self.model_config.max_position_embeddings
+        if wanted > limit:
+            raise ValueError(f"max_model_len {wanted} exceeds what the model supports ({limit} "
+                             "positions, from config.json); lower max_model_len")
+        return wanted
+
+    def _eos_token_id(self) -> int | None:
+        if self.model_config.eos_token_ids:
+            return self.model_config.eos_token_ids[0]
+        return self.tokenizer.eos_token_id
+
+    # ---- requests -----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | Sequence[int],
+                    params: SamplingParams | None = None, *, priority: int = 0) -> list[int]:
+        """Validate, tokenize and queue; returns the prompt token ids. Raises ValueError."""
+        params = params or SamplingParams()
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        prompt_ids = self._prompt_ids(prompt)
+        params.check_vocab(len(self.tokenizer) if self.tokenizer else
+                           self.model_config.vocab_size)
+        if self.scheduler.num_waiting >= self.config.max_waiting_requests:
+            self.metrics.num_rejected += 1
+            raise EngineOverloadedError(
+                f"{self.scheduler.num_waiting} requests are already waiting "
+                f"(max_waiting_requests={self.config.max_waiting_requests}); retry later")
+        group = self._make_group(request_id, prompt_ids, params, priority)
+        self._groups[request_id] = group
+        self.scheduler.add(group)
+        self.metrics.on_arrival()
+        return prompt_ids
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            if any(t < 0 or t >= self.model_config.vocab_size for t in ids):
+                raise ValueError(f"prompt token ids must be in [0, "
+                                 f"{self.model_config.vocab_size})")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is "
+                             f"{self.max_model_len}: shorten the prompt (at least one token "
+                             "must be left to generate)")
+        return ids
+
+    def _make_group(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    priority: int) -> list[Request]:
+        now = time.monotonic()
+        deadline = now + self.config.request_timeout if self.config.request_timeout else None
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        return [Request(
+            request_id=request_id if i == 0 else f"{request_id}#{i}", group_id=request_id,
+            index=i, prompt_token_ids=prompt_ids, params=params, seed=base_seed + i,
+            eos_token_id=self.eos_token_id, priority=priority, arrival_time=now,
+            deadline=deadline, detokenizer=self._detokenizer(prompt_ids, params),
+        ) for i in range(params.n)]
+
+    def _detokenizer(self, prompt_ids: list[int], params: SamplingParams):
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
+                                      params.stop, params.include_stop_str_in_output,
+                                      params.min_tokens)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output, if it existed."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return None
+        live = [r for r in group if not r.is_finished]
+        for r in live:
+            r.finish(RequestStatus.FINISHED_ABORTED)
+        self.scheduler.remove(live)
+        self.metrics.num_aborted += 1
+        return self._output(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and return outputs of every request that changed."""
+        sched = self.scheduler.schedule()
+        changed = {r.group_id for r in sched.timed_out}
+        if sched.scheduled:
+            start = time.perf_counter()
+            self.runner.apply_copy_ops(sched.copy_ops)
+            result = self._execute(sched)
+            changed |= self._update(sched, result)
+            self.metrics.on_step(sched, time.perf_counter() - start)
+        self.metrics.num_preemptions = self.scheduler.num_preemptions
+        outputs = [self._output(gid) for gid in changed if gid in self._groups]
+        for out in outputs:
+            if out.finished:
+                self._finish_group(out.request_id)
+        return outputs
+
+    def _execute(self, sched: SchedulerOutput) -> StepResult:
+        chunks, rows = [], []
+        max_logprobs, prompt_lp = 0, None
+        for r, n in sched.scheduled:
+            chunks.append((r.all_token_ids, r.num_computed_tokens, n,
+                           self.kv.block_table(r.request_id)))
+            rows.append(SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.seed,
+                                    r.eos_token_id))
+            if r.params.logprobs is not None:
+                max_logprobs = self.config.max_logprobs
+            if r.wants_prompt_logprobs and r.num_computed_tokens < r.num_prompt_tokens:
+                prompt_lp = self.config.max_logprobs
+        return self.runner.execute(chunks, rows, max_logprobs=max_logprobs,
+                                   prompt_logprobs=prompt_lp)
+
+    def _update(self, sched: SchedulerOutput, result: StepResult) -> set[str]:
+        changed, offset = set(), 0
+        for i, (r, n) in enumerate(sched.scheduled):
+            start = r.num_computed_tokens
+            r.num_computed_tokens += n
+            if r.wants_prompt_logprobs and result.prompt_logprobs is not None:
+                self._record_prompt_logprobs(r, start, n, offset, result.prompt_logprobs)
+            offset += n
+            if r.num_computed_tokens < r.num_tokens or r.is_finished:
+                continue  # a prompt chunk: its sample is not a token yet
+            if r.index == 0:
+                self.scheduler.fork_siblings(r)
+            self._append_token(r, i, result)
+            changed.add(r.group_id)
+        self.scheduler.remove([r for r, _ in sched.scheduled if r.is_finished])
+        return changed
+
+    def _record_prompt_logprobs(self, r: Request, start: int, n: int, offset: int,
+                                tables) -> None:
+        chosen, ranks, top_vals, top_ids = tables
+        if start == 0 and not r.prompt_logprobs:
+            r.prompt_logprobs.append(None)  # nothing predicts the first token
+        k = r.params.prompt_logprobs
+        for j in range(n):
+            pos = start + j
+            if pos + 1 >= r.num_prompt_tokens or len(r.prompt_logprobs) > pos + 1:
+                continue
+            t = offset + j
+            entry = {int(r.prompt_token_ids[pos + 1]): Logprob(float(chosen[t]), int(ranks[t]))}
+            for v, tid in zip(top_vals[t, :k], top_ids[t, :k], strict=True):
+                entry.setdefault(int(tid), Logprob(float(v), len(entry)))
+            r.prompt_logprobs.append(entry)
+
+    def _append_token(self, r: Request, i: int, result: StepResult) -> None:
+        token = int(result.token_ids[i])
+        now = time.monotonic()
+        if r.first_token_time is None:
+            r.first_token_time = now
+            self.metrics.on_first_token(now - r.arrival_time)
+        r.output_token_ids.append(token)
+        self.metrics.num_generation_tokens += 1
+        r.cumulative_logprob += float(result.logprobs[i, 0])
+        if r.params.logprobs is not None:
+            r.output_logprobs.append(self._position_logprobs(r, i, token, result))
+        r.detokenizer.add_tokens([token])
+        self._check_stop(r, token)
+
+    def _position_logprobs(self, r: Request, i: int, token: int, result: StepResult):
+        decode = self.tokenizer.decode
+        entry = {token: Logprob(float(result.logprobs[i, 0]), int(result.ranks[i]),
+                                decode([token]))}
+        k = r.params.logprobs
+        for rank, (tid, lp) in enumerate(zip(result.logprob_token_ids[i, 1:k + 1],
+                                             result.logprobs[i, 1:k + 1], strict=True), 1):
+            entry.setdefault(int(tid), Logprob(float(lp), rank, decode([int(tid)])))
+        return entry
+
+    def _check_stop(self, r: Request, token: int) -> None:
+        p, num_out = r.params, len(r.output_token_ids)
+        if num_out >= p.min_tokens:
+            if token == r.eos_token_id and not p.ignore_eos:
+                return self._finish(r, RequestStatus.FINISHED_STOPPED, None)
+            if token in p.stop_token_ids:
+                return self._finish(r, RequestStatus.FINISHED_STOPPED, token)
+            if r.detokenizer.finished:
+                return self._finish(r, RequestStatus.FINISHED_STOPPED,
+                                    r.detokenizer.stop_reason)
+        if (p.max_tokens is not None and num_out >= p.max_tokens) \
+                or r.num_tokens >= self.max_model_len:
+            self._finish(r, RequestStatus.FINISHED_LENGTH, None)
+
+    def _finish(self, r: Request, status: RequestStatus, reason) -> None:
+        r.finish(status, reason)
+        if not r.detokenizer.finished:
+            r.detokenizer.flush()
+
+    def _finish_group(self, group_id: str) -> None:
+        group = self._groups.pop(group_id)
+        self.metrics.on_finished(group)
+
+    # ---- outputs -------------------------------------------------------------------------
+    def _output(self, group_id: str) -> RequestOutput:
+        group = self._groups[group_id]
+        head = group[0]
+        outputs = [CompletionOutput(
+            index=r.index, text=r.detokenizer.output_text, token_ids=list(r.output_token_ids),
+            cumulative_logprob=r.cumulative_logprob if r.params.logprobs is not None else None,
+            logprobs=list(r.output_logprobs) if r.params.logprobs is not None else None,
+            finish_reason=r.status.value if r.is_finished else None, stop_reason=r.stop_reason,
+        ) for r in group]
+        metrics = RequestMetrics(arrival_time=head.arrival_time,
+                                 first_scheduled_time=head.first_scheduled_time,
+                                 first_token_time=head.first_token_time,
+                                 finished_time=max((r.finished_time or 0) for r in group) or None)
+        return RequestOutput(
+            request_id=group_id, prompt=None, prompt_token_ids=head.prompt_token_ids,
+            outputs=outputs, finished=all(r.is_finished for r in group),
+            prompt_logprobs=list(head.prompt_logprobs) if head.wants_prompt_logprobs else None,
+            metrics=metrics, num_cached_tokens=head.num_cached_tokens)
+
+    def get_stats(self):
+        return self.metrics.snapshot(self.scheduler, self.kv)

@@ -1,0 +1,181 @@
+"""The model runner owns every device array: params, the paged KV cache, compiled steps."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from functools import partial
+
+import jax
+import numpy as np
+
+from pjinfer.config import ModelConfig
+from pjinfer.engine.config import EngineConfig
+from pjinfer.engine.inputs import (
+    BatchLayout,
+    StepInputs,
+    build_step_inputs,
+    seq_buckets,
+    token_buckets,
+)
+from pjinfer.engine.sampler import sample
+from pjinfer.engine.sampling_metadata import SamplingMetadata, SamplingRow
+from pjinfer.engine.step import (
+    StepOptions,
+    copy_blocks,
+    init_kv_caches,
+    kv_bytes_per_block,
+    model_step,
+)
+from pjinfer.kernels.metadata import AttentionMetadata
+
+log = logging.getLogger("pjinfer")
+CPU_KV_CACHE_BYTES = 256 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """Host copies of what one step produced, for the real (unpadded) sequences."""
+
+    token_ids: np.ndarray  # [S]
+    logprobs: np.ndarray  # [S, 1+K], column 0 = chosen token
+    logprob_token_ids: np.ndarray  # [S, 1+K]
+    ranks: np.ndarray  # [S]
+    prompt_logprobs: tuple[np.ndarray, ...] | None = None  # per token: (lp, rank, top, ids)
+
+
+class ModelRunner:
+    """Builds padded batches, runs the compiled step, samples on device, copies back once."""
+
+    def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, params, *, max_model_len: int,
+                 kv_sharding=None):
+        self.cfg, self.ecfg, self.params = cfg, ecfg, params
+        self.max_model_len = max_model_len
+        self.block_size = ecfg.block_size
+        self.max_blocks_per_seq = -(-max_model_len // ecfg.block_size)
+        self.kv_dtype = params["embed"].dtype
+        self.num_blocks = self._num_blocks()
+        self.kv_caches = init_kv_caches(cfg, self.num_blocks, self.block_size, self.kv_dtype,
+                                        kv_sharding)
+        self._base_opts = StepOptions(cfg=cfg, max_model_len=max_model_len,
+                                      backend=ecfg.attention_backend)
+        self._compiled: dict[tuple, object] = {}
+        self._sample = jax.jit(sample, static_argnames=("max_logprobs",))
+        self._copy = jax.jit(copy_blocks, donate_argnums=0)
+        self.num_compiles = 0
+
+    # ---- memory sizing ----------------------------------------------------------------
+    def _num_blocks(self) -> int:
+        ecfg = self.ecfg
+        per_block = kv_bytes_per_block(self.cfg, self.block_size, self.kv_dtype)
+        if ecfg.num_kv_blocks is not None:
+            blocks = ecfg.num_kv_blocks
+        elif ecfg.kv_cache_memory is not None:
+            blocks = ecfg.kv_cache_memory // per_block
+        elif jax.default_backend() == "cpu":
+            blocks = CPU_KV_CACHE_BYTES // per_block
+        else:
+            blocks = self._device_kv_budget() // per_block
+        if blocks < self.max_blocks_per_seq + 1:
+            raise ValueError(
+                f"the KV cache holds {max(blocks - 1, 0) * self.block_size} tokens but "
+                f"max_model_len is {self.max_model_len}: lower max_model_len, or give the cache "
+                "more memory (gpu_memory_utilization, kv_cache_memory or num_kv_blocks)")
+        return int(blocks)
+
+    def _device_kv_budget(self) -> int:
+        """Bytes left for the KV cache in JAX's device pool after weights and activations."""
+        stats = jax.local_devices()[0].memory_stats() or {}
+        limit = stats.get("bytes_limit", 0)
+        pool_fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75))
+        budget = min(limit, limit / pool_fraction * self.ecfg.gpu_memory_utilization)
+        weights = stats.get("bytes_in_use", 0)
+        activations = self._activation_bytes()
+        free = budget - weights - activations
+        if free <= 0:
+            raise ValueError(
+                f"the model does not fit: weights {weights / GiB:.1f} GiB + activations "
+                f"{activations / GiB:.1f} GiB exceed the {budget / GiB:.1f} GiB budget by "
+                f"{-free / GiB:.1f} GiB; raise gpu_memory_utilization, lower "
+                "max_num_batched_tokens, or use tensor_parallel_size > 1")
+        return int(free)
+
+    def _activation_bytes(self) -> int:
+        """Upper estimate of the largest step's temporaries (2x the live activations + 1 GiB)."""
+        c, t, s = self.cfg, self.ecfg.max_num_batched_tokens, self.ecfg.max_num_seqs
+        width = 4 * c.hidden_size + 2 * c.intermediate_size + \
+            (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+        per_token = width * np.dtype(self.kv_dtype).itemsize
+        return 2 * (t * per_token + 3 * s * c.vocab_size * 4) + GiB
+
+    # ---- compiled steps -----------------------------------------------------------------
+    def _compiled_step(self, opts: StepOptions, inputs: StepInputs):
+        key = (opts, inputs.token_ids.shape[0], inputs.logits_indices.shape[0])
+        fn = self._compiled.get(key)
+        if fn is None:
+            start = time.perf_counter()
+            jitted = jax.jit(partial(model_step, opts=opts), donate_argnums=(1,))
+            fn = jitted.lower(self.params, self.kv_caches, inputs).compile()
+            self._compiled[key] = fn
+            self.num_compiles += 1
+            log.debug("compiled step %s in %.1fs", key[1:], time.perf_counter() - start)
+        return fn
+
+    def warmup(self) -> int:
+        """Compile every (tokens, seqs) bucket the scheduler can produce, in parallel."""
+        ecfg = self.ecfg
+        shapes = [(s, s, True) for s in seq_buckets(ecfg.max_num_seqs)]
+        shapes += [(t, s, False) for t in token_buckets(ecfg.max_num_batched_tokens)
+                   for s in seq_buckets(ecfg.max_num_seqs) if s <= t]
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            list(pool.map(lambda shape: self._compiled_step(*self._dummy(*shape)), shapes))
+        return len(shapes)
+
+    def _dummy(self, tokens: int, seqs: int, decode_only: bool):
+        """An empty batch of exactly these bucket shapes: only shapes matter to the compile."""
+        zeros = partial(np.zeros, dtype=np.int32)
+        attn = AttentionMetadata(slot_mapping=zeros(tokens),
+                                 block_tables=zeros((seqs, self.max_blocks_per_seq)),
+                                 seq_lens=zeros(seqs), query_start_loc=zeros(seqs + 1))
+        inputs = StepInputs(zeros(tokens), zeros(tokens), attn, zeros(seqs), zeros(tokens))
+        return replace(self._base_opts, decode_only=decode_only), inputs
+
+    # ---- one step -------------------------------------------------------------------------
+    def apply_copy_ops(self, copy_ops: list[tuple[int, int]]) -> None:
+        if not copy_ops:
+            return
+        size = 1 << (len(copy_ops) - 1).bit_length()
+        src = np.zeros(size, np.int32)
+        dst = np.zeros(size, np.int32)
+        src[: len(copy_ops)], dst[: len(copy_ops)] = zip(*copy_ops, strict=True)
+        self.kv_caches = self._copy(self.kv_caches, src, dst)
+
+    def execute(self, chunks: list[tuple[list[int], int, int, list[int]]],
+                rows: list[SamplingRow], *, max_logprobs: int = 0,
+                prompt_logprobs: int | None = None) -> StepResult:
+        inputs, layout = build_step_inputs(
+            chunks, block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq,
+            max_num_batched_tokens=self.ecfg.max_num_batched_tokens,
+            max_num_seqs=self.ecfg.max_num_seqs)
+        opts = replace(self._base_opts, decode_only=layout.decode_only,
+                       prompt_logprobs=prompt_logprobs)
+        fn = self._compiled_step(opts, inputs)
+        out = fn(self.params, self.kv_caches, inputs)
+        logits, self.kv_caches = out[0], out[1]
+        sampled = self._sample(logits, SamplingMetadata.build(rows, layout.padded_seqs),
+                               max_logprobs=max_logprobs)
+        return _to_host(sampled, out[2] if len(out) > 2 else None, layout)
+
+
+def _to_host(sampled, prompt, layout: BatchLayout) -> StepResult:
+    n, t = layout.num_seqs, layout.num_tokens
+    host = jax.device_get((sampled, prompt))
+    s, p = host
+    return StepResult(token_ids=s.token_ids[:n], logprobs=s.logprobs[:n],
+                      logprob_token_ids=s.logprob_token_ids[:n], ranks=s.ranks[:n],
+                      prompt_logprobs=None if p is None else tuple(a[:t] for a in p))
+

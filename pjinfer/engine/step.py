@@ -1,0 +1,86 @@
+"""The jitted pure step: model forward over the paged cache, logits of the rows to sample.
+
+`model_step(params, kv_caches, inputs) -> (logits, kv_caches)` is the one function that runs the
+model; the cache is donated so XLA writes the new K/V in place. Sampling is a separate small
+jitted function (see runner), so the many sampler variants never multiply the model's compiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pjinfer.config import ModelConfig
+from pjinfer.engine.inputs import StepInputs
+from pjinfer.kernels import ops
+from pjinfer.models.layers import rope_inv_freq
+from pjinfer.models.registry import get_model_spec
+
+KVCaches = list[tuple[jax.Array, jax.Array]]  # per layer (K, V): [NB, bs, KVH, hd] each
+
+
+@dataclass(frozen=True, slots=True)
+class StepOptions:
+    """Static settings of a compiled step (hashable: part of the compile key)."""
+
+    cfg: ModelConfig
+    max_model_len: int
+    decode_only: bool = False
+    backend: str = "auto"
+    prompt_logprobs: int | None = None  # top-N of every token's raw distribution, when asked
+
+
+def init_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype,
+                   sharding=None) -> KVCaches:
+    shape = ops.get_kv_cache_shape(num_blocks, block_size, cfg.num_key_value_heads,
+                                   cfg.head_dim)
+    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    return [(make(), make()) for _ in range(cfg.num_hidden_layers)]
+
+
+def model_step(params, kv_caches: KVCaches, inputs: StepInputs, *, opts: StepOptions):
+    """Forward the ragged batch; returns (logits [S, V] f32, caches[, prompt logprob tables])."""
+    cfg = opts.cfg
+    spec = get_model_spec(cfg.architecture)
+    scale = cfg.head_dim ** -0.5
+
+    def attention(layer, q, k, v, cache, md):
+        k_cache, v_cache = ops.write_kv(cache[0], cache[1], k, v, md.slot_mapping)
+        out = ops.paged_attention(q, k_cache, v_cache, md, scale=scale,
+                                  sliding_window=cfg.sliding_window(layer),
+                                  decode_only=opts.decode_only, backend=opts.backend)
+        return out, (k_cache, v_cache)
+
+    inv_freq = jnp.asarray(rope_inv_freq(cfg, opts.max_model_len))
+    hidden, kv_caches = spec.forward(params, cfg, inputs.token_ids, inputs.positions, kv_caches,
+                                     inputs.attn, attention=attention, inv_freq=inv_freq)
+    logits = spec.compute_logits(params, hidden[inputs.logits_indices])  # [S, V]
+    if opts.prompt_logprobs is None:
+        return logits, kv_caches
+    return logits, kv_caches, token_logprobs(spec.compute_logits(params, hidden),
+                                             inputs.next_token_ids, opts.prompt_logprobs)
+
+
+def token_logprobs(logits: jax.Array, target: jax.Array, k: int):
+    """For prompt_logprobs: token t's logits score `target[t]`, the prompt token after it.
+
+    Returns (logprob of the target [T], its rank [T], top-k logprobs [T, k], ids [T, k]).
+    """
+    logprobs = jax.nn.log_softmax(logits, axis=-1)  # [T, V]
+    chosen = jnp.take_along_axis(logprobs, target[:, None], axis=-1)[:, 0]
+    rank = jnp.sum(logprobs > chosen[:, None], axis=-1) + 1
+    top_vals, top_ids = jax.lax.top_k(logprobs, max(k, 1))
+    return chosen, rank.astype(jnp.int32), top_vals[:, :k], top_ids[:, :k]
+
+
+def copy_blocks(kv_caches: KVCaches, src: jax.Array, dst: jax.Array) -> KVCaches:
+    """Copy-on-write: block dst := block src in every layer (src/dst [C], padded with 0 -> 0)."""
+    return [(k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in kv_caches]
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype) -> int:
+    return (2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim
+            * np.dtype(dtype).itemsize)
