@@ -8,13 +8,22 @@ from typing import Any
 from pjinfer.errors import ModelLoadError
 
 
-def load_tokenizer(model_dir: str | Path, tokenizer: str | Path | None = None) -> Any:
-    """A transformers fast tokenizer (tokenizer.json, or sentencepiece converted on load)."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def load_tokenizer(model_dir: str | Path, tokenizer: str | Path | None = None) -> Any | None:
+    """A transformers fast tokenizer (tokenizer.json, or sentencepiece converted on load).
+
+    A model folder without any tokenizer file (random-weight benchmark shapes, test models)
+    gives None: the engine then takes token-id prompts only and returns no text.
+    """
     from transformers import AutoTokenizer
 
     path = Path(tokenizer or model_dir)
     if not path.is_dir():
         raise ModelLoadError(f"tokenizer folder {str(path)!r} does not exist")
+    if tokenizer is None and not any((path / f).is_file() for f in TOKENIZER_FILES):
+        return None
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as e:

@@ -72,7 +72,7 @@ class LLMEngine:
     def _eos_token_id(self) -> int | None:
         if self.model_config.eos_token_ids:
             return self.model_config.eos_token_ids[0]
-        return self.tokenizer.eos_token_id
+        return self.tokenizer.eos_token_id if self.tokenizer is not None else None
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int],
@@ -82,8 +82,10 @@ class LLMEngine:
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_ids = self._prompt_ids(prompt)
-        params.check_vocab(len(self.tokenizer) if self.tokenizer else
-                           self.model_config.vocab_size)
+        params.check_vocab(self.model_config.vocab_size)
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer and this model has none; "
+                             "use stop_token_ids")
         if self.scheduler.num_waiting >= self.config.max_waiting_requests:
             self.metrics.num_rejected += 1
             raise EngineOverloadedError(
@@ -99,6 +101,8 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("this model folder has no tokenizer: pass prompts as token ids")
             ids = self.tokenizer.encode(prompt)
         else:
             ids = [int(t) for t in prompt]
@@ -126,6 +130,8 @@ class LLMEngine:
         ) for i in range(params.n)]
 
     def _detokenizer(self, prompt_ids: list[int], params: SamplingParams):
+        if self.tokenizer is None:
+            return None
         return IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
                                       params.stop, params.include_stop_str_in_output,
                                       params.min_tokens)
@@ -222,11 +228,14 @@ class LLMEngine:
         r.cumulative_logprob += float(result.logprobs[i, 0])
         if r.params.logprobs is not None:
             r.output_logprobs.append(self._position_logprobs(r, i, token, result))
-        r.detokenizer.add_tokens([token])
+        if r.detokenizer is not None:
+            r.detokenizer.add_tokens([token])
         self._check_stop(r, token)
 
     def _position_logprobs(self, r: Request, i: int, token: int, result: StepResult):
-        decode = self.tokenizer.decode
+        def decode(ids: list[int]) -> str | None:
+            return self.tokenizer.decode(ids) if self.tokenizer is not None else None
+
         entry = {token: Logprob(float(result.logprobs[i, 0]), int(result.ranks[i]),
                                 decode([token]))}
         k = r.params.logprobs
@@ -238,11 +247,12 @@ class LLMEngine:
     def _check_stop(self, r: Request, token: int) -> None:
         p, num_out = r.params, len(r.output_token_ids)
         if num_out >= p.min_tokens:
-            if token == r.eos_token_id and not p.ignore_eos:
+            if not p.ignore_eos and (token == r.eos_token_id
+                                     or token in self.model_config.eos_token_ids):
                 return self._finish(r, RequestStatus.FINISHED_STOPPED, None)
             if token in p.stop_token_ids:
                 return self._finish(r, RequestStatus.FINISHED_STOPPED, token)
-            if r.detokenizer.finished:
+            if r.detokenizer is not None and r.detokenizer.finished:
                 return self._finish(r, RequestStatus.FINISHED_STOPPED,
                                     r.detokenizer.stop_reason)
         if (p.max_tokens is not None and num_out >= p.max_tokens) \
@@ -251,7 +261,7 @@ class LLMEngine:
 
     def _finish(self, r: Request, status: RequestStatus, reason) -> None:
         r.finish(status, reason)
-        if not r.detokenizer.finished:
+        if r.detokenizer is not None and not r.detokenizer.finished:
             r.detokenizer.flush()
 
     def _finish_group(self, group_id: str) -> None:
@@ -263,7 +273,8 @@ class LLMEngine:
         group = self._groups[group_id]
         head = group[0]
         outputs = [CompletionOutput(
-            index=r.index, text=r.detokenizer.output_text, token_ids=list(r.output_token_ids),
+            index=r.index, text=r.detokenizer.output_text if r.detokenizer else "",
+            token_ids=list(r.output_token_ids),
             cumulative_logprob=r.cumulative_logprob if r.params.logprobs is not None else None,
             logprobs=list(r.output_logprobs) if r.params.logprobs is not None else None,
             finish_reason=r.status.value if r.is_finished else None, stop_reason=r.stop_reason,

@@ -1,0 +1,101 @@
+"""Offline use: `pjinfer.generate(...)` and the `LLM` class (vLLM's offline API)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from pjinfer.engine.config import EngineConfig
+from pjinfer.engine.engine import LLMEngine
+from pjinfer.outputs import RequestOutput
+from pjinfer.sampling_params import SamplingParams
+from pjinfer.tokenizer import apply_chat_template
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Load a model once, then run batches of prompts through continuous batching.
+
+    `LLM(model=None)` serves the embedded demo model; engine arguments use vLLM's names.
+    A `config` (path to a TOML run config) supplies defaults that keyword arguments override.
+    """
+
+    def __init__(self, model: str | None = None, *, config: str | None = None, **engine_args):
+        if config is not None:
+            from pjinfer.run_config import load_run_config
+
+            engine_args = {**load_run_config(config).engine_args(), **engine_args}
+        if model is not None:
+            engine_args["model"] = model
+        engine_args.setdefault("warmup", False)  # offline batches compile shapes as they come
+        self.engine = LLMEngine(EngineConfig.from_kwargs(**engine_args))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """One finished RequestOutput per prompt, in the order given."""
+        prompts = _as_list(prompts)
+        params = _broadcast(sampling_params, len(prompts))
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids.append(f"llm-{next(self._ids)}")
+                self.engine.add_request(ids[-1], prompt, p)
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, prompts)
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [apply_chat_template(self.tokenizer, c) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def _run(self, ids: list[str], prompts: list[Prompt]) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        for rid, prompt in zip(ids, prompts, strict=True):
+            done[rid].prompt = prompt if isinstance(prompt, str) else None
+        return [done[rid] for rid in ids]
+
+
+def generate(model: str | None, prompts: Prompt | Sequence[Prompt],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             **engine_args) -> list[RequestOutput]:
+    """One-shot: load `model` (None = the demo model), generate, return one output per prompt."""
+    return LLM(model, **engine_args).generate(prompts, sampling_params)
+
+
+def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    if not prompts:
+        raise ValueError("prompts must not be empty")
+    return list(prompts)
+
+
+def _broadcast(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling_params for {n} prompts; pass one, "
+                         "or one per prompt")
+    return list(params)
