@@ -55,8 +55,9 @@ class IncrementalDetokenizer:
 
     @property
     def output_text(self) -> str:
-        """Everything decoded so far, cut at the stop string once one appears."""
-        return "".join(self._parts) + self._pending
+        """The text streamed so far: what a client has seen (held-back characters excluded
+        until `flush()` or a stop string settles them)."""
+        return "".join(self._parts)
 
     @property
     def finished(self) -> bool:

@@ -12,6 +12,7 @@ from pjinfer.engine.sampler import (
     apply_penalties,
     sample,
     suppress_tokens,
+    top_k_exact,
 )
 from pjinfer.engine.sampling_metadata import SamplingMetadata, SamplingRow
 from pjinfer.sampling_params import SamplingParams
@@ -209,3 +210,11 @@ def test_jit_reuses_compilation_within_a_bucket() -> None:
     assert len(traces) == 1
     step_jit(logits, SamplingMetadata.build([row(SamplingParams(temperature=0.0))], 8))
     assert len(traces) == 2  # all-greedy is its own static specialisation
+
+
+def test_two_stage_top_k_matches_lax_top_k() -> None:
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(3, 5000)).astype(np.float32))
+    values, ids = top_k_exact(x, 20, chunk=512)
+    want_values, want_ids = jax.lax.top_k(x, 20)
+    np.testing.assert_array_equal(values, want_values)
+    np.testing.assert_array_equal(ids, want_ids)

@@ -1,0 +1,125 @@
+"""Engine behaviour a user sees: the demo model, seeded sampling, aborts, timeouts, bad input."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import pjinfer
+from pjinfer import LLM, SamplingParams
+from pjinfer.demo import zen_lines
+from pjinfer.engine.config import EngineConfig
+from pjinfer.engine.engine import LLMEngine
+from pjinfer.errors import EngineOverloadedError
+
+
+@pytest.fixture(scope="module")
+def demo() -> LLM:
+    return LLM()
+
+
+def _assert_no_leak(engine: LLMEngine) -> None:
+    stats = engine.get_stats()
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_generate_completes_zen_lines():
+    lines = zen_lines()[1:]
+    prompts = [" ".join(line.split()[:4]) for line in lines if not line.startswith("If the")]
+    outputs = pjinfer.generate(None, prompts, SamplingParams(temperature=0, max_tokens=24))
+    for prompt, out in zip(prompts, outputs, strict=True):
+        first_line = (prompt + out.outputs[0].text).split("\n")[0]
+        assert first_line in lines, (prompt, out.outputs[0].text)
+    assert prompts[0] == "Beautiful is better than"
+    assert outputs[0].outputs[0].text.startswith(" ugly.\n")
+
+
+def test_chat_answers_with_the_zen(demo):
+    out = demo.chat([{"role": "user", "content": "What is the Zen of Python?"}],
+                    SamplingParams(temperature=0, max_tokens=64))[0]
+    assert out.outputs[0].text.startswith("The Zen of Python, by Tim Peters")
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(demo):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16)
+    alone = demo.generate(["Errors should"], params)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.5, seed=i, max_tokens=30) for i in range(5)]
+    batch = demo.generate(["Simple is", "Errors should", "Now is", "Flat is", "In the face",
+                           "Sparse is"], [others[0], params, *others[1:]])
+    assert batch[1].outputs[0].token_ids == alone
+    _assert_no_leak(demo.engine)
+
+
+def test_stop_strings_and_logprobs(demo):
+    params = SamplingParams(temperature=0, max_tokens=40, stop=["than"], logprobs=3)
+    out = demo.generate(["Explicit is"], params)[0].outputs[0]
+    assert out.text == " better " and out.finish_reason == "stop" and out.stop_reason == "than"
+    assert len(out.logprobs) == len(out.token_ids)
+    first = out.logprobs[0]
+    assert first[out.token_ids[0]].rank == 1 and len(first) >= 3
+
+
+def test_prompt_logprobs(demo):
+    out = demo.generate(["Beautiful is better than"],
+                        SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2))[0]
+    assert out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    for pos, entry in enumerate(out.prompt_logprobs[1:], 1):
+        assert out.prompt_token_ids[pos] in entry
+
+
+def test_abort_frees_blocks_and_others_continue(demo):
+    engine = demo.engine
+    engine.add_request("keep", "Beautiful is", SamplingParams(temperature=0, max_tokens=30))
+    engine.add_request("drop", "Explicit is", SamplingParams(temperature=0, max_tokens=30))
+    engine.step()
+    engine.step()
+    assert engine.abort_request("drop").outputs[0].finish_reason == "abort"
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished["keep"].outputs[0].finish_reason == "length"
+    _assert_no_leak(engine)
+
+
+def test_timeout_finishes_request_and_frees_blocks():
+    engine = LLMEngine(EngineConfig(warmup=False, request_timeout=0.05))
+    engine.add_request("slow", "Beautiful is", SamplingParams(temperature=0, max_tokens=400,
+                                                              ignore_eos=True))
+    engine.step()
+    time.sleep(0.1)
+    outs = engine.step()
+    assert outs[0].outputs[0].finish_reason == "timeout"
+    _assert_no_leak(engine)
+
+
+def test_bounded_waiting_queue():
+    engine = LLMEngine(EngineConfig(warmup=False, max_waiting_requests=2))
+    engine.add_request("a", "Now is", SamplingParams(max_tokens=2))
+    engine.add_request("b", "Now is", SamplingParams(max_tokens=2))
+    with pytest.raises(EngineOverloadedError, match="max_waiting_requests"):
+        engine.add_request("c", "Now is", SamplingParams(max_tokens=2))
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ("", None, "prompt must not be empty"),
+    ("word " * 600, None, "max_model_len"),
+    ("ok", dict(max_tokens=0), "max_tokens"),
+    ("ok", dict(top_p=1.5), "top_p"),
+    ("ok", dict(temperature=-1.0), "temperature"),
+    ("ok", dict(stop=3), "stop"),
+])
+def test_bad_input_is_a_clear_value_error_and_engine_keeps_serving(demo, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        demo.generate([prompt], SamplingParams(**params) if params else None)
+    out = demo.generate(["Beautiful is better than"], SamplingParams(temperature=0,
+                                                                     max_tokens=3))
+    assert out[0].outputs[0].text.startswith(" ugly")
+    _assert_no_leak(demo.engine)
+
+
+def test_unknown_engine_argument_is_named():
+    with pytest.raises(ValueError, match="max_num_seq"):
+        LLM(max_num_seq=4)
