@@ -45,6 +45,11 @@ class QueryTiles:
     token_row: jax.Array  # [T] int32, padded row holding each token
 
 
+# One fused compare over [T, S] instead of the default binary-search loop, which launches
+# one small GPU kernel per bisection step (S is at most max_num_seqs, so [T, S] is small).
+_SEARCH = "compare_all"
+
+
 def num_query_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
     """Static upper bound on tiles: each sequence adds at most one partial tile."""
     return max(1, min(num_tokens, -(-num_tokens // block_q) + num_seqs))
@@ -60,14 +65,16 @@ def make_query_tiles(md: AttentionMetadata, num_tokens: int, block_q: int) -> Qu
     tile_end = jnp.cumsum(tiles_per_seq)  # [S]
     tile_begin = tile_end - tiles_per_seq  # [S]
     tile = jnp.arange(num_tiles, dtype=jnp.int32)  # [NT]
-    seq_id = jnp.minimum(jnp.searchsorted(tile_end, tile, side="right"), num_seqs - 1)
+    seq_id = jnp.searchsorted(tile_end, tile, side="right", method=_SEARCH)
+    seq_id = jnp.minimum(seq_id, num_seqs - 1)
     local = tile - tile_begin[seq_id]  # [NT] tile index inside its sequence
     num_valid = jnp.clip(q_lens[seq_id] - local * block_q, 0, block_q)
     num_valid = jnp.where(tile < tile_end[-1], num_valid, 0)
     first_pos = md.seq_lens[seq_id] - q_lens[seq_id] + local * block_q
     first_token = qsl[seq_id] + local * block_q
     token = jnp.arange(num_tokens, dtype=jnp.int32)  # [T]
-    tok_seq = jnp.clip(jnp.searchsorted(qsl, token, side="right") - 1, 0, num_seqs - 1)
+    tok_seq = jnp.searchsorted(qsl, token, side="right", method=_SEARCH) - 1
+    tok_seq = jnp.clip(tok_seq, 0, num_seqs - 1)
     tok_local = token - qsl[tok_seq]
     token_row = (tile_begin[tok_seq] + tok_local // block_q) * block_q + tok_local % block_q
     token_row = jnp.clip(token_row, 0, num_tiles * block_q - 1)

@@ -28,11 +28,15 @@ from pjinfer.kernels.metadata import (
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RaggedBlockSizes:
-    """Static tiling of the ragged kernel."""
+    """Static tiling of the ragged kernel.
 
-    block_q: int = 16  # query tokens per tile (times G rows per dot)
-    pages_per_compute_block: int = 4  # pages gathered per inner-loop step
-    num_warps: int = 4
+    Defaults: best sum over 1 x 2048 and 8 x 512 prefills on an H200 (bf16, Llama-3-8B
+    heads, block size 16): 0.27 ms and 0.19 ms; block_q 64 with 4 warps was 2.5x slower.
+    """
+
+    block_q: int = 32  # query tokens per tile (times G rows per dot)
+    pages_per_compute_block: int = 2  # pages gathered per inner-loop step
+    num_warps: int = 8
     num_stages: int = 2
 
     def __post_init__(self) -> None:

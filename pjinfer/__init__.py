@@ -1,10 +1,23 @@
-"""pjinfer: LLM inference and serving on JAX/XLA with paged attention."""
+"""pjinfer: LLM inference and serving on JAX/XLA with paged attention.
+
+The public names load lazily so `import pjinfer` (and `pjinfer --version`) stays cheap.
+"""
+
+from importlib import import_module
 
 __version__ = "0.1.0"
 
-from pjinfer.generate import LLM, generate  # noqa: E402
-from pjinfer.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from pjinfer.sampling_params import SamplingParams  # noqa: E402
+_EXPORTS = {
+    "LLM": "pjinfer.generate",
+    "generate": "pjinfer.generate",
+    "SamplingParams": "pjinfer.sampling_params",
+    "RequestOutput": "pjinfer.outputs",
+    "CompletionOutput": "pjinfer.outputs",
+}
+__all__ = [*_EXPORTS, "__version__"]
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__",
-           "generate"]
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'pjinfer' has no attribute {name!r}")
