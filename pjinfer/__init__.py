@@ -8,8 +8,8 @@ from importlib import import_module
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "LLM": "pjinfer.generate",
-    "generate": "pjinfer.generate",
+    "LLM": "pjinfer.llm",
+    "generate": "pjinfer.llm",
     "SamplingParams": "pjinfer.sampling_params",
     "RequestOutput": "pjinfer.outputs",
     "CompletionOutput": "pjinfer.outputs",

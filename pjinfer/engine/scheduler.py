@@ -151,9 +151,9 @@ class Scheduler:
 
     def _allocate_or_preempt(self, request: Request, num_new: int,
                              out: SchedulerOutput) -> bool:
-        scheduled = {r.request_id for r, _ in out.scheduled}
         while self.kv.allocate_slots(request.request_id, request.all_token_ids,
                                      request.num_computed_tokens, num_new) is None:
+            scheduled = {r.request_id for r, _ in out.scheduled}
             candidates = [r for r in self.running if r.request_id not in scheduled]
             victim = max(candidates, key=self.policy.key)
             self._preempt(victim)
