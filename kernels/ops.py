@@ -8,6 +8,7 @@ Triton; interpret mode when no GPU is present, which is how CI runs the kernels)
 from __future__ import annotations
 
 import jax
+
 from pjinfer.kernels.decode_attention import (
     decode_attention,
     decode_attention_reference,

@@ -15,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
 from pjinfer.kernels import common
 from pjinfer.kernels.common import MASK_VALUE
 from pjinfer.kernels.metadata import (

@@ -7,7 +7,6 @@ from typing import Any
 
 from pjinfer.errors import ModelLoadError
 
-
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 

@@ -145,8 +145,11 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._drain_inbox(block=not self.engine.has_unfinished_requests())
                 if self.engine.has_unfinished_requests():
-                    self._deliver(self.engine.step())
-                self._stats = self.engine.get_stats()
+                    outputs = self.engine.step()
+                    self._stats = self.engine.get_stats()  # before a client can see a finish
+                    self._deliver(outputs)
+                else:
+                    self._stats = self.engine.get_stats()
         except Exception as e:  # the loop cannot go on: fail every stream loudly
             log.exception("engine loop failed")
             self._error = e
@@ -155,8 +158,10 @@ class AsyncEngine:
             self._streams.clear()
 
     def _drain_inbox(self, *, block: bool) -> None:
+        """Run queued adds/aborts; when idle, wait a little for the first one."""
         try:
-            self._inbox.get(timeout=_IDLE_WAIT_S)() if block else None
+            if block:
+                self._inbox.get(timeout=_IDLE_WAIT_S)()
             while True:
                 self._inbox.get_nowait()()
         except queue.Empty:

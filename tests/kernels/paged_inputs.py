@@ -10,6 +10,7 @@ import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
+
 from pjinfer.kernels.metadata import AttentionMetadata
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from pjinfer.kernels.decode_attention import (
     DecodeBlockSizes,
     decode_attention,
     decode_attention_reference,
 )
-
 from tests.kernels.paged_inputs import TOL, make_batch, rel_err
 
 SEQ_LENS = [1, 23, 64, 50]  # single token, unaligned, aligned, unaligned

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from pjinfer.kernels import ops
 
+from pjinfer.kernels import ops
 from tests.kernels.paged_inputs import make_batch, naive_attention, rel_err
 
 

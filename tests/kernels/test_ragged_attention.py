@@ -5,12 +5,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from pjinfer.kernels.ragged_attention import (
     RaggedBlockSizes,
     ragged_attention,
     ragged_attention_reference,
 )
-
 from tests.kernels.paged_inputs import TOL, make_batch, rel_err
 
 # First chunk (no prefix), decode on a single-token context, decode on an unaligned

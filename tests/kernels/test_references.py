@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from pjinfer.kernels.decode_attention import decode_attention_reference
 from pjinfer.kernels.ragged_attention import ragged_attention_reference
-
 from tests.kernels.paged_inputs import TOL, make_batch, naive_attention, rel_err
 
 # (q_lens, seq_lens): first chunk without prefix, single-token context, decodes,

@@ -1,0 +1,185 @@
+"""TOML run configs: one file says which model to serve, how to shard it, and how to serve it.
+
+A run config is read with `tomllib`, checked key by key against one schema table (so a typo
+names its file, section and key and lists the valid keys) and turned into `EngineConfig`
+keyword arguments plus server arguments. Cross-field checks (does tensor_parallel_size divide
+the heads, do the devices exist) belong where the engine is built, not here.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# section -> key -> (EngineConfig field or None when the key is not an engine argument, type)
+SCHEMA: dict[str, dict[str, tuple[str | None, type]]] = {
+    "model": {
+        "path": ("model", str), "dtype": ("dtype", str), "load_format": ("load_format", str),
+        "tokenizer": ("tokenizer", str), "served_model_name": ("served_model_name", str),
+        "max_model_len": ("max_model_len", int), "seed": ("seed", int),
+        "max_logprobs": ("max_logprobs", int),
+    },
+    "parallel": {
+        "tensor_parallel_size": ("tensor_parallel_size", int),
+        "data_parallel_size": (None, int), "coordinator_address": (None, str),
+        "num_processes": (None, int), "process_id": (None, int),
+    },
+    "cache": {
+        "block_size": ("block_size", int),
+        "gpu_memory_utilization": ("gpu_memory_utilization", float),
+        "enable_prefix_caching": ("enable_prefix_caching", bool),
+        "num_kv_blocks": ("num_kv_blocks", int), "kv_cache_memory": ("kv_cache_memory", int),
+    },
+    "scheduler": {
+        "max_num_seqs": ("max_num_seqs", int),
+        "max_num_batched_tokens": ("max_num_batched_tokens", int),
+        "enable_chunked_prefill": ("enable_chunked_prefill", bool),
+        "scheduling_policy": ("scheduling_policy", str),
+        "max_waiting_requests": ("max_waiting_requests", int),
+        "request_timeout": ("request_timeout", float),
+    },
+    "compilation": {
+        "warmup": ("warmup", bool), "compilation_cache_dir": ("compilation_cache_dir", str),
+        "attention_backend": ("attention_backend", str),
+    },
+    "server": {
+        "host": (None, str), "port": (None, int), "api_key": (None, str),
+        "drain_timeout": (None, float), "log_level": (None, str),
+    },
+}
+SERVER_DEFAULTS: dict[str, Any] = {"host": "127.0.0.1", "port": 8000, "api_key": None,
+                                   "drain_timeout": 30.0, "log_level": "info"}
+
+
+class RunConfigError(ValueError):
+    """A run config file that cannot be used as written; the message names file, section, key."""
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """Replica and multi-host layout; tensor parallelism itself is an engine argument."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    coordinator_address: str | None = None  # "host:port" of process 0, multi-host only
+    num_processes: int = 1
+    process_id: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "data_parallel_size", "num_processes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"process_id must be in [0, num_processes={self.num_processes}), "
+                             f"got {self.process_id}")
+        if self.num_processes > 1 and not self.coordinator_address:
+            raise ValueError("num_processes > 1 needs coordinator_address = \"host:port\" of "
+                             "process 0")
+
+    @property
+    def world_size(self) -> int:
+        """Devices one run needs: every data-parallel replica holds tensor_parallel_size."""
+        return self.tensor_parallel_size * self.data_parallel_size
+
+
+@dataclass(frozen=True, slots=True)
+class RunConfig:
+    """A parsed run config: `sections[section][key] = value`, only the keys the file set."""
+
+    path: str | None = None
+    sections: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def engine_args(self) -> dict[str, Any]:
+        """EngineConfig keyword arguments for every engine key the file set."""
+        args = {}
+        for section, values in self.sections.items():
+            for key, value in values.items():
+                engine_name = SCHEMA[section][key][0]
+                if engine_name is not None:
+                    args[engine_name] = value
+        return args
+
+    def server_args(self) -> dict[str, Any]:
+        """host, port, api_key, drain_timeout, log_level: the file's values over the defaults."""
+        return {**SERVER_DEFAULTS, **self.sections.get("server", {})}
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        try:
+            return ParallelConfig(**self.sections.get("parallel", {}))
+        except ValueError as e:
+            raise RunConfigError(f"{self.path}: [parallel] {e}") from None
+
+    def with_overrides(self, section: str, values: dict[str, Any]) -> RunConfig:
+        """A copy where `values` (e.g. command-line flags) replace the file's keys."""
+        for key, value in values.items():
+            _check_value(self.path, section, key, value)
+        merged = {s: dict(v) for s, v in self.sections.items()}
+        merged.setdefault(section, {}).update(values)
+        return RunConfig(self.path, merged)
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """Read and check a TOML run config; raises RunConfigError naming file, section and key."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RunConfigError(f"run config {str(path)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise RunConfigError(f"{path}: not valid TOML: {e}") from None
+    config = parse_run_config(raw, source=str(path))
+    _resolve_paths(config.sections.get("model", {}), path.parent)
+    config.parallel  # noqa: B018 - checks the [parallel] combination now, not at first use
+    return config
+
+
+def _resolve_paths(model: dict[str, Any], base: Path) -> None:
+    """A relative model/tokenizer path means relative to the config file, if it exists there,
+    so `configs/x.toml` can name `models/x` wherever pjinfer is started from."""
+    for key in ("path", "tokenizer"):
+        value = model.get(key)
+        if value and not Path(value).is_absolute() and (base / value).exists():
+            model[key] = str(base / value)
+
+
+def parse_run_config(raw: dict[str, Any], *, source: str = "<config>") -> RunConfig:
+    """Check a decoded TOML document against SCHEMA."""
+    sections: dict[str, dict[str, Any]] = {}
+    for section, values in raw.items():
+        if section not in SCHEMA:
+            raise RunConfigError(f"{source}: unknown section [{section}]; valid sections: "
+                                 f"{', '.join(f'[{s}]' for s in SCHEMA)}")
+        if not isinstance(values, dict):
+            raise RunConfigError(f"{source}: {section} must be a [{section}] table")
+        for key, value in values.items():
+            _check_value(source, section, key, value)
+        sections[section] = dict(values)
+    return RunConfig(source, sections)
+
+
+def _check_value(source: str | None, section: str, key: str, value: Any) -> None:
+    schema = SCHEMA[section]
+    if key not in schema:
+        raise RunConfigError(f"{source}: unknown key {key!r} in [{section}]; valid keys: "
+                             f"{', '.join(schema)}")
+    expected = schema[key][1]
+    if value is None or _has_type(value, expected):
+        return
+    raise RunConfigError(f"{source}: [{section}] {key} must be {_TYPE_WORDS[expected]}, got "
+                         f"{type(value).__name__} {value!r}")
+
+
+def _has_type(value: Any, expected: type) -> bool:
+    if expected is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        return ok and math.isfinite(value)
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, expected)
+
+
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}

@@ -1,0 +1,103 @@
+"""Prometheus metrics of one server: its own CollectorRegistry, never the global one.
+
+Engine-wide numbers (queue lengths, KV blocks, token counters) are read from the engine's
+published `EngineStats` at scrape time, so a scrape costs no engine work. Latency histograms are
+observed by the server as each request finishes, from the request's own timestamps: the
+engine keeps only a rolling window of samples, which cannot back a monotonic histogram.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pjinfer.engine.metrics import EngineStats
+from pjinfer.outputs import RequestOutput
+
+PREFIX = "pjinfer:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+                 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+class _EngineCollector(Collector):
+    """Turns the latest EngineStats into gauges and counters at each scrape."""
+
+    def __init__(self, stats: Callable[[], EngineStats]):
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        gauges = {
+            "num_requests_running": ("Requests in the running batch.", s.num_running),
+            "num_requests_waiting": ("Requests waiting to be scheduled.", s.num_waiting),
+            "kv_cache_usage_perc": ("Fraction of KV blocks in use (1 = full).", s.kv_usage),
+            "kv_blocks_total": ("KV cache blocks usable by requests.", s.num_kv_blocks),
+            "kv_blocks_free": ("KV cache blocks free.", s.num_free_kv_blocks),
+            "kv_blocks_used": ("KV cache blocks held by requests or the prefix cache.",
+                               s.num_kv_blocks - s.num_free_kv_blocks),
+            "prefix_cache_hit_rate": ("Prefix cache hits / queries, in tokens.",
+                                      s.prefix_cache_hit_rate),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+        counters = {
+            "prompt_tokens": ("Prompt tokens computed.", s.num_prompt_tokens),
+            "generation_tokens": ("Tokens generated.", s.num_generation_tokens),
+            "num_preemptions": ("Requests preempted for lack of KV blocks.", s.num_preemptions),
+            "prefix_cache_queries": ("Tokens looked up in the prefix cache.",
+                                     s.prefix_cache_queries),
+            "prefix_cache_hits": ("Tokens found in the prefix cache.", s.prefix_cache_hits),
+            "engine_requests_aborted": ("Requests aborted in the engine.", s.num_aborted),
+            "engine_requests_rejected": ("Requests refused because the queue was full.",
+                                         s.num_rejected),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+
+
+class ServerMetrics:
+    """The metrics of one app; `render()` is the /metrics body."""
+
+    def __init__(self, stats: Callable[[], EngineStats]):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineCollector(stats))
+        self.http_requests = Counter(
+            PREFIX + "http_requests", "HTTP requests by route and status code.",
+            ["route", "status"], registry=self.registry)
+        self.request_success = Counter(
+            PREFIX + "request_success", "Finished requests by finish reason.",
+            ["finished_reason"], registry=self.registry)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
+                              "Arrival to first token.", buckets=_LATENCY_BUCKETS,
+                              registry=self.registry)
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds",
+                              "Mean time between output tokens of a request.",
+                              buckets=_TPOT_BUCKETS, registry=self.registry)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to finish.",
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+    def observe_request(self, route: str, status: int) -> None:
+        self.http_requests.labels(route=route, status=str(status)).inc()
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        """Latencies of one finished request (its first sequence stands for the group)."""
+        for c in out.outputs:
+            self.request_success.labels(finished_reason=c.finish_reason or "unknown").inc()
+        m = out.metrics
+        if m is None or m.first_token_time is None:
+            return
+        self.ttft.observe(m.first_token_time - m.arrival_time)
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+            num_tokens = len(out.outputs[0].token_ids)
+            if num_tokens > 1:
+                self.tpot.observe((m.finished_time - m.first_token_time) / (num_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

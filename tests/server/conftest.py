@@ -1,0 +1,98 @@
+"""One real uvicorn server on the demo model for the whole server test package.
+
+It runs in a background thread on a free 127.0.0.1 port, with an API key so auth is exercised
+by every call, and warm-up off so start-up takes seconds (shapes compile as they first occur).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from pjinfer.engine.async_engine import AsyncEngine
+from pjinfer.engine.config import EngineConfig
+from pjinfer.server.app import build_app
+
+API_KEY = "test-key"
+MODEL = "pjinfer-demo"
+NUM_KV_BLOCKS = 512
+
+
+@dataclass
+class LiveServer:
+    base_url: str
+    engine: AsyncEngine
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=API_KEY, max_retries=0,
+                             **kwargs)
+
+    def async_client(self, **kwargs) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=API_KEY,
+                                  max_retries=0, **kwargs)
+
+    def post(self, path: str, **kwargs) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {API_KEY}", **kwargs.pop("headers", {})}
+        return httpx.post(self.base_url + path, headers=headers, timeout=60, **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics by name (labels dropped: summed)."""
+        text = httpx.get(self.base_url + "/metrics", timeout=10).text
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+        return values
+
+    def wait_idle(self, timeout: float = 15.0) -> dict[str, float]:
+        """Metrics once nothing runs, waits or holds a KV block (or the last ones seen)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            idle = (m["pjinfer:num_requests_running"] == 0
+                    and m["pjinfer:num_requests_waiting"] == 0
+                    and m["pjinfer:kv_blocks_used"] == 0)
+            if idle or time.monotonic() > deadline:
+                return m
+            time.sleep(0.1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(engine: AsyncEngine, **app_kwargs) -> tuple[uvicorn.Server, threading.Thread,
+                                                               str]:
+    port = free_port()
+    app = build_app(engine, **app_kwargs)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.05)
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="session")
+def live_server() -> Iterator[LiveServer]:
+    engine = AsyncEngine(EngineConfig(warmup=False, num_kv_blocks=NUM_KV_BLOCKS,
+                                      max_num_seqs=64, max_num_batched_tokens=512))
+    server, thread, base_url = start_server(engine, api_key=API_KEY, drain_timeout=5)
+    yield LiveServer(base_url, engine)
+    server.should_exit = True
+    thread.join(timeout=30)

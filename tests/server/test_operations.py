@@ -1,0 +1,169 @@
+"""/health, /version, /tokenize, /detokenize, /metrics; disconnects; bounded soak; shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+
+import httpx
+import pytest
+
+import pjinfer
+from pjinfer.engine.async_engine import AsyncEngine
+from pjinfer.engine.config import EngineConfig
+from tests.server.conftest import API_KEY, MODEL, NUM_KV_BLOCKS, start_server
+
+SOAK_REQUESTS = int(os.environ.get("PJINFER_SOAK_REQUESTS", "300"))
+QUESTION = [{"role": "user", "content": "What is the Zen of Python?"}]
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def test_health_and_version(live_server):
+    assert httpx.get(live_server.base_url + "/health").status_code == 200
+    assert httpx.get(live_server.base_url + "/version").json() == {
+        "version": pjinfer.__version__}
+
+
+def test_tokenize_roundtrip(live_server):
+    tokens = live_server.post("/tokenize", json={"model": MODEL, "prompt": "Beautiful is"})
+    body = tokens.json()
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 512
+    text = live_server.post("/detokenize", json={"tokens": body["tokens"][1:]}).json()["prompt"]
+    assert text == "Beautiful is"
+    chat = live_server.post("/tokenize", json={"messages": QUESTION}).json()
+    assert chat["count"] > body["count"]
+    bad = live_server.post("/detokenize", json={"tokens": [-1]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_metrics_prometheus_format(live_server):
+    live_server.client().completions.create(model=MODEL, prompt="Beautiful is", max_tokens=3)
+    r = httpx.get(live_server.base_url + "/metrics")
+    assert r.headers["content-type"].startswith("text/plain")
+    assert "# TYPE pjinfer:time_to_first_token_seconds histogram" in r.text
+    m = live_server.wait_idle()
+    assert m["pjinfer:kv_blocks_total"] == NUM_KV_BLOCKS - 1  # block 0 is the null block
+    assert m["pjinfer:generation_tokens_total"] >= 3
+    assert m["pjinfer:prompt_tokens_total"] > 0
+    assert m["pjinfer:e2e_request_latency_seconds_count"] >= 1
+    assert m["pjinfer:http_requests_total"] >= 1
+    for name in ("pjinfer:num_preemptions_total", "pjinfer:prefix_cache_hit_rate",
+                 "pjinfer:kv_cache_usage_perc", "pjinfer:time_per_output_token_seconds_count"):
+        assert name in m
+
+
+def _aborted(live_server) -> float:
+    return live_server.metrics()["pjinfer:engine_requests_aborted_total"]
+
+
+def test_stream_disconnect_frees_blocks(live_server):
+    before = _aborted(live_server)
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", live_server.base_url + "/v1/chat/completions", json=body,
+                      headers=AUTH, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert live_server.metrics()["pjinfer:num_requests_running"] == 1
+    m = live_server.wait_idle()
+    assert m["pjinfer:kv_blocks_used"] == 0 and m["pjinfer:num_requests_running"] == 0
+    assert _aborted(live_server) == before + 1
+
+
+def test_non_streaming_disconnect_frees_blocks(live_server):
+    before = _aborted(live_server)
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live_server.base_url + "/v1/chat/completions", json=body, headers=AUTH,
+                   timeout=0.5)
+    m = live_server.wait_idle()
+    assert m["pjinfer:kv_blocks_used"] == 0 and m["pjinfer:num_requests_running"] == 0
+    assert _aborted(live_server) == before + 1
+
+
+async def _soak_one(client, rng: random.Random) -> str:
+    """One random request; about one in five is abandoned part-way."""
+    kind, abandon = rng.choice(["completion", "chat", "stream"]), rng.random() < 0.2
+    max_tokens = rng.randint(1, 24)
+    if kind == "stream":
+        stream = await client.completions.create(model=MODEL, prompt="Beautiful is better than",
+                                                 max_tokens=max_tokens, stream=True,
+                                                 temperature=0)
+        async for chunk in stream:
+            if abandon:
+                await stream.close()
+                return "abandoned"
+            last = chunk
+        return last.choices[0].finish_reason
+    call = (client.completions.create(model=MODEL, prompt="Explicit is", max_tokens=max_tokens)
+            if kind == "completion" else
+            client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=max_tokens,
+                                           n=rng.choice([1, 2])))
+    try:
+        response = await asyncio.wait_for(call, timeout=rng.uniform(0.01, 0.3) if abandon
+                                          else None)
+    except TimeoutError:
+        return "abandoned"
+    assert response.usage.completion_tokens <= max_tokens * len(response.choices)
+    return response.choices[-1].finish_reason
+
+
+def test_soak_leaves_server_healthy(live_server):
+    async def soak() -> list[str]:
+        rng, gate = random.Random(0), asyncio.Semaphore(32)
+        async with live_server.async_client(timeout=120) as client:
+            async def limited():
+                async with gate:
+                    return await _soak_one(client, rng)
+            return await asyncio.gather(*(limited() for _ in range(SOAK_REQUESTS)))
+
+    results = asyncio.run(soak())
+    assert len(results) == SOAK_REQUESTS
+    assert set(results) <= {"abandoned", "done", "length", "stop"}
+    m = live_server.wait_idle(timeout=30)
+    assert m["pjinfer:kv_blocks_used"] == 0
+    assert m["pjinfer:kv_blocks_free"] == NUM_KV_BLOCKS - 1
+    assert httpx.get(live_server.base_url + "/health").status_code == 200
+
+
+def _check_overload(base_url: str) -> None:
+    body = {"model": MODEL, "prompt": "Beautiful is better than", "max_tokens": 40,
+            "ignore_eos": True}
+
+    async def three() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*(client.post(base_url + "/v1/completions", json=body)
+                                          for _ in range(3)))
+
+    responses = asyncio.run(three())
+    statuses = {(r.status_code, r.headers.get("retry-after")) for r in responses}
+    assert statuses == {(200, None), (503, "1")}  # how many get in depends on step timing
+    assert all(r.json()["error"]["code"] == "overloaded"
+               for r in responses if r.status_code == 503)
+
+
+def test_graceful_shutdown_drains_in_flight_requests():
+    """Also: a full waiting queue answers 503 with Retry-After (one running, one waiting)."""
+    engine = AsyncEngine(EngineConfig(warmup=False, num_kv_blocks=64, max_num_seqs=1,
+                                      max_waiting_requests=1))
+    server, thread, base_url = start_server(engine, drain_timeout=5)
+    _check_overload(base_url)
+    body = {"model": MODEL, "prompt": "Beautiful is better than", "max_tokens": 30,
+            "temperature": 0}
+
+    async def request_then_stop() -> httpx.Response:
+        async with httpx.AsyncClient(timeout=60) as client:
+            pending = asyncio.ensure_future(client.post(base_url + "/v1/completions", json=body))
+            await asyncio.sleep(0.3)
+            server.should_exit = True
+            return await pending
+
+    started = time.monotonic()
+    response = asyncio.run(request_then_stop())
+    thread.join(timeout=30)
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["finish_reason"] == "length"
+    assert not thread.is_alive() and not engine.is_running
+    assert time.monotonic() - started < 20
