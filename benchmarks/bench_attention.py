@@ -35,6 +35,7 @@ _ensure_importable()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+
 from pjinfer.kernels.decode_attention import (  # noqa: E402
     DecodeBlockSizes,
     decode_attention,

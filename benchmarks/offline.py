@@ -1,0 +1,77 @@
+"""Driving an in-process engine for the offline benchmarks (throughput, latency).
+
+The loop is `LLM.generate`'s own (add every request, `step()` until all finish) written out so
+the run can show progress and read the engine's counters before and after the timed region.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from pjinfer.benchmarks.common import Progress
+from pjinfer.benchmarks.datasets import SampleRequest
+from pjinfer.benchmarks.roofline import ModelShape
+
+_ids = itertools.count()
+STAT_FIELDS = ("num_steps", "num_preemptions", "num_prompt_tokens", "num_generation_tokens",
+               "num_requests_finished")
+
+
+def run_requests(engine: Any, reqs: Sequence[SampleRequest], *, desc: str = "requests",
+                 progress: bool = True) -> list[Any]:
+    """Submit all requests at once (offline), step until done; finished outputs in input order."""
+    from pjinfer import SamplingParams
+
+    ids = []
+    for r in reqs:
+        ids.append(f"bench-{next(_ids)}")
+        params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=1.0)
+        engine.add_request(ids[-1], r.prompt, params)
+    done: dict[str, Any] = {}
+    bar = Progress(len(ids), desc, enabled=progress)
+    while len(done) < len(ids):
+        for out in engine.step():
+            if out.finished and out.request_id not in done:
+                done[out.request_id] = out
+                bar.update()
+    bar.close()
+    return [done[i] for i in ids]
+
+
+def engine_counters(engine: Any) -> dict[str, int]:
+    """Counters to diff around a timed region (steps, preemptions, tokens, compiles)."""
+    stats = engine.get_stats()
+    out = {name: int(getattr(stats, name)) for name in STAT_FIELDS}
+    out["num_compiles"] = int(getattr(engine.runner, "num_compiles", 0))
+    return out
+
+
+def counters_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in after}
+
+
+def model_shape(engine: Any) -> ModelShape:
+    """The roofline's view of the loaded model, in the dtype the engine actually runs."""
+    import numpy as np
+
+    return ModelShape.from_model_config(engine.model_config,
+                                        dtype=np.dtype(engine.runner.kv_dtype).name)
+
+
+def model_record(engine: Any, shape: ModelShape) -> dict[str, Any]:
+    import numpy as np
+
+    cfg = engine.model_config
+    return {"name": engine.served_model_name, "architecture": cfg.architecture,
+            "num_params": shape.num_params, "weight_bytes": shape.weight_bytes,
+            "kv_bytes_per_token": shape.kv_bytes_per_token, "num_layers": cfg.num_hidden_layers,
+            "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+            "dtype": np.dtype(engine.runner.kv_dtype).name,
+            "max_model_len": engine.max_model_len,
+            "num_kv_blocks": int(getattr(engine.runner, "num_blocks", 0))}
+
+
+def output_tokens(out: Any) -> int:
+    return sum(len(c.token_ids) for c in out.outputs)

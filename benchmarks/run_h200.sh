@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# The RESULTS.md workloads on one GPU, from the repository root, writing under $OUT.
+#
+#   bash benchmarks/run_h200.sh pjinfer   # roofline, W3 + start-up, W4, W1, W2  (~6-8 min)
+#   bash benchmarks/run_h200.sh hf        # transformers W1, W2, W3, W4           (~5-7 min)
+#   bash benchmarks/run_h200.sh serve     # W5 at 4 and 16 req/s (needs starlette + uvicorn,
+#                                         # e.g. carried as wheels in .whl/)     (~4 min)
+#   bash benchmarks/run_h200.sh --smoke pjinfer hf serve   # the same plumbing, tiny, on CPU
+#
+# Each stage fits one 10-minute device command; every step has its own time limit, and a
+# failed step is logged and skipped so the others still report. Results: one JSON per step,
+# all in $OUT/bench_json.tar.gz (unpack into benchmarks/results/), the log in
+# $OUT/bench_log.txt. Sizes are modest (see RESULTS.md for the full workloads).
+set -uo pipefail
+
+SMOKE=0
+if [ "${1:-}" = "--smoke" ]; then SMOKE=1; shift; fi
+STAGES=("$@")
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(pjinfer)
+REPO=$(pwd)
+OUT=${OUT:-$REPO/benchmarks/results/run_$(date +%Y%m%d_%H%M%S)}
+JSON=/tmp/pjinfer-bench/json   # outside $OUT: the device returns at most 8 files
+rm -rf "$JSON" && mkdir -p "$JSON" "$OUT"
+LOG=$OUT/bench_log.txt
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+# Wheels carried in .whl/ (starlette, uvicorn, ...) go to /tmp/site without touching the image.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# Import the repository as `pjinfer` without installing it.
+eval "$(bash benchmarks/make_shim.sh "$REPO" /tmp/pjinfer-shim)"
+
+if [ $SMOKE = 1 ]; then
+  MODEL=()                       # the embedded demo model
+  ENGINE=(--max-num-seqs 8 --max-num-batched-tokens 64)
+  HF_MODEL=$(mktemp -d)
+  $PY -c "import shutil, pjinfer.demo as d; shutil.copy(d.DEMO_MODEL_DIR / 'config.json', '$HF_MODEL')"
+  N_W3=4; N_W4=4; IN_W1=16; OUT_W1=8; ITERS=2; HF_N=4; HF_B=4; W3_IN=16; W3_OUT=4
+  W2=(--batch-size 2 --input-len 8 --output-len 6); W5_N=6; RATES=(4 16); T=120
+else
+  MODEL=(--model benchmarks/models/llama3-8b --load-format dummy --dtype bfloat16)
+  ENGINE=(--max-num-seqs 256 --max-num-batched-tokens 2048)
+  HF_MODEL=benchmarks/models/llama3-8b
+  N_W3=300; N_W4=500; IN_W1=512; OUT_W1=512; ITERS=3; HF_N=256; HF_B=256; W3_IN=1024; W3_OUT=256
+  W2=(--batch-size 8 --input-len 32 --output-len 128); W5_N=200; RATES=(4 16); T=1
+fi
+CACHE=/tmp/pjinfer-jax-cache
+BENCH=($PY -m pjinfer.benchmarks.cli)
+HF=($PY benchmarks/hf_baseline.py)
+
+log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$LOG"; }
+pack() { tar -C "$(dirname "$JSON")" -czf "$OUT/bench_json.tar.gz" json 2>/dev/null; }
+# step NAME SECONDS CMD...: run with a time limit (scaled by T in smoke mode: T=1 is full),
+# log its output, keep going on failure.
+step() {
+  local name=$1 limit=$2; shift 2
+  [ $SMOKE = 1 ] && limit=$T
+  log "START $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout --signal=INT --kill-after=15 "$limit" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  log "END $name rc=$rc in $((SECONDS - t0))s"
+  pack
+  return 0
+}
+
+stage_pjinfer() {
+  rm -rf "$CACHE"
+  step roofline 90 "${BENCH[@]}" roofline "${MODEL[@]}" --batch-size 1 --input-len 512 \
+      --output-len 512 --output-json "$JSON/roofline.json"
+  # W3 first, on an empty compilation cache: its startup_s is the cold start.
+  step w3_throughput 200 "${BENCH[@]}" throughput "${MODEL[@]}" "${ENGINE[@]}" \
+      --compilation-cache-dir "$CACHE" --num-prompts $N_W3 --input-len $W3_IN \
+      --output-len $W3_OUT --warmup-requests 8 --output-json "$JSON/w3_throughput.json"
+  # Same engine again in a new process: startup_s is the warm restart (cache hits).
+  step startup_warm 120 "${BENCH[@]}" throughput "${MODEL[@]}" "${ENGINE[@]}" \
+      --compilation-cache-dir "$CACHE" --num-prompts 8 --input-len 128 --output-len 16 \
+      --warmup-requests 0 --no-roofline --output-json "$JSON/startup_warm.json"
+  step w4_throughput 120 "${BENCH[@]}" throughput "${MODEL[@]}" "${ENGINE[@]}" \
+      --compilation-cache-dir "$CACHE" --dataset synthetic-sharegpt --num-prompts $N_W4 \
+      --warmup-requests 8 --output-json "$JSON/w4_throughput.json"
+  step w1_latency 120 "${BENCH[@]}" latency "${MODEL[@]}" "${ENGINE[@]}" \
+      --compilation-cache-dir "$CACHE" --batch-size 1 --input-len $IN_W1 --output-len $OUT_W1 \
+      --num-iters $ITERS --num-iters-warmup 1 --output-json "$JSON/w1_latency.json"
+  step w2_latency 90 "${BENCH[@]}" latency "${MODEL[@]}" "${ENGINE[@]}" \
+      --compilation-cache-dir "$CACHE" "${W2[@]}" --num-iters 5 --num-iters-warmup 1 \
+      --output-json "$JSON/w2_latency.json"
+}
+
+stage_hf() {
+  step hf_w1_latency 120 "${HF[@]}" latency --model "$HF_MODEL" --batch-size 1 \
+      --input-len $IN_W1 --output-len $OUT_W1 --num-iters 1 --num-iters-warmup 1 \
+      --output-json "$JSON/hf_w1_latency.json"
+  step hf_w2_latency 90 "${HF[@]}" latency --model "$HF_MODEL" "${W2[@]}" --num-iters 3 \
+      --output-json "$JSON/hf_w2_latency.json"
+  step hf_w3_throughput 150 "${HF[@]}" throughput --model "$HF_MODEL" --num-prompts $HF_N \
+      --batch-size $HF_B --input-len $W3_IN --output-len $W3_OUT \
+      --output-json "$JSON/hf_w3_throughput.json"
+  step hf_w4_throughput 150 "${HF[@]}" throughput --model "$HF_MODEL" \
+      --dataset synthetic-sharegpt --num-prompts $HF_N --batch-size $HF_B \
+      --output-json "$JSON/hf_w4_throughput.json"
+}
+
+stage_serve() {
+  if ! $PY -c "import starlette, uvicorn" 2>/dev/null; then
+    log "SKIP serve: starlette/uvicorn missing (carry them as wheels in .whl/)"; return 0
+  fi
+  local port=8123
+  $PY -m pjinfer.benchmarks.launch_server "${MODEL[@]}" "${ENGINE[@]}" --port $port \
+      --compilation-cache-dir "$CACHE" >>"$LOG" 2>&1 &
+  local server=$!
+  local ready=0
+  for _ in $(seq 1 600); do
+    if $PY -c "import httpx; httpx.get('http://127.0.0.1:$port/health').raise_for_status()" \
+        2>/dev/null; then ready=1; break; fi
+    kill -0 $server 2>/dev/null || break
+    sleep 1
+  done
+  local ceilings=()
+  [ -f "$JSON/roofline.json" ] && ceilings=(--ceilings-from "$JSON/roofline.json")
+  if [ $ready = 1 ]; then
+    for rate in "${RATES[@]}"; do
+      step "w5_serve_rate$rate" 150 "${BENCH[@]}" serve --base-url "http://127.0.0.1:$port" \
+          "${MODEL[@]:0:2}" --dataset synthetic-sharegpt --num-prompts $W5_N \
+          --request-rate "$rate" "${ceilings[@]}" \
+          --output-json "$JSON/w5_serve_rate$rate.json"
+    done
+  else
+    log "FAIL serve: the server did not become healthy"
+  fi
+  kill $server 2>/dev/null; wait $server 2>/dev/null
+}
+
+log "stages: ${STAGES[*]} smoke=$SMOKE repo=$REPO out=$OUT"
+$PY -c "import sys, jax; print(sys.version.split()[0], 'jax', jax.__version__, jax.devices())" \
+    2>&1 | tee -a "$LOG"
+for stage in "${STAGES[@]}"; do
+  case $stage in
+    pjinfer) stage_pjinfer ;;
+    hf) stage_hf ;;
+    serve) stage_serve ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve)" ;;
+  esac
+done
+pack
+log "done; JSON files: $(ls "$JSON" | tr '\n' ' ')"
