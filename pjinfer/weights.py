@@ -22,7 +22,8 @@ from pjinfer.config import ModelConfig, normalize_dtype
 from pjinfer.errors import ModelLoadError
 from pjinfer.models.registry import get_model_spec
 
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# auto = orbax when the folder holds a `pjinfer convert` checkpoint, else safetensors
+LOAD_FORMATS = ("auto", "safetensors", "dummy", "orbax")
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
               "F64": np.float64, "I64": np.int64, "I32": np.int32, "I8": np.int8,
               "U8": np.uint8, "BOOL": np.bool_}
@@ -169,4 +170,9 @@ def load_model(model_dir: str | Path, *, dtype: str = "auto", load_format: str =
     get_model_spec(cfg.architecture)
     if load_format == "dummy":
         return cfg, dummy_params(cfg, dtype=dtype, seed=seed)
+    # ---- orbax checkpoints (written by `pjinfer convert`; see pjinfer.sharding.checkpoint) ----
+    from pjinfer.sharding.checkpoint import is_orbax_checkpoint, restore_params
+
+    if load_format == "orbax" or (load_format == "auto" and is_orbax_checkpoint(model_dir)):
+        return cfg, restore_params(model_dir, cfg, dtype=dtype)
     return cfg, load_params(model_dir, cfg, dtype=dtype)

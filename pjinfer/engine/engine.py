@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 
 from pjinfer.cache.kv_cache_manager import KVCacheManager
+from pjinfer.config import ModelConfig
 from pjinfer.demo import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.detokenizer import IncrementalDetokenizer
@@ -19,6 +20,8 @@ from pjinfer.engine.scheduler import POLICIES, Scheduler, SchedulerConfig, Sched
 from pjinfer.errors import EngineOverloadedError
 from pjinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pjinfer.sampling_params import SamplingParams
+from pjinfer.sharding.loading import load_sharded_model, shard_params
+from pjinfer.sharding.mesh import make_mesh
 from pjinfer.tokenizer import load_tokenizer
 from pjinfer.weights import load_model
 
@@ -32,14 +35,13 @@ class LLMEngine:
         self.config = config
         model_dir = config.model or str(DEMO_MODEL_DIR)
         start = time.perf_counter()
-        self.model_config, loaded = load_model(model_dir, dtype=config.dtype,
-                                               load_format=config.load_format, seed=config.seed)
+        self.model_config, loaded, mesh = self._load(model_dir, params)
         self.tokenizer = load_tokenizer(model_dir, config.tokenizer)
         self.served_model_name = config.served_model_name or (
             DEMO_MODEL_NAME if config.model is None else model_dir.rstrip("/").split("/")[-1])
         self.max_model_len = self._max_model_len()
-        self.runner = ModelRunner(self.model_config, config, params or loaded,
-                                  max_model_len=self.max_model_len)
+        self.runner = ModelRunner(self.model_config, config, loaded,
+                                  max_model_len=self.max_model_len, mesh=mesh)
         self.kv = KVCacheManager(num_blocks=self.runner.num_blocks, block_size=config.block_size,
                                  enable_prefix_caching=config.enable_prefix_caching)
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
@@ -58,6 +60,21 @@ class LLMEngine:
             start = time.perf_counter()
             n = self.runner.warmup()
             log.info("compiled %d step shapes in %.1fs", n, time.perf_counter() - start)
+
+    def _load(self, model_dir: str, params) -> tuple:
+        """(model config, params, mesh). tensor_parallel_size > 1 builds a ("dp", "tp") mesh
+        and loads every tensor straight into its shards (pjinfer.sharding); 1 = no mesh."""
+        c = self.config
+        if c.tensor_parallel_size == 1:
+            cfg, loaded = load_model(model_dir, dtype=c.dtype, load_format=c.load_format,
+                                     seed=c.seed)
+            return cfg, params or loaded, None
+        if params is not None:
+            cfg = ModelConfig.from_pretrained(model_dir)
+            mesh = make_mesh(c.tensor_parallel_size, cfg=cfg)
+            return cfg, shard_params(params, cfg, mesh), mesh
+        return load_sharded_model(model_dir, c.tensor_parallel_size, dtype=c.dtype,
+                                  load_format=c.load_format, seed=c.seed)
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

@@ -11,6 +11,7 @@ from functools import partial
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from pjinfer.config import ModelConfig
 from pjinfer.engine.config import EngineConfig
@@ -31,6 +32,8 @@ from pjinfer.engine.step import (
     model_step,
 )
 from pjinfer.kernels.metadata import AttentionMetadata
+from pjinfer.sharding.mesh import tp_size
+from pjinfer.sharding.rules import kv_cache_sharding, layout_config, replicated
 
 log = logging.getLogger("pjinfer")
 CPU_KV_CACHE_BYTES = 256 << 20
@@ -52,26 +55,33 @@ class ModelRunner:
     """Builds padded batches, runs the compiled step, samples on device, copies back once."""
 
     def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, params, *, max_model_len: int,
-                 kv_sharding=None):
-        self.cfg, self.ecfg, self.params = cfg, ecfg, params
+                 mesh: Mesh | None = None):
+        """`mesh` (tensor parallel): params are already in its device layout; cfg is canonical."""
+        self.mesh = mesh
+        self.cfg = cfg if mesh is None else layout_config(cfg, tp_size(mesh))
+        self.ecfg, self.params = ecfg, params
         self.max_model_len = max_model_len
         self.block_size = ecfg.block_size
         self.max_blocks_per_seq = -(-max_model_len // ecfg.block_size)
         self.kv_dtype = params["embed"].dtype
         self.num_blocks = self._num_blocks()
-        self.kv_caches = init_kv_caches(cfg, self.num_blocks, self.block_size, self.kv_dtype,
-                                        kv_sharding)
-        self._base_opts = StepOptions(cfg=cfg, max_model_len=max_model_len,
-                                      backend=ecfg.attention_backend)
+        kv_sharding = None if mesh is None else kv_cache_sharding(self.cfg, mesh)
+        self.kv_caches = init_kv_caches(self.cfg, self.num_blocks, self.block_size,
+                                        self.kv_dtype, kv_sharding)
+        self._base_opts = StepOptions(cfg=self.cfg, max_model_len=max_model_len,
+                                      backend=ecfg.attention_backend, mesh=mesh)
         self._compiled: dict[tuple, object] = {}
         self._sample = jax.jit(sample, static_argnames=("max_logprobs",))
-        self._copy = jax.jit(copy_blocks, donate_argnums=0)
+        self._copy = jax.jit(copy_blocks, donate_argnums=0, **(
+            {} if mesh is None else dict(out_shardings=self._cache_shardings())))
         self.num_compiles = 0
 
     # ---- memory sizing ----------------------------------------------------------------
     def _num_blocks(self) -> int:
         ecfg = self.ecfg
-        per_block = kv_bytes_per_block(self.cfg, self.block_size, self.kv_dtype)
+        # bytes on each device: the cache is split over tp
+        per_block = kv_bytes_per_block(self.cfg, self.block_size, self.kv_dtype) \
+            // tp_size(self.mesh)
         if ecfg.num_kv_blocks is not None:
             blocks = ecfg.num_kv_blocks
         elif ecfg.kv_cache_memory is not None:
@@ -118,12 +128,29 @@ class ModelRunner:
         fn = self._compiled.get(key)
         if fn is None:
             start = time.perf_counter()
-            jitted = jax.jit(partial(model_step, opts=opts), donate_argnums=(1,))
+            jitted = jax.jit(partial(model_step, opts=opts), donate_argnums=(1,),
+                             **self._step_shardings(opts))
             fn = jitted.lower(self.params, self.kv_caches, inputs).compile()
             self._compiled[key] = fn
             self.num_compiles += 1
             log.debug("compiled step %s in %.1fs", key[1:], time.perf_counter() - start)
         return fn
+
+    def _cache_shardings(self):
+        if self.mesh is None:
+            return None
+        return [(c[0].sharding, c[1].sharding) for c in self.kv_caches]
+
+    def _step_shardings(self, opts: StepOptions) -> dict:
+        """Explicit in/out shardings under a mesh (pjit): params and caches as placed, inputs
+        and outputs replicated, so every process (multi-host) can feed and read them."""
+        if self.mesh is None:
+            return {}
+        rep = replicated(self.mesh)
+        params = jax.tree.map(lambda a: a.sharding, self.params)
+        extra = () if opts.prompt_logprobs is None else ((rep,) * 4,)
+        return dict(in_shardings=(params, self._cache_shardings(), rep),
+                    out_shardings=(rep, self._cache_shardings(), *extra))
 
     def warmup(self) -> int:
         """Compile every (tokens, seqs) bucket the scheduler can produce, in parallel."""

@@ -12,12 +12,14 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from pjinfer.config import ModelConfig
 from pjinfer.engine.inputs import StepInputs
 from pjinfer.kernels import ops
 from pjinfer.models.layers import rope_inv_freq
 from pjinfer.models.registry import get_model_spec
+from pjinfer.sharding.attention import shard_over_heads
 
 KVCaches = list[tuple[jax.Array, jax.Array]]  # per layer (K, V): [NB, bs, KVH, hd] each
 
@@ -31,6 +33,9 @@ class StepOptions:
     decode_only: bool = False
     backend: str = "auto"
     prompt_logprobs: int | None = None  # top-N of every token's raw distribution, when asked
+    # Tensor parallelism: attention runs per "tp" shard under shard_map; None = one device.
+    # With a mesh, `cfg` is the device layout (`pjinfer.sharding.rules.layout_config`).
+    mesh: Mesh | None = None
 
 
 def init_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype,
@@ -45,15 +50,7 @@ def model_step(params, kv_caches: KVCaches, inputs: StepInputs, *, opts: StepOpt
     """Forward the ragged batch; returns (logits [S, V] f32, caches[, prompt logprob tables])."""
     cfg = opts.cfg
     spec = get_model_spec(cfg.architecture)
-    scale = cfg.head_dim ** -0.5
-
-    def attention(layer, q, k, v, cache, md):
-        k_cache, v_cache = ops.write_kv(cache[0], cache[1], k, v, md.slot_mapping)
-        out = ops.paged_attention(q, k_cache, v_cache, md, scale=scale,
-                                  sliding_window=cfg.sliding_window(layer),
-                                  decode_only=opts.decode_only, backend=opts.backend)
-        return out, (k_cache, v_cache)
-
+    attention = _paged_attention(opts)
     inv_freq = jnp.asarray(rope_inv_freq(cfg, opts.max_model_len))
     hidden, kv_caches = spec.forward(params, cfg, inputs.token_ids, inputs.positions, kv_caches,
                                      inputs.attn, attention=attention, inv_freq=inv_freq)
@@ -62,6 +59,28 @@ def model_step(params, kv_caches: KVCaches, inputs: StepInputs, *, opts: StepOpt
         return logits, kv_caches
     return logits, kv_caches, token_logprobs(spec.compute_logits(params, hidden),
                                              inputs.next_token_ids, opts.prompt_logprobs)
+
+
+def _paged_attention(opts: StepOptions):
+    """The model's `attention` callback: write this step's K/V, attend over the paged cache.
+
+    Under a mesh the two ops run per tp shard (each sees its own q and kv heads), so the
+    Pallas kernels never see a sharded array.
+    """
+    cfg, scale = opts.cfg, opts.cfg.head_dim ** -0.5
+
+    def attention(layer, q, k, v, cache, md):
+        def local(q, k, v, k_cache, v_cache, md):
+            k_cache, v_cache = ops.write_kv(k_cache, v_cache, k, v, md.slot_mapping)
+            out = ops.paged_attention(q, k_cache, v_cache, md, scale=scale,
+                                      sliding_window=cfg.sliding_window(layer),
+                                      decode_only=opts.decode_only, backend=opts.backend)
+            return out, k_cache, v_cache
+        if opts.mesh is not None:
+            local = shard_over_heads(local, opts.mesh)
+        out, k_cache, v_cache = local(q, k, v, cache[0], cache[1], md)
+        return out, (k_cache, v_cache)
+    return attention
 
 
 def token_logprobs(logits: jax.Array, target: jax.Array, k: int):
