@@ -61,6 +61,19 @@ def test_paged_attention_backends_agree_with_naive(backend):
     assert rel_err(out[: b.num_real_tokens], ref) < 1e-5
 
 
+@pytest.mark.parametrize("q_lens, ctx", [
+    ([1, 1, 5, 1, 0], [20, 1, 37, 50, 0]),  # decodes first (as scheduled), a late 1-token seq
+    ([1, 1, 1], [3, 40, 17]),  # all single tokens but not declared decode_only
+])
+def test_mixed_batch_splits_decodes_from_prefills(q_lens, ctx):
+    """The Pallas path sends the leading one-token sequences to the decode kernel."""
+    rng = np.random.default_rng(4)
+    b = make_batch(rng, q_lens, ctx, num_kv_heads=2, group=4, head_dim=64, block_size=16,
+                   pad_tokens=3)
+    out = ops.paged_attention(b.q, b.k_cache, b.v_cache, b.md, scale=0.125, backend="pallas")
+    assert rel_err(out[: b.num_real_tokens], naive_attention(b, scale=0.125)) < 1e-5
+
+
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
 def test_paged_attention_decode_only(backend):
     rng = np.random.default_rng(2)
