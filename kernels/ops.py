@@ -7,10 +7,7 @@ Triton; interpret mode when no GPU is present, which is how CI runs the kernels)
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
-import jax.numpy as jnp
 
 from pjinfer.kernels.decode_attention import (
     decode_attention,
@@ -86,34 +83,4 @@ def paged_attention(
         return decode_attention(*args, **opts, block_sizes=sizes, interpret=interpret)
     if not pallas:
         return ragged_attention_reference(q, k_cache, v_cache, md, **opts)
-    return _split_decode_prefill(q, k_cache, v_cache, md, opts, interpret)
-
-
-def _split_decode_prefill(q, k_cache, v_cache, md: AttentionMetadata, opts: dict,
-                          interpret: bool) -> jax.Array:
-    """Mixed batch: the leading run of one-token sequences through the decode kernel, the rest
-    through the ragged kernel, in one step.
-
-    The scheduler puts decodes first. The ragged kernel gives a one-token sequence a whole
-    query tile with one live row and no split over its context: on the H200 a 1,792-token
-    prefill chunk took 57 ms alone and 88 ms with 255 decodes of 1k context beside it.
-    """
-    q_lens = md.query_lens  # [S]
-    num_decodes = jnp.argmin(q_lens == 1) + jnp.all(q_lens == 1) * q_lens.shape[0]
-    seq = jnp.arange(q_lens.shape[0], dtype=jnp.int32)
-    is_decode = seq < num_decodes  # [S]
-    # Ragged part: the decode prefix gets empty query ranges, so it yields no tiles.
-    qsl = jnp.maximum(md.query_start_loc, md.query_start_loc[num_decodes])
-    prefill = ragged_attention(q, k_cache, v_cache, dataclasses.replace(md, query_start_loc=qsl),
-                               **opts, interpret=interpret)
-    # Decode part: sequence s of the prefix is token s; other sequences read no context.
-    q_first = q[jnp.clip(md.query_start_loc[:-1], 0, q.shape[0] - 1)]  # [S, H, D]
-    seq_lens = jnp.where(is_decode, md.seq_lens, 0)
-    sizes = default_decode_block_sizes(q_first.shape[0], k_cache.shape[2],
-                                       md.block_tables.shape[1], k_cache.shape[1])
-    decode = decode_attention(q_first, k_cache, v_cache, md.block_tables, seq_lens, **opts,
-                              block_sizes=sizes, interpret=interpret)
-    token = jnp.arange(q.shape[0], dtype=jnp.int32)  # [T]
-    from_decode = token < num_decodes
-    picked = decode[jnp.clip(token, 0, decode.shape[0] - 1)]
-    return jnp.where(from_decode[:, None, None], picked, prefill)
+    return ragged_attention(q, k_cache, v_cache, md, **opts, interpret=interpret)

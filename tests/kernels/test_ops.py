@@ -65,8 +65,8 @@ def test_paged_attention_backends_agree_with_naive(backend):
     ([1, 1, 5, 1, 0], [20, 1, 37, 50, 0]),  # decodes first (as scheduled), a late 1-token seq
     ([1, 1, 1], [3, 40, 17]),  # all single tokens but not declared decode_only
 ])
-def test_mixed_batch_splits_decodes_from_prefills(q_lens, ctx):
-    """The Pallas path sends the leading one-token sequences to the decode kernel."""
+def test_mixed_batch_of_decodes_and_prefills(q_lens, ctx):
+    """One-token sequences inside a ragged batch, as the scheduler orders them."""
     rng = np.random.default_rng(4)
     b = make_batch(rng, q_lens, ctx, num_kv_heads=2, group=4, head_dim=64, block_size=16,
                    pad_tokens=3)
