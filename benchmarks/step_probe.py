@@ -1,0 +1,86 @@
+"""Time single engine steps (pure prefill, mixed prefill + decodes, pure decode) on the device.
+
+Isolates where a throughput run's time goes: each layout is run through `ModelRunner.execute`
+(model step, sampler, one device-to-host copy) five times after a compile, median reported.
+Run from the repo root on the device (the repo maps itself as `pjinfer`):
+
+    python3 benchmarks/step_probe.py --out $OUT/prefill_probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+MODEL = "benchmarks/models/llama3-8b"
+LAYOUTS = ("prefill_2x1024", "mixed_1792+255dec", "decode_256x1024")
+
+
+def _import_repo() -> None:
+    """Make `pjinfer.kernels` etc. resolve to the checkout's folders without an install."""
+    root = os.getcwd()
+    sys.path.insert(0, root)
+    import pjinfer
+
+    pjinfer.__path__.append(root)
+
+
+def _chunks(kind: str, rng: np.random.Generator) -> list:
+    """(token ids, num computed, num new, block table) per sequence, disjoint block tables."""
+    specs = {"prefill_2x1024": [(1024, 0, 1024)] * 2,
+             "mixed_1792+255dec": [(1025, 1024, 1)] * 255 + [(1792, 0, 1792)],
+             "decode_256x1024": [(1025, 1024, 1)] * 256}[kind]
+    chunks, next_block = [], 1
+    for length, computed, new in specs:
+        blocks = -(-length // 16)
+        table = list(range(next_block, next_block + blocks))
+        next_block += blocks
+        chunks.append((rng.integers(0, 1000, length).tolist(), computed, new, table))
+    return chunks
+
+
+def probe(backend: str) -> dict[str, float]:
+    from pjinfer.engine.config import EngineConfig
+    from pjinfer.engine.engine import LLMEngine
+    from pjinfer.engine.sampling_metadata import SamplingRow
+    from pjinfer.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(
+        model=MODEL, load_format="dummy", dtype="bfloat16", max_model_len=2048,
+        max_num_seqs=256, max_num_batched_tokens=2048, num_kv_blocks=40000, warmup=False,
+        attention_backend=backend))
+    params, rng, out = SamplingParams(temperature=0, max_tokens=4), np.random.default_rng(0), {}
+    for kind in LAYOUTS:
+        chunks = _chunks(kind, rng)
+        rows = [SamplingRow(params, c[0], [], 0, None) for c in chunks]
+        engine.runner.execute(chunks, rows)  # compile
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            engine.runner.execute(chunks, rows)
+            times.append(time.perf_counter() - start)
+        out[f"{backend}/{kind}"] = float(np.median(times)) * 1e3
+        print(f"{backend} {kind} {out[f'{backend}/{kind}']:.1f} ms", flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="prefill_probe.json")
+    parser.add_argument("--backends", nargs="+", default=["auto", "reference"])
+    args = parser.parse_args()
+    _import_repo()
+    results = {}
+    for backend in args.backends:
+        results.update(probe(backend))
+    with open(args.out, "w") as f:
+        json.dump({"unit": "ms per step (median of 5)", "model": MODEL, **results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
