@@ -12,12 +12,11 @@ import time
 from typing import Any
 
 from pjinfer.benchmarks import offline
-from pjinfer.benchmarks.common import jax_device_info, new_record, print_table, summarize
+from pjinfer.benchmarks.common import jax_device_info, print_table, summarize
 from pjinfer.benchmarks.datasets import random_requests
-from pjinfer.benchmarks.engine_args import add_engine_args, build_llm
+from pjinfer.benchmarks.engine_args import add_engine_args
 from pjinfer.benchmarks.roofline import (
     add_roofline_args,
-    ceilings_from_args,
     ceilings_record,
     fraction,
     latency_roofline,
@@ -39,11 +38,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    record = new_record("latency", argv, vars(args))
-    ceilings = ceilings_from_args(args)
-    start = time.perf_counter()
-    llm, record["engine_args"] = build_llm(args, warmup=args.engine_warmup)
-    record["startup_s"] = time.perf_counter() - start
+    record, ceilings, llm = offline.start_run("latency", args, argv)
     engine = llm.engine
     for i in range(args.num_iters_warmup):
         _iteration(engine, args, seed=args.dataset_seed + 10_000 + i)

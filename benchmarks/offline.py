@@ -7,6 +7,7 @@ the run can show progress and read the engine's counters before and after the ti
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +18,20 @@ from pjinfer.benchmarks.roofline import ModelShape
 _ids = itertools.count()
 STAT_FIELDS = ("num_steps", "num_preemptions", "num_prompt_tokens", "num_generation_tokens",
                "num_requests_finished")
+
+
+def start_run(command: str, args: Any, argv: list[str]) -> tuple[dict, Any, Any]:
+    """The record, the roofline ceilings and the built LLM; start-up time goes in the record."""
+    from pjinfer.benchmarks.common import new_record
+    from pjinfer.benchmarks.engine_args import build_llm
+    from pjinfer.benchmarks.roofline import ceilings_from_args
+
+    record = new_record(command, argv, vars(args))
+    ceilings = ceilings_from_args(args)
+    start = time.perf_counter()
+    llm, record["engine_args"] = build_llm(args, warmup=args.engine_warmup)
+    record["startup_s"] = time.perf_counter() - start
+    return record, ceilings, llm
 
 
 def run_requests(engine: Any, reqs: Sequence[SampleRequest], *, desc: str = "requests",

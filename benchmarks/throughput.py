@@ -12,12 +12,11 @@ import time
 from typing import Any
 
 from pjinfer.benchmarks import offline
-from pjinfer.benchmarks.common import jax_device_info, new_record, print_table
+from pjinfer.benchmarks.common import jax_device_info, print_table
 from pjinfer.benchmarks.datasets import SampleRequest, add_dataset_args, get_requests
-from pjinfer.benchmarks.engine_args import add_engine_args, build_llm
+from pjinfer.benchmarks.engine_args import add_engine_args
 from pjinfer.benchmarks.roofline import (
     add_roofline_args,
-    ceilings_from_args,
     ceilings_record,
     fraction,
     throughput_roofline,
@@ -36,11 +35,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    record = new_record("throughput", argv, vars(args))
-    ceilings = ceilings_from_args(args)
-    start = time.perf_counter()
-    llm, record["engine_args"] = build_llm(args, warmup=args.engine_warmup)
-    record["startup_s"] = time.perf_counter() - start
+    record, ceilings, llm = offline.start_run("throughput", args, argv)
     engine = llm.engine
     reqs, record["dataset"] = get_requests(args, engine.model_config.vocab_size,
                                            engine.tokenizer, engine.max_model_len)
