@@ -83,22 +83,22 @@ def resolve_dtype(dtype: str, cfg: ModelConfig) -> jnp.dtype:
     return jnp.dtype(name)
 
 
-def _set_path(tree: Any, path: tuple, value: Any) -> None:
+def set_param(tree: Any, path: tuple, value: Any) -> None:
     for key in path[:-1]:
         tree = tree[key]
     tree[path[-1]] = value
 
 
-def _empty_like_shapes(shapes: Any) -> Any:
+def empty_param_tree(shapes: Any) -> Any:
     """Copy the nested dict/list structure of `param_shapes` so leaves can be filled in."""
     if isinstance(shapes, dict):
-        return {k: _empty_like_shapes(v) for k, v in shapes.items()}
+        return {k: empty_param_tree(v) for k, v in shapes.items()}
     if isinstance(shapes, list):
-        return [_empty_like_shapes(v) for v in shapes]
+        return [empty_param_tree(v) for v in shapes]
     return None
 
 
-def _walk_shapes(cfg: ModelConfig) -> Iterator[tuple[tuple, str, bool, tuple[int, ...]]]:
+def walk_param_shapes(cfg: ModelConfig) -> Iterator[tuple[tuple, str, bool, tuple[int, ...]]]:
     spec = get_model_spec(cfg.architecture)
     shapes = spec.param_shapes(cfg)
     for path, hf_name, transpose in spec.hf_weight_names(cfg):
@@ -117,9 +117,9 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, *, dtype: str = "auto",
     """
     target = resolve_dtype(dtype, cfg)
     index = SafetensorsIndex(model_dir)
-    params = _empty_like_shapes(get_model_spec(cfg.architecture).param_shapes(cfg))
+    params = empty_param_tree(get_model_spec(cfg.architecture).param_shapes(cfg))
     place = place or (lambda _path, host: jnp.asarray(host))
-    for path, hf_name, transpose, shape in _walk_shapes(cfg):
+    for path, hf_name, transpose, shape in walk_param_shapes(cfg):
         if hf_name not in index:
             raise ModelLoadError(f"checkpoint in {model_dir} is missing tensor {hf_name!r} "
                                  f"(needed for {cfg.architecture} with this config.json)")
@@ -128,7 +128,7 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, *, dtype: str = "auto",
         if tuple(host.shape) != shape:
             raise ModelLoadError(f"tensor {hf_name!r} has shape {tuple(host.shape)} (after "
                                  f"transpose={transpose}), expected {shape} from config.json")
-        _set_path(params, path, place(path, host).astype(target))
+        set_param(params, path, place(path, host).astype(target))
     return params
 
 
@@ -139,13 +139,13 @@ def dummy_params(cfg: ModelConfig, *, dtype: str = "auto", seed: int = 0) -> dic
     """
     target = resolve_dtype(dtype, cfg)
     key = jax.random.key(seed)
-    params = _empty_like_shapes(get_model_spec(cfg.architecture).param_shapes(cfg))
-    for n, (path, _, _, shape) in enumerate(_walk_shapes(cfg)):
-        _set_path(params, path, _dummy_tensor(jax.random.fold_in(key, n), path[-1], shape, target))
+    params = empty_param_tree(get_model_spec(cfg.architecture).param_shapes(cfg))
+    for n, (path, _, _, shape) in enumerate(walk_param_shapes(cfg)):
+        set_param(params, path, dummy_tensor(jax.random.fold_in(key, n), path[-1], shape, target))
     return params
 
 
-def _dummy_tensor(key: jax.Array, name: str, shape: tuple[int, ...], dtype) -> jax.Array:
+def dummy_tensor(key: jax.Array, name: str, shape: tuple[int, ...], dtype) -> jax.Array:
     if name.endswith("norm"):
         return jnp.ones(shape, dtype)
     if name.endswith("bias"):

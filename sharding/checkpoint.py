@@ -22,7 +22,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from pjinfer.config import ModelConfig
 from pjinfer.errors import ModelLoadError
 from pjinfer.models.registry import get_model_spec
-from pjinfer.weights import _empty_like_shapes, _set_path, _walk_shapes, resolve_dtype
+from pjinfer.weights import empty_param_tree, resolve_dtype, set_param, walk_param_shapes
 
 from .loading import expand_kv_fn, get_path
 from .mesh import tp_size
@@ -58,11 +58,11 @@ def save_params(params: dict, model_dir: str | Path) -> Path:
 
 
 def _abstract_params(cfg: ModelConfig, mesh: Mesh | None, dtype) -> dict:
-    tree = _empty_like_shapes(get_model_spec(cfg.architecture).param_shapes(cfg))
-    for path, _, _, shape in _walk_shapes(cfg):
+    tree = empty_param_tree(get_model_spec(cfg.architecture).param_shapes(cfg))
+    for path, _, _, shape in walk_param_shapes(cfg):
         sharding = (SingleDeviceSharding(jax.local_devices()[0]) if mesh is None
                     else canonical_sharding(path, shape, cfg, mesh))
-        _set_path(tree, path, jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
+        set_param(tree, path, jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
     return tree
 
 
@@ -70,11 +70,11 @@ def _to_layout(params: dict, cfg: ModelConfig, mesh: Mesh | None, target) -> dic
     """Cast, and duplicate kv heads into the device layout (on device, per tensor)."""
     reps = kv_head_replicas(cfg, tp_size(mesh))
     shardings = param_shardings(layout_config(cfg, tp_size(mesh)), mesh) if mesh else None
-    for path, *_ in _walk_shapes(cfg):
+    for path, *_ in walk_param_shapes(cfg):
         w = get_path(params, path)
         if mesh is not None and path[-1] in KV_PARAMS and reps > 1:
             w = expand_kv_fn(reps, cfg.head_dim, get_path(shardings, path))(w)
-        _set_path(params, path, w if w.dtype == target else w.astype(target))
+        set_param(params, path, w if w.dtype == target else w.astype(target))
     return params
 
 

@@ -21,12 +21,12 @@ from jax.sharding import Mesh, NamedSharding
 from pjinfer.config import ModelConfig
 from pjinfer.models.registry import get_model_spec
 from pjinfer.weights import (
-    _dummy_tensor,
-    _empty_like_shapes,
-    _set_path,
-    _walk_shapes,
+    dummy_tensor,
+    empty_param_tree,
     load_params,
     resolve_dtype,
+    set_param,
+    walk_param_shapes,
 )
 
 from .mesh import make_mesh, tp_size
@@ -99,7 +99,7 @@ def _dummy_fn(name: str, shape: tuple[int, ...], dtype, reps: int, head_dim: int
               sharding: NamedSharding) -> Callable:
     """One compile per distinct (kind, shape, sharding): layers share theirs."""
     def make(key: jax.Array) -> jax.Array:
-        w = _dummy_tensor(key, name, shape, dtype)
+        w = dummy_tensor(key, name, shape, dtype)
         return expand_kv_heads(w, reps, head_dim) if name in KV_PARAMS and reps > 1 else w
     return jax.jit(make, out_shardings=sharding)
 
@@ -111,10 +111,10 @@ def dummy_params_sharded(cfg: ModelConfig, mesh: Mesh, *, dtype: str = "auto",
     shardings = param_shardings(layout_config(cfg, tp_size(mesh)), mesh)
     reps = kv_head_replicas(cfg, tp_size(mesh))
     key = jax.random.key(seed)
-    params = _empty_like_shapes(get_model_spec(cfg.architecture).param_shapes(cfg))
-    for n, (path, _, _, shape) in enumerate(_walk_shapes(cfg)):
+    params = empty_param_tree(get_model_spec(cfg.architecture).param_shapes(cfg))
+    for n, (path, _, _, shape) in enumerate(walk_param_shapes(cfg)):
         fn = _dummy_fn(path[-1], shape, target, reps, cfg.head_dim, get_path(shardings, path))
-        _set_path(params, path, fn(jax.random.fold_in(key, n)))
+        set_param(params, path, fn(jax.random.fold_in(key, n)))
     return params
 
 
@@ -122,12 +122,12 @@ def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     """Place already-loaded (unsharded, canonical-layout) params onto the mesh."""
     reps = kv_head_replicas(cfg, tp_size(mesh))
     shardings = param_shardings(layout_config(cfg, tp_size(mesh)), mesh)
-    out = _empty_like_shapes(get_model_spec(cfg.architecture).param_shapes(cfg))
-    for path, *_ in _walk_shapes(cfg):
+    out = empty_param_tree(get_model_spec(cfg.architecture).param_shapes(cfg))
+    for path, *_ in walk_param_shapes(cfg):
         value, sharding = get_path(params, path), get_path(shardings, path)
         if path[-1] in KV_PARAMS and reps > 1:
             value = expand_kv_fn(reps, cfg.head_dim, sharding)(value)
-        _set_path(out, path, jax.device_put(value, sharding))
+        set_param(out, path, jax.device_put(value, sharding))
     return out
 
 

@@ -25,20 +25,21 @@ def _pow_bucket(n: int, base: int, lo: int, hi: int) -> int:
     return min(size, hi) if n <= hi else n
 
 
-def token_buckets(max_tokens: int) -> list[int]:
-    out, size = [], MIN_TOKEN_BUCKET
-    while size < max_tokens:
+def _bucket_sizes(lo: int, base: int, hi: int) -> list[int]:
+    """Every size `_pow_bucket` can return below `hi`, then `hi` itself."""
+    out, size = [], lo
+    while size < hi:
         out.append(size)
-        size *= 2
-    return out + [max_tokens]
+        size *= base
+    return out + [hi]
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    return _bucket_sizes(MIN_TOKEN_BUCKET, 2, max_tokens)
 
 
 def seq_buckets(max_seqs: int) -> list[int]:
-    out, size = [], MIN_SEQ_BUCKET
-    while size < max_seqs:
-        out.append(size)
-        size *= 4
-    return out + [max_seqs]
+    return _bucket_sizes(MIN_SEQ_BUCKET, 4, max_seqs)
 
 
 def bucket_tokens(n: int, max_tokens: int) -> int:
