@@ -67,14 +67,16 @@ class LLMEngine:
         """(model config, params, mesh). tensor_parallel_size > 1 builds a ("dp", "tp") mesh
         and loads every tensor straight into its shards (pjinfer.sharding); 1 = no mesh."""
         c = self.config
+        if params is not None:  # given params: read only the config, never the weights again
+            cfg = ModelConfig.from_pretrained(model_dir)
+            if c.tensor_parallel_size == 1:
+                return cfg, params, None
+            mesh = make_mesh(c.tensor_parallel_size, cfg=cfg)
+            return cfg, shard_params(params, cfg, mesh), mesh
         if c.tensor_parallel_size == 1:
             cfg, loaded = load_model(model_dir, dtype=c.dtype, load_format=c.load_format,
                                      seed=c.seed)
-            return cfg, params or loaded, None
-        if params is not None:
-            cfg = ModelConfig.from_pretrained(model_dir)
-            mesh = make_mesh(c.tensor_parallel_size, cfg=cfg)
-            return cfg, shard_params(params, cfg, mesh), mesh
+            return cfg, loaded, None
         return load_sharded_model(model_dir, c.tensor_parallel_size, dtype=c.dtype,
                                   load_format=c.load_format, seed=c.seed)
 
