@@ -205,9 +205,12 @@ def check_devices(config: RunConfig) -> None:
     parallel = config.parallel
     import jax
 
-    if parallel.num_processes > 1:
-        jax.distributed.initialize(parallel.coordinator_address, parallel.num_processes,
-                                   parallel.process_id)
+    from pjinfer.sharding.distributed import initialize
+
+    # The config's values first, else PJINFER_COORDINATOR_ADDRESS / _NUM_PROCESSES / _PROCESS_ID.
+    initialize(parallel.coordinator_address,
+               parallel.num_processes if parallel.num_processes > 1 else None,
+               parallel.process_id if parallel.num_processes > 1 else None)
     if parallel.data_parallel_size > 1:
         raise UsageError("data_parallel_size > 1: `pjinfer serve` runs one engine replica; "
                          "start one server per replica behind a load balancer")
