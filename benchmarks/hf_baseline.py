@@ -5,7 +5,7 @@ PyTorch, bf16, SDPA attention, static batches, random weights built from config.
 `min_new_tokens = max_new_tokens`, greedy decoding (the cheapest choice, so the baseline is not
 slowed by sampling). Writes the same JSON record as `pjinfer bench latency|throughput`.
 
-  python3 benchmarks/hf_baseline.py latency --model benchmarks/models/llama3-8b \
+  python3 benchmarks/hf_baseline.py latency --model configs/models/llama3-8b \
       --batch-size 1 --input-len 512 --output-len 512 --output-json out.json
 """
 

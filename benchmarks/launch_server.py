@@ -3,7 +3,7 @@
 The same flags (and synthetic tokenizer for config-only model folders) as the offline
 benchmarks, so a serve run and a throughput run load exactly the same engine:
 
-  python3 -m pjinfer.benchmarks.launch_server --model benchmarks/models/llama3-8b \
+  python3 -m pjinfer.benchmarks.launch_server --model configs/models/llama3-8b \
       --load-format dummy --dtype bfloat16 --port 8000
 """
 

@@ -44,9 +44,9 @@ if [ $SMOKE = 1 ]; then
   N_W3=4; N_W4=4; IN_W1=16; OUT_W1=8; ITERS=2; HF_N=4; HF_B=4; W3_IN=16; W3_OUT=4
   W2=(--batch-size 2 --input-len 8 --output-len 6); W5_N=6; RATES=(4 16); T=120
 else
-  MODEL=(--model benchmarks/models/llama3-8b --load-format dummy --dtype bfloat16)
+  MODEL=(--model configs/models/llama3-8b --load-format dummy --dtype bfloat16)
   ENGINE=(--max-num-seqs 256 --max-num-batched-tokens 2048)
-  HF_MODEL=benchmarks/models/llama3-8b
+  HF_MODEL=configs/models/llama3-8b
   N_W3=300; N_W4=500; IN_W1=512; OUT_W1=512; ITERS=3; HF_N=256; HF_B=256; W3_IN=1024; W3_OUT=256
   W2=(--batch-size 8 --input-len 32 --output-len 128); W5_N=200; RATES=(4 16); T=1
 fi

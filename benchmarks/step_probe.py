@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-MODEL = "benchmarks/models/llama3-8b"
+MODEL = "configs/models/llama3-8b"
 LAYOUTS = ("prefill_2x1024", "mixed_1792+255dec", "decode_256x1024")
 
 
