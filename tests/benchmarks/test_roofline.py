@@ -19,7 +19,7 @@ from pjinfer.benchmarks.roofline import (
 )
 from pjinfer.config import ModelConfig
 
-LLAMA3_8B = Path(__file__).parents[2] / "benchmarks" / "models" / "llama3-8b"
+LLAMA3_8B = Path(__file__).parents[2] / "configs" / "models" / "llama3-8b"
 H200 = Ceilings(hbm_bytes_per_s=4.25e12, matmul_flops_per_s=799e12, source="given")
 
 
