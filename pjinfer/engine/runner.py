@@ -32,6 +32,7 @@ from pjinfer.engine.step import (
     model_step,
 )
 from pjinfer.kernels.metadata import AttentionMetadata
+from pjinfer.sampling_params import SamplingParams
 from pjinfer.sharding.mesh import tp_size
 from pjinfer.sharding.rules import kv_cache_sharding, layout_config, replicated
 
@@ -160,7 +161,19 @@ class ModelRunner:
                    for s in seq_buckets(ecfg.max_num_seqs) if s <= t]
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
             list(pool.map(lambda shape: self._compiled_step(*self._dummy(*shape)), shapes))
+        self._warm_sampler()
         return len(shapes)
+
+    def _warm_sampler(self) -> None:
+        """Compile the sampler's common variants (greedy; plain temperature sampling, the
+        OpenAI default) for every sequence bucket, so a first such request never waits."""
+        for seqs in seq_buckets(self.ecfg.max_num_seqs):
+            # a device array, like the step's logits: host arrays would key another trace
+            logits = jax.device_put(np.zeros((seqs, self.cfg.vocab_size), np.float32))
+            for temperature in (0.0, 1.0):
+                row = SamplingRow(SamplingParams(temperature=temperature), [0], [], 0)
+                md = SamplingMetadata.build([row], seqs)
+                jax.block_until_ready(self._sample(logits, md, max_logprobs=0))
 
     def _dummy(self, tokens: int, seqs: int, decode_only: bool):
         """An empty batch of exactly these bucket shapes: only shapes matter to the compile."""
