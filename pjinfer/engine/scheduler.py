@@ -72,6 +72,7 @@ class Scheduler:
         self.policy = policy or FCFSPolicy()
         self._waiting: list[tuple[tuple, int, Request]] = []  # heap by policy key
         self._tie = itertools.count()
+        self._deadlines = False  # any request ever queued with a timeout
         self.running: list[Request] = []
         self._fork_pending: dict[str, list[Request]] = {}  # group id -> siblings to fork
         self.num_preemptions = 0
@@ -90,6 +91,7 @@ class Scheduler:
 
     def add(self, group: list[Request]) -> None:
         """Queue a request's sequences; siblings of an n > 1 request wait for the prompt."""
+        self._deadlines |= group[0].deadline is not None
         self._push(group[0])
         if len(group) > 1:
             for sibling in group[1:]:
@@ -129,6 +131,8 @@ class Scheduler:
         return out
 
     def _expire(self, now: float) -> list[Request]:
+        if not self._deadlines:  # spare the per-step scan of every queue
+            return []
         expired = [r for r in self.all_requests() if r.deadline is not None and now > r.deadline]
         for r in expired:
             r.finish(RequestStatus.FINISHED_TIMEOUT)
