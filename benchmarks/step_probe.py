@@ -1,7 +1,9 @@
 """Time single engine steps (pure prefill, mixed prefill + decodes, pure decode) on the device.
 
-Isolates where a throughput run's time goes: each layout is run through `ModelRunner.execute`
-(model step, sampler, one device-to-host copy) five times after a compile, median reported.
+Isolates where a run's time goes: each layout is run through `ModelRunner.execute` (model step,
+sampler, one device-to-host copy) five times after a compile, median reported ("synchronous");
+then launched ten times back to back with one wait at the end ("pipelined", what the
+asynchronous engine's device sees). The difference is host time per step.
 Run from the repo root on the device (the repo maps itself as `pjinfer`):
 
     python3 benchmarks/step_probe.py --out $OUT/prefill_probe.json
@@ -18,7 +20,8 @@ import time
 import numpy as np
 
 MODEL = "configs/models/llama3-8b"
-LAYOUTS = ("prefill_2x1024", "mixed_1792+255dec", "decode_256x1024")
+LAYOUTS = ("decode_1x768", "decode_8x160", "prefill_2x1024", "mixed_1792+255dec",
+           "decode_256x1024")
 
 
 def _import_repo() -> None:
@@ -30,9 +33,15 @@ def _import_repo() -> None:
     pjinfer.__path__.append(root)
 
 
+PIPELINED = 10  # steps launched back to back for the device-bound time
+
+
 def _chunks(kind: str, rng: np.random.Generator) -> list:
-    """(token ids, num computed, num new, block table) per sequence, disjoint block tables."""
-    specs = {"prefill_2x1024": [(1024, 0, 1024)] * 2,
+    """One Chunk per sequence, disjoint block tables."""
+    from pjinfer.engine.inputs import Chunk
+
+    specs = {"decode_1x768": [(769, 768, 1)], "decode_8x160": [(161, 160, 1)] * 8,
+             "prefill_2x1024": [(1024, 0, 1024)] * 2,
              "mixed_1792+255dec": [(1025, 1024, 1)] * 255 + [(1792, 0, 1792)],
              "decode_256x1024": [(1025, 1024, 1)] * 256}[kind]
     chunks, next_block = [], 1
@@ -40,7 +49,7 @@ def _chunks(kind: str, rng: np.random.Generator) -> list:
         blocks = -(-length // 16)
         table = list(range(next_block, next_block + blocks))
         next_block += blocks
-        chunks.append((rng.integers(0, 1000, length).tolist(), computed, new, table))
+        chunks.append(Chunk(rng.integers(0, 1000, length).tolist(), computed, new, table))
     return chunks
 
 
@@ -57,15 +66,22 @@ def probe(backend: str) -> dict[str, float]:
     params, rng, out = SamplingParams(temperature=0, max_tokens=4), np.random.default_rng(0), {}
     for kind in LAYOUTS:
         chunks = _chunks(kind, rng)
-        rows = [SamplingRow(params, c[0], [], 0, None) for c in chunks]
-        engine.runner.execute(chunks, rows)  # compile
+        rows = [SamplingRow(params, c.token_ids, [], 0, None) for c in chunks]
+        runner = engine.runner
+        runner.execute(chunks, rows)  # compile
         times = []
         for _ in range(5):
             start = time.perf_counter()
-            engine.runner.execute(chunks, rows)
+            runner.execute(chunks, rows)
             times.append(time.perf_counter() - start)
+        # Back to back without waiting (as the asynchronous engine runs): the device's time.
+        start = time.perf_counter()
+        launched = [runner.launch(chunks, rows) for _ in range(PIPELINED)]
+        runner.fetch(launched[-1])
         out[f"{backend}/{kind}"] = float(np.median(times)) * 1e3
-        print(f"{backend} {kind} {out[f'{backend}/{kind}']:.1f} ms", flush=True)
+        out[f"{backend}/{kind}/pipelined"] = (time.perf_counter() - start) / PIPELINED * 1e3
+        print(f"{backend} {kind} {out[f'{backend}/{kind}']:.1f} ms synchronous, "
+              f"{out[f'{backend}/{kind}/pipelined']:.1f} ms pipelined", flush=True)
     return out
 
 

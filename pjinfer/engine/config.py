@@ -38,6 +38,9 @@ class EngineConfig:
     request_timeout: float | None = None  # seconds from arrival; None = no limit
     max_logprobs: int = 20
     attention_backend: str = "auto"
+    # Schedule and build step t+1 while step t runs on the device (its sampled tokens are fed
+    # on device); False runs every step to completion before the next is scheduled.
+    async_scheduling: bool = True
     warmup: bool = True  # compile every step shape at start-up
     compilation_cache_dir: str | None = None  # JAX persistent compilation cache
 

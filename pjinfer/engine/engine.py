@@ -1,4 +1,11 @@
-"""The synchronous engine: requests in, one `step()` at a time, request outputs out."""
+"""The engine: requests in, one `step()` at a time, request outputs out.
+
+With asynchronous scheduling (the default) a step returns before the device has finished it:
+`step()` schedules and launches step t+1, then waits for step t and turns its tokens into
+outputs while t+1 runs, so the host's work hides behind the device's. Each request's last token
+of step t reaches step t+1 on the device (`Chunk.prev_row`). A request that stops at step t
+(EOS, stop string) has had one more token launched; that token is dropped.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +13,17 @@ import logging
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from pjinfer.cache.kv_cache_manager import KVCacheManager
 from pjinfer.config import ModelConfig
 from pjinfer.demo import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.detokenizer import IncrementalDetokenizer
+from pjinfer.engine.inputs import Chunk
 from pjinfer.engine.metrics import EngineMetrics
 from pjinfer.engine.request import Request, RequestStatus
-from pjinfer.engine.runner import ModelRunner, StepResult
+from pjinfer.engine.runner import LaunchedStep, ModelRunner, StepResult
 from pjinfer.engine.sampling_metadata import SamplingRow
 from pjinfer.engine.scheduler import POLICIES, Scheduler, SchedulerConfig, SchedulerOutput
 from pjinfer.errors import EngineOverloadedError
@@ -26,6 +35,18 @@ from pjinfer.tokenizer import load_tokenizer
 from pjinfer.weights import load_model
 
 log = logging.getLogger("pjinfer")
+
+
+@dataclass(frozen=True, slots=True)
+class _Launched:
+    """A step on the device, with what the host needs to finish it."""
+
+    entries: list[tuple[Request, int, int]]  # (request, first position, tokens) in batch order
+    sampled_rows: dict[str, int]  # request_id -> row, for requests that sample a token
+    step: LaunchedStep
+    num_prompt_tokens: int
+    deferrable: bool  # may stay in flight while the next step is scheduled
+    start: float
 
 
 class LLMEngine:
@@ -53,6 +74,7 @@ class LLMEngine:
         self.metrics = EngineMetrics()
         self._groups: dict[str, list[Request]] = {}
         self._rng = random.Random(config.seed)
+        self._in_flight: _Launched | None = None
         self.eos_token_id = self._eos_token_id()
         log.info("loaded %s (%s, %d layers) in %.1fs; KV cache: %d blocks of %d tokens",
                  self.served_model_name, self.model_config.architecture,
@@ -167,22 +189,26 @@ class LLMEngine:
             r.finish(RequestStatus.FINISHED_ABORTED)
         self.scheduler.remove(live)
         self.metrics.num_aborted += 1
-        return self._output(request_id)
+        output = self._output(request_id)
+        del self._groups[request_id]
+        return output
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and return outputs of every request that changed."""
+        """Launch the next step, finish the previous one; return outputs of every request that
+        changed (with asynchronous scheduling, those of the previous step)."""
         sched = self.scheduler.schedule()
         changed = {r.group_id for r in sched.timed_out}
-        if sched.scheduled:
-            start = time.perf_counter()
-            self.runner.apply_copy_ops(sched.copy_ops)
-            result = self._execute(sched)
-            changed |= self._update(sched, result)
-            self.metrics.on_step(sched, time.perf_counter() - start)
+        launched = self._launch(sched) if sched.scheduled else None
+        if self._in_flight is not None:
+            changed |= self._complete(self._in_flight)
+        self._in_flight = launched
+        if launched is not None and not launched.deferrable:
+            changed |= self._complete(launched)
+            self._in_flight = None
         self.metrics.num_preemptions = self.scheduler.num_preemptions
         outputs = [self._output(gid) for gid in changed if gid in self._groups]
         for out in outputs:
@@ -190,36 +216,67 @@ class LLMEngine:
                 self._finish_group(out.request_id)
         return outputs
 
-    def _execute(self, sched: SchedulerOutput) -> StepResult:
+    def _launch(self, sched: SchedulerOutput) -> _Launched:
+        """Dispatch the scheduled batch and advance every request as if it had run."""
+        start = time.perf_counter()
+        self.runner.apply_copy_ops(sched.copy_ops)
+        prev = self._in_flight
         chunks, rows = [], []
         max_logprobs, prompt_lp = 0, None
         for r, n in sched.scheduled:
-            chunks.append((r.all_token_ids, r.num_computed_tokens, n,
-                           self.kv.block_table(r.request_id)))
+            prev_row = prev.sampled_rows[r.request_id] if r.num_pending_tokens else -1
+            chunks.append(Chunk(r.all_token_ids, r.num_computed_tokens, n,
+                                self.kv.block_table(r.request_id), prev_row))
             rows.append(SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.seed,
-                                    r.eos_token_id))
+                                    r.eos_token_id, r.num_pending_tokens))
             if r.params.logprobs is not None:
                 max_logprobs = self.config.max_logprobs
             if r.wants_prompt_logprobs and r.num_computed_tokens < r.num_prompt_tokens:
                 prompt_lp = self.config.max_logprobs
-        return self.runner.execute(chunks, rows, max_logprobs=max_logprobs,
-                                   prompt_logprobs=prompt_lp)
-
-    def _update(self, sched: SchedulerOutput, result: StepResult) -> set[str]:
-        changed, offset = set(), 0
+        step = self.runner.launch(chunks, rows, max_logprobs=max_logprobs,
+                                  prompt_logprobs=prompt_lp,
+                                  prev=prev.step if prev is not None else None)
+        entries, sampled_rows, num_prompt = [], {}, 0
         for i, (r, n) in enumerate(sched.scheduled):
-            start = r.num_computed_tokens
+            entries.append((r, r.num_computed_tokens, n))
+            num_prompt += max(0, min(r.num_prompt_tokens, r.num_computed_tokens + n)
+                              - r.num_computed_tokens)
             r.num_computed_tokens += n
+            if r.num_computed_tokens == r.num_tokens:  # not a prompt chunk: it samples a token
+                r.num_pending_tokens += 1
+                r.final_token_pending = self._at_length_limit(r)
+                sampled_rows[r.request_id] = i
+        deferrable = self.config.async_scheduling and all(
+            r.allows_async for r, _ in sched.scheduled)
+        return _Launched(entries, sampled_rows, step, num_prompt, deferrable, start)
+
+    def _at_length_limit(self, r: Request) -> bool:
+        max_tokens = r.params.max_tokens
+        return (max_tokens is not None and r.num_output_tokens >= max_tokens) \
+            or r.num_tokens >= self.max_model_len
+
+    def _complete(self, launched: _Launched) -> set[str]:
+        """Wait for a launched step and apply its tokens; returns the changed groups."""
+        result = self.runner.fetch(launched.step)
+        changed, finished, offset = set(), [], 0
+        for r, start, n in launched.entries:
             if r.wants_prompt_logprobs and result.prompt_logprobs is not None:
                 self._record_prompt_logprobs(r, start, n, offset, result.prompt_logprobs)
             offset += n
-            if r.num_computed_tokens < r.num_tokens or r.is_finished:
+            row = launched.sampled_rows.get(r.request_id)
+            if row is None:
                 continue  # a prompt chunk: its sample is not a token yet
+            r.num_pending_tokens -= 1
+            if r.is_finished:
+                continue  # stopped, aborted or timed out while this step ran: drop the token
             if r.index == 0:
                 self.scheduler.fork_siblings(r)
-            self._append_token(r, i, result)
+            self._append_token(r, row, result)
             changed.add(r.group_id)
-        self.scheduler.remove([r for r, _ in sched.scheduled if r.is_finished])
+            if r.is_finished:
+                finished.append(r)
+        self.scheduler.remove(finished)
+        self.metrics.on_step(launched.num_prompt_tokens, time.perf_counter() - launched.start)
         return changed
 
     def _record_prompt_logprobs(self, r: Request, start: int, n: int, offset: int,
@@ -277,7 +334,7 @@ class LLMEngine:
                 return self._finish(r, RequestStatus.FINISHED_STOPPED,
                                     r.detokenizer.stop_reason)
         if (p.max_tokens is not None and num_out >= p.max_tokens) \
-                or r.num_tokens >= self.max_model_len:
+                or r.num_prompt_tokens + num_out >= self.max_model_len:
             self._finish(r, RequestStatus.FINISHED_LENGTH, None)
 
     def _finish(self, r: Request, status: RequestStatus, reason) -> None:

@@ -50,12 +50,11 @@ class EngineMetrics:
     def on_arrival(self) -> None:
         self.num_arrived += 1
 
-    def on_step(self, sched, seconds: float) -> None:
+    def on_step(self, num_prompt_tokens: int, seconds: float) -> None:
+        """A finished step: prompt tokens it computed, seconds from its launch to its result."""
         self.num_steps += 1
         self.busy_seconds += seconds
-        self.num_prompt_tokens += sum(
-            max(0, min(r.num_prompt_tokens, r.num_computed_tokens) - (r.num_computed_tokens - n))
-            for r, n in sched.scheduled)
+        self.num_prompt_tokens += num_prompt_tokens
 
     def on_first_token(self, ttft: float) -> None:
         self.ttft.append(ttft)

@@ -51,6 +51,10 @@ class Request:
     prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     num_computed_tokens: int = 0
+    # Asynchronous scheduling: tokens sampled by a launched step that are not on the host yet
+    # (0 or 1). They count in num_tokens, so the next step already computes them.
+    num_pending_tokens: int = 0
+    final_token_pending: bool = False  # the pending token is its last (length limit)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
@@ -64,11 +68,25 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt + output tokens, counting a pending one."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def all_token_ids(self) -> list[int]:
+        """Every token known on the host (a pending one is not)."""
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def allows_async(self) -> bool:
+        """Can its step stay in flight while the next is scheduled? Not when the next step's
+        host inputs need this step's tokens (penalty histories, n > 1 forks) or when it
+        records prompt logprobs."""
+        p = self.params
+        return p.n == 1 and not p.uses_penalties and p.prompt_logprobs is None
 
     @property
     def is_finished(self) -> bool:

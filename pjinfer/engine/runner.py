@@ -10,19 +10,22 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
 from pjinfer.config import ModelConfig
 from pjinfer.engine.config import EngineConfig
+from pjinfer.engine.executable_cache import ExecutableCache
 from pjinfer.engine.inputs import (
     BatchLayout,
+    Chunk,
     StepInputs,
     build_step_inputs,
     seq_buckets,
     token_buckets,
 )
-from pjinfer.engine.sampler import sample
+from pjinfer.engine.sampler import SamplerOutput, sample
 from pjinfer.engine.sampling_metadata import SamplingMetadata, SamplingRow
 from pjinfer.engine.step import (
     StepOptions,
@@ -39,6 +42,16 @@ from pjinfer.sharding.rules import kv_cache_sharding, layout_config, replicated
 log = logging.getLogger("pjinfer")
 CPU_KV_CACHE_BYTES = 256 << 20
 GiB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchedStep:
+    """A dispatched step whose outputs are still on (or on their way to) the device."""
+
+    sampled: SamplerOutput
+    prompt_logprobs: tuple[jax.Array, ...] | None
+    next_tokens: jax.Array  # [P] sampled tokens padded to max_num_seqs: the next prev_tokens
+    layout: BatchLayout
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,10 +85,18 @@ class ModelRunner:
         self._base_opts = StepOptions(cfg=self.cfg, max_model_len=max_model_len,
                                       backend=ecfg.attention_backend, mesh=mesh)
         self._compiled: dict[tuple, object] = {}
-        self._sample = jax.jit(sample, static_argnames=("max_logprobs",))
+        self._sample = jax.jit(partial(_sample_padded, width=ecfg.max_num_seqs),
+                               static_argnames=("max_logprobs",))
+        # prev_tokens of a step with no step before it (nothing pending)
+        self._no_prev_tokens = self._replicate(np.zeros(ecfg.max_num_seqs, np.int32))
         self._copy = jax.jit(copy_blocks, donate_argnums=0, **(
             {} if mesh is None else dict(out_shardings=self._cache_shardings())))
         self.num_compiles = 0
+        self.num_cache_loads = 0  # step executables read from the executable cache
+
+    def _replicate(self, x):
+        """On the device (every device of the mesh): step inputs the step reads as is."""
+        return jax.device_put(x, None if self.mesh is None else replicated(self.mesh))
 
     # ---- memory sizing ----------------------------------------------------------------
     def _num_blocks(self) -> int:
@@ -124,17 +145,33 @@ class ModelRunner:
         return 2 * (t * per_token + 3 * s * c.vocab_size * 4) + GiB
 
     # ---- compiled steps -----------------------------------------------------------------
-    def _compiled_step(self, opts: StepOptions, inputs: StepInputs):
+    def _compiled_step(self, opts: StepOptions, inputs: StepInputs, *, load: bool = True,
+                       compile: bool = True):
+        """The step executable for these shapes: from memory, else from the executable cache
+        (with `compilation_cache_dir`: no trace, no lowering), else compiled and stored there.
+        `load=False` skips the cache lookup; `compile=False` returns None instead."""
         key = (opts, inputs.token_ids.shape[0], inputs.logits_indices.shape[0])
         fn = self._compiled.get(key)
-        if fn is None:
-            start = time.perf_counter()
+        if fn is not None:
+            return fn
+        start, args = time.perf_counter(), (self.params, self.kv_caches, inputs)
+        disk = ExecutableCache.under(self.ecfg.compilation_cache_dir)
+        fn = disk.load("model_step", opts, args) if disk and load else None
+        if fn is not None:
+            self.num_cache_loads += 1
+            how = "loaded"
+        elif not compile:
+            return None
+        else:
             jitted = jax.jit(partial(model_step, opts=opts), donate_argnums=(1,),
                              **self._step_shardings(opts))
-            fn = jitted.lower(self.params, self.kv_caches, inputs).compile()
-            self._compiled[key] = fn
+            fn = jitted.lower(*args).compile()
             self.num_compiles += 1
-            log.debug("compiled step %s in %.1fs", key[1:], time.perf_counter() - start)
+            if disk:
+                disk.store("model_step", opts, args, fn)
+            how = "compiled"
+        self._compiled[key] = fn
+        log.debug("%s step %s in %.2fs", how, key[1:], time.perf_counter() - start)
         return fn
 
     def _cache_shardings(self):
@@ -154,13 +191,17 @@ class ModelRunner:
                     out_shardings=(rep, self._cache_shardings(), *extra))
 
     def warmup(self) -> int:
-        """Compile every (tokens, seqs) bucket the scheduler can produce, in parallel."""
+        """Load every (tokens, seqs) bucket the scheduler can produce from the executable cache
+        (serially: threads do not speed up loading), then compile the rest in parallel."""
         ecfg = self.ecfg
         shapes = [(s, s, True) for s in seq_buckets(ecfg.max_num_seqs)]
         shapes += [(t, s, False) for t in token_buckets(ecfg.max_num_batched_tokens)
                    for s in seq_buckets(ecfg.max_num_seqs) if s <= t]
+        missing = [shape for shape in shapes
+                   if self._compiled_step(*self._dummy(*shape), compile=False) is None]
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            list(pool.map(lambda shape: self._compiled_step(*self._dummy(*shape)), shapes))
+            list(pool.map(lambda shape: self._compiled_step(*self._dummy(*shape), load=False),
+                          missing))
         self._warm_sampler()
         return len(shapes)
 
@@ -181,7 +222,8 @@ class ModelRunner:
         attn = AttentionMetadata(slot_mapping=zeros(tokens),
                                  block_tables=zeros((seqs, self.max_blocks_per_seq)),
                                  seq_lens=zeros(seqs), query_start_loc=zeros(seqs + 1))
-        inputs = StepInputs(zeros(tokens), zeros(tokens), attn, zeros(seqs), zeros(tokens))
+        inputs = StepInputs(zeros(tokens), zeros(tokens), attn, zeros(seqs), zeros(tokens),
+                            np.full(tokens, -1, np.int32), self._no_prev_tokens)
         return replace(self._base_opts, decode_only=decode_only), inputs
 
     # ---- one step -------------------------------------------------------------------------
@@ -194,28 +236,45 @@ class ModelRunner:
         src[: len(copy_ops)], dst[: len(copy_ops)] = zip(*copy_ops, strict=True)
         self.kv_caches = self._copy(self.kv_caches, src, dst)
 
-    def execute(self, chunks: list[tuple[list[int], int, int, list[int]]],
-                rows: list[SamplingRow], *, max_logprobs: int = 0,
-                prompt_logprobs: int | None = None) -> StepResult:
+    def launch(self, chunks: list[Chunk], rows: list[SamplingRow], *, max_logprobs: int = 0,
+               prompt_logprobs: int | None = None,
+               prev: LaunchedStep | None = None) -> LaunchedStep:
+        """Dispatch the step and its sampler without waiting for either.
+
+        `prev` is the step before, possibly still running: chunks whose last token it sampled
+        (`Chunk.prev_row`) read that token on the device, so the host never waits for it.
+        """
+        prev_tokens = self._no_prev_tokens if prev is None else prev.next_tokens
         inputs, layout = build_step_inputs(
             chunks, block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq,
             max_num_batched_tokens=self.ecfg.max_num_batched_tokens,
-            max_num_seqs=self.ecfg.max_num_seqs)
+            max_num_seqs=self.ecfg.max_num_seqs, prev_tokens=prev_tokens)
         opts = replace(self._base_opts, decode_only=layout.decode_only,
                        prompt_logprobs=prompt_logprobs)
         fn = self._compiled_step(opts, inputs)
         out = fn(self.params, self.kv_caches, inputs)
         logits, self.kv_caches = out[0], out[1]
-        sampled = self._sample(logits, SamplingMetadata.build(rows, layout.padded_seqs),
-                               max_logprobs=max_logprobs)
-        return _to_host(sampled, out[2] if len(out) > 2 else None, layout)
+        sampled, next_tokens = self._sample(
+            logits, SamplingMetadata.build(rows, layout.padded_seqs), max_logprobs=max_logprobs)
+        return LaunchedStep(sampled, out[2] if len(out) > 2 else None, next_tokens, layout)
+
+    def fetch(self, step: LaunchedStep) -> StepResult:
+        """Wait for a launched step and copy what it produced to the host (one transfer)."""
+        n, t = step.layout.num_seqs, step.layout.num_tokens
+        s, p = jax.device_get((step.sampled, step.prompt_logprobs))
+        return StepResult(token_ids=s.token_ids[:n], logprobs=s.logprobs[:n],
+                          logprob_token_ids=s.logprob_token_ids[:n], ranks=s.ranks[:n],
+                          prompt_logprobs=None if p is None else tuple(a[:t] for a in p))
+
+    def execute(self, chunks: list[Chunk], rows: list[SamplingRow], *, max_logprobs: int = 0,
+                prompt_logprobs: int | None = None) -> StepResult:
+        """Launch and fetch: one synchronous step."""
+        return self.fetch(self.launch(chunks, rows, max_logprobs=max_logprobs,
+                                      prompt_logprobs=prompt_logprobs))
 
 
-def _to_host(sampled, prompt, layout: BatchLayout) -> StepResult:
-    n, t = layout.num_seqs, layout.num_tokens
-    host = jax.device_get((sampled, prompt))
-    s, p = host
-    return StepResult(token_ids=s.token_ids[:n], logprobs=s.logprobs[:n],
-                      logprob_token_ids=s.logprob_token_ids[:n], ranks=s.ranks[:n],
-                      prompt_logprobs=None if p is None else tuple(a[:t] for a in p))
-
+def _sample_padded(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int,
+                   width: int) -> tuple[SamplerOutput, jax.Array]:
+    """The sampler, plus its tokens padded to `width` rows: a fixed shape for the next step."""
+    out = sample(logits, md, max_logprobs=max_logprobs)
+    return out, jnp.zeros(width, jnp.int32).at[:out.token_ids.shape[0]].set(out.token_ids)

@@ -31,7 +31,7 @@ class SamplingRow:
     `seed` is the request's `SamplingParams.seed`, or, for unseeded requests, a seed the engine
     drew once when the request arrived (so its sampling still never depends on batch mates).
     For n > 1 the engine derives one seed per sequence (e.g. seed + index).
-    The PRNG step is len(output_token_ids): recomputation after preemption replays the same key.
+    The PRNG step is `num_output_tokens`: recomputation after preemption replays the same key.
     """
 
     params: SamplingParams
@@ -39,6 +39,12 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     seed: int
     eos_token_id: int | None = None
+    num_pending: int = 0  # output tokens sampled by a step whose result is not on the host yet
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Index of the token being sampled: the PRNG step and the min_tokens count."""
+        return len(self.output_token_ids) + self.num_pending
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +81,7 @@ class SamplingMetadata:
         return cls(
             **_scalar_fields(params, num_seqs_padded),
             seed_data=_seed_data(rows, num_seqs_padded),
-            steps=_padded([len(r.output_token_ids) for r in rows], num_seqs_padded, 0, np.int32),
+            steps=_padded([r.num_output_tokens for r in rows], num_seqs_padded, 0, np.int32),
             token_history=history,
             num_prompt_tokens=num_prompt,
             bias_token_ids=bias_ids,
@@ -168,7 +174,7 @@ def _logit_bias(params: Sequence[SamplingParams], size: int) -> tuple[np.ndarray
 
 def _suppressed_ids(rows: Sequence[SamplingRow], size: int) -> np.ndarray:
     """Stop ids (and eos unless ignore_eos) for rows still short of min_tokens, as in vLLM."""
-    per_row = [_stop_ids(r) if len(r.output_token_ids) < r.params.min_tokens else () for r in rows]
+    per_row = [_stop_ids(r) if r.num_output_tokens < r.params.min_tokens else () for r in rows]
     out = np.full((size, bucket(max(map(len, per_row), default=0), MIN_SUPPRESS_BUCKET)),
                   PAD_TOKEN_ID, dtype=np.int32)
     for i, ids in enumerate(per_row):

@@ -147,6 +147,8 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if request.final_token_pending:  # its last token is being sampled: nothing to do
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if self._allocate_or_preempt(request, num_new, out):
                 out.scheduled.append((request, num_new))

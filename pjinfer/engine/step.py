@@ -52,8 +52,9 @@ def model_step(params, kv_caches: KVCaches, inputs: StepInputs, *, opts: StepOpt
     spec = get_model_spec(cfg.architecture)
     attention = _paged_attention(opts)
     inv_freq = jnp.asarray(rope_inv_freq(cfg, opts.max_model_len))
-    hidden, kv_caches = spec.forward(params, cfg, inputs.token_ids, inputs.positions, kv_caches,
-                                     inputs.attn, attention=attention, inv_freq=inv_freq)
+    hidden, kv_caches = spec.forward(params, cfg, inputs.resolved_token_ids(), inputs.positions,
+                                     kv_caches, inputs.attn, attention=attention,
+                                     inv_freq=inv_freq)
     logits = spec.compute_logits(params, hidden[inputs.logits_indices])  # [S, V]
     if opts.prompt_logprobs is None:
         return logits, kv_caches

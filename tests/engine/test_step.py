@@ -8,12 +8,14 @@ import jax
 import numpy as np
 import pytest
 
-from pjinfer.engine.inputs import build_step_inputs
+from pjinfer.engine.inputs import Chunk, build_step_inputs
 from pjinfer.engine.step import StepOptions, init_kv_caches, model_step
 from pjinfer.models.dense import dense_logits
 from pjinfer.weights import load_model
 
 BLOCK_SIZE, NUM_BLOCKS, MAX_LEN = 16, 24, 128
+NO_PREV = np.zeros(8, np.int32)  # no previous step: nothing pending
+NO_PREV = np.zeros(8, np.int32)  # no previous step: nothing pending
 PROMPT = [1, 7, 99, 23, 54, 11, 8, 76, 33, 2, 19, 64, 5, 90, 41, 17, 88, 3, 60, 27, 12, 71, 45]
 
 
@@ -25,9 +27,10 @@ def _run_chunks(cfg, params, prompt, chunk: int, backend: str) -> np.ndarray:
     logits = []
     for start in range(0, len(prompt), chunk):
         n = min(chunk, len(prompt) - start)
-        inputs, layout = build_step_inputs([(prompt, start, n, table)], block_size=BLOCK_SIZE,
+        inputs, layout = build_step_inputs([Chunk(prompt, start, n, table)], block_size=BLOCK_SIZE,
                                            max_blocks_per_seq=MAX_LEN // BLOCK_SIZE,
-                                           max_num_batched_tokens=64, max_num_seqs=8)
+                                           max_num_batched_tokens=64, max_num_seqs=8,
+                                  prev_tokens=NO_PREV)
         opts = StepOptions(cfg=cfg, max_model_len=MAX_LEN, decode_only=layout.decode_only,
                            backend=backend, prompt_logprobs=1)
         step = jax.jit(partial(model_step, opts=opts), donate_argnums=(1,))
@@ -59,9 +62,10 @@ def test_paged_step_through_pallas_kernels(hf_models):
 def test_compiled_step_aliases_the_donated_cache(hf_models):
     cfg, params = load_model(hf_models["llama"], dtype="float32")
     caches = init_kv_caches(cfg, NUM_BLOCKS, BLOCK_SIZE, params["embed"].dtype)
-    inputs, _ = build_step_inputs([(PROMPT, 0, 5, [3, 4])], block_size=BLOCK_SIZE,
+    inputs, _ = build_step_inputs([Chunk(PROMPT, 0, 5, [3, 4])], block_size=BLOCK_SIZE,
                                   max_blocks_per_seq=MAX_LEN // BLOCK_SIZE,
-                                  max_num_batched_tokens=64, max_num_seqs=8)
+                                  max_num_batched_tokens=64, max_num_seqs=8,
+                                  prev_tokens=NO_PREV)
     step = jax.jit(partial(model_step, opts=StepOptions(cfg=cfg, max_model_len=MAX_LEN)),
                    donate_argnums=(1,))
     compiled = step.lower(params, caches, inputs).compile()
@@ -71,3 +75,25 @@ def test_compiled_step_aliases_the_donated_cache(hf_models):
     _, new_caches = compiled(params, caches, inputs)
     assert new_caches[0][0].unsafe_buffer_pointer() == before
     assert caches[0][0].is_deleted()
+
+
+def test_pending_token_is_read_from_the_previous_steps_tokens(hf_models):
+    """Asynchronous scheduling: a token not yet on the host comes from `prev_tokens` on device
+    and gives the same logits as the same token given on the host."""
+    cfg, params = load_model(hf_models["llama"], dtype="float32")
+    step = jax.jit(partial(model_step, opts=StepOptions(cfg=cfg, max_model_len=MAX_LEN)))
+    kwargs = dict(block_size=BLOCK_SIZE, max_blocks_per_seq=MAX_LEN // BLOCK_SIZE,
+                  max_num_batched_tokens=64, max_num_seqs=8)
+    prefix, last = PROMPT[:-1], PROMPT[-1]
+    known, _ = build_step_inputs([Chunk(PROMPT, 0, len(PROMPT), [3, 4])], prev_tokens=NO_PREV,
+                                 **kwargs)
+    prev = np.zeros(8, np.int32)
+    prev[5] = last
+    pending, _ = build_step_inputs([Chunk(prefix, 0, len(PROMPT), [3, 4], prev_row=5)],
+                                   prev_tokens=prev, **kwargs)
+    assert pending.token_ids[len(PROMPT) - 1] == 0 and pending.prev_rows[len(PROMPT) - 1] == 5
+    caches = init_kv_caches(cfg, NUM_BLOCKS, BLOCK_SIZE, params["embed"].dtype)
+    want, _ = step(params, caches, known)
+    caches = init_kv_caches(cfg, NUM_BLOCKS, BLOCK_SIZE, params["embed"].dtype)
+    got, _ = step(params, caches, pending)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pjinfer.engine.config import EngineConfig
-from pjinfer.engine.inputs import build_step_inputs
+from pjinfer.engine.inputs import Chunk, build_step_inputs
 from pjinfer.engine.runner import ModelRunner
 from pjinfer.engine.step import StepOptions, init_kv_caches, model_step
 from pjinfer.sharding.loading import load_sharded_model
@@ -18,6 +18,7 @@ from pjinfer.sharding.rules import kv_cache_sharding, layout_config
 from pjinfer.weights import load_model
 
 BLOCK_SIZE, NUM_BLOCKS, MAX_LEN = 16, 24, 128
+NO_PREV = np.zeros(8, np.int32)  # no previous step: nothing pending
 PROMPT = [1, 7, 99, 23, 54, 11, 8, 76, 33, 2, 19, 64, 5, 90, 41, 17, 88, 3, 60]
 TABLE = [5, 2, 9, 14, 3, 20, 7, 11]
 # One jit: StepOptions (mesh included) is a static argument, so decode steps reuse a compile.
@@ -26,9 +27,10 @@ _REFERENCE: dict[tuple, np.ndarray] = {}
 
 
 def _step(cfg, params, caches, chunk: tuple, mesh, backend: str):
-    inputs, layout = build_step_inputs([(*chunk, TABLE)], block_size=BLOCK_SIZE,
+    inputs, layout = build_step_inputs([Chunk(*chunk, TABLE)], block_size=BLOCK_SIZE,
                                        max_blocks_per_seq=MAX_LEN // BLOCK_SIZE,
-                                       max_num_batched_tokens=32, max_num_seqs=8)
+                                       max_num_batched_tokens=32, max_num_seqs=8,
+                                       prev_tokens=NO_PREV)
     opts = StepOptions(cfg=cfg, max_model_len=MAX_LEN, decode_only=layout.decode_only,
                        backend=backend, mesh=mesh)
     logits, caches = STEP(params, caches, inputs, opts=opts)  # committed sharded inputs
