@@ -42,12 +42,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(f"--{flag}", type=kind, default=None, help=text)
     group.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
                        action="store_false", default=None, help="prefill prompts whole")
+    group.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                       default=None, help="finish every step before scheduling the next")
     group.add_argument("--config", default=None, help="TOML run config (flags override it)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine arguments the user set; a config-only model folder gets a synthetic tokenizer."""
-    names = [f.replace("-", "_") for f in _ENGINE_FLAGS] + ["enable_chunked_prefill"]
+    names = [f.replace("-", "_") for f in _ENGINE_FLAGS] + ["enable_chunked_prefill",
+                                                             "async_scheduling"]
     kwargs = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     if kwargs.get("model") and not kwargs.get("tokenizer") and not has_tokenizer(kwargs["model"]):
         kwargs["tokenizer"] = str(synthetic_tokenizer_dir(_vocab_size(kwargs["model"])))

@@ -37,12 +37,13 @@ def start_run(command: str, args: Any, argv: list[str]) -> tuple[dict, Any, Any]
 def run_requests(engine: Any, reqs: Sequence[SampleRequest], *, desc: str = "requests",
                  progress: bool = True) -> list[Any]:
     """Submit all requests at once (offline), step until done; finished outputs in input order."""
-    from pjinfer import SamplingParams
+    from pjinfer import RequestOutputKind, SamplingParams
 
     ids = []
     for r in reqs:
         ids.append(f"bench-{next(_ids)}")
-        params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=1.0)
+        params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=1.0,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
         engine.add_request(ids[-1], r.prompt, params)
     done: dict[str, Any] = {}
     bar = Progress(len(ids), desc, enabled=progress)

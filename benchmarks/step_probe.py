@@ -49,7 +49,8 @@ def _chunks(kind: str, rng: np.random.Generator) -> list:
         blocks = -(-length // 16)
         table = list(range(next_block, next_block + blocks))
         next_block += blocks
-        chunks.append(Chunk(rng.integers(0, 1000, length).tolist(), computed, new, table))
+        ids = rng.integers(0, 1000, length).tolist()
+        chunks.append(Chunk(ids[computed:computed + new], computed, new, table))
     return chunks
 
 
@@ -66,7 +67,7 @@ def probe(backend: str) -> dict[str, float]:
     params, rng, out = SamplingParams(temperature=0, max_tokens=4), np.random.default_rng(0), {}
     for kind in LAYOUTS:
         chunks = _chunks(kind, rng)
-        rows = [SamplingRow(params, c.token_ids, [], 0, None) for c in chunks]
+        rows = [SamplingRow(params, c.new_token_ids, [], 0, None) for c in chunks]
         runner = engine.runner
         runner.execute(chunks, rows)  # compile
         times = []

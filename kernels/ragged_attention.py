@@ -31,13 +31,16 @@ from pjinfer.kernels.metadata import (
 class RaggedBlockSizes:
     """Static tiling of the ragged kernel.
 
-    Defaults: best sum over 1 x 2048 and 8 x 512 prefills on an H200 (bf16, Llama-3-8B
-    heads, block size 16): 0.27 ms and 0.19 ms; block_q 64 with 4 warps was 2.5x slower.
+    Defaults: the best summed time over three layouts on an H200 (bf16, Llama-3-8B heads,
+    block size 16; `benchmarks/bench_attention.py`, 108 tilings): 1 x 2048 prefill 0.286 ms,
+    8 x 512 prefill 0.196 ms, and 255 decodes at 1k context beside a 1,792-token chunk
+    0.746 ms, where the earlier default (block_q 32, 8 warps) took 1.125 ms: a decode row
+    wastes less of a 16-token tile, and 4 warps suit the small dots.
     """
 
-    block_q: int = 32  # query tokens per tile (times G rows per dot)
+    block_q: int = 16  # query tokens per tile (times G rows per dot)
     pages_per_compute_block: int = 2  # pages gathered per inner-loop step
-    num_warps: int = 8
+    num_warps: int = 4
     num_stages: int = 2
 
     def __post_init__(self) -> None:

@@ -44,6 +44,8 @@ ENGINE_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--max-num-batched-tokens": ("max_num_batched_tokens", int, "token budget of one step"),
     "--enable-chunked-prefill": ("enable_chunked_prefill", BOOL, "split long prompts over "
                                  "steps (default on)"),
+    "--async-scheduling": ("async_scheduling", BOOL, "schedule step t+1 while step t runs "
+                           "(default on)"),
     "--scheduling-policy": ("scheduling_policy", str, "fcfs or priority"),
     "--max-waiting-requests": ("max_waiting_requests", int, "queue length past which requests "
                                "get 503"),

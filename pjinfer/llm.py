@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.engine import LLMEngine
 from pjinfer.outputs import RequestOutput
-from pjinfer.sampling_params import SamplingParams
+from pjinfer.sampling_params import RequestOutputKind, SamplingParams
 from pjinfer.tokenizer import apply_chat_template
 
 Prompt = str | Sequence[int]
@@ -42,7 +43,8 @@ class LLM:
                  ) -> list[RequestOutput]:
         """One finished RequestOutput per prompt, in the order given."""
         prompts = _as_list(prompts)
-        params = _broadcast(sampling_params, len(prompts))
+        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                  for p in _broadcast(sampling_params, len(prompts))]
         ids = []
         try:
             for prompt, p in zip(prompts, params, strict=True):

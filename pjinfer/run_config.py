@@ -37,6 +37,7 @@ SCHEMA: dict[str, dict[str, tuple[str | None, type]]] = {
         "max_num_seqs": ("max_num_seqs", int),
         "max_num_batched_tokens": ("max_num_batched_tokens", int),
         "enable_chunked_prefill": ("enable_chunked_prefill", bool),
+        "async_scheduling": ("async_scheduling", bool),
         "scheduling_policy": ("scheduling_policy", str),
         "max_waiting_requests": ("max_waiting_requests", int),
         "request_timeout": ("request_timeout", float),

@@ -7,6 +7,7 @@ copied, so a caller mutating its own list or dict later cannot change a running 
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,13 @@ MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs; also bounds the sampler's sta
 MAX_N = 128  # Sequences per request; each one is a full sequence in the batch.
 GREEDY_TEMPERATURE = 1e-5  # Below this vLLM samples greedily: dividing by it overflows f32.
 _PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for presence/frequency penalties.
+
+
+class RequestOutputKind(enum.Enum):
+    """Which outputs `LLMEngine.step()` returns for a request (vLLM's names)."""
+
+    CUMULATIVE = "cumulative"  # every step that changes it: everything generated so far
+    FINAL_ONLY = "final_only"  # only the finished output (offline batches: no per-step copies)
 
 
 def _is_int(value: Any) -> bool:
@@ -102,6 +110,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -168,6 +177,8 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:

@@ -28,7 +28,7 @@ from pjinfer.engine.sampling_metadata import SamplingRow
 from pjinfer.engine.scheduler import POLICIES, Scheduler, SchedulerConfig, SchedulerOutput
 from pjinfer.errors import EngineOverloadedError
 from pjinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pjinfer.sampling_params import SamplingParams
+from pjinfer.sampling_params import RequestOutputKind, SamplingParams
 from pjinfer.sharding.loading import load_sharded_model, shard_params
 from pjinfer.sharding.mesh import make_mesh
 from pjinfer.tokenizer import load_tokenizer
@@ -210,7 +210,7 @@ class LLMEngine:
             changed |= self._complete(launched)
             self._in_flight = None
         self.metrics.num_preemptions = self.scheduler.num_preemptions
-        outputs = [self._output(gid) for gid in changed if gid in self._groups]
+        outputs = [self._output(gid) for gid in changed if self._reports(gid)]
         for out in outputs:
             if out.finished:
                 self._finish_group(out.request_id)
@@ -225,8 +225,11 @@ class LLMEngine:
         max_logprobs, prompt_lp = 0, None
         for r, n in sched.scheduled:
             prev_row = prev.sampled_rows[r.request_id] if r.num_pending_tokens else -1
-            chunks.append(Chunk(r.all_token_ids, r.num_computed_tokens, n,
-                                self.kv.block_table(r.request_id), prev_row))
+            start = r.num_computed_tokens
+            following = r.token_ids_between(start + 1, start + n + 1) \
+                if r.wants_prompt_logprobs else None
+            chunks.append(Chunk(r.token_ids_between(start, start + n), start, n,
+                                self.kv.block_table(r.request_id), prev_row, following))
             rows.append(SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.seed,
                                     r.eos_token_id, r.num_pending_tokens))
             if r.params.logprobs is not None:
@@ -341,6 +344,14 @@ class LLMEngine:
         r.finish(status, reason)
         if r.detokenizer is not None and not r.detokenizer.finished:
             r.detokenizer.flush()
+
+    def _reports(self, group_id: str) -> bool:
+        """Does this changed group get an output now? (FINAL_ONLY requests: once finished.)"""
+        group = self._groups.get(group_id)
+        if group is None:
+            return False
+        return group[0].params.output_kind is RequestOutputKind.CUMULATIVE or all(
+            r.is_finished for r in group)
 
     def _finish_group(self, group_id: str) -> None:
         group = self._groups.pop(group_id)

@@ -7,6 +7,7 @@ padding: padded sequences have no context and the matmuls are bandwidth-bound).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import jax
@@ -74,13 +75,14 @@ class StepInputs:
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
-    """One sequence's share of a step."""
+    """One sequence's share of a step: positions [num_computed, num_computed + num_new)."""
 
-    token_ids: list[int]  # every token known on the host (prompt + output)
+    new_token_ids: list[int]  # their tokens known on the host: all, or all but a pending last
     num_computed: int  # tokens whose KV is already in the cache
     num_new: int  # tokens this step computes
     block_table: list[int]
     prev_row: int = -1  # its row in the previous step, when its last token is still pending
+    next_token_ids: list[int] | None = None  # tokens one position later (prompt logprobs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,44 +97,75 @@ class BatchLayout:
 def build_step_inputs(chunks: list[Chunk], *, block_size: int, max_blocks_per_seq: int,
                       max_num_batched_tokens: int, max_num_seqs: int,
                       prev_tokens: jax.Array | np.ndarray) -> tuple[StepInputs, BatchLayout]:
-    """One padded ragged batch; `prev_tokens` [P] are the previous step's sampled tokens."""
-    q_lens = np.array([c.num_new for c in chunks], np.int32)
-    num_tokens, num_seqs = int(q_lens.sum()), len(chunks)
+    """One padded ragged batch; `prev_tokens` [P] are the previous step's sampled tokens.
+
+    Vectorised over tokens (a step can hold a thousand sequences): Python touches each chunk
+    only to concatenate its lists.
+    """
+    num_seqs = len(chunks)
+    q_lens = np.fromiter((c.num_new for c in chunks), np.int32, num_seqs)
+    computed = np.fromiter((c.num_computed for c in chunks), np.int32, num_seqs)
+    num_tokens = int(q_lens.sum())
     decode_only = bool(np.all(q_lens == 1))
     s_pad = bucket_seqs(num_seqs, max_num_seqs)
     t_pad = s_pad if decode_only else max(bucket_tokens(num_tokens, max_num_batched_tokens),
                                           s_pad)
     layout = BatchLayout(num_tokens, num_seqs, t_pad, s_pad, decode_only)
 
-    token_ids = np.zeros(t_pad, np.int32)
-    next_ids = np.zeros(t_pad, np.int32)
-    positions = np.zeros(t_pad, np.int32)
-    prev_rows = np.full(t_pad, -1, np.int32)
-    slots = np.zeros(t_pad, np.int32)  # padding writes land in the null block 0
-    tables = np.zeros((s_pad, max_blocks_per_seq), np.int32)
-    seq_lens = np.zeros(s_pad, np.int32)
     qsl = np.zeros(s_pad + 1, np.int32)
     qsl[1:num_seqs + 1] = np.cumsum(q_lens)
     qsl[num_seqs + 1:] = num_tokens
-    for i, c in enumerate(chunks):
-        start, end = qsl[i], qsl[i + 1]
-        all_ids, num_computed, num_new, table = (c.token_ids, c.num_computed, c.num_new,
-                                                 c.block_table)
-        pos = np.arange(num_computed, num_computed + num_new, dtype=np.int32)
-        row = np.asarray(table, np.int32)
-        known = all_ids[num_computed:num_computed + num_new]
-        token_ids[start:start + len(known)] = known
-        if len(known) < num_new:  # only the last token can still be on the device
-            prev_rows[end - 1] = c.prev_row
-        following = all_ids[num_computed + 1:num_computed + num_new + 1]
-        next_ids[start:start + len(following)] = following
-        positions[start:end] = pos
-        slots[start:end] = row[pos // block_size] * block_size + pos % block_size
-        tables[i, :len(row)] = row
-        seq_lens[i] = num_computed + num_new
+    seq_of_token = np.repeat(np.arange(num_seqs, dtype=np.int32), q_lens)  # [N]
+    positions = np.zeros(t_pad, np.int32)
+    positions[:num_tokens] = np.arange(num_tokens, dtype=np.int32) + np.repeat(
+        computed - qsl[:num_seqs], q_lens)
+    tables = _block_tables(chunks, s_pad, max_blocks_per_seq)
+    slots = np.zeros(t_pad, np.int32)  # padding writes land in the null block 0
+    pos = positions[:num_tokens]
+    slots[:num_tokens] = tables[seq_of_token, pos // block_size] * block_size + pos % block_size
+    token_ids, prev_rows = _token_ids(chunks, q_lens, qsl, t_pad)
+    seq_lens = np.zeros(s_pad, np.int32)
+    seq_lens[:num_seqs] = computed + q_lens
     logits_indices = np.zeros(s_pad, np.int32)
     logits_indices[:num_seqs] = qsl[1:num_seqs + 1] - 1
     attn = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
                              query_start_loc=qsl)
-    return StepInputs(token_ids, positions, attn, logits_indices, next_ids, prev_rows,
-                      prev_tokens), layout
+    return StepInputs(token_ids, positions, attn, logits_indices,
+                      _next_token_ids(chunks, qsl, t_pad), prev_rows, prev_tokens), layout
+
+
+def _block_tables(chunks: list[Chunk], s_pad: int, width: int) -> np.ndarray:
+    """[S, width] int32: each chunk's table left-aligned, zeros (the null block) after."""
+    tables = np.zeros((s_pad, width), np.int32)
+    lens = np.fromiter((len(c.block_table) for c in chunks), np.int64, len(chunks))
+    flat = np.fromiter(itertools.chain.from_iterable(c.block_table for c in chunks), np.int32,
+                       int(lens.sum()))
+    rows = np.repeat(np.arange(len(chunks)), lens)
+    cols = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)
+    tables[rows, cols] = flat
+    return tables
+
+
+def _token_ids(chunks: list[Chunk], q_lens: np.ndarray, qsl: np.ndarray,
+               t_pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids [T] and prev_rows [T]: a pending last token is 0 here, read on device."""
+    token_ids = np.zeros(t_pad, np.int32)
+    prev_rows = np.full(t_pad, -1, np.int32)
+    known = np.fromiter((len(c.new_token_ids) for c in chunks), np.int64, len(chunks))
+    pending = np.flatnonzero(known < q_lens)  # only a chunk's last token can be pending
+    prev_rows[qsl[pending + 1] - 1] = [chunks[i].prev_row for i in pending]
+    keep = np.ones(int(qsl[len(chunks)]), bool)
+    keep[qsl[pending + 1] - 1] = False
+    flat = np.fromiter(itertools.chain.from_iterable(c.new_token_ids for c in chunks), np.int32,
+                       int(known.sum()))
+    token_ids[:len(keep)][keep] = flat
+    return token_ids, prev_rows
+
+
+def _next_token_ids(chunks: list[Chunk], qsl: np.ndarray, t_pad: int) -> np.ndarray:
+    """[T]: the token after each one, for prompt logprobs; 0 where unknown or not asked."""
+    out = np.zeros(t_pad, np.int32)
+    for i, c in enumerate(chunks):
+        if c.next_token_ids:
+            out[qsl[i]:qsl[i] + len(c.next_token_ids)] = c.next_token_ids
+    return out

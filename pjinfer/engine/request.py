@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pjinfer.engine.detokenizer import IncrementalDetokenizer
@@ -24,6 +25,35 @@ class RequestStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         return self.value in ("stop", "length", "abort", "timeout")
+
+
+class TokenIds(Sequence[int]):
+    """Read-only view of a request's prompt + output tokens: the scheduler reads a sequence's
+    tokens every step (prefix-cache keys of newly full blocks), and copying thousands of ids
+    per sequence per step would cost more than the step's other host work."""
+
+    __slots__ = ("_request",)
+
+    def __init__(self, request: Request):
+        self._request = request
+
+    def __len__(self) -> int:
+        return len(self._request.prompt_token_ids) + len(self._request.output_token_ids)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return list(self)[index]
+            return self._request.token_ids_between(start, stop)
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("token index out of range")
+        num_prompt = len(self._request.prompt_token_ids)
+        if index < num_prompt:
+            return self._request.prompt_token_ids[index]
+        return self._request.output_token_ids[index - num_prompt]
 
 
 @dataclass(eq=False)
@@ -76,9 +106,18 @@ class Request:
         return len(self.output_token_ids) + self.num_pending_tokens
 
     @property
-    def all_token_ids(self) -> list[int]:
-        """Every token known on the host (a pending one is not)."""
-        return self.prompt_token_ids + self.output_token_ids
+    def all_token_ids(self) -> TokenIds:
+        """Every token known on the host (a pending one is not), as a view: no copy."""
+        return TokenIds(self)
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """Known tokens at positions [start, end), without copying the whole sequence."""
+        prompt, num_prompt = self.prompt_token_ids, len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
+        if end <= num_prompt:
+            return prompt[start:end]
+        return prompt[start:] + self.output_token_ids[:end - num_prompt]
 
     @property
     def allows_async(self) -> bool:

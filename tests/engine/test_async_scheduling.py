@@ -59,3 +59,4 @@ def test_max_model_len_ends_generation_without_an_extra_step():
                                                            ignore_eos=True))
     assert out.outputs[0].finish_reason == "length"
     assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 24
+

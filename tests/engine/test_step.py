@@ -27,7 +27,9 @@ def _run_chunks(cfg, params, prompt, chunk: int, backend: str) -> np.ndarray:
     logits = []
     for start in range(0, len(prompt), chunk):
         n = min(chunk, len(prompt) - start)
-        inputs, layout = build_step_inputs([Chunk(prompt, start, n, table)], block_size=BLOCK_SIZE,
+        inputs, layout = build_step_inputs([Chunk(prompt[start:start + n], start, n, table,
+                                                  next_token_ids=prompt[start + 1:start + n + 1])],
+                                           block_size=BLOCK_SIZE,
                                            max_blocks_per_seq=MAX_LEN // BLOCK_SIZE,
                                            max_num_batched_tokens=64, max_num_seqs=8,
                                   prev_tokens=NO_PREV)
@@ -62,7 +64,7 @@ def test_paged_step_through_pallas_kernels(hf_models):
 def test_compiled_step_aliases_the_donated_cache(hf_models):
     cfg, params = load_model(hf_models["llama"], dtype="float32")
     caches = init_kv_caches(cfg, NUM_BLOCKS, BLOCK_SIZE, params["embed"].dtype)
-    inputs, _ = build_step_inputs([Chunk(PROMPT, 0, 5, [3, 4])], block_size=BLOCK_SIZE,
+    inputs, _ = build_step_inputs([Chunk(PROMPT[:5], 0, 5, [3, 4])], block_size=BLOCK_SIZE,
                                   max_blocks_per_seq=MAX_LEN // BLOCK_SIZE,
                                   max_num_batched_tokens=64, max_num_seqs=8,
                                   prev_tokens=NO_PREV)

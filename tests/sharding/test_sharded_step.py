@@ -59,7 +59,8 @@ def _greedy_logits(path, tp: int, backend: str = "reference", steps: int = 3) ->
     for _ in range(steps):
         out.append(logits)
         tokens.append(int(np.argmax(logits)))
-        logits, caches = _step(cfg, params, caches, (tokens, len(tokens) - 1, 1), mesh, backend)
+        logits, caches = _step(cfg, params, caches, (tokens[-1:], len(tokens) - 1, 1), mesh,
+                              backend)
     return np.stack(out + [logits])
 
 
