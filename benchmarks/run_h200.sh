@@ -9,8 +9,10 @@
 #
 # Each stage fits one 10-minute device command; every step has its own time limit, and a
 # failed step is logged and skipped so the others still report. Results: one JSON per step,
-# all in $OUT/bench_json.tar.gz (unpack into benchmarks/results/), the log in
-# $OUT/bench_log.txt. Sizes are modest (see RESULTS.md for the full workloads).
+# all in $OUT/bench_json_<stages>.tar.gz (unpack into benchmarks/results/), the log in
+# $OUT/bench_log_<stages>.txt. W3/W4 run the full 1,000 prompts (N_W3/N_W4 override);
+# transformers runs 256 prompts in one static batch. Two invocations can run at once on two
+# GPUs (CUDA_VISIBLE_DEVICES=0 ... pjinfer & CUDA_VISIBLE_DEVICES=1 ... hf serve).
 set -uo pipefail
 
 SMOKE=0
@@ -19,9 +21,11 @@ STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(pjinfer)
 REPO=$(pwd)
 OUT=${OUT:-$REPO/benchmarks/results/run_$(date +%Y%m%d_%H%M%S)}
-JSON=/tmp/pjinfer-bench/json   # outside $OUT: the device returns at most 8 files
+# One folder, tarball and log per stage list, so two invocations (one per GPU) can share $OUT.
+TAG=$(IFS=_; echo "${STAGES[*]}")
+JSON=/tmp/pjinfer-bench/json-$TAG   # outside $OUT: the device returns at most 8 files
 rm -rf "$JSON" && mkdir -p "$JSON" "$OUT"
-LOG=$OUT/bench_log.txt
+LOG=$OUT/bench_log_$TAG.txt
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # `python -m` would put the cwd (the repo, whose pjinfer/ lacks the mapped subpackages) first.
@@ -45,9 +49,10 @@ if [ $SMOKE = 1 ]; then
   W2=(--batch-size 2 --input-len 8 --output-len 6); W5_N=6; RATES=(4 16); T=120
 else
   MODEL=(--model configs/models/llama3-8b --load-format dummy --dtype bfloat16)
-  ENGINE=(--max-num-seqs 256 --max-num-batched-tokens 2048)
+  # 512 sequences per step: W3/W4 steps then carry ~4x as many decodes per prefill token
+  ENGINE=(--max-num-seqs ${MAX_SEQS:-512} --max-num-batched-tokens ${MAX_TOKENS:-2048})
   HF_MODEL=configs/models/llama3-8b
-  N_W3=300; N_W4=500; IN_W1=512; OUT_W1=512; ITERS=3; HF_N=256; HF_B=256; W3_IN=1024; W3_OUT=256
+  N_W3=${N_W3:-1000}; N_W4=${N_W4:-1000}; IN_W1=512; OUT_W1=512; ITERS=3; HF_N=256; HF_B=256; W3_IN=1024; W3_OUT=256
   W2=(--batch-size 8 --input-len 32 --output-len 128); W5_N=200; RATES=(4 16); T=1
 fi
 CACHE=/tmp/pjinfer-jax-cache
@@ -55,7 +60,8 @@ BENCH=($PY -m pjinfer.benchmarks.cli)
 HF=($PY benchmarks/hf_baseline.py)
 
 log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$LOG"; }
-pack() { tar -C "$(dirname "$JSON")" -czf "$OUT/bench_json.tar.gz" json 2>/dev/null; }
+pack() { tar -C "$(dirname "$JSON")" -czf "$OUT/bench_json_$TAG.tar.gz" "$(basename "$JSON")" \
+    2>/dev/null; }
 # step NAME SECONDS CMD...: run with a time limit (scaled by T in smoke mode: T=1 is full),
 # log its output, keep going on failure.
 step() {
@@ -75,16 +81,21 @@ stage_pjinfer() {
   step roofline 90 "${BENCH[@]}" roofline "${MODEL[@]:0:2}" --batch-size 1 --input-len 512 \
       --output-len 512 --output-json "$JSON/roofline.json"
   # W3 first, on an empty compilation cache: its startup_s is the cold start.
-  step w3_throughput 200 "${BENCH[@]}" throughput "${MODEL[@]}" "${ENGINE[@]}" \
+  step w3_throughput 270 "${BENCH[@]}" throughput "${MODEL[@]}" "${ENGINE[@]}" \
       --compilation-cache-dir "$CACHE" --num-prompts $N_W3 --input-len $W3_IN \
       --output-len $W3_OUT --warmup-requests 8 --output-json "$JSON/w3_throughput.json"
   # Same engine again in a new process: startup_s is the warm restart (cache hits).
   step startup_warm 120 "${BENCH[@]}" throughput "${MODEL[@]}" "${ENGINE[@]}" \
       --compilation-cache-dir "$CACHE" --num-prompts 8 --input-len 128 --output-len 16 \
       --warmup-requests 0 --no-roofline --output-json "$JSON/startup_warm.json"
-  step w4_throughput 120 "${BENCH[@]}" throughput "${MODEL[@]}" "${ENGINE[@]}" \
+  step w4_throughput 150 "${BENCH[@]}" throughput "${MODEL[@]}" "${ENGINE[@]}" \
       --compilation-cache-dir "$CACHE" --dataset synthetic-sharegpt --num-prompts $N_W4 \
       --warmup-requests 8 --output-json "$JSON/w4_throughput.json"
+  # The previous default batch (256 sequences), for comparison.
+  step w4_throughput_seqs256 150 "${BENCH[@]}" throughput "${MODEL[@]}" \
+      --max-num-seqs 256 --max-num-batched-tokens 2048 \
+      --compilation-cache-dir "$CACHE" --dataset synthetic-sharegpt --num-prompts $N_W4 \
+      --warmup-requests 8 --output-json "$JSON/w4_throughput_seqs256.json"
   step w1_latency 120 "${BENCH[@]}" latency "${MODEL[@]}" "${ENGINE[@]}" \
       --compilation-cache-dir "$CACHE" --batch-size 1 --input-len $IN_W1 --output-len $OUT_W1 \
       --num-iters $ITERS --num-iters-warmup 1 --output-json "$JSON/w1_latency.json"
