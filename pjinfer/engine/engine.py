@@ -225,10 +225,10 @@ class LLMEngine:
         max_logprobs, prompt_lp = 0, None
         for r, n in sched.scheduled:
             prev_row = prev.sampled_rows[r.request_id] if r.num_pending_tokens else -1
-            start = r.num_computed_tokens
-            following = r.token_ids_between(start + 1, start + n + 1) \
+            first = r.num_computed_tokens
+            following = r.token_ids_between(first + 1, first + n + 1) \
                 if r.wants_prompt_logprobs else None
-            chunks.append(Chunk(r.token_ids_between(start, start + n), start, n,
+            chunks.append(Chunk(r.token_ids_between(first, first + n), first, n,
                                 self.kv.block_table(r.request_id), prev_row, following))
             rows.append(SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.seed,
                                     r.eos_token_id, r.num_pending_tokens))

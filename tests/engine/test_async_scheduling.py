@@ -5,6 +5,8 @@ batches around a request differ, so its matmuls may be padded differently)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pjinfer import LLM, SamplingParams
@@ -60,3 +62,11 @@ def test_max_model_len_ends_generation_without_an_extra_step():
     assert out.outputs[0].finish_reason == "length"
     assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 24
 
+
+
+def test_busy_time_is_wall_time_from_launch_to_result():
+    llm = LLM(warmup=False)
+    start = time.perf_counter()
+    llm.generate(PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    busy = llm.engine.metrics.busy_seconds
+    assert 0 < busy < 2 * (time.perf_counter() - start)  # overlapping steps count twice at most
