@@ -40,18 +40,8 @@ JSON=/tmp/pjinfer-bench-tp/json   # outside $OUT: the device returns at most 8 f
 rm -rf "$JSON" && mkdir -p "$JSON" "$OUT"
 LOG=$OUT/bench_log.txt
 PY=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-# `python -m` would put the cwd (the repo, whose pjinfer/ lacks the mapped subpackages) first.
-export PYTHONSAFEPATH=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-
-# Wheels carried in .whl/ (starlette, uvicorn, ...) go to /tmp/site without touching the image.
-if ls .whl/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-# Import the repository as `pjinfer` without installing it.
-eval "$(bash benchmarks/make_shim.sh "$REPO" /tmp/pjinfer-shim)"
+# Environment, carried wheels, `pjinfer` importable from the checkout.
+source "$REPO/benchmarks/device_env.sh"
 
 if [ $SMOKE = 1 ]; then
   # Two CPU devices, so tp=2 has a mesh to shard over.

@@ -1,0 +1,14 @@
+# Sourced by the device run scripts (run_h200.sh, run_tp.sh) after setting REPO and PY:
+# the environment every benchmark process on the device machine needs.
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# `python -m` would put the cwd (the repo, whose pjinfer/ lacks the mapped subpackages) first.
+export PYTHONSAFEPATH=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+# Wheels carried in .whl/ (starlette, uvicorn, ...) go to /tmp/site without touching the image.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# Import the repository as `pjinfer` without installing it.
+eval "$(bash "$REPO/benchmarks/make_shim.sh" "$REPO" /tmp/pjinfer-shim)"
