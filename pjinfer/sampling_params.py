@@ -178,7 +178,8 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
-            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+            kinds = ", ".join(f"RequestOutputKind.{k.name}" for k in RequestOutputKind)
+            raise ValueError(f"output_kind must be one of {kinds}, got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:

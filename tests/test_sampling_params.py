@@ -101,3 +101,12 @@ def test_check_vocab_rejects_out_of_range_ids() -> None:
     SamplingParams(stop_token_ids=[99], logit_bias={50: 1.0}).check_vocab(100)
     with pytest.raises(ValueError, match="vocab_size=100"):
         SamplingParams(logit_bias={100: 1.0}).check_vocab(100)
+
+
+def test_output_kind_must_be_the_enum():
+    from pjinfer import RequestOutputKind
+
+    assert SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY).output_kind.value == \
+        "final_only"
+    with pytest.raises(ValueError, match="RequestOutputKind.FINAL_ONLY"):
+        SamplingParams(output_kind="final")

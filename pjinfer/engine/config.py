@@ -49,6 +49,8 @@ class EngineConfig:
                        "tensor_parallel_size", "max_waiting_requests")
         _positive_ints(self, *(n for n in ("max_model_len", "num_kv_blocks", "kv_cache_memory")
                                if getattr(self, n) is not None))
+        _bools(self, "enable_prefix_caching", "enable_chunked_prefill", "async_scheduling",
+               "warmup")
         if self.block_size & (self.block_size - 1) or self.block_size > 256:
             raise ValueError(f"block_size must be a power of two <= 256, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -83,6 +85,12 @@ def _positive_ints(cfg: EngineConfig, *names: str) -> None:
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _bools(cfg: EngineConfig, *names: str) -> None:
+    for name in names:
+        if not isinstance(getattr(cfg, name), bool):
+            raise ValueError(f"{name} must be true or false, got {getattr(cfg, name)!r}")
 
 
 def _choice(name: str, value: str, options: tuple[str, ...]) -> None:

@@ -123,3 +123,9 @@ def test_bad_input_is_a_clear_value_error_and_engine_keeps_serving(demo, prompt,
 def test_unknown_engine_argument_is_named():
     with pytest.raises(ValueError, match="max_num_seq"):
         LLM(max_num_seq=4)
+
+
+@pytest.mark.parametrize("name", ["async_scheduling", "enable_prefix_caching", "warmup"])
+def test_engine_flags_must_be_bools(name):
+    with pytest.raises(ValueError, match=f"{name} must be true or false"):
+        EngineConfig(**{name: "no"})
