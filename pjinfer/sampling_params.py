@@ -22,6 +22,7 @@ class RequestOutputKind(enum.Enum):
     """Which outputs `LLMEngine.step()` returns for a request (vLLM's names)."""
 
     CUMULATIVE = "cumulative"  # every step that changes it: everything generated so far
+    DELTA = "delta"  # every step that changes it: only what is new since the last output
     FINAL_ONLY = "final_only"  # only the finished output (offline batches: no per-step copies)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -24,6 +25,7 @@ from starlette.routing import Route
 import pjinfer
 from pjinfer.engine.async_engine import AsyncEngine
 from pjinfer.outputs import RequestOutput
+from pjinfer.sampling_params import RequestOutputKind
 from pjinfer.server import protocol, streaming
 from pjinfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from pjinfer.server.protocol import APIError, GenerationRequest, ModelInfo, get_field
@@ -87,8 +89,11 @@ class OpenAIServer:
         return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
     def _generate(self, req: GenerationRequest) -> list[AsyncIterator[RequestOutput]]:
-        """Engine streams, one per prompt; nothing reaches the engine until one is iterated."""
-        return [self.engine.generate(ids, req.params, request_id=f"{req.id}-{i}",
+        """Engine streams, one per prompt; nothing reaches the engine until one is iterated.
+        A stream gets DELTA outputs (sent as they are), a whole response one final output."""
+        kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+        params = dataclasses.replace(req.params, output_kind=kind)
+        return [self.engine.generate(ids, params, request_id=f"{req.id}-{i}",
                                      priority=req.priority)
                 for i, ids in enumerate(req.prompts)]
 

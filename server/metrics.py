@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pjinfer.engine.metrics import EngineStats
-from pjinfer.outputs import RequestOutput
+from pjinfer.server.protocol import Summary
 
 PREFIX = "pjinfer:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -85,17 +85,17 @@ class ServerMetrics:
     def observe_request(self, route: str, status: int) -> None:
         self.http_requests.labels(route=route, status=str(status)).inc()
 
-    def observe_finished(self, out: RequestOutput) -> None:
+    def observe_finished(self, done: Summary) -> None:
         """Latencies of one finished request (its first sequence stands for the group)."""
-        for c in out.outputs:
-            self.request_success.labels(finished_reason=c.finish_reason or "unknown").inc()
-        m = out.metrics
+        for reason in done.finish_reasons:
+            self.request_success.labels(finished_reason=reason or "unknown").inc()
+        m = done.metrics
         if m is None or m.first_token_time is None:
             return
         self.ttft.observe(m.first_token_time - m.arrival_time)
         if m.finished_time is not None:
             self.e2e.observe(m.finished_time - m.arrival_time)
-            num_tokens = len(out.outputs[0].token_ids)
+            num_tokens = done.num_tokens[0] if done.num_tokens else 0
             if num_tokens > 1:
                 self.tpot.observe((m.finished_time - m.first_token_time) / (num_tokens - 1))
 

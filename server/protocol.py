@@ -14,7 +14,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pjinfer.errors import EngineDeadError, EngineOverloadedError
-from pjinfer.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from pjinfer.outputs import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from pjinfer.sampling_params import MAX_N, SamplingParams
 from pjinfer.tokenizer import apply_chat_template
 
@@ -288,9 +294,25 @@ def _request(kind: str, model: str, prompts: list[list[int]], params: SamplingPa
 
 
 # ---- responses ----------------------------------------------------------------------------
-def usage(outputs: list[RequestOutput]) -> dict[str, int]:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """A finished request as usage and metrics see it (summed over a stream's deltas)."""
+
+    prompt_token_ids: list[int]
+    metrics: RequestMetrics | None
+    num_tokens: list[int]  # per choice
+    finish_reasons: list[str | None]  # per choice
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> Summary:
+        """From a whole (cumulative or final-only) output."""
+        return cls(out.prompt_token_ids, out.metrics, [len(c.token_ids) for c in out.outputs],
+                   [c.finish_reason for c in out.outputs])
+
+
+def usage(finished: list[Summary]) -> dict[str, int]:
+    prompt = sum(len(s.prompt_token_ids) for s in finished)
+    completion = sum(sum(s.num_tokens) for s in finished)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 
@@ -306,7 +328,8 @@ def completion_response(req: GenerationRequest, outputs: list[RequestOutput],
                 "logprobs": completion_logprobs(req, out, c, tokenizer),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     return {"id": req.id, "object": "text_completion", "created": req.created,
-            "model": req.model, "choices": choices, "usage": usage(outputs)}
+            "model": req.model, "choices": choices,
+            "usage": usage([Summary.of(o) for o in outputs])}
 
 
 def chat_response(req: GenerationRequest, out: RequestOutput, tokenizer: Any) -> dict[str, Any]:
@@ -316,7 +339,7 @@ def chat_response(req: GenerationRequest, out: RequestOutput, tokenizer: Any) ->
         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
     } for c in out.outputs]
     return {"id": req.id, "object": "chat.completion", "created": req.created,
-            "model": req.model, "choices": choices, "usage": usage([out])}
+            "model": req.model, "choices": choices, "usage": usage([Summary.of(out)])}
 
 
 def completion_logprobs(req: GenerationRequest, out: RequestOutput, c: CompletionOutput,

@@ -1,8 +1,9 @@
 """Server-sent events in OpenAI's exact shape, and the merge of several engine streams.
 
-All streaming lives here. Text deltas are computed from cumulative outputs; while a stop string
-may still be forming, its possible prefix is held back so a client never sees text that is
-cut later. Closing a generator here (client gone) closes the engine streams, which aborts the
+All streaming lives here. The engine streams DELTA outputs (only what is new per step, text that
+a stop string could still cut already held back there), so events are formatted straight from
+them; what a final usage chunk and the metrics need (token counts, finish reasons) is summed on
+the way. Closing a generator here (client gone) closes the engine streams, which aborts the
 requests and frees their KV blocks.
 """
 
@@ -12,12 +13,13 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pjinfer.outputs import CompletionOutput, RequestOutput
 from pjinfer.server.protocol import (
     GenerationRequest,
+    Summary,
     chat_logprobs,
     completion_logprobs,
     error_for,
@@ -25,7 +27,7 @@ from pjinfer.server.protocol import (
 )
 
 DONE = "data: [DONE]\n\n"
-OnFinished = Callable[[RequestOutput], None]
+OnFinished = Callable[[Summary], None]
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -93,35 +95,46 @@ async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]
 
 async def collect(streams: list[AsyncIterator[RequestOutput]],
                   on_finished: OnFinished) -> list[RequestOutput]:
-    """The final output of every stream, in stream order."""
+    """The final output of every stream (FINAL_ONLY: whole), in stream order."""
     finals: dict[int, RequestOutput] = {}
     async for i, out in merge(streams):
         if out.finished:
             finals[i] = out
-            on_finished(out)
+            on_finished(Summary.of(out))
     return [finals[i] for i in range(len(streams))]
 
 
 @dataclass(slots=True)
 class _Sent:
-    """How much of one choice the client already has."""
+    """What one choice has sent so far."""
 
-    text: str = ""
+    text_len: int = 0
     tokens: int = 0
     started: bool = False
-    done: bool = False
+    finish_reason: str | None = None
 
 
-def _advance(sent: _Sent, c: CompletionOutput) -> tuple[str, int]:
-    """(new text, first new token position); updates what was sent."""
-    # The engine's text is only what is safe to stream: characters a stop string could still
-    # cut are held back there (IncrementalDetokenizer), never sent and taken back.
-    text = c.text
-    delta = text[len(sent.text):] if text.startswith(sent.text) else ""
-    sent.text += delta
-    start, sent.tokens = sent.tokens, len(c.token_ids)
-    sent.done = c.finished
-    return delta, start
+class _Tally:
+    """Per stream: its choices' progress, and the prompt logprobs of its first output."""
+
+    def __init__(self) -> None:
+        self.choices: dict[int, _Sent] = {}
+        self.prompt_logprobs: Any = None
+
+    def see(self, out: RequestOutput) -> RequestOutput:
+        """Remember the prompt logprobs (only the first DELTA output has them); returns `out`
+        with them, for an echo whose choice starts later."""
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        return replace(out, prompt_logprobs=self.prompt_logprobs)
+
+    def choice(self, index: int) -> _Sent:
+        return self.choices.setdefault(index, _Sent())
+
+    def summary(self, out: RequestOutput) -> Summary:
+        sents = [self.choices[i] for i in sorted(self.choices)]
+        return Summary(out.prompt_token_ids, out.metrics, [s.tokens for s in sents],
+                       [s.finish_reason for s in sents])
 
 
 async def completion_events(req: GenerationRequest, streams: list[AsyncIterator[RequestOutput]],
@@ -129,19 +142,20 @@ async def completion_events(req: GenerationRequest, streams: list[AsyncIterator[
     """`text_completion` chunks, one choice each; usage chunk; [DONE]."""
     head = {"id": req.id, "object": "text_completion", "created": req.created,
             "model": req.model}
-    sent: dict[int, _Sent] = {}
-    finals: list[RequestOutput] = []
+    tallies = [_Tally() for _ in streams]
+    finals: list[Summary] = []
     async with _errors_as_events() as errors:
         async for p, out in merge(streams):
+            out = tallies[p].see(out)
             for c in out.outputs:
                 index = p * req.params.n + c.index
-                choice = _completion_choice(req, p, out, c, sent.setdefault(index, _Sent()),
+                choice = _completion_choice(req, p, out, c, tallies[p].choice(c.index),
                                             tokenizer, index)
                 if choice is not None:
                     yield sse({**head, "choices": [choice], **_no_usage(req)})
             if out.finished:
-                finals.append(out)
-                on_finished(out)
+                finals.append(tallies[p].summary(out))
+                on_finished(finals[-1])
     for event in errors:
         yield event
     if req.include_usage and not errors:
@@ -149,18 +163,24 @@ async def completion_events(req: GenerationRequest, streams: list[AsyncIterator[
     yield DONE
 
 
+def _advance(sent: _Sent, c: CompletionOutput) -> int:
+    """Count a delta as sent; returns the text offset it starts at."""
+    offset = sent.text_len
+    sent.text_len += len(c.text)
+    sent.tokens += len(c.token_ids)
+    sent.finish_reason = c.finish_reason
+    return offset
+
+
 def _completion_choice(req: GenerationRequest, p: int, out: RequestOutput, c: CompletionOutput,
                        sent: _Sent, tokenizer: Any, index: int) -> dict[str, Any] | None:
-    if sent.done:
-        return None
-    offset = len(sent.text)
-    delta, start = _advance(sent, c)
+    offset = _advance(sent, c)
     echo = req.echo_texts[p] if req.echo_texts and not sent.started else ""
-    if not (delta or echo or c.finished):
+    if not (c.text or echo or c.finished):
         return None
-    logprobs = completion_logprobs(req, out, c, tokenizer, start, offset, with_prompt=bool(echo))
+    logprobs = completion_logprobs(req, out, c, tokenizer, 0, offset, with_prompt=bool(echo))
     sent.started = True
-    return {"index": index, "text": echo + delta, "logprobs": logprobs,
+    return {"index": index, "text": echo + c.text, "logprobs": logprobs,
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
 
@@ -174,17 +194,16 @@ async def chat_events(req: GenerationRequest, stream: AsyncIterator[RequestOutpu
                                                                "content": ""},
                                         "logprobs": None, "finish_reason": None}],
                    **_no_usage(req)})
-    sent = [_Sent() for _ in range(req.params.n)]
-    final = None
+    tally, final = _Tally(), None
     async with _errors_as_events() as errors:
         async for _, out in merge([stream]):
             for c in out.outputs:
-                choice = _chat_choice(req, c, sent[c.index], tokenizer)
+                choice = _chat_choice(req, c, tally.choice(c.index), tokenizer)
                 if choice is not None:
                     yield sse({**head, "choices": [choice], **_no_usage(req)})
             if out.finished:
-                final = out
-                on_finished(out)
+                final = tally.summary(out)
+                on_finished(final)
     for event in errors:
         yield event
     if req.include_usage and final is not None:
@@ -194,14 +213,11 @@ async def chat_events(req: GenerationRequest, stream: AsyncIterator[RequestOutpu
 
 def _chat_choice(req: GenerationRequest, c: CompletionOutput, sent: _Sent,
                  tokenizer: Any) -> dict[str, Any] | None:
-    if sent.done:
+    _advance(sent, c)
+    if not (c.text or c.finished):
         return None
-    delta, start = _advance(sent, c)
-    if not (delta or c.finished):
-        return None
-    logprobs = chat_logprobs((c.logprobs or [])[start:] if c.logprobs is not None else None,
-                             tokenizer, req.params.logprobs)
-    return {"index": c.index, "delta": {"content": delta} if delta else {},
+    logprobs = chat_logprobs(c.logprobs, tokenizer, req.params.logprobs)
+    return {"index": c.index, "delta": {"content": c.text} if c.text else {},
             "logprobs": logprobs, "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason}
 

@@ -61,6 +61,15 @@ class IncrementalDetokenizer:
         return "".join(self._parts)
 
     @property
+    def num_parts(self) -> int:
+        """How many text pieces were emitted: a mark for `text_since`."""
+        return len(self._parts)
+
+    def text_since(self, num_parts: int) -> str:
+        """Text emitted after the first `num_parts` pieces (a stream's delta, no full join)."""
+        return "".join(self._parts[num_parts:])
+
+    @property
     def finished(self) -> bool:
         """True once a stop string appeared; later tokens are ignored."""
         return self.stop_reason is not None

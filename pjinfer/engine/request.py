@@ -7,8 +7,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pjinfer.engine.detokenizer import IncrementalDetokenizer
-from pjinfer.outputs import PositionLogprobs
+from pjinfer.engine.sampling_metadata import SamplingRow
 from pjinfer.sampling_params import SamplingParams
 
 
@@ -60,6 +59,9 @@ class TokenIds(Sequence[int]):
 class Request:
     """A single sequence: prompt, generated tokens, and how far its KV has been computed.
 
+    Token-level state only (the scheduler's); text, logprobs and output formatting live in
+    the output processor.
+
     A request with `n` > 1 becomes n sequences sharing `group_id`; sequence 0 prefills the
     prompt and the others fork its blocks (see Scheduler).
     """
@@ -71,15 +73,11 @@ class Request:
     params: SamplingParams
     seed: int
     eos_token_id: int | None
-    detokenizer: IncrementalDetokenizer | None = None
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     deadline: float | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[PositionLogprobs] = field(default_factory=list)
-    prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
     num_computed_tokens: int = 0
     # Asynchronous scheduling: tokens sampled by a launched step that are not on the host yet
     # (0 or 1). They count in num_tokens, so the next step already computes them.
@@ -118,6 +116,11 @@ class Request:
         if end <= num_prompt:
             return prompt[start:end]
         return prompt[start:] + self.output_token_ids[:end - num_prompt]
+
+    def sampling_row(self) -> SamplingRow:
+        """The sampler's view, taken before the step advances the request."""
+        return SamplingRow(self.params, self.prompt_token_ids, self.output_token_ids, self.seed,
+                           self.eos_token_id, self.num_pending_tokens)
 
     @property
     def allows_async(self) -> bool:

@@ -4,6 +4,12 @@ There are no separate prefill and decode phases (vLLM v1's design): every reques
 `num_computed_tokens` and simply catches up to `num_tokens`. Decodes are served first, so a long
 prompt that is being prefilled in chunks never starves them; when the KV cache runs out, the
 lowest-priority running request is preempted and later recomputed from scratch.
+
+The scheduler owns every request's state: `schedule()` advances `num_computed_tokens` and hands
+the runner its chunks (block tables included); `update_from_output()` applies the sampled tokens,
+runs every token-level stop check (EOS, stop token ids, min_tokens, max_tokens, max_model_len) and
+frees what finished. Stop strings are text-level: the output processor finds them and the engine
+ends those requests with `finish_requests`.
 """
 
 from __future__ import annotations
@@ -11,12 +17,14 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from pjinfer.cache.kv_cache_manager import KVCacheManager
+from pjinfer.engine.inputs import Chunk
 from pjinfer.engine.request import Request, RequestStatus
+from pjinfer.engine.sampling_metadata import SamplingRow
 
 
 class SchedulingPolicy(Protocol):
@@ -40,18 +48,58 @@ class PriorityPolicy:
 POLICIES = {"fcfs": FCFSPolicy, "priority": PriorityPolicy}
 
 
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """One request's share of a step, as the runner and the update after it need it."""
+
+    request: Request
+    num_computed: int  # tokens whose KV was in the cache before this step
+    num_new: int  # tokens this step computes
+    samples: bool  # the chunk reaches the request's end: its last logits give a new token
+
+
 @dataclass
 class SchedulerOutput:
-    """One step's batch: requests in batch order with how many new tokens each computes."""
+    """One step's batch in batch order, and what the runner needs to build its inputs."""
 
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    scheduled: list[ScheduledChunk] = field(default_factory=list)
+    chunks: list[Chunk] = field(default_factory=list)  # runner inputs, same order
+    rows: list[SamplingRow] = field(default_factory=list)
     copy_ops: list[tuple[int, int]] = field(default_factory=list)  # COW (src, dst) blocks
     preempted: list[Request] = field(default_factory=list)
     timed_out: list[Request] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+        return sum(c.num_new for c in self.scheduled)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens (not recomputed outputs) this step computes."""
+        return sum(max(0, min(c.request.num_prompt_tokens, c.num_computed + c.num_new)
+                       - c.num_computed) for c in self.scheduled)
+
+    @property
+    def allows_async(self) -> bool:
+        """May the step stay in flight while the next one is scheduled?"""
+        return all(c.request.allows_async for c in self.scheduled)
+
+
+@dataclass(frozen=True, slots=True)
+class NewTokens:
+    """Tokens a request accepted from one step (stop checks applied: none after a stop)."""
+
+    request: Request
+    token_ids: list[int]
+    row: int  # the request's row in the step's sampler output
+
+
+@dataclass(frozen=True, slots=True)
+class StepUpdate:
+    """What one finished step changed."""
+
+    new_tokens: list[NewTokens]
+    finished: list[Request]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +108,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = False
+    max_model_len: int = 1 << 30
+    eos_token_ids: tuple[int, ...] = ()  # the model's (generation_config); any of them stops
 
 
 class Scheduler:
@@ -76,6 +126,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._fork_pending: dict[str, list[Request]] = {}  # group id -> siblings to fork
         self.num_preemptions = 0
+        self._sampled_rows: dict[str, int] = {}  # request_id -> row in the latest step
 
     # ---- queue management -------------------------------------------------------------
     @property
@@ -122,44 +173,78 @@ class Scheduler:
 
     # ---- the step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Pick this step's batch and advance every picked request as if the step had run."""
         out = SchedulerOutput(timed_out=self._expire(time.monotonic()))
-        budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        picked: list[tuple[Request, int]] = []
+        budget = self._schedule_running(picked, out, self.config.max_num_batched_tokens)
         if not out.preempted:
-            self._schedule_waiting(out, budget)
-        out.copy_ops = self.kv.take_copy_ops()
+            self._schedule_waiting(picked, budget)
+        out.copy_ops = self.kv.take_copy_ops()  # after every allocation of this step
+        sampled_rows: dict[str, int] = {}
+        for row, (request, num_new) in enumerate(picked):
+            out.chunks.append(self._chunk(request, num_new))
+            out.rows.append(request.sampling_row())
+            out.scheduled.append(self._advance(request, num_new))
+            if out.scheduled[-1].samples:
+                sampled_rows[request.request_id] = row
+        self._sampled_rows = sampled_rows
         return out
+
+    def _chunk(self, r: Request, num_new: int) -> Chunk:
+        """The runner's view; a pending last token is read on the device from the step before
+        (its row there), so the host never waits for it."""
+        first = r.num_computed_tokens
+        prev_row = self._sampled_rows[r.request_id] if r.num_pending_tokens else -1
+        following = None
+        if r.wants_prompt_logprobs and first < r.num_prompt_tokens:
+            following = r.token_ids_between(first + 1, first + num_new + 1)
+        return Chunk(r.token_ids_between(first, first + num_new), first, num_new,
+                     self.kv.block_table(r.request_id), prev_row, following)
+
+    def _advance(self, r: Request, num_new: int) -> ScheduledChunk:
+        first = r.num_computed_tokens
+        r.num_computed_tokens += num_new
+        samples = r.num_computed_tokens == r.num_tokens  # not a prompt chunk
+        if samples:
+            r.num_pending_tokens += 1
+            r.final_token_pending = self._at_length_limit(r, r.num_output_tokens)
+        return ScheduledChunk(r, first, num_new, samples)
+
+    def _at_length_limit(self, r: Request, num_output: int) -> bool:
+        """The one length rule: max_tokens outputs, or max_model_len tokens in all."""
+        max_tokens = r.params.max_tokens
+        return (max_tokens is not None and num_output >= max_tokens) \
+            or r.num_prompt_tokens + num_output >= self.config.max_model_len
 
     def _expire(self, now: float) -> list[Request]:
         if not self._deadlines:  # spare the per-step scan of every queue
             return []
         expired = [r for r in self.all_requests() if r.deadline is not None and now > r.deadline]
-        for r in expired:
-            r.finish(RequestStatus.FINISHED_TIMEOUT)
-        self.remove(expired)
+        self.finish_requests(expired, RequestStatus.FINISHED_TIMEOUT)
         return expired
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, picked: list[tuple[Request, int]], out: SchedulerOutput,
+                          budget: int) -> int:
         # Decodes (one token to go) first, then chunks of prompts already being prefilled.
         order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
         for request in order:
-            if budget == 0 or len(out.scheduled) == self.config.max_num_seqs:
+            if budget == 0 or len(picked) == self.config.max_num_seqs:
                 break
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             if request.final_token_pending:  # its last token is being sampled: nothing to do
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self._allocate_or_preempt(request, num_new, out):
-                out.scheduled.append((request, num_new))
+            if self._allocate_or_preempt(request, num_new, picked, out):
+                picked.append((request, num_new))
                 budget -= num_new
         return budget
 
     def _allocate_or_preempt(self, request: Request, num_new: int,
-                             out: SchedulerOutput) -> bool:
+                             picked: list[tuple[Request, int]], out: SchedulerOutput) -> bool:
         while self.kv.allocate_slots(request.request_id, request.all_token_ids,
                                      request.num_computed_tokens, num_new) is None:
-            scheduled = {r.request_id for r, _ in out.scheduled}
+            scheduled = {r.request_id for r, _ in picked}
             candidates = [r for r in self.running if r.request_id not in scheduled]
             victim = max(candidates, key=self.policy.key)
             self._preempt(victim)
@@ -178,7 +263,7 @@ class Scheduler:
         self.num_preemptions += 1
         self._push(request)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, picked: list[tuple[Request, int]], budget: int) -> None:
         while self._waiting and budget > 0:
             request = self._waiting[0][2]
             group = 1 + len(self._fork_pending.get(request.group_id, ()))
@@ -191,7 +276,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
             self.running.append(request)
-            out.scheduled.append((request, num_new))
+            picked.append((request, num_new))
             budget -= num_new
 
     def _admit(self, request: Request, budget: int) -> int:
@@ -212,6 +297,63 @@ class Scheduler:
         return num_new
 
     # ---- after the step -----------------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput,
+                           sampled: Sequence[Sequence[int]]) -> StepUpdate:
+        """Apply a finished step: `sampled[row]` are the new tokens of the request in that row
+        (0, 1 or more: a speculative or beam step may accept several). Every token-level stop
+        check runs here; tokens after a stop are dropped; finished requests are freed."""
+        new_tokens, finished = [], []
+        now = time.monotonic()
+        for row, chunk in enumerate(sched.scheduled):
+            r = chunk.request
+            if not chunk.samples:
+                continue  # a prompt chunk: its sample is not a token yet
+            r.num_pending_tokens -= 1
+            if r.is_finished:
+                continue  # stopped, aborted or timed out while this step ran: drop it
+            if r.index == 0:
+                self.fork_siblings(r)
+            accepted = self._append_tokens(r, sampled[row])
+            r.first_token_time = r.first_token_time or now
+            new_tokens.append(NewTokens(r, accepted, row))
+            if r.is_finished:
+                finished.append(r)
+        self.remove(finished)
+        return StepUpdate(new_tokens, finished)
+
+    def _append_tokens(self, r: Request, token_ids: Sequence[int]) -> list[int]:
+        accepted = []
+        for token in token_ids:
+            r.output_token_ids.append(int(token))
+            accepted.append(int(token))
+            status, reason = self._stop_check(r, int(token))
+            if status is not None:
+                r.finish(status, reason)
+                break
+        return accepted
+
+    def _stop_check(self, r: Request, token: int) -> tuple[RequestStatus | None, int | None]:
+        """EOS, then stop token ids (both only once min_tokens are out), then the length rule."""
+        p, num_out = r.params, len(r.output_token_ids)
+        if num_out >= p.min_tokens:
+            if not p.ignore_eos and (token == r.eos_token_id
+                                     or token in self.config.eos_token_ids):
+                return RequestStatus.FINISHED_STOPPED, None
+            if token in p.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token
+        if self._at_length_limit(r, num_out):
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None
+
+    def finish_requests(self, requests: Iterable[Request], status: RequestStatus,
+                        reason: int | str | None = None) -> None:
+        """End requests from outside the token checks (stop string, abort, timeout) and free
+        their blocks at once. A finished request keeps its status."""
+        live = [r for r in requests if not r.is_finished]
+        for r in live:
+            r.finish(status, reason)
+        self.remove(live)
+
     def fork_siblings(self, request: Request) -> list[Request]:
         """Once sequence 0 has its prompt in the cache, its siblings share those blocks.
 
