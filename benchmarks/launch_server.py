@@ -13,7 +13,7 @@ import argparse
 import sys
 import time
 
-from pjinfer.benchmarks.engine_args import add_engine_args, enable_compilation_cache, engine_kwargs
+from pjinfer.benchmarks.engine_args import add_engine_args, engine_kwargs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,11 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     from pjinfer.engine.config import EngineConfig
     from pjinfer.server.app import build_app
 
-    kwargs = engine_kwargs(args)
-    if kwargs.get("compilation_cache_dir"):
-        enable_compilation_cache(kwargs["compilation_cache_dir"])
+    kwargs = {**engine_kwargs(args), "warmup": args.engine_warmup}
     start = time.perf_counter()
-    engine = AsyncEngine(EngineConfig.from_kwargs(**kwargs, warmup=args.engine_warmup))
+    engine = AsyncEngine(EngineConfig.from_kwargs(**kwargs))
     print(f"engine ready in {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
     uvicorn.run(build_app(engine), host=args.host, port=args.port, log_level="warning")
     return 0

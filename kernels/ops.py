@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 
+from pjinfer.kernels.backends import BACKENDS
 from pjinfer.kernels.decode_attention import (
     decode_attention,
     decode_attention_reference,
@@ -16,8 +17,6 @@ from pjinfer.kernels.decode_attention import (
 )
 from pjinfer.kernels.metadata import AttentionMetadata
 from pjinfer.kernels.ragged_attention import ragged_attention, ragged_attention_reference
-
-BACKENDS = ("auto", "reference", "pallas", "triton")
 
 
 def get_kv_cache_shape(

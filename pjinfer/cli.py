@@ -1,9 +1,9 @@
 """The `pjinfer` command: `serve`, `generate`, `bench`, `convert`.
 
-Engine flags keep vLLM's names and are declared once (ENGINE_FLAGS), for both `serve` and
-`generate`; each maps to an EngineConfig field and, through run_config.SCHEMA, to its TOML
-section, so a flag given on the command line overrides the same key of a `--config` file.
-A bad flag or value ends with one line naming the flag and exit code 2, never a traceback.
+Engine flags keep vLLM's names and are generated from the EngineConfig table
+(pjinfer.engine_flags), for both `serve` and `generate`; each maps to an EngineConfig field and
+to its TOML key, so a flag given on the command line overrides the same key of a `--config`
+file. A bad flag or value ends with one line naming the flag and exit code 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -17,43 +17,13 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from pjinfer import __version__
-from pjinfer.run_config import SCHEMA, RunConfig, RunConfigError, load_run_config
+from pjinfer.engine.config import ENGINE_ARGS, EngineConfig
+from pjinfer.engine_flags import add_engine_args, run_config_from_flags
+from pjinfer.run_config import RunConfig, RunConfigError
 
 log = logging.getLogger("pjinfer")
-BOOL = "bool"  # --flag / --no-flag
 
-# flag -> (EngineConfig field, type, help)
-ENGINE_FLAGS: dict[str, tuple[str, Any, str]] = {
-    "--served-model-name": ("served_model_name", str, "model name clients send (default: "
-                            "the model folder's name)"),
-    "--tokenizer": ("tokenizer", str, "tokenizer folder (default: the model folder)"),
-    "--dtype": ("dtype", str, "auto, float32, bfloat16 or float16"),
-    "--load-format": ("load_format", str, "auto, safetensors, or dummy (random weights)"),
-    "--seed": ("seed", int, "seed of the engine's random state"),
-    "--max-model-len": ("max_model_len", int, "longest prompt + completion, in tokens"),
-    "--max-logprobs": ("max_logprobs", int, "largest logprobs/top_logprobs a request may ask"),
-    "--tensor-parallel-size": ("tensor_parallel_size", int, "devices each replica spans"),
-    "--block-size": ("block_size", int, "tokens per KV cache block (power of two)"),
-    "--gpu-memory-utilization": ("gpu_memory_utilization", float,
-                                 "fraction of accelerator memory pjinfer may use, in (0, 1]"),
-    "--enable-prefix-caching": ("enable_prefix_caching", BOOL, "reuse KV blocks of shared "
-                                "prompt prefixes"),
-    "--num-kv-blocks": ("num_kv_blocks", int, "fix the KV cache size in blocks"),
-    "--kv-cache-memory": ("kv_cache_memory", int, "bytes for the KV cache"),
-    "--max-num-seqs": ("max_num_seqs", int, "most sequences in one step"),
-    "--max-num-batched-tokens": ("max_num_batched_tokens", int, "token budget of one step"),
-    "--enable-chunked-prefill": ("enable_chunked_prefill", BOOL, "split long prompts over "
-                                 "steps (default on)"),
-    "--async-scheduling": ("async_scheduling", BOOL, "schedule step t+1 while step t runs "
-                           "(default on)"),
-    "--scheduling-policy": ("scheduling_policy", str, "fcfs or priority"),
-    "--max-waiting-requests": ("max_waiting_requests", int, "queue length past which requests "
-                               "get 503"),
-    "--request-timeout": ("request_timeout", float, "seconds a request may live"),
-    "--warmup": ("warmup", BOOL, "compile every step shape at start-up (default on)"),
-    "--compilation-cache-dir": ("compilation_cache_dir", str, "JAX persistent compilation "
-                                "cache folder"),
-}
+# Flags of `pjinfer serve` that are not engine arguments: flag -> (dest, type, help)
 SERVER_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--host": ("host", str, "address to bind (default 127.0.0.1)"),
     "--port": ("port", int, "port to bind (default 8000)"),
@@ -62,11 +32,6 @@ SERVER_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--drain-timeout": ("drain_timeout", float, "seconds in-flight requests get at shutdown"),
     "--log-level": ("log_level", str, "debug, info, warning or error"),
 }
-# EngineConfig field -> (TOML section, key)
-_FIELD_TO_KEY = {field: (section, key) for section, keys in SCHEMA.items()
-                 for key, (field, _) in keys.items() if field is not None}
-_FIELD_TO_FLAG = {field: flag for flag, (field, _, _) in ENGINE_FLAGS.items()}
-_FIELD_TO_FLAG["model"] = "MODEL"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DISPATCH = {"bench": "pjinfer.benchmarks.cli", "convert": "pjinfer.sharding.convert"}
 
@@ -82,36 +47,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
                            argument_default=argparse.SUPPRESS)
-    _add_common(serve)
-    _add_flags(serve, SERVER_FLAGS)
+    add_engine_args(serve, positional_model=True)
+    _add_server_flags(serve)
     gen = sub.add_parser("generate", help="complete one prompt and print the result",
                          argument_default=argparse.SUPPRESS)
     gen.add_argument("prompt", help="the prompt text (with --chat: the user message)")
-    gen.add_argument("--model", dest="model", help="local Hugging Face model folder "
-                     "(default: the embedded demo model)")
-    _add_common(gen, positional_model=False)
+    add_engine_args(gen)
     _add_sampling(gen)
     for name, module in DISPATCH.items():
         sub.add_parser(name, help=f"runs {module}.main (pjinfer {name} --help)", add_help=False)
     return parser
 
 
-def _add_common(parser: argparse.ArgumentParser, *, positional_model: bool = True) -> None:
-    if positional_model:
-        parser.add_argument("model", nargs="?", metavar="MODEL", help="local Hugging Face "
-                            "model folder (default: the embedded demo model)")
-    parser.add_argument("--config", help="TOML run config; flags override its values")
-    _add_flags(parser, ENGINE_FLAGS)
-
-
-def _add_flags(parser: argparse.ArgumentParser, flags: dict[str, tuple[str, Any, str]]) -> None:
-    for flag, (dest, kind, help_text) in flags.items():
-        if kind == BOOL:
-            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
-                                help=help_text)
-        else:
-            parser.add_argument(flag, dest=dest, type=kind, help=help_text,
-                                metavar=dest.upper())
+def _add_server_flags(parser: argparse.ArgumentParser) -> None:
+    for flag, (dest, kind, help_text) in SERVER_FLAGS.items():
+        parser.add_argument(flag, dest=dest, type=kind, help=help_text, metavar=dest.upper())
 
 
 def _add_sampling(parser: argparse.ArgumentParser) -> None:
@@ -131,22 +81,14 @@ def _add_sampling(parser: argparse.ArgumentParser) -> None:
 # ---- config assembly ----------------------------------------------------------------------
 def run_config_from_args(args: argparse.Namespace) -> RunConfig:
     """The --config file (or an empty config) with every given flag laid over it."""
-    config = load_run_config(args.config) if getattr(args, "config", None) else RunConfig()
+    config = run_config_from_flags(args)
     given = vars(args)
-    if given.get("model") is not None:
-        config = config.with_overrides("model", {"path": given["model"]})
-    for field, _, _ in ENGINE_FLAGS.values():
-        if field in given:
-            section, key = _FIELD_TO_KEY[field]
-            config = config.with_overrides(section, {key: given[field]})
     server = {dest: given[dest] for _, (dest, _, _) in SERVER_FLAGS.items() if dest in given}
     return config.with_overrides("server", server) if server else config
 
 
-def engine_config(config: RunConfig):
+def engine_config(config: RunConfig) -> EngineConfig:
     """EngineConfig from a run config; a bad value is a UsageError naming flag and key."""
-    from pjinfer.engine.config import EngineConfig
-
     try:
         return EngineConfig.from_kwargs(**config.engine_args())
     except ValueError as e:
@@ -155,13 +97,12 @@ def engine_config(config: RunConfig):
 
 def _name_source(message: str, config: RunConfig) -> str:
     """Prefix an EngineConfig message with the flag (and TOML key) it is about."""
-    field = message.split(" ", 1)[0].rstrip(":")
-    if field not in _FIELD_TO_FLAG:
+    arg = ENGINE_ARGS.get(message.split(" ", 1)[0].rstrip(":"))
+    if arg is None:
         return message
-    section, key = _FIELD_TO_KEY.get(field, ("model", "path"))
-    where = f" ([{section}] {key} in {config.path})" if config.path and key in \
-        config.sections.get(section, {}) else ""
-    return f"{_FIELD_TO_FLAG[field]}{where}: {message}"
+    where = f" ([{arg.section}] {arg.key} in {config.path})" if config.path and arg.key in \
+        config.sections.get(arg.section, {}) else ""
+    return f"{arg.flag}{where}: {message}"
 
 
 def server_args(config: RunConfig) -> dict[str, Any]:

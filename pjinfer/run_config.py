@@ -2,8 +2,10 @@
 
 A run config is read with `tomllib`, checked key by key against one schema table (so a typo
 names its file, section and key and lists the valid keys) and turned into `EngineConfig`
-keyword arguments plus server arguments. Cross-field checks (does tensor_parallel_size divide
-the heads, do the devices exist) belong where the engine is built, not here.
+keyword arguments plus server arguments. The engine keys are generated from the EngineConfig
+table (each argument's section and key), so they cannot drift from the flags. Cross-field
+checks (does tensor_parallel_size divide the heads, do the devices exist) belong where the
+engine is built, not here.
 """
 
 from __future__ import annotations
@@ -14,43 +16,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# section -> key -> (EngineConfig field or None when the key is not an engine argument, type)
-SCHEMA: dict[str, dict[str, tuple[str | None, type]]] = {
-    "model": {
-        "path": ("model", str), "dtype": ("dtype", str), "load_format": ("load_format", str),
-        "tokenizer": ("tokenizer", str), "served_model_name": ("served_model_name", str),
-        "max_model_len": ("max_model_len", int), "seed": ("seed", int),
-        "max_logprobs": ("max_logprobs", int),
-    },
-    "parallel": {
-        "tensor_parallel_size": ("tensor_parallel_size", int),
-        "data_parallel_size": (None, int), "coordinator_address": (None, str),
-        "num_processes": (None, int), "process_id": (None, int),
-    },
-    "cache": {
-        "block_size": ("block_size", int),
-        "gpu_memory_utilization": ("gpu_memory_utilization", float),
-        "enable_prefix_caching": ("enable_prefix_caching", bool),
-        "num_kv_blocks": ("num_kv_blocks", int), "kv_cache_memory": ("kv_cache_memory", int),
-    },
-    "scheduler": {
-        "max_num_seqs": ("max_num_seqs", int),
-        "max_num_batched_tokens": ("max_num_batched_tokens", int),
-        "enable_chunked_prefill": ("enable_chunked_prefill", bool),
-        "async_scheduling": ("async_scheduling", bool),
-        "scheduling_policy": ("scheduling_policy", str),
-        "max_waiting_requests": ("max_waiting_requests", int),
-        "request_timeout": ("request_timeout", float),
-    },
-    "compilation": {
-        "warmup": ("warmup", bool), "compilation_cache_dir": ("compilation_cache_dir", str),
-        "attention_backend": ("attention_backend", str),
-    },
-    "server": {
-        "host": (None, str), "port": (None, int), "api_key": (None, str),
-        "drain_timeout": (None, float), "log_level": (None, str),
-    },
+from pjinfer.engine.config import ENGINE_ARGS, SECTIONS
+
+# TOML keys that are not engine arguments: section -> key -> type
+_OTHER_KEYS: dict[str, dict[str, type]] = {
+    "parallel": {"data_parallel_size": int, "coordinator_address": str, "num_processes": int,
+                 "process_id": int},
+    "server": {"host": str, "port": int, "api_key": str, "drain_timeout": float,
+               "log_level": str},
 }
+
+
+def _schema() -> dict[str, dict[str, tuple[str | None, type]]]:
+    """section -> key -> (EngineConfig field, or None for a key that is not one; type)."""
+    schema: dict[str, dict[str, tuple[str | None, type]]] = {
+        section: {} for section in (*SECTIONS, *_OTHER_KEYS)}
+    for arg in ENGINE_ARGS.values():
+        schema[arg.section][arg.key] = (arg.name, arg.type)
+    for section, keys in _OTHER_KEYS.items():
+        schema[section].update({key: (None, kind) for key, kind in keys.items()})
+    return schema
+
+
+SCHEMA = _schema()
 SERVER_DEFAULTS: dict[str, Any] = {"host": "127.0.0.1", "port": 8000, "api_key": None,
                                    "drain_timeout": 30.0, "log_level": "info"}
 
@@ -121,6 +109,14 @@ class RunConfig:
         merged = {s: dict(v) for s, v in self.sections.items()}
         merged.setdefault(section, {}).update(values)
         return RunConfig(self.path, merged)
+
+    def with_engine_args(self, kwargs: dict[str, Any]) -> RunConfig:
+        """A copy where EngineConfig keyword arguments replace the file's keys for them."""
+        config = self
+        for name, value in kwargs.items():
+            arg = ENGINE_ARGS[name]
+            config = config.with_overrides(arg.section, {arg.key: value})
+        return config
 
 
 def load_run_config(path: str | Path) -> RunConfig:

@@ -55,3 +55,20 @@ def build_hf_model(root: Path, name: str) -> Path:
 def hf_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf_models")
     return {name: build_hf_model(root, name) for name in MODEL_VARIANTS}
+
+
+@pytest.fixture
+def engine_arg_values(tmp_path) -> dict[str, object]:
+    """A valid value, not the default, for every engine argument (model: an existing folder)."""
+    from pjinfer.engine.config import ENGINE_ARGS
+
+    samples = {int: 32, float: 0.5, str: str(tmp_path)}  # 32: a power of two, for block_size
+    values: dict[str, object] = {}
+    for name, arg in ENGINE_ARGS.items():
+        if arg.type is bool:
+            values[name] = not arg.default
+        elif arg.choices:
+            values[name] = next(c for c in reversed(arg.choices) if c != arg.default)
+        else:
+            values[name] = samples[arg.type]
+    return values

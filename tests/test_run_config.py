@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from pjinfer.cli import build_parser, engine_config, run_config_from_args
-from pjinfer.engine.config import EngineConfig
+from pjinfer.engine.config import ENGINE_ARGS, EngineConfig
 from pjinfer.run_config import RunConfigError, load_run_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -106,3 +107,10 @@ def test_relative_model_path_is_relative_to_the_file(tmp_path):
     (tmp_path / "models" / "m").mkdir(parents=True)
     config = load_run_config(write(tmp_path, "[model]\npath = 'models/m'\n"))
     assert config.engine_args()["model"] == str(tmp_path / "models" / "m")
+
+
+@pytest.mark.parametrize("name", ENGINE_ARGS)
+def test_every_engine_argument_has_a_toml_key(tmp_path, name, engine_arg_values):
+    arg, value = ENGINE_ARGS[name], engine_arg_values[name]
+    config = load_run_config(write(tmp_path, f"[{arg.section}]\n{arg.key} = {json.dumps(value)}\n"))
+    assert EngineConfig.from_kwargs(**config.engine_args()) == EngineConfig(**{name: value})

@@ -1,66 +1,96 @@
-"""Engine arguments, with vLLM's names, validated once where they enter."""
+"""The engine-argument table: every engine argument, once, with vLLM's name, help and TOML place.
+
+Each EngineConfig field is declared with `arg(...)`, which records its help text, its TOML
+section (and key, where it is not the field name) and its choices; its flag is `--field-name`.
+The `pjinfer serve|generate|bench` flags (pjinfer.engine_flags) and the TOML run-config keys
+(pjinfer.run_config) are generated from ENGINE_ARGS, so a new engine argument is added here and
+nowhere else. This module stays free of JAX: `pjinfer --help` imports it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pjinfer.config import DTYPES
-from pjinfer.weights import LOAD_FORMATS
+from pjinfer.kernels.backends import BACKENDS
 
+# auto = orbax when the folder holds a `pjinfer convert` checkpoint, else safetensors
+LOAD_FORMATS = ("auto", "safetensors", "dummy", "orbax")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+SECTIONS = ("model", "parallel", "cache", "scheduler", "compilation")  # TOML tables
+
+
+def arg(default: Any, help: str, section: str, *, key: str | None = None,
+        choices: tuple[str, ...] | None = None) -> Any:
+    """An EngineConfig field that also carries what its flag and its TOML key need."""
+    if section not in SECTIONS:
+        raise ValueError(f"section must be one of {', '.join(SECTIONS)}, got {section!r}")
+    return dataclasses.field(default=default, metadata={
+        "help": help, "section": section, "key": key, "choices": choices})
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything that shapes an engine; `EngineConfig.from_kwargs` rejects unknown names."""
 
-    model: str | None = None  # local HF folder; None = the embedded demo model
-    tokenizer: str | None = None
-    served_model_name: str | None = None
-    dtype: str = "auto"
-    load_format: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    gpu_memory_utilization: float = 0.9
-    num_kv_blocks: int | None = None  # fixes the cache size (any device)
-    kv_cache_memory: int | None = None  # bytes for the KV cache (CPU default: 256 MiB)
-    enable_prefix_caching: bool = False
-    enable_chunked_prefill: bool = True
-    tensor_parallel_size: int = 1
-    scheduling_policy: str = "fcfs"
-    max_waiting_requests: int = 4096  # past this, add_request raises EngineOverloadedError
-    request_timeout: float | None = None  # seconds from arrival; None = no limit
-    max_logprobs: int = 20
-    attention_backend: str = "auto"
-    # Schedule and build step t+1 while step t runs on the device (its sampled tokens are fed
-    # on device); False runs every step to completion before the next is scheduled.
-    async_scheduling: bool = True
-    warmup: bool = True  # compile every step shape at start-up
-    compilation_cache_dir: str | None = None  # JAX persistent compilation cache
+    model: str | None = arg(None, "local Hugging Face model folder (default: the embedded "
+                            "demo model)", "model", key="path")
+    tokenizer: str | None = arg(None, "tokenizer folder (default: the model folder)", "model")
+    served_model_name: str | None = arg(None, "model name clients send (default: the model "
+                                        "folder's name)", "model")
+    dtype: str = arg("auto", "weight and activation dtype; auto = the checkpoint's", "model",
+                     choices=("auto", *DTYPES))
+    load_format: str = arg("auto", "dummy = random weights (config.json alone is enough); auto "
+                           "= orbax for a `pjinfer convert` folder, else safetensors", "model",
+                           choices=LOAD_FORMATS)
+    seed: int = arg(0, "seed of the engine's random state", "model")
+    max_model_len: int | None = arg(None, "longest prompt + completion, in tokens (default: the "
+                                    "model's max_position_embeddings)", "model")
+    block_size: int = arg(16, "tokens per KV cache block, a power of two <= 256", "cache")
+    max_num_seqs: int = arg(256, "most sequences in one step", "scheduler")
+    max_num_batched_tokens: int = arg(2048, "token budget of one step", "scheduler")
+    gpu_memory_utilization: float = arg(0.9, "fraction of accelerator memory pjinfer may use, "
+                                        "in (0, 1]", "cache")
+    num_kv_blocks: int | None = arg(None, "fix the KV cache size in blocks, on any device",
+                                    "cache")
+    kv_cache_memory: int | None = arg(None, "bytes for the KV cache (default: what "
+                                      "--gpu-memory-utilization leaves; 256 MiB on CPU)", "cache")
+    enable_prefix_caching: bool = arg(False, "reuse KV blocks of shared prompt prefixes",
+                                      "cache")
+    enable_chunked_prefill: bool = arg(True, "split long prompts over steps", "scheduler")
+    tensor_parallel_size: int = arg(1, "devices each replica spans", "parallel")
+    scheduling_policy: str = arg("fcfs", "order of the waiting queue", "scheduler",
+                                 choices=SCHEDULING_POLICIES)
+    max_waiting_requests: int = arg(4096, "queue length past which new requests are "
+                                    "refused with HTTP 503", "scheduler")
+    request_timeout: float | None = arg(None, "seconds a request may live from arrival "
+                                        "(default: no limit)", "scheduler")
+    max_logprobs: int = arg(20, "largest logprobs/top_logprobs a request may ask", "model")
+    attention_backend: str = arg("auto", "attention kernels: auto = Pallas on GPU, pure JAX "
+                                 "(reference) elsewhere", "compilation", choices=BACKENDS)
+    async_scheduling: bool = arg(True, "schedule and build step t+1 while step t runs on the "
+                                 "device; off runs every step to completion first", "scheduler")
+    warmup: bool = arg(True, "compile every step shape at start-up", "compilation")
+    compilation_cache_dir: str | None = arg(None, "folder of the persistent compilation cache: "
+                                            "a restart loads the step executables from it",
+                                            "compilation")
 
     def __post_init__(self) -> None:
+        _check_types_and_choices(self)
         _positive_ints(self, "block_size", "max_num_seqs", "max_num_batched_tokens",
                        "tensor_parallel_size", "max_waiting_requests")
         _positive_ints(self, *(n for n in ("max_model_len", "num_kv_blocks", "kv_cache_memory")
                                if getattr(self, n) is not None))
-        _bools(self, "enable_prefix_caching", "enable_chunked_prefill", "async_scheduling",
-               "warmup")
         if self.block_size & (self.block_size - 1) or self.block_size > 256:
             raise ValueError(f"block_size must be a power of two <= 256, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, "
-                             f"got {self.dtype!r}")
-        _choice("load_format", self.load_format, LOAD_FORMATS)
-        _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         if self.max_num_batched_tokens < self.max_num_seqs and not self.enable_chunked_prefill:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
         if self.model is not None and not Path(self.model).exists():
@@ -72,12 +102,54 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Like the constructor, but an unknown argument names the valid ones."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - known)
+        unknown = sorted(set(kwargs) - set(ENGINE_ARGS))
         if unknown:
             raise ValueError(f"unknown engine argument(s) {', '.join(unknown)}; valid: "
-                             f"{', '.join(sorted(known))}")
+                             f"{', '.join(sorted(ENGINE_ARGS))}")
         return cls(**kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArg:
+    """One row of the table, as the flag and TOML generators read it."""
+
+    name: str  # the EngineConfig field
+    type: type  # str, int, float or bool; for a field that may be None, the other type
+    default: Any
+    help: str
+    section: str  # TOML table
+    key: str  # TOML key
+    flag: str  # command-line flag
+    choices: tuple[str, ...] | None
+
+    @classmethod
+    def of(cls, f: dataclasses.Field, hint: Any) -> EngineArg:
+        """The row of field `f`, whose type annotation evaluates to `hint`."""
+        meta = f.metadata
+        return cls(f.name, _non_none(hint), f.default, meta["help"], meta["section"],
+                   meta["key"] or f.name, "--" + f.name.replace("_", "-"), meta["choices"])
+
+
+def _non_none(hint: Any) -> type:
+    """`int | None` -> int: the type a flag parses and a TOML value must have."""
+    if isinstance(hint, types.UnionType):
+        return next(t for t in typing.get_args(hint) if t is not types.NoneType)
+    return hint
+
+
+_HINTS = typing.get_type_hints(EngineConfig)
+ENGINE_ARGS: dict[str, EngineArg] = {f.name: EngineArg.of(f, _HINTS[f.name])
+                                     for f in dataclasses.fields(EngineConfig)}
+
+
+def _check_types_and_choices(cfg: EngineConfig) -> None:
+    """Every bool is a bool (`async_scheduling='no'` is not true) and every choice is valid."""
+    for a in ENGINE_ARGS.values():
+        value = getattr(cfg, a.name)
+        if a.type is bool and not isinstance(value, bool):
+            raise ValueError(f"{a.name} must be true or false, got {value!r}")
+        if a.choices is not None and value not in a.choices:
+            raise ValueError(f"{a.name} must be one of {', '.join(a.choices)}, got {value!r}")
 
 
 def _positive_ints(cfg: EngineConfig, *names: str) -> None:
@@ -85,14 +157,3 @@ def _positive_ints(cfg: EngineConfig, *names: str) -> None:
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _bools(cfg: EngineConfig, *names: str) -> None:
-    for name in names:
-        if not isinstance(getattr(cfg, name), bool):
-            raise ValueError(f"{name} must be true or false, got {getattr(cfg, name)!r}")
-
-
-def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
-    if value not in options:
-        raise ValueError(f"{name} must be one of {', '.join(options)}, got {value!r}")
