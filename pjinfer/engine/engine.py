@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pjinfer.cache.kv_cache_manager import KVCacheManager
 from pjinfer.config import ModelConfig
 from pjinfer.demo import DEMO_MODEL_DIR, DEMO_MODEL_NAME
+from pjinfer.engine.compilation_cache import use_compilation_cache
 from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.metrics import EngineMetrics
 from pjinfer.engine.output_processor import OutputProcessor
@@ -50,7 +51,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, policy=None, params=None):
         self.config = config
         if config.compilation_cache_dir:
-            _use_compilation_cache(config.compilation_cache_dir)
+            use_compilation_cache(config.compilation_cache_dir)
         model_dir = config.model or str(DEMO_MODEL_DIR)
         start = time.perf_counter()
         self.model_config, loaded, mesh = self._load(model_dir, params)
@@ -225,14 +226,3 @@ class LLMEngine:
     def get_stats(self):
         return self.metrics.snapshot(self.scheduler, self.kv)
 
-
-def _use_compilation_cache(path: str) -> None:
-    """JAX's persistent compilation cache: a restart loads the step executables from disk.
-
-    It is process-wide JAX state, set once here because the engine is what compiles.
-    """
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
