@@ -187,7 +187,7 @@ class LLMEngine:
         """Launch the next step, finish the previous one; return outputs of every request that
         changed (with asynchronous scheduling, those of the previous step)."""
         sched = self.scheduler.schedule()
-        launched = self._launch(sched) if sched.scheduled else None
+        launched = self._launch(sched)
         started = [s for s in (self._in_flight, launched) if s is not None]
         self._in_flight = launched if launched is not None and self._deferrable(sched) else None
         changed = {r.group_id for r in sched.timed_out}
@@ -200,16 +200,20 @@ class LLMEngine:
     def _deferrable(self, sched: SchedulerOutput) -> bool:
         return self.config.async_scheduling and sched.allows_async
 
-    def _launch(self, sched: SchedulerOutput) -> _Launched:
+    def _launch(self, sched: SchedulerOutput) -> _Launched | None:
         """Dispatch the scheduled batch (the scheduler has already advanced its requests)."""
         start = time.perf_counter()
+        self.runner.free_rows(sched.freed_request_ids)
+        if not sched.scheduled:
+            return None
         self.runner.apply_copy_ops(sched.copy_ops)
         wants_lp = any(row.params.logprobs is not None for row in sched.rows)
         wants_prompt_lp = any(c.next_token_ids is not None for c in sched.chunks)
         prev = self._in_flight.step if self._in_flight is not None else None
         step = self.runner.launch(
             sched.chunks, sched.rows, max_logprobs=self.config.max_logprobs if wants_lp else 0,
-            prompt_logprobs=self.config.max_logprobs if wants_prompt_lp else None, prev=prev)
+            prompt_logprobs=self.config.max_logprobs if wants_prompt_lp else None, prev=prev,
+            refresh_tables=bool(sched.copy_ops))
         return _Launched(sched, step, start)
 
     def _finish_step(self, launched: _Launched) -> set[str]:

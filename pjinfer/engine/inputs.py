@@ -83,6 +83,7 @@ class Chunk:
     block_table: list[int]
     prev_row: int = -1  # its row in the previous step, when its last token is still pending
     next_token_ids: list[int] | None = None  # tokens one position later (prompt logprobs)
+    request_id: str | None = None  # its row in the persistent batch (None: a one-off batch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,10 +95,23 @@ class BatchLayout:
     decode_only: bool
 
 
+def batch_layout(chunks: list[Chunk], *, max_num_batched_tokens: int,
+                 max_num_seqs: int) -> BatchLayout:
+    """Real and padded (bucketed) sizes of a step."""
+    num_tokens = sum(c.num_new for c in chunks)
+    decode_only = num_tokens == len(chunks)
+    s_pad = bucket_seqs(len(chunks), max_num_seqs)
+    t_pad = s_pad if decode_only else max(bucket_tokens(num_tokens, max_num_batched_tokens),
+                                          s_pad)
+    return BatchLayout(num_tokens, len(chunks), t_pad, s_pad, decode_only)
+
+
 def build_step_inputs(chunks: list[Chunk], *, block_size: int, max_blocks_per_seq: int,
                       max_num_batched_tokens: int, max_num_seqs: int,
-                      prev_tokens: jax.Array | np.ndarray) -> tuple[StepInputs, BatchLayout]:
+                      prev_tokens: jax.Array | np.ndarray,
+                      block_tables: np.ndarray | None = None) -> tuple[StepInputs, BatchLayout]:
     """One padded ragged batch; `prev_tokens` [P] are the previous step's sampled tokens.
+    `block_tables` [S_pad, W]: the chunks' tables from the persistent batch (else built here).
 
     Vectorised over tokens (a step can hold a thousand sequences): Python touches each chunk
     only to concatenate its lists.
@@ -105,12 +119,9 @@ def build_step_inputs(chunks: list[Chunk], *, block_size: int, max_blocks_per_se
     num_seqs = len(chunks)
     q_lens = np.fromiter((c.num_new for c in chunks), np.int32, num_seqs)
     computed = np.fromiter((c.num_computed for c in chunks), np.int32, num_seqs)
-    num_tokens = int(q_lens.sum())
-    decode_only = bool(np.all(q_lens == 1))
-    s_pad = bucket_seqs(num_seqs, max_num_seqs)
-    t_pad = s_pad if decode_only else max(bucket_tokens(num_tokens, max_num_batched_tokens),
-                                          s_pad)
-    layout = BatchLayout(num_tokens, num_seqs, t_pad, s_pad, decode_only)
+    layout = batch_layout(chunks, max_num_batched_tokens=max_num_batched_tokens,
+                          max_num_seqs=max_num_seqs)
+    num_tokens, s_pad, t_pad = layout.num_tokens, layout.padded_seqs, layout.padded_tokens
 
     qsl = np.zeros(s_pad + 1, np.int32)
     qsl[1:num_seqs + 1] = np.cumsum(q_lens)
@@ -119,7 +130,8 @@ def build_step_inputs(chunks: list[Chunk], *, block_size: int, max_blocks_per_se
     positions = np.zeros(t_pad, np.int32)
     positions[:num_tokens] = np.arange(num_tokens, dtype=np.int32) + np.repeat(
         computed - qsl[:num_seqs], q_lens)
-    tables = _block_tables(chunks, s_pad, max_blocks_per_seq)
+    tables = block_tables if block_tables is not None else \
+        _block_tables(chunks, s_pad, max_blocks_per_seq)
     slots = np.zeros(t_pad, np.int32)  # padding writes land in the null block 0
     pos = positions[:num_tokens]
     slots[:num_tokens] = tables[seq_of_token, pos // block_size] * block_size + pos % block_size

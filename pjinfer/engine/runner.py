@@ -17,10 +17,12 @@ from jax.sharding import Mesh
 from pjinfer.config import ModelConfig
 from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.executable_cache import ExecutableCache
+from pjinfer.engine.input_batch import InputBatch
 from pjinfer.engine.inputs import (
     BatchLayout,
     Chunk,
     StepInputs,
+    batch_layout,
     build_step_inputs,
     seq_buckets,
     token_buckets,
@@ -93,6 +95,7 @@ class ModelRunner:
             {} if mesh is None else dict(out_shardings=self._cache_shardings())))
         self.num_compiles = 0
         self.num_cache_loads = 0  # step executables read from the executable cache
+        self.batch = InputBatch(ecfg.max_num_seqs, self.max_blocks_per_seq)
 
     def _replicate(self, x):
         """On the device (every device of the mesh): step inputs the step reads as is."""
@@ -237,26 +240,42 @@ class ModelRunner:
         self.kv_caches = self._copy(self.kv_caches, src, dst)
 
     def launch(self, chunks: list[Chunk], rows: list[SamplingRow], *, max_logprobs: int = 0,
-               prompt_logprobs: int | None = None,
-               prev: LaunchedStep | None = None) -> LaunchedStep:
+               prompt_logprobs: int | None = None, prev: LaunchedStep | None = None,
+               refresh_tables: bool = False) -> LaunchedStep:
         """Dispatch the step and its sampler without waiting for either.
 
         `prev` is the step before, possibly still running: chunks whose last token it sampled
         (`Chunk.prev_row`) read that token on the device, so the host never waits for it.
+        Chunks with a `request_id` take their block tables and sampling settings from the
+        persistent batch (`refresh_tables` after copy-on-write rewrote a table).
         """
         prev_tokens = self._no_prev_tokens if prev is None else prev.next_tokens
+        tables, columns = self._from_batch(chunks, rows, refresh_tables)
         inputs, layout = build_step_inputs(
             chunks, block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq,
             max_num_batched_tokens=self.ecfg.max_num_batched_tokens,
-            max_num_seqs=self.ecfg.max_num_seqs, prev_tokens=prev_tokens)
+            max_num_seqs=self.ecfg.max_num_seqs, prev_tokens=prev_tokens, block_tables=tables)
         opts = replace(self._base_opts, decode_only=layout.decode_only,
                        prompt_logprobs=prompt_logprobs)
         fn = self._compiled_step(opts, inputs)
         out = fn(self.params, self.kv_caches, inputs)
         logits, self.kv_caches = out[0], out[1]
-        sampled, next_tokens = self._sample(
-            logits, SamplingMetadata.build(rows, layout.padded_seqs), max_logprobs=max_logprobs)
+        md = SamplingMetadata.build(rows, layout.padded_seqs, columns)
+        sampled, next_tokens = self._sample(logits, md, max_logprobs=max_logprobs)
         return LaunchedStep(sampled, out[2] if len(out) > 2 else None, next_tokens, layout)
+
+    def _from_batch(self, chunks: list[Chunk], rows: list[SamplingRow], refresh: bool):
+        """(block tables, sampling columns) of a step of engine requests; (None, None) for a
+        one-off batch of anonymous chunks, which builds them from its lists."""
+        if not chunks or chunks[0].request_id is None:
+            return None, None
+        padded = batch_layout(chunks, max_num_batched_tokens=self.ecfg.max_num_batched_tokens,
+                              max_num_seqs=self.ecfg.max_num_seqs).padded_seqs
+        return self.batch.gather(self.batch.rows_for(chunks, rows, refresh=refresh), padded)
+
+    def free_rows(self, request_ids: list[str]) -> None:
+        """Finished or preempted sequences give their persistent-batch rows back."""
+        self.batch.free(request_ids)
 
     def fetch(self, step: LaunchedStep) -> StepResult:
         """Wait for a launched step and copy what it produced to the host (one transfer)."""

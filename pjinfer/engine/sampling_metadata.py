@@ -70,25 +70,31 @@ class SamplingMetadata:
     needs_penalties: bool = False  # static: some row uses a penalty
 
     @classmethod
-    def build(cls, rows: Sequence[SamplingRow], num_seqs_padded: int) -> SamplingMetadata:
-        """NumPy-filled metadata for `rows`, padded to `num_seqs_padded` sequences."""
+    def build(cls, rows: Sequence[SamplingRow], num_seqs_padded: int,
+              columns: dict[str, np.ndarray] | None = None) -> SamplingMetadata:
+        """NumPy-filled metadata for `rows`, padded to `num_seqs_padded` sequences. `columns`
+        are the rows' `row_fields` already stacked and padded (the engine's persistent batch
+        keeps them); without them they are stacked here."""
         if len(rows) > num_seqs_padded:
             raise ValueError(f"{len(rows)} rows do not fit num_seqs_padded={num_seqs_padded}")
-        params = [r.params for r in rows]
-        needs_penalties = any(p.uses_penalties for p in params)
+        cols = columns if columns is not None else stack_row_fields(rows, num_seqs_padded)
+        sampled = cols["temperature"] > 0
+        needs_penalties = bool(cols["uses_penalties"].any())
         history, num_prompt = _token_history(rows, num_seqs_padded, needs_penalties)
-        bias_ids, bias_values = _logit_bias(params, num_seqs_padded)
+        bias_ids, bias_values = _logit_bias([r.params for r in rows] if cols["has_bias"].any()
+                                            else [], num_seqs_padded)
         return cls(
-            **_scalar_fields(params, num_seqs_padded),
-            seed_data=_seed_data(rows, num_seqs_padded),
+            **{name: cols[name] for name in _SCALAR_FIELDS},
+            seed_data=cols["seed_data"],
             steps=_padded([r.num_output_tokens for r in rows], num_seqs_padded, 0, np.int32),
             token_history=history,
             num_prompt_tokens=num_prompt,
             bias_token_ids=bias_ids,
             bias_values=bias_values,
-            suppress_token_ids=_suppressed_ids(rows, num_seqs_padded),
-            all_greedy=all(p.greedy for p in params),
-            needs_sort=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
+            suppress_token_ids=_suppressed_ids(rows if cols["min_tokens"].any() else [],
+                                               num_seqs_padded),
+            all_greedy=not sampled.any(),
+            needs_sort=bool((sampled & ((cols["top_k"] > 0) | (cols["top_p"] < 1.0))).any()),
             needs_penalties=needs_penalties,
         )
 
@@ -115,23 +121,44 @@ def _padded(values: Sequence[float], size: int, fill: float, dtype: type) -> np.
     return out
 
 
-def _scalar_fields(params: Sequence[SamplingParams], size: int) -> dict[str, np.ndarray]:
-    """Padding rows are greedy with every processor off, so they cost nothing and sample 0."""
+_SCALAR_FIELDS = {  # field -> (its value when off: the padding rows' value, dtype)
+    "temperature": (0.0, np.float32), "top_k": (0, np.int32), "top_p": (1.0, np.float32),
+    "min_p": (0.0, np.float32), "presence_penalty": (0.0, np.float32),
+    "frequency_penalty": (0.0, np.float32), "repetition_penalty": (1.0, np.float32),
+}
 
-    def col(name: str, fill: float, dtype: type = np.float32) -> np.ndarray:
-        return _padded([getattr(p, name) for p in params], size, fill, dtype)
 
-    temperature = col("temperature", 0.0)
-    temperature[: len(params)][[p.greedy for p in params]] = 0.0
-    return {
-        "temperature": temperature,
-        "top_k": col("top_k", 0, np.int32),
-        "top_p": col("top_p", 1.0),
-        "min_p": col("min_p", 0.0),
-        "presence_penalty": col("presence_penalty", 0.0),
-        "frequency_penalty": col("frequency_penalty", 0.0),
-        "repetition_penalty": col("repetition_penalty", 1.0),
-    }
+def row_fields(row: SamplingRow) -> dict[str, np.ndarray]:
+    """What a sequence's sampling needs that never changes while it runs: written once into
+    the persistent batch. Greedy rows get temperature 0 (the sampler's greedy marker)."""
+    p = row.params
+    fields = {name: np.asarray(getattr(p, name), dtype)
+              for name, (_, dtype) in _SCALAR_FIELDS.items()}
+    if p.greedy:
+        fields["temperature"] = np.float32(0.0)
+    fields["seed_data"] = _seed_data([row], 1)[0]
+    fields["uses_penalties"] = np.bool_(p.uses_penalties)
+    fields["has_bias"] = np.bool_(bool(p.logit_bias))
+    fields["min_tokens"] = np.int32(p.min_tokens)
+    return fields
+
+
+def pad_value(name: str) -> float:
+    """A padding row's value of a `row_fields` column: every processor off."""
+    return _SCALAR_FIELDS.get(name, (0,))[0]
+
+
+def stack_row_fields(rows: Sequence[SamplingRow], size: int) -> dict[str, np.ndarray]:
+    """`row_fields` of every row, stacked and padded to `size` rows."""
+    per_row = [row_fields(r) for r in rows]
+    template = row_fields(SamplingRow(SamplingParams(), (), (), 0))
+    out = {}
+    for name, value in template.items():
+        column = np.full((size, *value.shape), pad_value(name), value.dtype)
+        if per_row:
+            column[:len(per_row)] = np.stack([f[name] for f in per_row])
+        out[name] = column
+    return out
 
 
 def _seed_data(rows: Sequence[SamplingRow], size: int) -> np.ndarray:

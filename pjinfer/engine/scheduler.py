@@ -68,6 +68,8 @@ class SchedulerOutput:
     copy_ops: list[tuple[int, int]] = field(default_factory=list)  # COW (src, dst) blocks
     preempted: list[Request] = field(default_factory=list)
     timed_out: list[Request] = field(default_factory=list)
+    # Sequences freed (finished or preempted) since the last step: the runner drops their rows.
+    freed_request_ids: list[str] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -127,6 +129,7 @@ class Scheduler:
         self._fork_pending: dict[str, list[Request]] = {}  # group id -> siblings to fork
         self.num_preemptions = 0
         self._sampled_rows: dict[str, int] = {}  # request_id -> row in the latest step
+        self._freed: list[str] = []  # request ids freed since the last schedule()
 
     # ---- queue management -------------------------------------------------------------
     @property
@@ -166,6 +169,7 @@ class Scheduler:
                 del self._fork_pending[gid]
         for rid in gone:
             self.kv.free(rid)
+        self._freed += gone
 
     def all_requests(self) -> list[Request]:
         pending = [s for group in self._fork_pending.values() for s in group]
@@ -188,6 +192,7 @@ class Scheduler:
             if out.scheduled[-1].samples:
                 sampled_rows[request.request_id] = row
         self._sampled_rows = sampled_rows
+        out.freed_request_ids, self._freed = self._freed, []
         return out
 
     def _chunk(self, r: Request, num_new: int) -> Chunk:
@@ -199,7 +204,7 @@ class Scheduler:
         if r.wants_prompt_logprobs and first < r.num_prompt_tokens:
             following = r.token_ids_between(first + 1, first + num_new + 1)
         return Chunk(r.token_ids_between(first, first + num_new), first, num_new,
-                     self.kv.block_table(r.request_id), prev_row, following)
+                     self.kv.block_table(r.request_id), prev_row, following, r.request_id)
 
     def _advance(self, r: Request, num_new: int) -> ScheduledChunk:
         first = r.num_computed_tokens
@@ -256,6 +261,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Free everything; the request will recompute prompt + output when readmitted."""
         self.kv.free(request.request_id)
+        self._freed.append(request.request_id)
         self.running.remove(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
