@@ -37,7 +37,8 @@ PIPELINED = 10  # steps launched back to back for the device-bound time
 
 
 def _chunks(kind: str, rng: np.random.Generator) -> list:
-    """One Chunk per sequence, disjoint block tables."""
+    """One Chunk per sequence, disjoint block tables; request ids, so the runner keeps them in
+    its persistent batch as it does the engine's requests."""
     from pjinfer.engine.inputs import Chunk
 
     specs = {"decode_1x768": [(769, 768, 1)], "decode_8x160": [(161, 160, 1)] * 8,
@@ -45,12 +46,13 @@ def _chunks(kind: str, rng: np.random.Generator) -> list:
              "mixed_1792+255dec": [(1025, 1024, 1)] * 255 + [(1792, 0, 1792)],
              "decode_256x1024": [(1025, 1024, 1)] * 256}[kind]
     chunks, next_block = [], 1
-    for length, computed, new in specs:
+    for i, (length, computed, new) in enumerate(specs):
         blocks = -(-length // 16)
         table = list(range(next_block, next_block + blocks))
         next_block += blocks
         ids = rng.integers(0, 1000, length).tolist()
-        chunks.append(Chunk(ids[computed:computed + new], computed, new, table))
+        chunks.append(Chunk(ids[computed:computed + new], computed, new, table,
+                            request_id=f"{kind}-{i}"))
     return chunks
 
 
@@ -81,6 +83,7 @@ def probe(backend: str) -> dict[str, float]:
         runner.fetch(launched[-1])
         out[f"{backend}/{kind}"] = float(np.median(times)) * 1e3
         out[f"{backend}/{kind}/pipelined"] = (time.perf_counter() - start) / PIPELINED * 1e3
+        runner.free_rows([c.request_id for c in chunks])
         print(f"{backend} {kind} {out[f'{backend}/{kind}']:.1f} ms synchronous, "
               f"{out[f'{backend}/{kind}/pipelined']:.1f} ms pipelined", flush=True)
     return out

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Before/after in one device call: the same workloads from two checkouts, interleaved, so a
+# change is measured against its baseline on the same GPU minutes apart.
+#
+#   git archive BASE_COMMIT | (mkdir -p .bench_base && tar -x -C .bench_base)  # here, once
+#   bash benchmarks/run_ab.sh .bench_base probe    # step probe + W1 + W2, both trees (~7 min)
+#   bash benchmarks/run_ab.sh .bench_base w3       # W3, both trees                (~6 min)
+#   bash benchmarks/run_ab.sh --smoke .bench_base probe   # the same plumbing, tiny, on CPU
+#
+# JSON records land in $OUT as {base,head}_<workload>.json, the log in $OUT/ab_log_<stage>.txt.
+set -uo pipefail
+
+SMOKE=0
+if [ "${1:-}" = "--smoke" ]; then SMOKE=1; shift; fi
+BASE=$(cd "$1" && pwd); STAGE=$2
+REPO=$(pwd)
+OUT=${OUT:-$REPO/benchmarks/results/ab_$(date +%Y%m%d_%H%M%S)}
+mkdir -p "$OUT"
+LOG=$OUT/ab_log_$STAGE.txt
+PY=${PYTHON:-python3}
+source "$REPO/benchmarks/device_env.sh"
+
+if [ $SMOKE = 1 ]; then
+  MODEL=(); ENGINE=(--max-num-seqs 8 --max-num-batched-tokens 64)
+  W1=(--batch-size 1 --input-len 16 --output-len 8 --num-iters 2)
+  W2=(--batch-size 2 --input-len 8 --output-len 6 --num-iters 2)
+  W3=(--num-prompts 4 --input-len 16 --output-len 4); LIMIT=180
+else
+  MODEL=(--model configs/models/llama3-8b --load-format dummy --dtype bfloat16)
+  ENGINE=(--max-num-seqs 512 --max-num-batched-tokens 2048)
+  W1=(--batch-size 1 --input-len 512 --output-len 512 --num-iters 3)
+  W2=(--batch-size 8 --input-len 32 --output-len 128 --num-iters 5)
+  W3=(--num-prompts 1000 --input-len 1024 --output-len 256); LIMIT=270
+fi
+
+log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$LOG"; }
+
+# in_tree NAME CMD...: run CMD from checkout NAME (base|head) with that checkout as `pjinfer`.
+in_tree() {
+  local name=$1; shift
+  local dir=$REPO; [ "$name" = base ] && dir=$BASE
+  log "START $name: $*"
+  local t0=$SECONDS
+  (cd "$dir" && eval "$(bash "$REPO/benchmarks/make_shim.sh" "$dir" "/tmp/shim-$name")" \
+     && timeout --signal=INT --kill-after=15 $LIMIT "$@") >>"$LOG" 2>&1
+  log "END $name rc=$? in $((SECONDS - t0))s"
+}
+
+bench() {  # bench NAME WORKLOAD KIND ARGS...: one pjinfer bench command in checkout NAME
+  local name=$1 workload=$2 kind=$3; shift 3
+  in_tree "$name" $PY -m pjinfer.benchmarks.cli "$kind" "${MODEL[@]}" "${ENGINE[@]}" \
+      --compilation-cache-dir "/tmp/ab-cache-$name" "$@" \
+      --output-json "$OUT/${name}_$workload.json"
+}
+
+case $STAGE in
+  probe)
+    if [ $SMOKE = 0 ]; then
+      for t in base head; do
+        in_tree $t $PY benchmarks/step_probe.py --backends auto --out "$OUT/${t}_probe.json"
+      done
+    fi
+    for t in base head; do bench $t w1 latency "${W1[@]}" --num-iters-warmup 1; done
+    for t in base head; do bench $t w2 latency "${W2[@]}" --num-iters-warmup 1; done ;;
+  w3)
+    for t in base head; do bench $t w3 throughput "${W3[@]}" --warmup-requests 8; done ;;
+  *) echo "unknown stage $STAGE (probe | w3)"; exit 2 ;;
+esac
