@@ -14,6 +14,8 @@ _EXPORTS = {
     "RequestOutputKind": "pjinfer.sampling_params",
     "RequestOutput": "pjinfer.outputs",
     "CompletionOutput": "pjinfer.outputs",
+    "BeamSearchParams": "pjinfer.beam_search",
+    "BeamSearchOutput": "pjinfer.beam_search",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

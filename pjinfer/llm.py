@@ -7,6 +7,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from pjinfer.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.engine import LLMEngine
 from pjinfer.outputs import RequestOutput
@@ -63,6 +64,20 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [apply_chat_template(self.tokenizer, c) for c in conversations]
         return self.generate(prompts, sampling_params)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """The best `params.beam_width` sequences per prompt (vLLM's `LLM.beam_search`): one
+        engine step per token over every live beam; turn on `enable_prefix_caching` so each
+        step recomputes only the beams' newest tokens."""
+        params.check_logprobs(self.engine.config.max_logprobs)
+        search = BeamSearch([self.engine.prompt_ids(p) for p in _as_list(prompts)], params,
+                            self.engine.eos_token_id)
+        while not search.done:
+            outs = self.generate(search.requests(), search.sampling_params())
+            search.advance([out.outputs[0].logprobs[0] for out in outs])
+        tokenizer = self.tokenizer
+        return search.results(tokenizer.decode if tokenizer is not None else None)
 
     def _run(self, ids: list[str], prompts: list[Prompt]) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

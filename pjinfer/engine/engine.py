@@ -122,7 +122,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.output_processor:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        prompt_ids = self._prompt_ids(prompt)
+        prompt_ids = self.prompt_ids(prompt)
         params.check_vocab(self.model_config.vocab_size)
         if self.tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer and this model has none; "
@@ -138,7 +138,8 @@ class LLMEngine:
         self.metrics.on_arrival()
         return prompt_ids
 
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """Tokenize (or check) a prompt: non-empty, known ids, room left to generate."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
