@@ -65,7 +65,9 @@ def engine_arg_values(tmp_path) -> dict[str, object]:
     samples = {int: 32, float: 0.5, str: str(tmp_path)}  # 32: a power of two, for block_size
     values: dict[str, object] = {}
     for name, arg in ENGINE_ARGS.items():
-        if arg.type is bool:
+        if name == "scheduling_policy":  # checked against the (pluggable) policy registry
+            values[name] = "sjf"
+        elif arg.type is bool:
             values[name] = not arg.default
         elif arg.choices:
             values[name] = next(c for c in reversed(arg.choices) if c != arg.default)

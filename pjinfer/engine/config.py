@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from pjinfer.config import DTYPES
+from pjinfer.engine.scheduling_policy import scheduling_policies
 from pjinfer.kernels.backends import BACKENDS
 
 # auto = orbax when the folder holds a `pjinfer convert` checkpoint, else safetensors
 LOAD_FORMATS = ("auto", "safetensors", "dummy", "orbax")
-SCHEDULING_POLICIES = ("fcfs", "priority")
 SECTIONS = ("model", "parallel", "cache", "scheduler", "compilation")  # TOML tables
 
 
@@ -64,8 +64,10 @@ class EngineConfig:
                                       "cache")
     enable_chunked_prefill: bool = arg(True, "split long prompts over steps", "scheduler")
     tensor_parallel_size: int = arg(1, "devices each replica spans", "parallel")
-    scheduling_policy: str = arg("fcfs", "order of the waiting queue", "scheduler",
-                                 choices=SCHEDULING_POLICIES)
+    scheduling_policy: str = arg("fcfs", "order of the waiting queue (and, reversed, of "
+                                 "preemption): fcfs, priority (lower value first) or sjf "
+                                 "(shortest prompt first, with aging); plugins add more",
+                                 "scheduler")
     max_waiting_requests: int = arg(4096, "queue length past which new requests are "
                                     "refused with HTTP 503", "scheduler")
     request_timeout: float | None = arg(None, "seconds a request may live from arrival "
@@ -82,6 +84,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check_types_and_choices(self)
+        if self.scheduling_policy not in scheduling_policies():
+            raise ValueError(f"scheduling_policy must be one of "
+                             f"{', '.join(scheduling_policies())}, got {self.scheduling_policy!r}")
         _positive_ints(self, "block_size", "max_num_seqs", "max_num_batched_tokens",
                        "tensor_parallel_size", "max_waiting_requests")
         _positive_ints(self, *(n for n in ("max_model_len", "num_kv_blocks", "kv_cache_memory")

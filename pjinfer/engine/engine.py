@@ -24,7 +24,8 @@ from pjinfer.engine.metrics import EngineMetrics
 from pjinfer.engine.output_processor import OutputProcessor
 from pjinfer.engine.request import Request, RequestStatus
 from pjinfer.engine.runner import LaunchedStep, ModelRunner
-from pjinfer.engine.scheduler import POLICIES, Scheduler, SchedulerConfig, SchedulerOutput
+from pjinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pjinfer.engine.scheduling_policy import make_policy
 from pjinfer.errors import EngineOverloadedError
 from pjinfer.outputs import RequestOutput
 from pjinfer.sampling_params import SamplingParams
@@ -68,7 +69,7 @@ class LLMEngine:
             config.enable_prefix_caching, self.max_model_len,
             tuple(self.model_config.eos_token_ids))
         self.scheduler = Scheduler(sched_cfg, self.kv,
-                                   policy or POLICIES[config.scheduling_policy]())
+                                   policy or make_policy(config.scheduling_policy))
         self.metrics = EngineMetrics()
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         self._rng = random.Random(config.seed)

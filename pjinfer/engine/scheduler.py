@@ -19,33 +19,12 @@ import itertools
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from pjinfer.cache.kv_cache_manager import KVCacheManager
 from pjinfer.engine.inputs import Chunk
 from pjinfer.engine.request import Request, RequestStatus
 from pjinfer.engine.sampling_metadata import SamplingRow
-
-
-class SchedulingPolicy(Protocol):
-    """Orders requests: a smaller key is served first and preempted last. Replaceable."""
-
-    def key(self, request: Request) -> tuple: ...
-
-
-class FCFSPolicy:
-    def key(self, request: Request) -> tuple:
-        return (request.arrival_time,)
-
-
-class PriorityPolicy:
-    """Lower `priority` value first (vLLM's convention), then arrival order."""
-
-    def key(self, request: Request) -> tuple:
-        return (request.priority, request.arrival_time)
-
-
-POLICIES = {"fcfs": FCFSPolicy, "priority": PriorityPolicy}
+from pjinfer.engine.scheduling_policy import FCFSPolicy, SchedulingPolicy
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,8 @@ import pytest
 
 from pjinfer.cache.kv_cache_manager import KVCacheManager
 from pjinfer.engine.request import Request, RequestStatus
-from pjinfer.engine.scheduler import FCFSPolicy, PriorityPolicy, Scheduler, SchedulerConfig
+from pjinfer.engine.scheduler import Scheduler, SchedulerConfig
+from pjinfer.engine.scheduling_policy import FCFSPolicy, PriorityPolicy, SJFPolicy
 from pjinfer.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -170,3 +171,25 @@ def test_finish_requests_frees_and_keeps_first_status():
     s.finish_requests([r], RequestStatus.FINISHED_ABORTED)
     assert (r.status, r.stop_reason) == (RequestStatus.FINISHED_STOPPED, "stop!")
     assert not s.has_unfinished() and s.kv.num_free_blocks == s.kv.pool.num_blocks - 1
+
+
+def test_sjf_serves_short_prompts_first_and_ages_long_ones():
+    s = _scheduler(seqs=1, policy=SJFPolicy(aging_rate=10.0))
+    long_old = _request("long", 30)  # arrives first
+    s.add([long_old])
+    s.add([_request("short", 3)])
+    out, _ = _run(s)
+    assert [c.request.request_id for c in out.scheduled] == ["short"]
+    # a later short prompt no longer overtakes once the long one has waited 30 / 10 = 3 s
+    late = _request("late-short", 3)
+    late.arrival_time = long_old.arrival_time + 3.5
+    s2 = _scheduler(seqs=1, policy=SJFPolicy(aging_rate=10.0))
+    s2.add([late])
+    s2.add([long_old])
+    out, _ = _run(s2)
+    assert [c.request.request_id for c in out.scheduled] == ["long"]
+
+
+def test_sjf_rejects_bad_aging_rate():
+    with pytest.raises(ValueError, match="aging_rate"):
+        SJFPolicy(aging_rate=0)
