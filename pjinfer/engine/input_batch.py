@@ -16,13 +16,15 @@ import numpy as np
 
 from pjinfer.engine.inputs import Chunk
 from pjinfer.engine.sampling_metadata import SamplingRow, pad_value, row_fields
+from pjinfer.engine.token_history import HistoryBuffer, TokenHistory
 
 
 class InputBatch:
     """Rows of per-sequence host state, keyed by request id."""
 
-    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int):
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int):
         self.block_tables = np.zeros((max_num_seqs, max_blocks_per_seq), np.int32)
+        self.history = HistoryBuffer(max_num_seqs, max_model_len)  # penalties' token ids
         self.num_blocks = np.zeros(max_num_seqs, np.int64)  # table entries written per row
         self.sampling: dict[str, np.ndarray] = {}  # field -> [max_num_seqs, ...]
         self._rows: dict[str, int] = {}
@@ -33,6 +35,7 @@ class InputBatch:
             row = self._rows.pop(rid, None)
             if row is not None:
                 self.num_blocks[row] = 0
+                self.history.free(row)
                 self._free.append(row)
 
     def rows_for(self, chunks: Sequence[Chunk], sampling: Sequence[SamplingRow], *,
@@ -64,6 +67,10 @@ class InputBatch:
                 column = self.sampling[name] = np.zeros((len(self.num_blocks), *value.shape),
                                                         value.dtype)
             column[row] = value
+
+    def token_history(self, rows: np.ndarray, sampling: Sequence[SamplingRow],
+                      padded: int) -> TokenHistory:
+        return self.history.gather(rows, sampling, padded)
 
     def gather(self, rows: np.ndarray, padded: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Block tables [padded, W] and sampling columns [padded, ...] of `rows`; padding rows

@@ -117,18 +117,19 @@ class Request:
             return prompt[start:end]
         return prompt[start:] + self.output_token_ids[:end - num_prompt]
 
-    def sampling_row(self) -> SamplingRow:
-        """The sampler's view, taken before the step advances the request."""
+    def sampling_row(self, prev_row: int = -1) -> SamplingRow:
+        """The sampler's view, taken before the step advances the request; `prev_row`: the
+        previous step's row that sampled its pending token."""
         return SamplingRow(self.params, self.prompt_token_ids, self.output_token_ids, self.seed,
-                           self.eos_token_id, self.num_pending_tokens)
+                           self.eos_token_id, self.num_pending_tokens, prev_row)
 
     @property
     def allows_async(self) -> bool:
         """Can its step stay in flight while the next is scheduled? Not when the next step's
-        host inputs need this step's tokens (penalty histories, n > 1 forks) or when it
-        records prompt logprobs."""
+        host inputs need this step's tokens (n > 1 forks) or when it records prompt logprobs.
+        (Penalty histories get a pending token on the device.)"""
         p = self.params
-        return p.n == 1 and not p.uses_penalties and p.prompt_logprobs is None
+        return p.n == 1 and p.prompt_logprobs is None
 
     @property
     def is_finished(self) -> bool:

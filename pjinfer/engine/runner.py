@@ -95,7 +95,7 @@ class ModelRunner:
             {} if mesh is None else dict(out_shardings=self._cache_shardings())))
         self.num_compiles = 0
         self.num_cache_loads = 0  # step executables read from the executable cache
-        self.batch = InputBatch(ecfg.max_num_seqs, self.max_blocks_per_seq)
+        self.batch = InputBatch(ecfg.max_num_seqs, self.max_blocks_per_seq, max_model_len)
 
     def _replicate(self, x):
         """On the device (every device of the mesh): step inputs the step reads as is."""
@@ -217,7 +217,8 @@ class ModelRunner:
             for temperature in (0.0, 1.0):
                 row = SamplingRow(SamplingParams(temperature=temperature), [0], [], 0)
                 md = SamplingMetadata.build([row], seqs)
-                jax.block_until_ready(self._sample(logits, md, max_logprobs=0))
+                jax.block_until_ready(self._sample(logits, md, self._no_prev_tokens,
+                                                   max_logprobs=0))
 
     def _dummy(self, tokens: int, seqs: int, decode_only: bool):
         """An empty batch of exactly these bucket shapes: only shapes matter to the compile."""
@@ -250,7 +251,7 @@ class ModelRunner:
         persistent batch (`refresh_tables` after copy-on-write rewrote a table).
         """
         prev_tokens = self._no_prev_tokens if prev is None else prev.next_tokens
-        tables, columns = self._from_batch(chunks, rows, refresh_tables)
+        tables, columns, history = self._from_batch(chunks, rows, refresh_tables)
         inputs, layout = build_step_inputs(
             chunks, block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq,
             max_num_batched_tokens=self.ecfg.max_num_batched_tokens,
@@ -260,18 +261,20 @@ class ModelRunner:
         fn = self._compiled_step(opts, inputs)
         out = fn(self.params, self.kv_caches, inputs)
         logits, self.kv_caches = out[0], out[1]
-        md = SamplingMetadata.build(rows, layout.padded_seqs, columns)
-        sampled, next_tokens = self._sample(logits, md, max_logprobs=max_logprobs)
+        md = SamplingMetadata.build(rows, layout.padded_seqs, columns, history)
+        sampled, next_tokens = self._sample(logits, md, prev_tokens, max_logprobs=max_logprobs)
         return LaunchedStep(sampled, out[2] if len(out) > 2 else None, next_tokens, layout)
 
     def _from_batch(self, chunks: list[Chunk], rows: list[SamplingRow], refresh: bool):
-        """(block tables, sampling columns) of a step of engine requests; (None, None) for a
-        one-off batch of anonymous chunks, which builds them from its lists."""
+        """(block tables, sampling columns, penalties' history maker) of a step of engine
+        requests; Nones for a one-off batch of anonymous chunks, built from its lists."""
         if not chunks or chunks[0].request_id is None:
-            return None, None
+            return None, None, None
         padded = batch_layout(chunks, max_num_batched_tokens=self.ecfg.max_num_batched_tokens,
                               max_num_seqs=self.ecfg.max_num_seqs).padded_seqs
-        return self.batch.gather(self.batch.rows_for(chunks, rows, refresh=refresh), padded)
+        batch_rows = self.batch.rows_for(chunks, rows, refresh=refresh)
+        tables, columns = self.batch.gather(batch_rows, padded)
+        return tables, columns, partial(self.batch.token_history, batch_rows, rows, padded)
 
     def free_rows(self, request_ids: list[str]) -> None:
         """Finished or preempted sequences give their persistent-batch rows back."""
@@ -292,8 +295,9 @@ class ModelRunner:
                                       prompt_logprobs=prompt_logprobs))
 
 
-def _sample_padded(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int,
-                   width: int) -> tuple[SamplerOutput, jax.Array]:
-    """The sampler, plus its tokens padded to `width` rows: a fixed shape for the next step."""
-    out = sample(logits, md, max_logprobs=max_logprobs)
+def _sample_padded(logits: jax.Array, md: SamplingMetadata, prev_tokens: jax.Array, *,
+                   max_logprobs: int, width: int) -> tuple[SamplerOutput, jax.Array]:
+    """The sampler (pending tokens of the previous step filled into the penalties' history),
+    plus its tokens padded to `width` rows: a fixed shape for the next step."""
+    out = sample(logits, md.with_pending(prev_tokens), max_logprobs=max_logprobs)
     return out, jnp.zeros(width, jnp.int32).at[:out.token_ids.shape[0]].set(out.token_ids)

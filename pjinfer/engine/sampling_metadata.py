@@ -10,16 +10,22 @@ noise altogether when no row uses them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from pjinfer.engine.token_history import (
+    PAD_TOKEN_ID,
+    TokenHistory,
+    bucket,
+    empty_history,
+    history_from_rows,
+)
 from pjinfer.sampling_params import SamplingParams
 
-PAD_TOKEN_ID = -1  # Padding in every token-id table; the sampler drops these scatters.
-MIN_HISTORY_BUCKET = 256  # Smallest L: keeps the number of compiled history shapes low.
 MIN_BIAS_BUCKET = 8
 MIN_SUPPRESS_BUCKET = 4
 
@@ -40,6 +46,7 @@ class SamplingRow:
     seed: int
     eos_token_id: int | None = None
     num_pending: int = 0  # output tokens sampled by a step whose result is not on the host yet
+    prev_row: int = -1  # with num_pending: the previous step's row that sampled it
 
     @property
     def num_output_tokens(self) -> int:
@@ -62,6 +69,7 @@ class SamplingMetadata:
     steps: jax.Array  # [S] i32, folded into the key
     token_history: jax.Array  # [S, L] i32 prompt then output ids, PAD_TOKEN_ID after
     num_prompt_tokens: jax.Array  # [S] i32, history[:, :P] is prompt, the rest output
+    pending: jax.Array  # [S, 2] i32 (history position, previous row) of a pending token, or -1
     bias_token_ids: jax.Array  # [S, B] i32
     bias_values: jax.Array  # [S, B] f32
     suppress_token_ids: jax.Array  # [S, E] i32, stop/eos ids masked until min_tokens
@@ -71,24 +79,31 @@ class SamplingMetadata:
 
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], num_seqs_padded: int,
-              columns: dict[str, np.ndarray] | None = None) -> SamplingMetadata:
+              columns: dict[str, np.ndarray] | None = None,
+              history: Callable[[], TokenHistory] | None = None) -> SamplingMetadata:
         """NumPy-filled metadata for `rows`, padded to `num_seqs_padded` sequences. `columns`
-        are the rows' `row_fields` already stacked and padded (the engine's persistent batch
-        keeps them); without them they are stacked here."""
+        are the rows' `row_fields` already stacked and padded, `history` makes the penalties'
+        token table (the engine's persistent batch keeps both); without them they are built
+        from the rows here."""
         if len(rows) > num_seqs_padded:
             raise ValueError(f"{len(rows)} rows do not fit num_seqs_padded={num_seqs_padded}")
         cols = columns if columns is not None else stack_row_fields(rows, num_seqs_padded)
         sampled = cols["temperature"] > 0
         needs_penalties = bool(cols["uses_penalties"].any())
-        history, num_prompt = _token_history(rows, num_seqs_padded, needs_penalties)
+        if not needs_penalties:
+            hist = empty_history(num_seqs_padded)
+        else:
+            hist = history() if history is not None else \
+                history_from_rows(rows, num_seqs_padded)
         bias_ids, bias_values = _logit_bias([r.params for r in rows] if cols["has_bias"].any()
                                             else [], num_seqs_padded)
         return cls(
             **{name: cols[name] for name in _SCALAR_FIELDS},
             seed_data=cols["seed_data"],
             steps=_padded([r.num_output_tokens for r in rows], num_seqs_padded, 0, np.int32),
-            token_history=history,
-            num_prompt_tokens=num_prompt,
+            token_history=hist.tokens,
+            num_prompt_tokens=hist.num_prompt,
+            pending=hist.pending,
             bias_token_ids=bias_ids,
             bias_values=bias_values,
             suppress_token_ids=_suppressed_ids(rows if cols["min_tokens"].any() else [],
@@ -98,6 +113,16 @@ class SamplingMetadata:
             needs_penalties=needs_penalties,
         )
 
+    def with_pending(self, prev_tokens: jax.Array) -> SamplingMetadata:
+        """On device: write each penalised row's pending token (sampled by the previous step,
+        not on the host when this metadata was built) into its history."""
+        if not self.needs_penalties:
+            return self
+        pos, src = self.pending[:, 0], self.pending[:, 1]
+        rows, at = jnp.arange(pos.shape[0]), jnp.maximum(pos, 0)
+        value = jnp.where(pos >= 0, prev_tokens[src], self.token_history[rows, at])
+        return dataclasses.replace(self, token_history=self.token_history.at[rows, at].set(value))
+
 
 _META_FIELDS = ["all_greedy", "needs_sort", "needs_penalties"]  # static: change the trace
 jax.tree_util.register_dataclass(
@@ -106,13 +131,6 @@ jax.tree_util.register_dataclass(
                  if f.name not in _META_FIELDS],
     meta_fields=_META_FIELDS,
 )
-
-
-def bucket(n: int, minimum: int) -> int:
-    """0 stays 0 (table absent); otherwise the next power of two, at least `minimum`."""
-    if n == 0:
-        return 0
-    return max(minimum, 1 << (n - 1).bit_length())
 
 
 def _padded(values: Sequence[float], size: int, fill: float, dtype: type) -> np.ndarray:
@@ -169,23 +187,6 @@ def _seed_data(rows: Sequence[SamplingRow], size: int) -> np.ndarray:
     out[: len(rows), 0] = seeds >> np.uint64(32)
     out[: len(rows), 1] = seeds & np.uint64(0xFFFFFFFF)
     return out
-
-
-def _token_history(
-    rows: Sequence[SamplingRow], size: int, needs_penalties: bool
-) -> tuple[np.ndarray, np.ndarray]:
-    """Prompt+output ids of penalised rows only; others stay PAD, so L covers just those."""
-    num_prompt = np.zeros(size, dtype=np.int32)
-    used = [i for i, r in enumerate(rows) if r.params.uses_penalties] if needs_penalties else []
-    lengths = [len(rows[i].prompt_token_ids) + len(rows[i].output_token_ids) for i in used]
-    history = np.full((size, bucket(max(lengths, default=0), MIN_HISTORY_BUCKET)), PAD_TOKEN_ID,
-                      dtype=np.int32)
-    for i in used:
-        prompt, output = rows[i].prompt_token_ids, rows[i].output_token_ids
-        history[i, : len(prompt)] = prompt
-        history[i, len(prompt) : len(prompt) + len(output)] = output
-        num_prompt[i] = len(prompt)
-    return history, num_prompt
 
 
 def _logit_bias(params: Sequence[SamplingParams], size: int) -> tuple[np.ndarray, np.ndarray]:

@@ -166,7 +166,7 @@ class Scheduler:
         sampled_rows: dict[str, int] = {}
         for row, (request, num_new) in enumerate(picked):
             out.chunks.append(self._chunk(request, num_new))
-            out.rows.append(request.sampling_row())
+            out.rows.append(request.sampling_row(out.chunks[-1].prev_row))
             out.scheduled.append(self._advance(request, num_new))
             if out.scheduled[-1].samples:
                 sampled_rows[request.request_id] = row

@@ -21,6 +21,9 @@ PARAMS = [
     SamplingParams(temperature=0.0, max_tokens=40, stop=["than"]),
     SamplingParams(temperature=1.0, top_k=5, seed=11, max_tokens=30, min_tokens=12),
     SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[13]),
+    # penalties read the pending token from the device (their history is built without it)
+    SamplingParams(temperature=0.9, seed=5, max_tokens=30, presence_penalty=0.7,
+                   frequency_penalty=0.9, repetition_penalty=1.4),
 ]
 
 
