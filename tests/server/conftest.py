@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pjinfer.engine.async_engine import AsyncEngine
 from pjinfer.engine.config import EngineConfig
 from pjinfer.server.app import build_app
+from pjinfer.server.serve import DrainingServer
 
 API_KEY = "test-key"
 MODEL = "pjinfer-demo"
@@ -74,10 +75,10 @@ def free_port() -> int:
 
 def start_server(engine: AsyncEngine, **app_kwargs) -> tuple[uvicorn.Server, threading.Thread,
                                                                str]:
+    """`pjinfer serve`'s uvicorn server on a free port; `app_kwargs` are ServerOptions."""
     port = free_port()
-    app = build_app(engine, **app_kwargs)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning", timeout_graceful_shutdown=5))
+    server = DrainingServer(build_app(engine, **app_kwargs), host="127.0.0.1", port=port,
+                            log_level="warning")
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
