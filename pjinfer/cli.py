@@ -24,6 +24,18 @@ from pjinfer.run_config import RunConfig, RunConfigError
 
 log = logging.getLogger("pjinfer")
 
+def _origins(text: str) -> list[str]:
+    """--allowed-origins takes a JSON list, as vLLM's does."""
+    try:
+        origins = json.loads(text)
+    except json.JSONDecodeError:
+        origins = None
+    if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings such as "
+                                         f"'[\"https://ui.example\"]', got {text!r}")
+    return origins
+
+
 # Flags of `pjinfer serve` that are not engine arguments: flag -> (dest, type, help)
 SERVER_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--host": ("host", str, "address to bind (default 127.0.0.1)"),
@@ -37,7 +49,7 @@ SERVER_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--engine-stuck-timeout": ("engine_stuck_timeout", float, "/health answers 503 once the "
                                "engine has had work and finished no step for this many "
                                "seconds (default 180)"),
-    "--allowed-origins": ("allowed_origins", json.loads, "CORS: JSON list of allowed origins, "
+    "--allowed-origins": ("allowed_origins", _origins, "CORS: JSON list of allowed origins, "
                           "e.g. '[\"*\"]' (default: no CORS headers)"),
     "--ssl-keyfile": ("ssl_keyfile", str, "serve HTTPS with this private key file"),
     "--ssl-certfile": ("ssl_certfile", str, "serve HTTPS with this certificate file"),
@@ -132,7 +144,7 @@ def _check_server_options(args: dict[str, Any]) -> None:
     origins = args["allowed_origins"]
     if origins is not None and not (isinstance(origins, list)
                                     and all(isinstance(o, str) for o in origins)):
-        raise UsageError(f"--allowed-origins must be a JSON list of strings, got {origins!r}")
+        raise UsageError(f"allowed_origins must be a list of strings, got {origins!r}")
     for name in ("max_request_bytes", "engine_stuck_timeout"):
         if args[name] is not None and args[name] <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {args[name]}")

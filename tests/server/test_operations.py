@@ -8,9 +8,13 @@ import json
 import logging
 import os
 import random
+import shutil
+import ssl
+import subprocess
 import threading
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import pytest
@@ -233,10 +237,14 @@ class _HungEngine:
         return [RequestOutput(request_id, None, [1, 2], [done], finished=True)]
 
 
-def test_health_is_503_while_the_engine_is_stuck(live_server):
+def _hung_server(live_server, **kwargs) -> tuple[_HungEngine, AsyncEngine, Any, Any, str]:
     hung = _HungEngine(live_server.engine.tokenizer)
     engine = AsyncEngine(EngineConfig(warmup=False), engine=hung)
-    server, thread, base_url = start_server(engine, engine_stuck_timeout=0.3, drain_timeout=1)
+    return hung, engine, *start_server(engine, drain_timeout=1, **kwargs)
+
+
+def test_health_is_503_while_the_engine_is_stuck(live_server):
+    hung, engine, server, thread, base_url = _hung_server(live_server, engine_stuck_timeout=0.3)
     try:
         assert httpx.get(base_url + "/health").status_code == 200
         request = threading.Thread(target=lambda: httpx.post(
@@ -250,5 +258,36 @@ def test_health_is_503_while_the_engine_is_stuck(live_server):
         assert httpx.get(base_url + "/health").status_code == 200
     finally:
         hung.release.set()
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def _self_signed(tmp_path) -> dict[str, str]:
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command")
+    key, cert = str(tmp_path / "key.pem"), str(tmp_path / "cert.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-keyout", key, "-out", cert, "-subj", "/CN=127.0.0.1", "-addext",
+                    "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    return {"ssl_keyfile": key, "ssl_certfile": cert}
+
+
+def test_https_and_cors(live_server, tmp_path):
+    tls = _self_signed(tmp_path)
+    _, _, server, thread, base_url = _hung_server(
+        live_server, server_kwargs=tls, allowed_origins=("https://ui.example",))
+    try:
+        assert base_url.startswith("https://")
+        trust = ssl.create_default_context(cafile=tls["ssl_certfile"])
+        with httpx.Client(base_url=base_url, verify=trust) as client:
+            preflight = {"Access-Control-Request-Method": "POST"}
+            ok = client.options("/v1/completions",
+                                headers={"Origin": "https://ui.example", **preflight})
+            assert ok.status_code == 200
+            assert ok.headers["access-control-allow-origin"] == "https://ui.example"
+            other = client.get("/health", headers={"Origin": "https://evil.example"})
+            assert other.status_code == 200
+            assert "access-control-allow-origin" not in other.headers
+    finally:
         server.should_exit = True
         thread.join(timeout=30)
