@@ -86,6 +86,7 @@ def model_not_found(model: str, info: ModelInfo) -> APIError:
 def parse_completion(body: dict[str, Any], info: ModelInfo, request_id: str
                      ) -> GenerationRequest:
     model = check_model(body, info)
+    _refuse_unsupported(body)
     texts, prompts = _completion_prompts(body.get("prompt"), info)
     logprobs = get_field(body, "logprobs", "int")
     echo = get_field(body, "echo", "bool", False)
@@ -101,6 +102,7 @@ def parse_completion(body: dict[str, Any], info: ModelInfo, request_id: str
 
 def parse_chat(body: dict[str, Any], info: ModelInfo, request_id: str) -> GenerationRequest:
     model = check_model(body, info)
+    _refuse_unsupported(body)
     prompt = chat_prompt(body, info)
     max_tokens = get_field(body, "max_completion_tokens", "int")
     if max_tokens is None:
@@ -140,6 +142,14 @@ def detokenize(body: dict[str, Any], info: ModelInfo) -> str:
         raise APIError("tokens must be an array of token ids", param="tokens")
     _check_token_ids(tokens, info, "tokens")
     return info.tokenizer.decode(tokens)
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    """Before tokenizing: a client relying on one of these must hear it is not honoured."""
+    for name in UNSUPPORTED:
+        if body.get(name) is not None:
+            raise APIError(f"{name} is not supported by this server; leave it out or null",
+                           param=name)
 
 
 def parse_messages(messages: Any) -> list[dict[str, str]]:
@@ -220,10 +230,6 @@ def _check_token_ids(ids: list[Any], info: ModelInfo, param: str) -> None:
 
 def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int | None,
                      info: ModelInfo) -> SamplingParams:
-    for name in UNSUPPORTED:
-        if body.get(name) is not None:
-            raise APIError(f"{name} is not supported by this server; leave it out or null",
-                           param=name)
     kwargs = {name: get_field(body, name, kind) for name, kind in _SAMPLING_FIELDS.items()}
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     n = kwargs.get("n", 1)
