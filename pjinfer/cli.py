@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import os
 import sys
@@ -23,6 +24,18 @@ from pjinfer.run_config import RunConfig, RunConfigError
 
 log = logging.getLogger("pjinfer")
 
+def _origins(text: str) -> list[str]:
+    """--allowed-origins takes a JSON list, as vLLM's does."""
+    try:
+        origins = json.loads(text)
+    except json.JSONDecodeError:
+        origins = None
+    if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings such as "
+                                         f"'[\"https://ui.example\"]', got {text!r}")
+    return origins
+
+
 # Flags of `pjinfer serve` that are not engine arguments: flag -> (dest, type, help)
 SERVER_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--host": ("host", str, "address to bind (default 127.0.0.1)"),
@@ -31,6 +44,15 @@ SERVER_FLAGS: dict[str, tuple[str, Any, str]] = {
                   "PJINFER_API_KEY or VLLM_API_KEY)"),
     "--drain-timeout": ("drain_timeout", float, "seconds in-flight requests get at shutdown"),
     "--log-level": ("log_level", str, "debug, info, warning or error"),
+    "--max-request-bytes": ("max_request_bytes", int, "largest request body accepted; larger "
+                            "ones get 413 (default 16 MiB)"),
+    "--engine-stuck-timeout": ("engine_stuck_timeout", float, "/health answers 503 once the "
+                               "engine has had work and finished no step for this many "
+                               "seconds (default 180)"),
+    "--allowed-origins": ("allowed_origins", _origins, "CORS: JSON list of allowed origins, "
+                          "e.g. '[\"*\"]' (default: no CORS headers)"),
+    "--ssl-keyfile": ("ssl_keyfile", str, "serve HTTPS with this private key file"),
+    "--ssl-certfile": ("ssl_certfile", str, "serve HTTPS with this certificate file"),
 }
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DISPATCH = {"bench": "pjinfer.benchmarks.cli", "convert": "pjinfer.sharding.convert"}
@@ -114,7 +136,20 @@ def server_args(config: RunConfig) -> dict[str, Any]:
                          f"{args['log_level']!r}")
     if not 0 < args["port"] < 65536:
         raise UsageError(f"--port must be in [1, 65535], got {args['port']}")
+    _check_server_options(args)
     return args
+
+
+def _check_server_options(args: dict[str, Any]) -> None:
+    origins = args["allowed_origins"]
+    if origins is not None and not (isinstance(origins, list)
+                                    and all(isinstance(o, str) for o in origins)):
+        raise UsageError(f"allowed_origins must be a list of strings, got {origins!r}")
+    for name in ("max_request_bytes", "engine_stuck_timeout"):
+        if args[name] is not None and args[name] <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {args[name]}")
+    if (args["ssl_keyfile"] is None) != (args["ssl_certfile"] is None):
+        raise UsageError("--ssl-keyfile and --ssl-certfile go together: give both or neither")
 
 
 def set_memory_fraction(gpu_memory_utilization: float) -> None:
@@ -133,13 +168,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     set_memory_fraction(ecfg.gpu_memory_utilization)
     check_devices(config)
     from pjinfer.engine.async_engine import AsyncEngine
+    from pjinfer.server.app import ServerOptions
     from pjinfer.server.serve import serve
 
     log.info("loading %s (dtype %s, load_format %s)%s", ecfg.model or "the demo model",
              ecfg.dtype, ecfg.load_format, "; then compiling step shapes" if ecfg.warmup else "")
     engine = _build(AsyncEngine, ecfg)
-    serve(engine, host=srv["host"], port=srv["port"], api_key=srv["api_key"],
-          drain_timeout=srv["drain_timeout"], log_level=srv["log_level"])
+    given = {k: srv[k] for k in ("api_key", "drain_timeout", "max_request_bytes",
+                                 "engine_stuck_timeout") if srv[k] is not None}
+    options = ServerOptions(**given, allowed_origins=tuple(srv["allowed_origins"] or ()))
+    serve(engine, options, host=srv["host"], port=srv["port"], log_level=srv["log_level"],
+          ssl_keyfile=srv["ssl_keyfile"], ssl_certfile=srv["ssl_certfile"])
     return 0
 
 

@@ -15,3 +15,7 @@ class EngineOverloadedError(PjinferError):
 
 class EngineDeadError(PjinferError):
     """The engine loop stopped after an internal error; no more requests can be served."""
+
+
+class ServerShuttingDownError(PjinferError):
+    """The server is stopping and this request outlived the drain timeout (HTTP 503)."""

@@ -23,7 +23,8 @@ _OTHER_KEYS: dict[str, dict[str, type]] = {
     "parallel": {"data_parallel_size": int, "coordinator_address": str, "num_processes": int,
                  "process_id": int},
     "server": {"host": str, "port": int, "api_key": str, "drain_timeout": float,
-               "log_level": str},
+               "log_level": str, "max_request_bytes": int, "engine_stuck_timeout": float,
+               "allowed_origins": list, "ssl_keyfile": str, "ssl_certfile": str},
 }
 
 
@@ -39,8 +40,12 @@ def _schema() -> dict[str, dict[str, tuple[str | None, type]]]:
 
 
 SCHEMA = _schema()
+# None: the server's own default (pjinfer.server.app.ServerOptions)
 SERVER_DEFAULTS: dict[str, Any] = {"host": "127.0.0.1", "port": 8000, "api_key": None,
-                                   "drain_timeout": 30.0, "log_level": "info"}
+                                   "drain_timeout": 30.0, "log_level": "info",
+                                   "max_request_bytes": None, "engine_stuck_timeout": None,
+                                   "allowed_origins": None, "ssl_keyfile": None,
+                                   "ssl_certfile": None}
 
 
 class RunConfigError(ValueError):
@@ -92,7 +97,7 @@ class RunConfig:
         return args
 
     def server_args(self) -> dict[str, Any]:
-        """host, port, api_key, drain_timeout, log_level: the file's values over the defaults."""
+        """SERVER_DEFAULTS' keys: the file's values over the defaults."""
         return {**SERVER_DEFAULTS, **self.sections.get("server", {})}
 
     @property
@@ -179,4 +184,5 @@ def _has_type(value: Any, expected: type) -> bool:
     return isinstance(value, expected)
 
 
-_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+               list: "an array"}

@@ -12,10 +12,16 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs; also bounds the sampler's static top-K.
 MAX_N = 128  # Sequences per request; each one is a full sequence in the batch.
 GREEDY_TEMPERATURE = 1e-5  # Below this vLLM samples greedily: dividing by it overflows f32.
 _PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for presence/frequency penalties.
+# The sampler's device arrays are int32 and float32: a value they cannot hold would overflow
+# inside the engine thread (killing it for every request), so it is refused here instead.
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class RequestOutputKind(enum.Enum):
@@ -31,18 +37,29 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_token_id(value: Any) -> bool:
+    return _is_int(value) and 0 <= value <= INT32_MAX
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _require_int(name: str, value: Any) -> None:
+def _require_int(name: str, value: Any, *, upper: int = INT32_MAX) -> None:
+    """An int that fits its device array (int32 unless `upper` says otherwise)."""
     if not _is_int(value):
         raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value > upper:
+        raise ValueError(f"{name} must be at most {upper}, got {value}")
 
 
-def _require_float(name: str, value: Any) -> None:
-    if not _is_number(value) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+def _require_float(name: str, value: Any) -> float:
+    """A finite number as the device will see it: rounded to float32 (so 1e39 is refused, and
+    a positive 1e-50 that would become 0 fails the caller's range check)."""
+    if not _is_number(value) or not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+        raise ValueError(f"{name} must be a finite number (float32: at most {FLOAT32_MAX:.4g} "
+                         f"in magnitude), got {value!r}")
+    return float(np.float32(value))
 
 
 def _require_range(name: str, value: float, lo: float, hi: float, interval: str) -> None:
@@ -68,8 +85,8 @@ def _normalise_stop(stop: Any) -> tuple[str, ...]:
 def _normalise_token_ids(name: str, ids: Any) -> tuple[int, ...]:
     if ids is None:
         return ()
-    if not isinstance(ids, list | tuple) or not all(_is_int(t) and t >= 0 for t in ids):
-        raise ValueError(f"{name} must be a list of non-negative token ids, got {ids!r}")
+    if not isinstance(ids, list | tuple) or not all(_is_token_id(t) for t in ids):
+        raise ValueError(f"{name} must be a list of token ids in [0, 2**31), got {ids!r}")
     return tuple(ids)
 
 
@@ -79,12 +96,9 @@ def _normalise_logit_bias(bias: Any) -> dict[int, float] | None:
     if not isinstance(bias, dict):
         raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
     for token_id, value in bias.items():
-        if not _is_int(token_id) or token_id < 0:
-            raise ValueError(f"logit_bias keys must be non-negative token ids, got {token_id!r}")
-        if not _is_number(value) or not math.isfinite(value):
-            raise ValueError(
-                f"logit_bias values must be finite numbers, got {value!r} for token {token_id}"
-            )
+        if not _is_token_id(token_id):
+            raise ValueError(f"logit_bias keys must be token ids in [0, 2**31), got {token_id!r}")
+        _require_float(f"logit_bias value for token {token_id}", value)
     return {int(t): float(v) for t, v in bias.items()}
 
 
@@ -120,7 +134,7 @@ class SamplingParams:
         self._check_logprobs()
         self._check_flags()
         if self.seed is not None:
-            _require_int("seed", self.seed)
+            _require_int("seed", self.seed, upper=2**64)
             _require_range("seed", self.seed, -(2**63), 2**64, "[-2**63, 2**64)")
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
         ids = _normalise_token_ids("stop_token_ids", self.stop_token_ids)
@@ -144,13 +158,10 @@ class SamplingParams:
             )
 
     def _check_probabilities(self) -> None:
-        _require_float("temperature", self.temperature)
-        if self.temperature < 0:
+        if _require_float("temperature", self.temperature) < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        _require_float("top_p", self.top_p)
-        _require_range("top_p", self.top_p, 0.0, 1.0, "(0, 1]")
-        _require_float("min_p", self.min_p)
-        _require_range("min_p", self.min_p, 0.0, 1.0, "[0, 1]")
+        _require_range("top_p", _require_float("top_p", self.top_p), 0.0, 1.0, "(0, 1]")
+        _require_range("min_p", _require_float("min_p", self.min_p), 0.0, 1.0, "[0, 1]")
         _require_int("top_k", self.top_k)
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k}")
@@ -158,11 +169,9 @@ class SamplingParams:
 
     def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _require_float(name, value)
-            _require_range(name, value, *_PENALTY_RANGE, "[-2, 2]")
-        _require_float("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
+            _require_range(name, _require_float(name, getattr(self, name)), *_PENALTY_RANGE,
+                           "[-2, 2]")
+        if _require_float("repetition_penalty", self.repetition_penalty) <= 0:
             raise ValueError(
                 f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}"
             )
@@ -197,9 +206,8 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids can only be range-checked once the model is known; call at admission."""
-        ids = list(self.stop_token_ids) + list(self.logit_bias or ())
-        bad = [t for t in ids if t >= vocab_size]
-        if bad:
-            raise ValueError(
-                f"stop_token_ids/logit_bias token ids must be < vocab_size={vocab_size}, got {bad}"
-            )
+        for name, ids in (("stop_token_ids", self.stop_token_ids),
+                          ("logit_bias", self.logit_bias or ())):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} token ids must be < vocab_size={vocab_size}, got {bad}")

@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP app: routes, auth, error mapping and lifespan around one engine.
 
-Handlers are thin: parse and validate (server.protocol), call the engine, format (protocol for
-whole responses, server.streaming for events). Every route goes through `_endpoint`, the one
-place that checks the API key, turns exceptions into OpenAI error bodies and counts requests.
+Handlers are thin: parse and validate (server.body, server.validation; off the event loop, in
+a small thread pool, since parsing and tokenizing a large prompt takes long enough to stall
+every other request), call the engine, format (server.protocol for whole responses,
+server.streaming for events). Every route goes through `endpoint`, the one place that checks
+the API key, turns exceptions into OpenAI error bodies and counts requests.
 """
 
 from __future__ import annotations
@@ -14,26 +16,33 @@ import hmac
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 import pjinfer
 from pjinfer.engine.async_engine import AsyncEngine
+from pjinfer.errors import ServerShuttingDownError
 from pjinfer.outputs import RequestOutput
 from pjinfer.sampling_params import RequestOutputKind
-from pjinfer.server import protocol, streaming
+from pjinfer.server import body, protocol, streaming, validation
 from pjinfer.server.metrics import CONTENT_TYPE, ServerMetrics
-from pjinfer.server.protocol import APIError, GenerationRequest, ModelInfo, get_field
-from pjinfer.tokenizer import apply_chat_template
+from pjinfer.server.protocol import APIError, GenerationRequest, ModelInfo
 
 log = logging.getLogger("pjinfer.server")
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
 RETRY_AFTER_S = 1
+PARSE_WORKERS = 4  # threads that parse and tokenize request bodies
+DEFAULT_ENGINE_STUCK_TIMEOUT_S = 180.0  # above any step, first-shape compiles included
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -42,23 +51,36 @@ class ClientGone(Exception):
     """The client closed the connection before its response was ready."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServerOptions:
+    """How one app serves, besides its engine (each has a `pjinfer serve` flag)."""
+
+    api_key: str | None = None
+    served_model_name: str | None = None
+    drain_timeout: float = 30.0
+    max_request_bytes: int = body.DEFAULT_MAX_REQUEST_BYTES
+    engine_stuck_timeout: float = DEFAULT_ENGINE_STUCK_TIMEOUT_S
+    allowed_origins: tuple[str, ...] = ()  # CORS; empty: no CORS headers at all
+
+
 class OpenAIServer:
     """Request handlers bound to one engine; built once per app."""
 
-    def __init__(self, engine: AsyncEngine, *, api_key: str | None, served_model_name: str,
-                 drain_timeout: float):
+    def __init__(self, engine: AsyncEngine, options: ServerOptions):
         self.engine = engine
-        self.api_key = api_key
-        self.drain_timeout = drain_timeout
-        self.info = ModelInfo(served_model_name, engine.max_model_len, engine.tokenizer)
-        self.metrics = ServerMetrics(engine.stats)
+        self.options = options
+        name = options.served_model_name or engine.served_model_name
+        self.info = ModelInfo(name, engine.max_model_len, engine.tokenizer, engine.vocab_size)
+        self.metrics = ServerMetrics(engine.stats, name)
         self.created = int(time.time())
+        self.pool = ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="pjinfer-parse")
 
     # ---- plumbing -----------------------------------------------------------------------
     def endpoint(self, route: str, handler: Handler, *, auth: bool) -> Handler:
         """Wrap a handler with auth, error mapping and request counting."""
 
         async def wrapped(request: Request) -> Response:
+            request.state.request_id = uuid.uuid4().hex
             try:
                 if auth:
                     self._check_key(request)
@@ -66,46 +88,77 @@ class OpenAIServer:
             except ClientGone:
                 response = Response(status_code=499)
             except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
-                response = self._error_response(e)
+                response = self._error_response(e, request.state.request_id)
             self.metrics.observe_request(route, response.status_code)
             return response
 
         return wrapped
 
     def _check_key(self, request: Request) -> None:
-        if self.api_key is None:
+        if self.options.api_key is None:
             return
         header = request.headers.get("authorization", "")
         token = header[7:] if header.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+        if not hmac.compare_digest(token.encode(), self.options.api_key.encode()):
             raise APIError("Incorrect or missing API key; pass it as 'Authorization: Bearer "
                            "<key>'", status=401, code="invalid_api_key")
 
-    def _error_response(self, exc: Exception) -> JSONResponse:
+    def _error_response(self, exc: Exception, request_id: str) -> Response:
         error = protocol.error_for(exc)
-        if error.status >= 500 and error.code is None:
-            log.error("request failed", exc_info=exc)
+        if error.status >= 500 and error.code is None:  # a fault of ours, not the client's
+            log.error("request %s failed", request_id, exc_info=exc)
+            error.message = f"{error.message} (request {request_id})"
         headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 503 else None
-        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+        return error_json(error, headers)
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def _json_body(self, request: Request) -> dict[str, Any]:
+        raw = await body.read_body(request, self.options.max_request_bytes)
+        return await self._off_loop(body.parse_json, raw)
+
+    async def _parse(self, request: Request, parse: Callable[..., GenerationRequest]
+                     ) -> GenerationRequest:
+        return await self._off_loop(parse, await self._json_body(request), self.info,
+                                    request.state.request_id)
 
     def _generate(self, req: GenerationRequest) -> list[AsyncIterator[RequestOutput]]:
         """Engine streams, one per prompt; nothing reaches the engine until one is iterated.
         A stream gets DELTA outputs (sent as they are), a whole response one final output."""
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         params = dataclasses.replace(req.params, output_kind=kind)
-        return [self.engine.generate(ids, params, request_id=f"{req.id}-{i}",
-                                     priority=req.priority)
-                for i, ids in enumerate(req.prompts)]
+        streams = [self.engine.generate(ids, params, request_id=f"{req.id}-{i}",
+                                        priority=req.priority)
+                   for i, ids in enumerate(req.prompts)]
+        return [streaming.hide_generated(s) for s in streams] if req.prompt_only else streams
+
+    def begin_drain(self) -> None:
+        """Shutdown started (no new connections): requests still running when the drain
+        timeout is over end with a 503, or an error event then [DONE] on a stream, instead
+        of being cut off by the ASGI server."""
+        asyncio.get_running_loop().call_later(
+            self.options.drain_timeout, self.engine.fail_all, ServerShuttingDownError(
+                f"the server is shutting down and this request ran past its drain timeout "
+                f"({self.options.drain_timeout:g} s); retry on another replica"))
 
     # ---- OpenAI routes ------------------------------------------------------------------
+    def _card(self) -> dict[str, Any]:
+        name = self.info.served_model_name
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "pjinfer",
+                "root": name, "parent": None, "max_model_len": self.info.max_model_len}
+
     async def models(self, request: Request) -> Response:
-        card = {"id": self.info.served_model_name, "object": "model", "created": self.created,
-                "owned_by": "pjinfer", "root": self.info.served_model_name, "parent": None,
-                "max_model_len": self.info.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        if model_id != self.info.served_model_name:
+            raise validation.model_not_found(model_id, self.info)
+        return JSONResponse(self._card())
 
     async def completions(self, request: Request) -> Response:
-        req = protocol.parse_completion(await _json_body(request), self.info)
+        req = await self._parse(request, validation.parse_completion)
         streams = self._generate(req)
         if req.stream:
             streams = await _unless_disconnected(request, streaming.prime(streams))
@@ -116,7 +169,7 @@ class OpenAIServer:
         return JSONResponse(protocol.completion_response(req, outputs, self.info.tokenizer))
 
     async def chat(self, request: Request) -> Response:
-        req = protocol.parse_chat(await _json_body(request), self.info)
+        req = await self._parse(request, validation.parse_chat)
         streams = self._generate(req)
         if req.stream:
             streams = await _unless_disconnected(request, streaming.prime(streams))
@@ -128,7 +181,9 @@ class OpenAIServer:
 
     # ---- operations routes --------------------------------------------------------------
     async def health(self, request: Request) -> Response:
-        return Response(status_code=200 if self.engine.is_running else 503)
+        """503 once the engine thread is gone, or stuck: work waiting, no step finished."""
+        stuck = self.engine.stalled_for() > self.options.engine_stuck_timeout
+        return Response(status_code=200 if self.engine.is_running and not stuck else 503)
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": pjinfer.__version__})
@@ -137,41 +192,26 @@ class OpenAIServer:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     async def tokenize(self, request: Request) -> Response:
-        body = await _json_body(request)
-        protocol.check_model(body, self.info, required=False)
-        tokenizer = self.info.tokenizer
-        if "messages" in body:
-            messages = protocol.parse_messages(body["messages"])
-            add_prompt = get_field(body, "add_generation_prompt", "bool", True)
-            tokens = apply_chat_template(tokenizer, messages, add_generation_prompt=add_prompt)
-        else:
-            prompt = get_field(body, "prompt", "str")
-            if prompt is None:
-                raise APIError("pass prompt (a string) or messages", param="prompt")
-            special = get_field(body, "add_special_tokens", "bool", True)
-            tokens = tokenizer.encode(prompt, add_special_tokens=special)
+        tokens = await self._off_loop(validation.tokenize, await self._json_body(request),
+                                      self.info)
         return JSONResponse({"count": len(tokens), "max_model_len": self.info.max_model_len,
                              "tokens": tokens, "token_strs": None})
 
     async def detokenize(self, request: Request) -> Response:
-        body = await _json_body(request)
-        protocol.check_model(body, self.info, required=False)
-        tokens = get_field(body, "tokens", "list")
-        vocab = len(self.info.tokenizer)
-        if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool)
-                                     and 0 <= t < vocab for t in tokens):
-            raise APIError(f"tokens must be an array of token ids in [0, {vocab})",
-                           param="tokens")
-        return JSONResponse({"prompt": self.info.tokenizer.decode(tokens)})
+        text = await self._off_loop(validation.detokenize, await self._json_body(request),
+                                    self.info)
+        return JSONResponse({"prompt": text})
 
 
-def build_app(engine: AsyncEngine, *, api_key: str | None = None,
-              served_model_name: str | None = None, drain_timeout: float = 30.0) -> Starlette:
-    """The ASGI app; its lifespan starts the engine and, on shutdown, drains then stops it."""
-    server = OpenAIServer(engine, api_key=api_key, drain_timeout=drain_timeout,
-                          served_model_name=served_model_name or engine.served_model_name)
+def build_app(engine: AsyncEngine, options: ServerOptions | None = None,
+              **kwargs: Any) -> Starlette:
+    """The ASGI app; its lifespan starts the engine and, on shutdown, drains then stops it.
+    `kwargs` are ServerOptions fields, for callers without an options object."""
+    options = options or ServerOptions(**kwargs)
+    server = OpenAIServer(engine, options)
     table = [
         ("/v1/models", server.models, ["GET"], True),
+        ("/v1/models/{model_id:path}", server.model, ["GET"], True),
         ("/v1/completions", server.completions, ["POST"], True),
         ("/v1/chat/completions", server.chat, ["POST"], True),
         ("/health", server.health, ["GET"], False),
@@ -187,21 +227,37 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None,
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         engine.start()
         yield
-        await asyncio.to_thread(engine.shutdown, drain_timeout=server.drain_timeout)
+        await asyncio.to_thread(engine.shutdown, drain_timeout=options.drain_timeout)
+        server.pool.shutdown(wait=False, cancel_futures=True)
 
-    app = Starlette(routes=routes, lifespan=lifespan)
+    middleware = [Middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
+                             allow_methods=["*"], allow_headers=["*"])
+                  ] if options.allowed_origins else []
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
+                    exception_handlers={HTTPException: _http_error, Exception: _internal_error})
     app.state.server = server
     return app
 
 
-async def _json_body(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise APIError("the request body must be a JSON object")
-    return body
+def error_json(error: APIError, headers: dict[str, str] | None = None) -> Response:
+    """OpenAI's error body; ASCII-escaped, so a message quoting bad input always encodes."""
+    return Response(json.dumps(error.body()), status_code=error.status, headers=headers,
+                    media_type="application/json")
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Routing's 404 (no such route) and 405 (wrong method) in OpenAI's error shape."""
+    assert isinstance(exc, HTTPException)
+    what = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on "
+            f"{request.url.path}"}.get(exc.status_code, exc.detail)
+    error = APIError(what, status=exc.status_code,
+                     code={404: "not_found", 405: "method_not_allowed"}.get(exc.status_code))
+    return error_json(error, exc.headers)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    """A fault outside every handler (the ASGI server logs its traceback): still JSON."""
+    return error_json(APIError("internal server error", status=500, type="server_error"))
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:

@@ -1,6 +1,7 @@
 """Prometheus metrics of one server: its own CollectorRegistry, never the global one.
 
-Engine-wide numbers (queue lengths, KV blocks, token counters) are read from the engine's
+Every metric carries vLLM's `model_name` label, so dashboards built for vLLM select it the same
+way. Engine-wide numbers (queue lengths, KV blocks, token counters) are read from the engine's
 published `EngineStats` at scrape time, so a scrape costs no engine work. Latency histograms are
 observed by the server as each request finishes, from the request's own timestamps: the
 engine keeps only a rolling window of samples, which cannot back a monotonic histogram.
@@ -18,6 +19,7 @@ from pjinfer.engine.metrics import EngineStats
 from pjinfer.server.protocol import Summary
 
 PREFIX = "pjinfer:"
+MODEL_LABEL = "model_name"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
@@ -28,8 +30,9 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.0
 class _EngineCollector(Collector):
     """Turns the latest EngineStats into gauges and counters at each scrape."""
 
-    def __init__(self, stats: Callable[[], EngineStats]):
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str):
         self._stats = stats
+        self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -45,7 +48,9 @@ class _EngineCollector(Collector):
                                       s.prefix_cache_hit_rate),
         }
         for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=[MODEL_LABEL])
+            gauge.add_metric([self._model_name], value)
+            yield gauge
         counters = {
             "prompt_tokens": ("Prompt tokens computed.", s.num_prompt_tokens),
             "generation_tokens": ("Tokens generated.", s.num_generation_tokens),
@@ -58,37 +63,40 @@ class _EngineCollector(Collector):
                                          s.num_rejected),
         }
         for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=[MODEL_LABEL])
+            counter.add_metric([self._model_name], value)
+            yield counter
 
 
 class ServerMetrics:
     """The metrics of one app; `render()` is the /metrics body."""
 
-    def __init__(self, stats: Callable[[], EngineStats]):
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str):
+        self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineCollector(stats))
+        self.registry.register(_EngineCollector(stats, model_name))
         self.http_requests = Counter(
             PREFIX + "http_requests", "HTTP requests by route and status code.",
-            ["route", "status"], registry=self.registry)
+            [MODEL_LABEL, "route", "status"], registry=self.registry)
         self.request_success = Counter(
             PREFIX + "request_success", "Finished requests by finish reason.",
-            ["finished_reason"], registry=self.registry)
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
-                              "Arrival to first token.", buckets=_LATENCY_BUCKETS,
-                              registry=self.registry)
-        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds",
-                              "Mean time between output tokens of a request.",
-                              buckets=_TPOT_BUCKETS, registry=self.registry)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to finish.",
-                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+            [MODEL_LABEL, "finished_reason"], registry=self.registry)
+        self.ttft, self.tpot, self.e2e = (
+            Histogram(PREFIX + name, doc, [MODEL_LABEL], buckets=buckets,
+                      registry=self.registry).labels(model_name)
+            for name, doc, buckets in (
+                ("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS),
+                ("time_per_output_token_seconds",
+                 "Mean time between output tokens of a request.", _TPOT_BUCKETS),
+                ("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)))
 
     def observe_request(self, route: str, status: int) -> None:
-        self.http_requests.labels(route=route, status=str(status)).inc()
+        self.http_requests.labels(self.model_name, route, str(status)).inc()
 
     def observe_finished(self, done: Summary) -> None:
         """Latencies of one finished request (its first sequence stands for the group)."""
         for reason in done.finish_reasons:
-            self.request_success.labels(finished_reason=reason or "unknown").inc()
+            self.request_success.labels(self.model_name, reason or "unknown").inc()
         m = done.metrics
         if m is None or m.first_token_time is None:
             return

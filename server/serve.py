@@ -3,29 +3,47 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import uvicorn
+from starlette.applications import Starlette
 
 from pjinfer.engine.async_engine import AsyncEngine
-from pjinfer.server.app import build_app
+from pjinfer.server.app import ServerOptions, build_app
 
 log = logging.getLogger("pjinfer.server")
+SHUTDOWN_GRACE_S = 5  # after the drain timeout, for the app to send its 503s and [DONE]s
 
 
-def serve(engine: AsyncEngine, *, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, served_model_name: str | None = None,
-          drain_timeout: float = 30.0, log_level: str = "info") -> None:
-    """Serve until SIGINT/SIGTERM: uvicorn stops accepting, lets open requests run for up to
-    `drain_timeout` s (then cancels them, which aborts them in the engine), and the app's
-    lifespan stops the engine."""
-    app = build_app(engine, api_key=api_key, served_model_name=served_model_name,
-                    drain_timeout=drain_timeout)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
+class DrainingServer(uvicorn.Server):
+    """A uvicorn server that tells the app when shutdown starts. uvicorn itself can only
+    cancel requests still open at its timeout, cutting streams off mid-event; told in time,
+    the app ends them properly when its drain timeout is over, before uvicorn's runs out."""
+
+    def __init__(self, app: Starlette, **config: Any):
+        drain = app.state.server.options.drain_timeout
+        super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=round(drain) +
+                                        SHUTDOWN_GRACE_S, **config))
+        self.app = app
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        self.app.state.server.begin_drain()
+        await super().shutdown(sockets)
+
+
+def serve(engine: AsyncEngine, options: ServerOptions, *, host: str = "127.0.0.1",
+          port: int = 8000, log_level: str = "info", ssl_keyfile: str | None = None,
+          ssl_certfile: str | None = None) -> None:
+    """Serve until SIGINT/SIGTERM: uvicorn stops accepting, open requests run for up to the
+    drain timeout (then end with a 503 or a final error event, which aborts them in the
+    engine), and the app's lifespan stops the engine. HTTPS when given a key and certificate."""
+    app = build_app(engine, options)
+    server = DrainingServer(app, host=host, port=port, log_level=log_level.lower(),
                             log_config=None,  # keep the CLI's logging setup
-                            timeout_graceful_shutdown=max(1, round(drain_timeout)))
-    server = app.state.server
-    stats = engine.stats()
-    log.info("serving %r (max_model_len %d, %d KV blocks) on http://%s:%d%s",
-             server.info.served_model_name, server.info.max_model_len, stats.num_kv_blocks,
-             host, port, " (API key required)" if api_key else "")
-    uvicorn.Server(config).run()
+                            ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)
+    info = app.state.server.info
+    scheme = "https" if ssl_certfile else "http"
+    log.info("serving %r (max_model_len %d, %d KV blocks) on %s://%s:%d%s",
+             info.served_model_name, info.max_model_len, engine.stats().num_kv_blocks,
+             scheme, host, port, " (API key required)" if options.api_key else "")
+    server.run()

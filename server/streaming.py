@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -26,6 +27,7 @@ from pjinfer.server.protocol import (
     usage,
 )
 
+log = logging.getLogger("pjinfer.server")
 DONE = "data: [DONE]\n\n"
 OnFinished = Callable[[Summary], None]
 
@@ -93,6 +95,19 @@ async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]
         await rest.aclose()
 
 
+async def hide_generated(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """Prompt scoring (echo with max_tokens=0): the engine must generate a token, the client
+    asked for none, so each choice is shown empty and finished for `length`."""
+    try:
+        async for out in stream:
+            yield replace(out, outputs=[
+                CompletionOutput(c.index, logprobs=None if c.logprobs is None else [],
+                                 finish_reason="length" if c.finished else None)
+                for c in out.outputs])
+    finally:
+        await stream.aclose()
+
+
 async def collect(streams: list[AsyncIterator[RequestOutput]],
                   on_finished: OnFinished) -> list[RequestOutput]:
     """The final output of every stream (FINAL_ONLY: whole), in stream order."""
@@ -144,7 +159,7 @@ async def completion_events(req: GenerationRequest, streams: list[AsyncIterator[
             "model": req.model}
     tallies = [_Tally() for _ in streams]
     finals: list[Summary] = []
-    async with _errors_as_events() as errors:
+    async with _errors_as_events(req.id) as errors:
         async for p, out in merge(streams):
             out = tallies[p].see(out)
             for c in out.outputs:
@@ -180,6 +195,7 @@ def _completion_choice(req: GenerationRequest, p: int, out: RequestOutput, c: Co
         return None
     logprobs = completion_logprobs(req, out, c, tokenizer, 0, offset, with_prompt=bool(echo))
     sent.started = True
+    sent.text_len += len(echo)  # later text offsets count the echoed prompt
     return {"index": index, "text": echo + c.text, "logprobs": logprobs,
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
@@ -195,7 +211,7 @@ async def chat_events(req: GenerationRequest, stream: AsyncIterator[RequestOutpu
                                         "logprobs": None, "finish_reason": None}],
                    **_no_usage(req)})
     tally, final = _Tally(), None
-    async with _errors_as_events() as errors:
+    async with _errors_as_events(req.id) as errors:
         async for _, out in merge([stream]):
             for c in out.outputs:
                 choice = _chat_choice(req, c, tally.choice(c.index), tokenizer)
@@ -228,10 +244,14 @@ def _no_usage(req: GenerationRequest) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def _errors_as_events() -> AsyncIterator[list[str]]:
-    """A failure after the 200 header went out can only be reported as an error event."""
+async def _errors_as_events(request_id: str) -> AsyncIterator[list[str]]:
+    """A failure after the 200 header went out can only be reported as an error event; an
+    internal fault (no error code) is also logged, once, with the request id."""
     events: list[str] = []
     try:
         yield events
     except Exception as e:  # noqa: BLE001 - reported to the client, then the stream ends
-        events.append(sse(error_for(e).body()))
+        error = error_for(e)
+        if error.status >= 500 and error.code is None:
+            log.error("request %s failed while streaming", request_id, exc_info=e)
+        events.append(sse(error.body()))

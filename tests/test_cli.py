@@ -26,7 +26,9 @@ def test_help_lists_commands():
     for command in ("serve", "generate", "bench", "convert"):
         assert command in r.stdout
     serve = pjinfer_cli("serve", "--help")
-    for flag in ("--max-model-len", "--api-key", "--no-enable-chunked-prefill", "--config"):
+    for flag in ("--max-model-len", "--api-key", "--no-enable-chunked-prefill", "--config",
+                 "--max-request-bytes", "--engine-stuck-timeout", "--allowed-origins",
+                 "--ssl-keyfile", "--ssl-certfile"):
         assert flag in serve.stdout
 
 
@@ -37,6 +39,9 @@ def test_help_lists_commands():
     (["serve", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
     (["serve", "/nonexistent/model"], "not a local folder"),
     (["serve", "--config", "/nonexistent.toml"], "does not exist"),
+    (["serve", "--ssl-keyfile", "key.pem"], "--ssl-keyfile and --ssl-certfile"),
+    (["serve", "--allowed-origins", '{"a": 1}'], "--allowed-origins"),
+    (["serve", "--max-request-bytes", "0"], "--max-request-bytes"),
     (["generate", "hi", "--temperature", "-1"], "--temperature"),
 ])
 def test_bad_flags_exit_2_with_one_line(args, words):
@@ -59,3 +64,21 @@ def test_generate_chat_n2():
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("The Zen of Python") == 2
     assert "--- completion 1 (length) ---" in r.stdout
+
+
+def test_serve_hands_the_server_flags_to_the_server(monkeypatch):
+    """In process, with the engine and uvicorn replaced: the flags reach serve()."""
+    from pjinfer import cli
+    from pjinfer.server.app import ServerOptions
+
+    seen = {}
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    monkeypatch.setattr("pjinfer.engine.async_engine.AsyncEngine", lambda config: "engine")
+    monkeypatch.setattr("pjinfer.server.serve.serve",
+                        lambda engine, options, **kw: seen.update(options=options, **kw))
+    assert cli.main(["serve", "--allowed-origins", '["*"]', "--max-request-bytes", "100",
+                     "--engine-stuck-timeout", "5", "--ssl-keyfile", "k.pem",
+                     "--ssl-certfile", "c.pem", "--api-key", "s", "--port", "8123"]) == 0
+    assert seen["options"] == ServerOptions(api_key="s", max_request_bytes=100,
+                                            engine_stuck_timeout=5.0, allowed_origins=("*",))
+    assert (seen["ssl_keyfile"], seen["ssl_certfile"], seen["port"]) == ("k.pem", "c.pem", 8123)

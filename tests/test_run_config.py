@@ -39,12 +39,16 @@ data_parallel_size = 2
 [server]
 port = 9000
 api_key = "k"
+allowed_origins = ["https://ui.example"]
+max_request_bytes = 1024
 """))
     assert config.engine_args() == {"dtype": "bfloat16", "max_model_len": 256, "block_size": 32,
                                     "enable_prefix_caching": True, "max_num_seqs": 8,
                                     "request_timeout": 30, "tensor_parallel_size": 2}
     assert config.server_args()["port"] == 9000 and config.server_args()["api_key"] == "k"
     assert config.server_args()["host"] == "127.0.0.1"  # default kept
+    assert config.server_args()["allowed_origins"] == ["https://ui.example"]
+    assert config.server_args()["max_request_bytes"] == 1024
     assert config.parallel.world_size == 4
 
 

@@ -49,6 +49,18 @@ INVALID = [
     ({"seed": 1.5}, "seed"),
     ({"seed": False}, "seed"),
     ({"ignore_eos": 1}, "ignore_eos"),
+    # what the sampler's int32/float32 device arrays cannot hold
+    ({"top_k": 2**31}, "top_k must be at most 2147483647"),
+    ({"max_tokens": 2**31}, "max_tokens must be at most"),
+    ({"min_tokens": 2**40}, "min_tokens must be at most"),
+    ({"temperature": 1e39}, "temperature must be a finite number (float32"),
+    ({"top_p": 1e-50}, "top_p must be in (0, 1]"),
+    ({"repetition_penalty": 1e-50}, "repetition_penalty must be > 0"),
+    ({"repetition_penalty": 1e39}, "repetition_penalty"),
+    ({"stop_token_ids": [2**31]}, "stop_token_ids must be a list of token ids in [0, 2**31)"),
+    ({"logit_bias": {2**31: 1.0}}, "logit_bias keys must be token ids in [0, 2**31)"),
+    ({"logit_bias": {3: 1e39}}, "logit_bias value for token 3"),
+    ({"seed": 2**64}, "seed"),
 ]
 
 
@@ -99,8 +111,16 @@ def test_greedy_threshold_follows_vllm() -> None:
 
 def test_check_vocab_rejects_out_of_range_ids() -> None:
     SamplingParams(stop_token_ids=[99], logit_bias={50: 1.0}).check_vocab(100)
-    with pytest.raises(ValueError, match="vocab_size=100"):
+    with pytest.raises(ValueError, match="^logit_bias token ids must be < vocab_size=100"):
         SamplingParams(logit_bias={100: 1.0}).check_vocab(100)
+    with pytest.raises(ValueError, match="^stop_token_ids token ids must be < vocab_size=100"):
+        SamplingParams(stop_token_ids=[100]).check_vocab(100)
+
+
+def test_int32_and_float32_limits_are_accepted() -> None:
+    p = SamplingParams(top_k=2**31 - 1, seed=2**64 - 1, stop_token_ids=[2**31 - 1],
+                       logit_bias={2**31 - 1: 100.0}, temperature=3e38, max_tokens=2**31 - 1)
+    assert p.top_k == 2**31 - 1 and p.seed == 2**64 - 1
 
 
 def test_output_kind_must_be_the_enum():

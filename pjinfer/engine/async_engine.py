@@ -48,6 +48,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._stats = self.engine.get_stats()
+        self._last_progress = time.monotonic()  # the latest finished step, or idle loop turn
         self._thread = threading.Thread(target=self._run, name="pjinfer-engine", daemon=True)
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -58,6 +59,13 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self._error is None
+
+    def stalled_for(self) -> float:
+        """Seconds the loop has had work and finished no step (0 when idle or progressing): a
+        step blocked on a hung device leaves the thread alive, so liveness alone misses it."""
+        if not self._streams:
+            return 0.0
+        return max(0.0, time.monotonic() - self._last_progress)
 
     def shutdown(self, drain_timeout: float = 0.0) -> None:
         """Let in-flight requests finish for up to `drain_timeout` s, abort the rest, stop."""
@@ -78,6 +86,10 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
 
     @property
     def served_model_name(self) -> str:
@@ -133,6 +145,17 @@ class AsyncEngine:
         """Thread-safe: the engine drops the request and frees its blocks before its next step."""
         self._inbox.put(lambda: self._abort_now(request_id))
 
+    def fail_all(self, error: BaseException) -> None:
+        """Thread-safe: abort every request; each stream raises `error` instead of finishing
+        (the server's way to end requests still running when its drain timeout is over)."""
+        self._inbox.put(lambda: self._fail_now(error))
+
+    def _fail_now(self, error: BaseException) -> None:
+        for request_id, stream in list(self._streams.items()):
+            self.engine.abort_request(request_id)
+            stream.put(error)
+        self._streams.clear()
+
     def _abort_now(self, request_id: str) -> None:
         out = self.engine.abort_request(request_id)
         stream = self._streams.pop(request_id, None)
@@ -150,6 +173,7 @@ class AsyncEngine:
                     self._deliver(outputs)
                 else:
                     self._stats = self.engine.get_stats()
+                self._last_progress = time.monotonic()
         except Exception as e:  # the loop cannot go on: fail every stream loudly
             log.exception("engine loop failed")
             self._error = e

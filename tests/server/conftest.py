@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pjinfer.engine.async_engine import AsyncEngine
 from pjinfer.engine.config import EngineConfig
 from pjinfer.server.app import build_app
+from pjinfer.server.serve import DrainingServer
 
 API_KEY = "test-key"
 MODEL = "pjinfer-demo"
@@ -72,12 +73,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(engine: AsyncEngine, **app_kwargs) -> tuple[uvicorn.Server, threading.Thread,
-                                                               str]:
+def start_server(engine: AsyncEngine, server_kwargs: dict | None = None, **app_kwargs
+                 ) -> tuple[uvicorn.Server, threading.Thread, str]:
+    """`pjinfer serve`'s uvicorn server on a free port; `app_kwargs` are ServerOptions,
+    `server_kwargs` uvicorn settings (HTTPS with ssl_keyfile and ssl_certfile)."""
     port = free_port()
-    app = build_app(engine, **app_kwargs)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning", timeout_graceful_shutdown=5))
+    server_kwargs = server_kwargs or {}
+    server = DrainingServer(build_app(engine, **app_kwargs), host="127.0.0.1", port=port,
+                            log_level="warning", **server_kwargs)
+    scheme = "https" if "ssl_certfile" in server_kwargs else "http"
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -85,7 +89,7 @@ def start_server(engine: AsyncEngine, **app_kwargs) -> tuple[uvicorn.Server, thr
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the test server did not start")
         time.sleep(0.05)
-    return server, thread, f"http://127.0.0.1:{port}"
+    return server, thread, f"{scheme}://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="session")

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+
 import httpx
 import openai
 import pytest
 
+from pjinfer.server import protocol
 from tests.server.conftest import MODEL
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": MODEL, "prompt": "Beautiful is"}
 LONG_PROMPT = "Beautiful is better than ugly. " * 200
+VOCAB = 512  # the demo model's vocabulary
 
 # (path, body (dict, or raw bytes), status, words the message must contain, param)
 BAD_REQUESTS = [
@@ -31,7 +35,7 @@ BAD_REQUESTS = [
      "temperature", "temperature"),
     ("/v1/completions", {**COMPLETION, "n": 100_000}, 400, "n must be at most", "n"),
     ("/v1/completions", {**COMPLETION, "prompt": ""}, 400, "empty", "prompt"),
-    ("/v1/completions", {**COMPLETION, "prompt": [10**9]}, 400, "token ids", None),
+    ("/v1/completions", {**COMPLETION, "prompt": [10**9]}, 400, "token ids", "prompt"),
     ("/v1/completions", {**COMPLETION, "logprobs": 99}, 400, "logprobs", "logprobs"),
     ("/v1/completions", {**COMPLETION, "stop": [""]}, 400, "stop", "stop"),
     ("/v1/completions", {**COMPLETION, "logit_bias": {"x": 1}}, 400, "logit_bias",
@@ -46,6 +50,27 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {**CHAT, "frequency_penalty": 5}, 400, "frequency_penalty",
      "frequency_penalty"),
     ("/v1/chat/completions", {**CHAT, "stream": "yes"}, 400, "stream", "stream"),
+    # client mistakes that used to be 500s
+    ("/v1/completions", {**COMPLETION, "prompt": [2**40]}, 400, "token ids", "prompt"),
+    ("/v1/completions", b'{"model": "pjinfer-demo", "prompt": "a\\ud800b"}', 400,
+     "lone surrogate", "prompt"),
+    ("/v1/chat/completions", b'{"model": "pjinfer-demo", "messages": [{"role": "user", '
+     b'"content": "\\ud800"}]}', 400, "lone surrogate", "messages[0].content"),
+    ("/tokenize", b'{"prompt": "\\udfff"}', 400, "lone surrogate", "prompt"),
+    ("/v1/completions", b'{"a": ' * 100_000 + b"1" + b"}" * 100_000, 400, "nests JSON deeper",
+     None),
+    ("/v1/completions", b'{"a": ' * 65 + b"1" + b"}" * 65, 400, "nests JSON deeper", None),
+    ("/v1/completions", {**COMPLETION, "stop_token_ids": [VOCAB]}, 400, "vocab_size",
+     "stop_token_ids"),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {str(VOCAB): 1}}, 400, "vocab_size",
+     "logit_bias"),
+]
+# values the sampler's int32/float32 device arrays cannot hold: the engine thread died on them
+DEVICE_RANGE = [
+    ({"top_k": 2**31}, "top_k"), ({"temperature": 1e39}, "temperature"),
+    ({"repetition_penalty": 1e-50}, "repetition_penalty"), ({"min_tokens": 2**31}, "min_tokens"),
+    ({"max_tokens": 2**40}, "max_tokens"), ({"stop_token_ids": [2**31]}, "stop_token_ids"),
+    ({"logit_bias": {str(2**40): 1}}, "logit_bias"), ({"seed": 2**64}, "seed"),
 ]
 
 
@@ -69,6 +94,34 @@ def test_server_keeps_serving_after_bad_requests(live_server):
                                                 max_tokens=2, temperature=0)
     assert r.choices[0].text.startswith(" u")
     assert httpx.get(live_server.base_url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize(("fields", "param"), DEVICE_RANGE, ids=[p for _, p in DEVICE_RANGE])
+def test_device_range_is_checked_and_the_engine_survives(live_server, fields, param):
+    r = live_server.post("/v1/completions", json={**COMPLETION, "max_tokens": 2, **fields})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    chat = live_server.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2, **fields})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == param
+    ok = live_server.post("/v1/completions", json={**COMPLETION, "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    assert httpx.get(live_server.base_url + "/health").status_code == 200
+
+
+def test_internal_fault_is_a_logged_json_500(live_server, monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("formatting bug")
+
+    monkeypatch.setattr(protocol, "completion_response", broken)
+    with caplog.at_level(logging.ERROR, logger="pjinfer.server"):
+        r = live_server.post("/v1/completions", json={**COMPLETION, "max_tokens": 1})
+    assert r.status_code == 500
+    error = r.json()["error"]
+    assert error["type"] == "server_error" and "formatting bug" in error["message"]
+    request_id = error["message"].rsplit("(request ", 1)[1].rstrip(")")
+    failures = [rec for rec in caplog.records if "failed" in rec.getMessage()]
+    assert len(failures) == 1 and request_id in failures[0].getMessage()
+    assert failures[0].exc_info is not None
 
 
 def test_openai_client_raises_typed_errors(live_server):

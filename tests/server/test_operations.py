@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
+import logging
 import os
 import random
+import shutil
+import ssl
+import subprocess
+import threading
 import time
+from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import pytest
@@ -13,6 +22,8 @@ import pytest
 import pjinfer
 from pjinfer.engine.async_engine import AsyncEngine
 from pjinfer.engine.config import EngineConfig
+from pjinfer.engine.metrics import EngineStats
+from pjinfer.outputs import CompletionOutput, RequestOutput
 from tests.server.conftest import API_KEY, MODEL, NUM_KV_BLOCKS, start_server
 
 SOAK_REQUESTS = int(os.environ.get("PJINFER_SOAK_REQUESTS", "300"))
@@ -167,3 +178,116 @@ def test_graceful_shutdown_drains_in_flight_requests():
     assert response.json()["choices"][0]["finish_reason"] == "length"
     assert not thread.is_alive() and not engine.is_running
     assert time.monotonic() - started < 20
+
+
+def test_shutdown_past_the_drain_timeout_ends_requests_properly(caplog):
+    """A stream gets an error event then [DONE], a whole request a JSON 503; no tracebacks."""
+    engine = AsyncEngine(EngineConfig(warmup=False, num_kv_blocks=96, max_num_seqs=2))
+    server, thread, base_url = start_server(engine, drain_timeout=0.2)
+    body = {"model": MODEL, "prompt": "Beautiful is better than", "max_tokens": 480,
+            "ignore_eos": True, "temperature": 0}
+
+    async def both_then_stop() -> tuple[httpx.Response, list[str]]:
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+            whole = asyncio.ensure_future(client.post("/v1/completions", json=body))
+            async with client.stream("POST", "/v1/completions",
+                                     json={**body, "stream": True}) as r:
+                lines = r.aiter_lines()
+                events = [await anext(lines)]
+                server.should_exit = True  # 480 tokens take far longer than the 0.2 s drain
+                events += [line async for line in lines if line]
+            return await whole, events
+
+    with caplog.at_level(logging.INFO):
+        whole, events = asyncio.run(both_then_stop())
+        thread.join(timeout=30)
+    assert whole.status_code == 503 and whole.headers["retry-after"] == "1"
+    assert whole.json()["error"]["code"] == "shutting_down"
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["error"]["code"] == "shutting_down"
+    assert not thread.is_alive() and not engine.is_running
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+class _HungEngine:
+    """An LLMEngine whose step blocks until released, as on a hung device."""
+
+    max_model_len, served_model_name = 64, "hung"
+    model_config = SimpleNamespace(vocab_size=512)
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.release, self.pending = tokenizer, threading.Event(), None
+
+    def get_stats(self) -> EngineStats:
+        return EngineStats(**{f.name: 0 for f in dataclasses.fields(EngineStats)})
+
+    def has_unfinished_requests(self) -> bool:
+        return self.pending is not None
+
+    def add_request(self, request_id, prompt, params, priority=0):
+        self.pending = request_id
+
+    def abort_request(self, request_id):
+        self.pending = None
+
+    def step(self) -> list[RequestOutput]:
+        self.release.wait()
+        done = CompletionOutput(0, "x", [7], finish_reason="length")
+        request_id, self.pending = self.pending, None
+        return [RequestOutput(request_id, None, [1, 2], [done], finished=True)]
+
+
+def _hung_server(live_server, **kwargs) -> tuple[_HungEngine, AsyncEngine, Any, Any, str]:
+    hung = _HungEngine(live_server.engine.tokenizer)
+    engine = AsyncEngine(EngineConfig(warmup=False), engine=hung)
+    return hung, engine, *start_server(engine, drain_timeout=1, **kwargs)
+
+
+def test_health_is_503_while_the_engine_is_stuck(live_server):
+    hung, engine, server, thread, base_url = _hung_server(live_server, engine_stuck_timeout=0.3)
+    try:
+        assert httpx.get(base_url + "/health").status_code == 200
+        request = threading.Thread(target=lambda: httpx.post(
+            base_url + "/v1/completions", json={"model": "hung", "prompt": [1, 2],
+                                                "max_tokens": 1}, timeout=30))
+        request.start()
+        time.sleep(0.6)
+        assert engine.is_running and httpx.get(base_url + "/health").status_code == 503
+        hung.release.set()
+        request.join(timeout=30)
+        assert httpx.get(base_url + "/health").status_code == 200
+    finally:
+        hung.release.set()
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def _self_signed(tmp_path) -> dict[str, str]:
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command")
+    key, cert = str(tmp_path / "key.pem"), str(tmp_path / "cert.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-keyout", key, "-out", cert, "-subj", "/CN=127.0.0.1", "-addext",
+                    "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    return {"ssl_keyfile": key, "ssl_certfile": cert}
+
+
+def test_https_and_cors(live_server, tmp_path):
+    tls = _self_signed(tmp_path)
+    _, _, server, thread, base_url = _hung_server(
+        live_server, server_kwargs=tls, allowed_origins=("https://ui.example",))
+    try:
+        assert base_url.startswith("https://")
+        trust = ssl.create_default_context(cafile=tls["ssl_certfile"])
+        with httpx.Client(base_url=base_url, verify=trust) as client:
+            preflight = {"Access-Control-Request-Method": "POST"}
+            ok = client.options("/v1/completions",
+                                headers={"Origin": "https://ui.example", **preflight})
+            assert ok.status_code == 200
+            assert ok.headers["access-control-allow-origin"] == "https://ui.example"
+            other = client.get("/health", headers={"Origin": "https://evil.example"})
+            assert other.status_code == 200
+            assert "access-control-allow-origin" not in other.headers
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

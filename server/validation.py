@@ -1,0 +1,300 @@
+"""Request bodies -> validated engine inputs, in the OpenAI wire format.
+
+Everything a client can get wrong is checked here, before the engine sees it, and raised as an
+`APIError` that names the parameter; handlers stay free of format details. Bodies are plain
+dicts (no schema library): the checks are few and each message says how to fix the request.
+These functions tokenize, so the app runs them off the event loop.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+from typing import Any
+
+from pjinfer.sampling_params import MAX_N, SamplingParams
+from pjinfer.server.protocol import APIError, GenerationRequest, ModelInfo, param_of
+from pjinfer.tokenizer import apply_chat_template
+
+MAX_PROMPTS = 1024  # prompts in one batched completions request
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# OpenAI fields this server does not implement: refused rather than silently ignored
+UNSUPPORTED = ("suffix", "tools", "response_format")
+
+# body key -> SamplingParams field, shared by both endpoints (OpenAI names, then vLLM's extras)
+_SAMPLING_FIELDS = {
+    "temperature": "number", "top_p": "number", "n": "int", "stop": "any", "seed": "int",
+    "presence_penalty": "number", "frequency_penalty": "number", "top_k": "int",
+    "min_p": "number", "repetition_penalty": "number", "min_tokens": "int",
+    "ignore_eos": "bool", "stop_token_ids": "list", "skip_special_tokens": "bool",
+    "include_stop_str_in_output": "bool", "prompt_logprobs": "int",
+}
+_KINDS = {"int": "an integer", "number": "a number", "bool": "a boolean", "str": "a string",
+          "list": "an array", "dict": "an object"}
+_CHECKS = {
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool)
+    and math.isfinite(v),
+    "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
+    "list": lambda v: isinstance(v, list), "dict": lambda v: isinstance(v, dict),
+    "any": lambda v: True,
+}
+
+
+def get_field(body: dict[str, Any], name: str, kind: str, default: Any = None) -> Any:
+    """body[name] checked against `kind`; null means the default, as in OpenAI's API."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _CHECKS[kind](value):
+        raise APIError(f"{name} must be {_KINDS[kind]}"
+                       f"{' (finite)' if kind == 'number' else ''}, got {value!r}", param=name)
+    return check_text(value, name) if kind == "str" else value
+
+
+def check_text(text: str, param: str) -> str:
+    """JSON may escape a lone surrogate ("\\ud800"), which is no Unicode text: the tokenizer
+    (and the UTF-8 response) cannot take it, so it is the client's error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(f"{param} is not valid Unicode: it has a lone surrogate "
+                       f"{text[e.start]!r} at index {e.start}", param=param) from None
+    return text
+
+
+def check_model(body: dict[str, Any], info: ModelInfo, *, required: bool = True) -> str:
+    """The `model` field must name the served model (404 otherwise, as OpenAI does)."""
+    model = get_field(body, "model", "str")
+    if model is None:
+        if required:
+            raise APIError("model is required: pass the served model name "
+                           f"{info.served_model_name!r}", param="model")
+        return info.served_model_name
+    if model != info.served_model_name:
+        raise model_not_found(model, info)
+    return model
+
+
+def model_not_found(model: str, info: ModelInfo) -> APIError:
+    return APIError(f"The model `{model}` does not exist; this server serves "
+                    f"{info.served_model_name!r}", status=404, param="model",
+                    code="model_not_found")
+
+
+def parse_completion(body: dict[str, Any], info: ModelInfo, request_id: str
+                     ) -> GenerationRequest:
+    model = check_model(body, info)
+    _refuse_unsupported(body)
+    texts, prompts = _completion_prompts(body.get("prompt"), info)
+    logprobs = get_field(body, "logprobs", "int")
+    echo = get_field(body, "echo", "bool", False)
+    max_tokens = get_field(body, "max_tokens", "int", 16)
+    prompt_only = echo and max_tokens == 0  # scoring the prompt: one token is made, not shown
+    params = _sampling_params(body, 1 if prompt_only else max_tokens, logprobs, info)
+    if echo and logprobs is not None:  # echoed prompt tokens carry logprobs too
+        params = _with(params, prompt_logprobs=max(logprobs, params.prompt_logprobs or 0))
+    _check_lengths(prompts, params, info, "prompt")
+    return _request(f"cmpl-{request_id}", model, prompts, params, body,
+                    echo_texts=tuple(texts) if echo else None, prompt_only=prompt_only)
+
+
+def parse_chat(body: dict[str, Any], info: ModelInfo, request_id: str) -> GenerationRequest:
+    model = check_model(body, info)
+    _refuse_unsupported(body)
+    prompt = chat_prompt(body, info)
+    max_tokens = get_field(body, "max_completion_tokens", "int")
+    if max_tokens is None:
+        max_tokens = get_field(body, "max_tokens", "int")
+    params = _sampling_params(body, max_tokens, _chat_logprobs(body), info)
+    _check_lengths([prompt], params, info, "messages")
+    return _request(f"chatcmpl-{request_id}", model, [prompt], params, body)
+
+
+def chat_prompt(body: dict[str, Any], info: ModelInfo) -> list[int]:
+    """Token ids of body's messages through the chat template."""
+    messages = parse_messages(body.get("messages"))
+    add_generation_prompt = get_field(body, "add_generation_prompt", "bool", True)
+    try:
+        return apply_chat_template(info.tokenizer, messages,
+                                   add_generation_prompt=add_generation_prompt)
+    except ValueError as e:
+        raise APIError(str(e), param="messages") from None
+
+
+def tokenize(body: dict[str, Any], info: ModelInfo) -> list[int]:
+    """/tokenize: token ids of `messages` (chat template) or of `prompt`."""
+    check_model(body, info, required=False)
+    if "messages" in body:
+        return chat_prompt(body, info)
+    prompt = get_field(body, "prompt", "str")
+    if prompt is None:
+        raise APIError("pass prompt (a string) or messages", param="prompt")
+    special = get_field(body, "add_special_tokens", "bool", True)
+    return info.tokenizer.encode(prompt, add_special_tokens=special)
+
+
+def detokenize(body: dict[str, Any], info: ModelInfo) -> str:
+    check_model(body, info, required=False)
+    tokens = get_field(body, "tokens", "list")
+    if tokens is None:
+        raise APIError("tokens must be an array of token ids", param="tokens")
+    _check_token_ids(tokens, info, "tokens")
+    return info.tokenizer.decode(tokens)
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    """Before tokenizing: a client relying on one of these must hear it is not honoured."""
+    for name in UNSUPPORTED:
+        if body.get(name) is not None:
+            raise APIError(f"{name} is not supported by this server; leave it out or null",
+                           param=name)
+
+
+def parse_messages(messages: Any) -> list[dict[str, str]]:
+    """Chat messages with string content; text parts are joined, other parts rejected."""
+    if not isinstance(messages, list) or not messages:
+        raise APIError("messages must be a non-empty array of {role, content} objects",
+                       param="messages")
+    return [_message(m, i) for i, m in enumerate(messages)]
+
+
+def _message(message: Any, i: int) -> dict[str, str]:
+    param = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise APIError(f"{param} must be an object with role and content", param=param)
+    role, content = message.get("role"), message.get("content")
+    if role not in CHAT_ROLES:
+        raise APIError(f"{param}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                       param=f"{param}.role")
+    if isinstance(content, list):
+        content = "".join(_text_part(p, f"{param}.content[{j}]") for j, p in enumerate(content))
+    if not isinstance(content, str):
+        raise APIError(f"{param}.content must be a string or an array of text parts, got "
+                       f"{content!r}", param=f"{param}.content")
+    return {"role": role, "content": check_text(content, f"{param}.content")}
+
+
+def _text_part(part: Any, param: str) -> str:
+    if not isinstance(part, dict) or part.get("type") != "text" \
+            or not isinstance(part.get("text"), str):
+        raise APIError(f"{param} must be {{\"type\": \"text\", \"text\": \"...\"}}; only text "
+                       "content is supported", param=param)
+    return part["text"]
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    wanted = get_field(body, "logprobs", "bool", False)
+    top = get_field(body, "top_logprobs", "int")
+    if top is not None and not wanted:
+        raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _completion_prompts(prompt: Any, info: ModelInfo) -> tuple[list[str], list[list[int]]]:
+    """(texts for echo, token ids) of a string, strings, token ids, or lists of token ids."""
+    if isinstance(prompt, str) or _is_int_list(prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt or not all(
+            isinstance(p, str) or _is_int_list(p) for p in prompt):
+        raise APIError("prompt must be a string, an array of strings, an array of token ids "
+                       "or an array of token-id arrays (none empty)", param="prompt")
+    if len(prompt) > MAX_PROMPTS:
+        raise APIError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}",
+                       param="prompt")
+    if any(p == "" or p == [] for p in prompt):
+        raise APIError("prompt must not be empty", param="prompt")
+    for p in prompt:
+        if isinstance(p, str):
+            check_text(p, "prompt")
+        else:
+            _check_token_ids(p, info, "prompt")
+    tokenizer = info.tokenizer
+    ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+    texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompt]
+    return texts, ids
+
+
+def _is_int_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _check_token_ids(ids: list[Any], info: ModelInfo, param: str) -> None:
+    vocab = info.vocab_size
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+        raise APIError(f"{param} must hold token ids in [0, {vocab}) (the model's vocabulary)",
+                       param=param)
+
+
+def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int | None,
+                     info: ModelInfo) -> SamplingParams:
+    kwargs = {name: get_field(body, name, kind) for name, kind in _SAMPLING_FIELDS.items()}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    n = kwargs.get("n", 1)
+    if isinstance(n, int) and n > MAX_N:
+        raise APIError(f"n must be at most {MAX_N}, got {n}", param="n")
+    best_of = get_field(body, "best_of", "int")
+    if best_of is not None and best_of != n:
+        raise APIError(f"best_of must be null or equal to n ({n}), got {best_of}: ranking "
+                       "candidates by likelihood is not supported", param="best_of")
+    kwargs["logit_bias"] = _logit_bias(get_field(body, "logit_bias", "dict"))
+    try:
+        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+        params.check_vocab(info.vocab_size)
+    except ValueError as e:
+        raise APIError(str(e), param=param_of(str(e))) from None
+    return params
+
+
+def _logit_bias(bias: dict[str, Any] | None) -> dict[int, float] | None:
+    """JSON object keys are strings; OpenAI's logit_bias maps token-id strings to [-100, 100]."""
+    if bias is None:
+        return None
+    try:
+        parsed = {int(k): v for k, v in bias.items()}
+    except ValueError:
+        raise APIError(f"logit_bias keys must be token ids, got {list(bias)}",
+                       param="logit_bias") from None
+    for value in parsed.values():
+        if isinstance(value, int | float) and not isinstance(value, bool) \
+                and not -100 <= value <= 100:
+            raise APIError(f"logit_bias values must be in [-100, 100], got {value}",
+                           param="logit_bias")
+    return parsed
+
+
+def _with(params: SamplingParams, **changes: Any) -> SamplingParams:
+    try:
+        return replace(params, **changes)
+    except ValueError as e:
+        raise APIError(str(e), param=param_of(str(e))) from None
+
+
+def _check_lengths(prompts: list[list[int]], params: SamplingParams, info: ModelInfo,
+                   what: str) -> None:
+    """vLLM's messages: the prompt must leave room, and prompt + max_tokens must fit."""
+    limit = info.max_model_len
+    for ids in prompts:
+        if len(ids) >= limit:
+            raise APIError(f"This model's maximum context length is {limit} tokens. However, "
+                           f"your request has {len(ids)} input tokens. Please reduce the length "
+                           f"of the input {what}.", param=what)
+        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+            raise APIError(f"This model's maximum context length is {limit} tokens. However, "
+                           f"you requested {len(ids) + params.max_tokens} tokens ({len(ids)} in "
+                           f"the {what}, {params.max_tokens} in the completion). Please reduce "
+                           f"the length of the {what} or completion.", param="max_tokens")
+
+
+def _request(request_id: str, model: str, prompts: list[list[int]], params: SamplingParams,
+             body: dict[str, Any], **extra: Any) -> GenerationRequest:
+    stream = get_field(body, "stream", "bool", False)
+    options = get_field(body, "stream_options", "dict", {})
+    include_usage = get_field(options, "include_usage", "bool", False)
+    get_field(body, "user", "str")
+    priority = get_field(body, "priority", "int", 0)
+    return GenerationRequest(id=request_id, created=int(time.time()),
+                             model=model, prompts=prompts, params=params, stream=stream,
+                             include_usage=include_usage and stream, priority=priority, **extra)

@@ -1,0 +1,115 @@
+"""Client compatibility: OpenAI-shaped 404/405, model retrieval, fields refused while not
+implemented, echo offsets and prompt scoring, vLLM's model_name metric label."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import API_KEY, MODEL
+
+PROMPT = "Beautiful is better than"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+COMPLETION = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def _error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json"
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def test_unknown_route_and_wrong_method_are_json(live_server):
+    missing = httpx.get(live_server.base_url + "/v1/nope", headers=AUTH)
+    assert "/v1/nope" in _error(missing, 404)["message"]
+    wrong = httpx.get(live_server.base_url + "/v1/completions", headers=AUTH)
+    assert _error(wrong, 405)["code"] == "method_not_allowed"
+    assert wrong.headers["allow"] == "POST"
+
+
+def test_retrieve_model(live_server):
+    card = live_server.client().models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model"
+    r = httpx.get(live_server.base_url + "/v1/models/org/other-model", headers=AUTH)
+    assert _error(r, 404)["code"] == "model_not_found"
+    assert httpx.get(live_server.base_url + f"/v1/models/{MODEL}").status_code == 401
+
+
+REFUSED = [
+    ("/v1/completions", {**COMPLETION, "best_of": 2}, "best_of"),
+    ("/v1/completions", {**COMPLETION, "n": 2, "best_of": 3}, "best_of"),
+    ("/v1/completions", {**COMPLETION, "suffix": "!"}, "suffix"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {
+        "name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}},
+     "response_format"),
+    ("/v1/completions", {**COMPLETION, "max_tokens": 0}, "max_tokens"),  # without echo
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), REFUSED, ids=[p for *_, p in REFUSED])
+def test_unimplemented_fields_are_refused_by_name(live_server, path, body, param):
+    assert _error(live_server.post(path, json=body), 400)["param"] == param
+
+
+def test_unimplemented_fields_may_be_null(live_server):
+    body = {**COMPLETION, "n": 2, "best_of": 2, "suffix": None, "response_format": None}
+    assert live_server.post("/v1/completions", json=body).status_code == 200
+    chat = {**CHAT, "tools": None, "best_of": None}
+    assert live_server.post("/v1/chat/completions", json=chat).status_code == 200
+
+
+def _check_offsets(text: str, logprobs: dict) -> None:
+    """Each token's text sits at its offset in the choice's text; BOS has none."""
+    assert logprobs["tokens"][0] == "<s>" and logprobs["text_offset"][:2] == [0, 0]
+    for token, offset in zip(logprobs["tokens"][1:], logprobs["text_offset"][1:], strict=True):
+        assert text[offset:offset + len(token)] == token
+
+
+def test_echo_text_offsets_skip_bos(live_server):
+    r = live_server.post("/v1/completions", json={**COMPLETION, "echo": True, "logprobs": 1})
+    choice = r.json()["choices"][0]
+    _check_offsets(choice["text"], choice["logprobs"])
+
+
+def test_streamed_echo_text_offsets_skip_bos(live_server):
+    body = {**COMPLETION, "echo": True, "logprobs": 1, "stream": True, "max_tokens": 4}
+    with httpx.stream("POST", live_server.base_url + "/v1/completions", json=body,
+                      headers=AUTH, timeout=60) as r:
+        chunks = [json.loads(line[6:])["choices"][0]
+                  for line in r.iter_lines() if line.startswith("data: {")]
+    text = "".join(c["text"] for c in chunks)
+    merged = {key: [v for c in chunks for v in c["logprobs"][key]]
+              for key in ("tokens", "text_offset")}
+    _check_offsets(text, merged)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_scores_the_prompt(live_server, stream):
+    r = live_server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=0,
+                                                echo=True, logprobs=1, stream=stream)
+    choices = [c for chunk in r for c in chunk.choices] if stream else r.choices
+    assert "".join(c.text for c in choices) == PROMPT
+    assert choices[-1].finish_reason == "length"
+    tokens = [t for c in choices for t in c.logprobs.tokens]
+    logprobs = [lp for c in choices for lp in c.logprobs.token_logprobs]
+    assert "".join(tokens[1:]) == PROMPT
+    assert logprobs[0] is None and all(lp <= 0 for lp in logprobs[1:])
+    if not stream:
+        assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(tokens)
+
+
+def test_every_metric_has_the_model_name_label(live_server):
+    live_server.post("/v1/completions", json=COMPLETION)
+    text = httpx.get(live_server.base_url + "/metrics").text
+    samples = [s for family in text_string_to_metric_families(text)
+               if family.name.startswith("pjinfer:") for s in family.samples]
+    assert len(samples) > 20
+    assert all(s.labels.get("model_name") == MODEL for s in samples), [
+        s.name for s in samples if s.labels.get("model_name") != MODEL]
