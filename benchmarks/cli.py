@@ -1,4 +1,4 @@
-"""`pjinfer bench {throughput,latency,serve,roofline}`: entry point, `main(argv)`.
+"""`pjinfer bench {throughput,latency,serve,roofline,beam}`: entry point, `main(argv)`.
 
 Also runnable without installing: `python -m pjinfer.benchmarks.cli ...` with the repository
 importable as `pjinfer` (see benchmarks/run_h200.sh for the symlink shim).
@@ -60,13 +60,14 @@ def _run_roofline(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pjinfer.benchmarks import latency, serve, throughput
+    from pjinfer.benchmarks import beam, latency, serve, throughput
 
     parser = argparse.ArgumentParser(prog="pjinfer bench",
                                      description="Benchmark pjinfer (vLLM-style tools).")
     sub = parser.add_subparsers(dest="bench", required=True)
     for name, add in (("throughput", throughput.add_args), ("latency", latency.add_args),
-                      ("serve", serve.add_args), ("roofline", _roofline_args)):
+                      ("serve", serve.add_args), ("roofline", _roofline_args),
+                      ("beam", beam.add_args)):
         p = sub.add_parser(name, help=(sys.modules[add.__module__].__doc__ or "").split("\n")[0])
         add(p)
         p.add_argument("--output-json", default=None, metavar="PATH",
@@ -75,13 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from pjinfer.benchmarks import latency, serve, throughput
+    from pjinfer.benchmarks import beam, latency, serve, throughput
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     _validate(args)
     runners = {"throughput": throughput.run, "latency": latency.run, "serve": serve.run,
-               "roofline": _run_roofline}
+               "roofline": _run_roofline, "beam": beam.run}
     record = runners[args.bench](args, argv)
     finish_record(record, args.output_json)
     if args.output_json:
@@ -92,7 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _validate(args: argparse.Namespace) -> None:
     """Reject nonsense where it enters, naming the flag."""
-    for name in ("num_prompts", "input_len", "output_len", "batch_size", "num_iters"):
+    for name in ("num_prompts", "input_len", "output_len", "batch_size", "num_iters",
+                 "beam_width"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {value}")
