@@ -50,6 +50,18 @@ def test_throughput_synthetic_sharegpt_fits_context(tmp_path):
     assert rec["results"]["output_tokens"] == round(ds["mean_output_len"] * 3)
 
 
+def test_beam(tmp_path):
+    rec = _run(tmp_path, ["beam", "--num-prompts", "2", "--input-len", "20", "--output-len",
+                          "3", "--beam-width", "2", "--no-engine-warmup",
+                          "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+                          "--no-progress"])
+    res = rec["results"]
+    assert res["beam_output_tokens"] == res["greedy_output_tokens"] == 2 * 2 * 3
+    assert res["beam_over_greedy"] == pytest.approx(
+        res["beam_output_tokens_per_s"] / res["greedy_output_tokens_per_s"])
+    assert rec["engine_args"]["enable_prefix_caching"] is True
+
+
 def test_latency(tmp_path):
     rec = _run(tmp_path, ["latency", "--batch-size", "2", "--input-len", "8", "--output-len",
                           "5", "--num-iters", "2", "--num-iters-warmup", "1", *SMALL_ENGINE])
