@@ -36,6 +36,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from pjinfer.kernels.common import AttentionParams  # noqa: E402
 from pjinfer.kernels.decode_attention import (  # noqa: E402
     DecodeBlockSizes,
     decode_attention,
@@ -51,7 +52,7 @@ from pjinfer.kernels.ragged_attention import (  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16  # Llama-3-8B attention
 DTYPE = jnp.bfloat16
-SCALE = HEAD_DIM**-0.5
+ATTN = AttentionParams(scale=HEAD_DIM**-0.5)
 
 
 def bench(fn, *args, reps: int = 20, repeats: int = 7) -> float:
@@ -101,10 +102,10 @@ def rel_err(out, ref) -> float:
 
 
 def decode_fn(sizes: DecodeBlockSizes):
-    return jax.jit(lambda *a: decode_attention(*a, scale=SCALE, block_sizes=sizes))
+    return jax.jit(lambda *a: decode_attention(*a, ATTN, block_sizes=sizes))
 
 
-XLA_DECODE = jax.jit(lambda *a: decode_attention_reference(*a, scale=SCALE))
+XLA_DECODE = jax.jit(lambda *a: decode_attention_reference(*a, ATTN))
 
 
 def tune_decode(batch: int, context: int, quick: bool) -> list[dict]:
@@ -158,18 +159,20 @@ def check_correctness() -> dict:
     args = make_decode_inputs(8, 1000 // BLOCK_SIZE * BLOCK_SIZE, seed=1)
     lens = jnp.asarray(np.random.default_rng(2).integers(1, 992, 8), jnp.int32)
     args = (*args[:4], lens)
-    ref = decode_attention_reference(*args, scale=SCALE)
+    ref = decode_attention_reference(*args, ATTN)
     errs = {}
     for splits in (1, 4):
         sizes = DecodeBlockSizes(num_splits=splits)
-        out = decode_attention(*args, scale=SCALE, block_sizes=sizes)
+        out = decode_attention(*args, ATTN, block_sizes=sizes)
         errs[f"decode_splits{splits}"] = rel_err(out, ref)
-    out = decode_attention(*args, scale=SCALE, sliding_window=100, soft_cap=30.0)
-    ref = decode_attention_reference(*args, scale=SCALE, sliding_window=100, soft_cap=30.0)
+    window_cap = dataclasses.replace(ATTN, sliding_window=100, soft_cap=30.0)
+    out = decode_attention(*args, window_cap)
+    ref = decode_attention_reference(*args, window_cap)
     errs["decode_window_cap"] = rel_err(out, ref)
     q, k_cache, v_cache, md = make_prefill_inputs([300, 1, 77], [700, 500, 77], seed=3)
-    out = ragged_attention(q, k_cache, v_cache, md, scale=SCALE, sliding_window=128)
-    ref = ragged_attention_reference(q, k_cache, v_cache, md, scale=SCALE, sliding_window=128)
+    window = dataclasses.replace(ATTN, sliding_window=128)
+    out = ragged_attention(q, k_cache, v_cache, md, window)
+    ref = ragged_attention_reference(q, k_cache, v_cache, md, window)
     errs["ragged_window"] = rel_err(out, ref)
     return errs
 
@@ -216,8 +219,7 @@ def prefill_rows(quick: bool) -> list[dict]:
                     for stages in (2,) if quick else (2, 3):
                         sizes = RaggedBlockSizes(block_q=bq, pages_per_compute_block=pages,
                                                  num_warps=warps, num_stages=stages)
-                        fn = jax.jit(lambda *a, s=sizes: ragged_attention(*a, scale=SCALE,
-                                                                          block_sizes=s))
+                        fn = jax.jit(lambda *a, s=sizes: ragged_attention(*a, ATTN, block_sizes=s))
                         try:
                             t = bench(fn, *args, reps=5, repeats=5)
                         except Exception as e:
@@ -225,7 +227,7 @@ def prefill_rows(quick: bool) -> list[dict]:
                             continue
                         rows.append(dict(layout=name, block_sizes=dataclasses.asdict(sizes),
                                          pallas_s=t, tflops=flops / t / 1e12))
-        xla = jax.jit(lambda *a: ragged_attention_reference(*a, scale=SCALE))
+        xla = jax.jit(lambda *a: ragged_attention_reference(*a, ATTN))
         tx = bench(xla, *args, reps=3, repeats=3)
         rows.append(dict(layout=name, xla_s=tx, tflops=flops / tx / 1e12))
         print("ragged", name, "done", flush=True)

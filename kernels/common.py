@@ -2,12 +2,51 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 # Finite "minus infinity": exp(MASK_VALUE - m) is exactly 0 for any real running max m,
 # and unlike -inf it never yields inf - inf = NaN when a whole row is masked.
 MASK_VALUE = -1e30
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AttentionParams:
+    """What a layer's attention computes, besides its tensors: one static argument.
+
+    The kernels, their references and `ops.paged_attention` all take this one value instead
+    of three loose keywords, so a new option is added in one place and every entry point
+    passes it on unchanged. Frozen (hence hashable): it is part of the jit compile key, and
+    each distinct value compiles once.
+    """
+
+    scale: float  # multiplies q . k before capping, usually head_dim ** -0.5
+    sliding_window: int | None = None  # a query sees keys at most window - 1 positions back
+    soft_cap: float | None = None  # Gemma-style c * tanh(s / c) on the scaled scores
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if self.soft_cap is not None and self.soft_cap <= 0:
+            raise ValueError(f"soft_cap must be > 0 or None, got {self.soft_cap}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockSizes:
+    """Base of the kernels' static tilings (`DecodeBlockSizes`, `RaggedBlockSizes`).
+
+    Every field of a tiling is a count (tokens, pages, splits, warps, stages), so one check
+    at construction serves both: a zero would otherwise surface later as an empty grid or
+    a division by zero while tracing, far from the code that chose it.
+    """
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            if getattr(self, field.name) < 1:
+                raise ValueError(f"{type(self).__name__}.{field.name} must be >= 1")
 
 
 def next_pow2(x: int) -> int:
@@ -30,16 +69,50 @@ def key_mask(q_pos: jax.Array, k_pos: jax.Array, sliding_window: int | None) -> 
     return mask
 
 
+def block_rows(tables_ref, seq, c, *, pages: int, block_size: int):
+    """Key positions [N] and flat cache rows [N] of compute block c of sequence `seq`.
+
+    A compute block is `pages` consecutive entries of the sequence's block table
+    (N = pages * block_size keys); both kernels walk a sequence's keys this way.
+    """
+    block_k = pages * block_size
+    offs = jnp.arange(block_k, dtype=jnp.int32)  # [N]
+    page_ids = tables_ref[seq, c * pages + offs // block_size]  # [N]
+    return c * block_k + offs, page_ids * block_size + offs % block_size
+
+
+def softmax_init(rows: int, head_dim: int):
+    """Empty online-softmax state: acc [M, D] = 0, running max [M], running denominator [M]."""
+    return (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+
+
+def softmax_step(state, s: jax.Array, mask: jax.Array, v: jax.Array):
+    """Folds one key block into the online-softmax state (the flash-attention update).
+
+    s [M, N] scaled and capped scores, mask [M, N] (or [1, N]), v [N, D] with masked rows
+    already zeroed. Masked probabilities are exactly 0, so a row that has seen no key yet
+    keeps max MASK_VALUE and denominator 0 rather than turning NaN.
+    """
+    acc, m, l_sum = state  # [M, D], [M], [M]
+    s = jnp.where(mask, s, MASK_VALUE)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+    pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return acc * alpha[:, None] + pv, m_new, l_sum * alpha + p.sum(axis=1)
+
+
 def attend_one_seq(
     q: jax.Array,  # [Q, KVH, G, D]
     k: jax.Array,  # [C, KVH, D] the sequence's pages, flattened
     v: jax.Array,  # [C, KVH, D]
     q_pos: jax.Array,  # [Q] absolute positions (rows past the real ones may be junk)
     seq_len: jax.Array,  # [] keys at positions >= seq_len are unused slots (maybe NaN)
-    *,
-    scale: float,
-    sliding_window: int | None,
-    soft_cap: float | None,
+    attn: AttentionParams,
 ) -> jax.Array:
     """Dense masked softmax attention of one sequence's queries over its own keys.
 
@@ -48,8 +121,8 @@ def attend_one_seq(
     """
     k_pos = jnp.arange(k.shape[0], dtype=jnp.int32)  # [C]
     s = jnp.einsum("qkgd,ckd->kgqc", q, k, preferred_element_type=jnp.float32)
-    s = cap_scores(s * scale, soft_cap)  # [KVH, G, Q, C]
-    mask = key_mask(q_pos, k_pos, sliding_window)[None, None]  # [1, 1, Q, C]
+    s = cap_scores(s * attn.scale, attn.soft_cap)  # [KVH, G, Q, C]
+    mask = key_mask(q_pos, k_pos, attn.sliding_window)[None, None]  # [1, 1, Q, C]
     s = jnp.where(mask, s, MASK_VALUE)
     p = jnp.exp(s - s.max(axis=-1, keepdims=True))
     p = jnp.where(mask, p, 0.0)
@@ -57,6 +130,49 @@ def attend_one_seq(
     v = jnp.where((k_pos < seq_len)[:, None, None], v, jnp.zeros_like(v))  # 0 * NaN = NaN
     out = jnp.einsum("kgqc,ckd->qkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out / jnp.moveaxis(denom, 2, 0)  # [Q, KVH, G, D]
+
+
+def kv_group(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> int:
+    """Checks q [T, H, D] against the caches [NB, bs, KVH, D]; returns G = H // KVH.
+
+    Shapes are static under jit, so a mismatch raises here while tracing, with the shapes
+    in the message, instead of as an opaque reshape error inside a wrapper. All kernels and
+    references call it, so they accept exactly the same inputs.
+    """
+    if q.ndim != 3 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"need q [T, H, D] and equal caches [NB, bs, KVH, D], got q {q.shape}, "
+            f"k_cache {k_cache.shape}, v_cache {v_cache.shape}"
+        )
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    if head_dim != k_cache.shape[3] or num_heads % num_kv_heads:
+        raise ValueError(
+            f"q {q.shape} does not fit caches {k_cache.shape}: head dims must match and "
+            "the query heads must be a multiple of the KV heads"
+        )
+    return num_heads // num_kv_heads
+
+
+def flat_pages(cache: jax.Array) -> jax.Array:
+    """[NB, bs, KVH, D] -> [NB * bs, KVH, D]: the kernels gather token rows by slot id."""
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    return cache.reshape(num_blocks * block_size, num_kv_heads, head_dim)
+
+
+def pad_tables(block_tables: jax.Array, pages: int) -> jax.Array:
+    """[S, MB] -> [S, MB'] int32, MB' a multiple of the compute block's `pages`.
+
+    The kernels read a whole compute block of table entries per loop step; the extra
+    entries point at the null block 0 and their keys are masked.
+    """
+    width = block_tables.shape[1]
+    return jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, -width % pages)))
+
+
+def whole_spec(shape: tuple[int, ...]) -> pl.BlockSpec:
+    """Whole-array block: the kernel indexes (gathers) it itself."""
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
 def gather_seq_pages(cache: jax.Array, block_table: jax.Array) -> jax.Array:

@@ -16,11 +16,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pjinfer.kernels import common
-from pjinfer.kernels.common import MASK_VALUE
+from pjinfer.kernels.common import AttentionParams
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class DecodeBlockSizes:
+class DecodeBlockSizes(common.BlockSizes):
     """Static tiling of the decode kernel.
 
     On an H200 at batch 64 x context 4096 (bf16, block size 16) 4 pages, 4 warps and
@@ -32,11 +32,6 @@ class DecodeBlockSizes:
     num_splits: int = 1  # context partitions per (seq, kv head), merged afterwards
     num_warps: int = 4
     num_stages: int = 2
-
-    def __post_init__(self) -> None:
-        for name in ("pages_per_compute_block", "num_splits", "num_warps", "num_stages"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"DecodeBlockSizes.{name} must be >= 1")
 
 
 def _decode_kernel(
@@ -51,54 +46,32 @@ def _decode_kernel(
     *,
     block_size: int,
     pages: int,
-    scale: float,
-    sliding_window: int | None,
-    soft_cap: float | None,
+    attn: AttentionParams,
 ):
     seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_splits = pl.num_programs(2)
     block_k = pages * block_size
     seq_len = lens_ref[seq]
-    lo_key = 0 if sliding_window is None else jnp.maximum(seq_len - sliding_window, 0)
+    window = attn.sliding_window  # keys before lo_key are out of the window of the one query
+    lo_key = 0 if window is None else jnp.maximum(seq_len - window, 0)
     lo, hi = lo_key // block_k, (seq_len + block_k - 1) // block_k
     per_split = (hi - lo + num_splits - 1) // num_splits
     start = lo + split * per_split
     end = jnp.minimum(hi, start + per_split)
     q = q_ref[...]  # [Gp, D]
-    offs = jnp.arange(block_k, dtype=jnp.int32)  # [N]
 
-    def body(c, carry):
-        acc, m, l_sum = carry
-        pos = c * block_k + offs  # [N]
-        page_ids = tables_ref[seq, c * pages + offs // block_size]  # [N]
-        rows = page_ids * block_size + offs % block_size
+    def body(c, state):
+        pos, rows = common.block_rows(tables_ref, seq, c, pages=pages, block_size=block_size)
         valid = (pos < seq_len) & (pos >= lo_key)  # [N]
         k = k_ref[rows, head, :]  # [N, D]
         v = jnp.where(valid[:, None], v_ref[rows, head, :], 0)  # [N, D]
-        s = common.cap_scores(_dot(q, k, trans_b=True) * scale, soft_cap)  # [Gp, N]
-        s = jnp.where(valid[None, :], s, MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(valid[None, :], jnp.exp(s - m_new[:, None]), 0.0)
-        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
-        return acc, m_new, l_sum * alpha + p.sum(axis=1)
+        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * attn.scale  # [Gp, N]
+        return common.softmax_step(state, common.cap_scores(s, attn.soft_cap), valid[None, :], v)
 
-    gp, d = q.shape
-    init = (
-        jnp.zeros((gp, d), jnp.float32),
-        jnp.full((gp,), MASK_VALUE, jnp.float32),
-        jnp.zeros((gp,), jnp.float32),
-    )
-    acc, m, l_sum = jax.lax.fori_loop(start, end, body, init)
+    acc, m, l_sum = jax.lax.fori_loop(start, end, body, common.softmax_init(*q.shape))
     o_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l_sum
-
-
-def _dot(a: jax.Array, b: jax.Array, trans_b: bool = False) -> jax.Array:
-    """float32-accumulating dot that lowers to `tl.dot` on Triton and to XLA elsewhere."""
-    b = b.T if trans_b else b
-    return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
 def combine_splits(o: jax.Array, m: jax.Array, l_sum: jax.Array) -> jax.Array:
@@ -109,56 +82,47 @@ def combine_splits(o: jax.Array, m: jax.Array, l_sum: jax.Array) -> jax.Array:
     return (o * w[..., None]).sum(axis=0) / denom[..., None]
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("scale", "sliding_window", "soft_cap", "block_sizes", "interpret"),
-)
+@functools.partial(jax.jit, static_argnames=("attn", "block_sizes", "interpret"))
 def decode_attention(
     q: jax.Array,  # [S, H, D] one token per sequence
     k_cache: jax.Array,  # [NB, bs, KVH, D]
     v_cache: jax.Array,  # [NB, bs, KVH, D]
     block_tables: jax.Array,  # [S, MB] int32
     seq_lens: jax.Array,  # [S] int32, including the new token
+    attn: AttentionParams,
     *,
-    scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
     block_sizes: DecodeBlockSizes = DecodeBlockSizes(),
     interpret: bool = False,
 ) -> jax.Array:
-    """Pallas paged decode attention; returns [S, H, D] in q.dtype."""
+    """Pallas paged decode attention; returns [S, H, D] in q.dtype.
+
+    A query token's G heads share one KV head, so they become the rows of one `pl.dot`
+    (padded to 16, the smallest `tl.dot` tile) and each page is read once per group.
+    """
     num_seqs, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
+    group = common.kv_group(q, k_cache, v_cache)
+    block_size, num_kv_heads = k_cache.shape[1:3]
     gp = max(16, common.next_pow2(group))  # tl.dot needs >= 16 rows
-    pages = block_sizes.pages_per_compute_block
     qg = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - group), (0, 0)))  # [S, KVH, Gp, D]
-    tables = _pad_tables(block_tables, pages)
-    flat = (num_blocks * block_size, num_kv_heads, head_dim)
+    tables = common.pad_tables(block_tables, block_sizes.pages_per_compute_block)
     o, m, l_sum = _decode_call(
-        seq_lens.astype(jnp.int32), tables, qg, k_cache.reshape(flat), v_cache.reshape(flat),
-        block_size=block_size, scale=scale, sliding_window=sliding_window,
-        soft_cap=soft_cap, block_sizes=block_sizes, interpret=interpret,
+        seq_lens.astype(jnp.int32), tables, qg, common.flat_pages(k_cache),
+        common.flat_pages(v_cache), block_size=block_size, attn=attn, block_sizes=block_sizes,
+        interpret=interpret,
     )
     out = combine_splits(o, m, l_sum)[:, :, :group]  # [S, KVH, G, D]
     return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
 
 
-def _pad_tables(block_tables: jax.Array, pages: int) -> jax.Array:
-    """Pads the table width to a multiple of the compute block (extra entries -> block 0)."""
-    width = block_tables.shape[1]
-    return jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, -width % pages)))
-
-
-def _decode_call(lens, tables, qg, k_flat, v_flat, *, block_size, scale, sliding_window,
-                 soft_cap, block_sizes: DecodeBlockSizes, interpret: bool):
+def _decode_call(lens, tables, qg, k_flat, v_flat, *, block_size: int, attn: AttentionParams,
+                 block_sizes: DecodeBlockSizes, interpret: bool):
     """Builds grid, BlockSpecs and the `pallas_call`; outputs are split-major."""
     num_seqs, num_kv_heads, gp, head_dim = qg.shape
     splits = block_sizes.num_splits
     kernel = functools.partial(
         _decode_kernel, block_size=block_size, pages=block_sizes.pages_per_compute_block,
-        scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        attn=attn,
     )
     out_shape = (
         jax.ShapeDtypeStruct((splits, num_seqs, num_kv_heads, gp, head_dim), jnp.float32),
@@ -169,9 +133,9 @@ def _decode_call(lens, tables, qg, k_flat, v_flat, *, block_size, scale, sliding
         kernel,
         grid=(num_seqs, num_kv_heads, splits),
         in_specs=[
-            _whole_spec(lens.shape), _whole_spec(tables.shape),
+            common.whole_spec(lens.shape), common.whole_spec(tables.shape),
             pl.BlockSpec((None, None, gp, head_dim), lambda s, h, k: (s, h, 0, 0)),
-            _whole_spec(k_flat.shape), _whole_spec(v_flat.shape),
+            common.whole_spec(k_flat.shape), common.whole_spec(v_flat.shape),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, gp, head_dim), lambda s, h, k: (k, s, h, 0, 0)),
@@ -185,38 +149,27 @@ def _decode_call(lens, tables, qg, k_flat, v_flat, *, block_size, scale, sliding
     )(lens, tables, qg, k_flat, v_flat)
 
 
-def _whole_spec(shape: tuple[int, ...]) -> pl.BlockSpec:
-    """Whole-array block: the kernel indexes (gathers) it itself."""
-    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
-
-
-@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap"))
+@functools.partial(jax.jit, static_argnames=("attn",))
 def decode_attention_reference(
     q: jax.Array,  # [S, H, D]
     k_cache: jax.Array,  # [NB, bs, KVH, D]
     v_cache: jax.Array,
     block_tables: jax.Array,  # [S, MB]
     seq_lens: jax.Array,  # [S]
-    *,
-    scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
+    attn: AttentionParams,
 ) -> jax.Array:
     """Pure-JAX decode attention: gathers each sequence's pages, one dense softmax per seq.
 
     Also the plain-XLA baseline of the benchmark and the CPU fallback of the engine.
     """
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    qg = q.reshape(num_seqs, 1, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    attend = functools.partial(
-        common.attend_one_seq, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap
-    )
+    group = common.kv_group(q, k_cache, v_cache)
+    qg = q.reshape(num_seqs, 1, k_cache.shape[2], group, head_dim)  # [S, 1, KVH, G, D]
 
     def one(q1, table, seq_len):  # q1 [1, KVH, G, D]
         k = common.gather_seq_pages(k_cache, table)
         v = common.gather_seq_pages(v_cache, table)
-        return attend(q1, k, v, (seq_len - 1)[None], seq_len)
+        return common.attend_one_seq(q1, k, v, (seq_len - 1)[None], seq_len, attn)
 
     out = jax.vmap(one)(qg, block_tables, seq_lens)  # [S, 1, KVH, G, D]
     return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)

@@ -1,6 +1,7 @@
 """The one dispatch module for paged attention: cache layout, KV writes, attention.
 
-The engine calls only these functions; backends are swapped with `backend=`:
+The engine calls only these functions (and builds `AttentionParams`, re-exported here, so
+it needs no other kernel module); backends are swapped with `backend=`:
 "auto" (Pallas on GPU, pure JAX elsewhere), "reference", "pallas"/"triton" (Pallas
 Triton; interpret mode when no GPU is present, which is how CI runs the kernels).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import jax
 
 from pjinfer.kernels.backends import BACKENDS
+from pjinfer.kernels.common import AttentionParams
 from pjinfer.kernels.decode_attention import (
     decode_attention,
     decode_attention_reference,
@@ -54,32 +56,31 @@ def _use_pallas(backend: str) -> bool:
 
 
 def paged_attention(
-    q: jax.Array,  # [T, H, D]
+    q: jax.Array,  # [T, H, D] ragged batch; [S, H, D] when decode_only
     k_cache: jax.Array,  # [NB, bs, KVH, D]
     v_cache: jax.Array,
     md: AttentionMetadata,
+    attn: AttentionParams,
     *,
-    scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
     decode_only: bool = False,
     backend: str = "auto",
 ) -> jax.Array:
     """Causal attention of the ragged batch q over the paged cache; [T, H, D] in q.dtype.
 
-    `decode_only` (static) promises q_len == 1 for every sequence and T == S.
+    `attn` is passed unchanged to whichever kernel or reference runs, so every backend
+    computes the same attention. `decode_only` (static) promises q_len == 1 for every
+    sequence and T == S.
     """
-    opts = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
     pallas = _use_pallas(backend)
     interpret = jax.default_backend() != "gpu"
     if decode_only:
-        args = (q, k_cache, v_cache, md.block_tables, md.seq_lens)
+        args = (q, k_cache, v_cache, md.block_tables, md.seq_lens, attn)
         if not pallas:
-            return decode_attention_reference(*args, **opts)
+            return decode_attention_reference(*args)
         sizes = default_decode_block_sizes(
             q.shape[0], k_cache.shape[2], md.block_tables.shape[1], k_cache.shape[1]
         )
-        return decode_attention(*args, **opts, block_sizes=sizes, interpret=interpret)
+        return decode_attention(*args, block_sizes=sizes, interpret=interpret)
     if not pallas:
-        return ragged_attention_reference(q, k_cache, v_cache, md, **opts)
-    return ragged_attention(q, k_cache, v_cache, md, **opts, interpret=interpret)
+        return ragged_attention_reference(q, k_cache, v_cache, md, attn)
+    return ragged_attention(q, k_cache, v_cache, md, attn, interpret=interpret)

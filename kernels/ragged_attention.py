@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pjinfer.kernels import common
-from pjinfer.kernels.common import MASK_VALUE
+from pjinfer.kernels.common import AttentionParams
 from pjinfer.kernels.metadata import (
     AttentionMetadata,
     QueryTiles,
@@ -28,7 +28,7 @@ from pjinfer.kernels.metadata import (
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class RaggedBlockSizes:
+class RaggedBlockSizes(common.BlockSizes):
     """Static tiling of the ragged kernel.
 
     Defaults: the best summed time over three layouts on an H200 (bf16, Llama-3-8B heads,
@@ -42,11 +42,6 @@ class RaggedBlockSizes:
     pages_per_compute_block: int = 2  # pages gathered per inner-loop step
     num_warps: int = 4
     num_stages: int = 2
-
-    def __post_init__(self) -> None:
-        for name in ("block_q", "pages_per_compute_block", "num_warps", "num_stages"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"RaggedBlockSizes.{name} must be >= 1")
 
 
 def _ragged_kernel(
@@ -62,9 +57,7 @@ def _ragged_kernel(
     group: int,
     block_size: int,
     pages: int,
-    scale: float,
-    sliding_window: int | None,
-    soft_cap: float | None,
+    attn: AttentionParams,
 ):
     tile, head = pl.program_id(0), pl.program_id(1)
     seq, first_pos, num_valid = tile_seq_ref[tile], tile_pos_ref[tile], tile_valid_ref[tile]
@@ -74,60 +67,41 @@ def _ragged_kernel(
     q_pos = first_pos + rows  # [M]
     row_valid = rows < num_valid
     key_end = jnp.where(num_valid > 0, first_pos + num_valid, 0)  # keys [.., key_end)
-    lo_key = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
-    offs = jnp.arange(block_k, dtype=jnp.int32)  # [N]
+    window = attn.sliding_window
+    lo_key = 0 if window is None else jnp.maximum(first_pos - window + 1, 0)
 
-    def body(c, carry):
-        acc, m, l_sum = carry
-        k_pos = c * block_k + offs  # [N]
-        page_ids = tables_ref[seq, c * pages + offs // block_size]  # [N]
-        slots = page_ids * block_size + offs % block_size
-        mask = common.key_mask(q_pos, k_pos, sliding_window) & row_valid[:, None]  # [M, N]
+    def body(c, state):
+        k_pos, slots = common.block_rows(tables_ref, seq, c, pages=pages, block_size=block_size)
+        mask = common.key_mask(q_pos, k_pos, window) & row_valid[:, None]  # [M, N]
         k = k_ref[slots, head, :]  # [N, D]
         v = jnp.where((k_pos < key_end)[:, None], v_ref[slots, head, :], 0)  # [N, D]
-        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale  # [M, N]
-        s = jnp.where(mask, common.cap_scores(s, soft_cap), MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
-        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return acc * alpha[:, None] + pv, m_new, l_sum * alpha + p.sum(axis=1)
+        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * attn.scale  # [M, N]
+        return common.softmax_step(state, common.cap_scores(s, attn.soft_cap), mask, v)
 
-    init = (
-        jnp.zeros(q.shape, jnp.float32),
-        jnp.full((q.shape[0],), MASK_VALUE, jnp.float32),
-        jnp.zeros((q.shape[0],), jnp.float32),
-    )
     lo, hi = lo_key // block_k, (key_end + block_k - 1) // block_k
-    acc, _, l_sum = jax.lax.fori_loop(lo, hi, body, init)
+    acc, _, l_sum = jax.lax.fori_loop(lo, hi, body, common.softmax_init(*q.shape))
     denom = jnp.maximum(l_sum, jnp.finfo(jnp.float32).tiny)
     o_ref[...] = (acc / denom[:, None]).astype(o_ref.dtype)
 
 
-def _whole_spec(shape: tuple[int, ...]) -> pl.BlockSpec:
-    """Whole-array block: the kernel indexes (gathers) it itself."""
-    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
-
-
-def _ragged_call(tiles: QueryTiles, tables, qt, k_flat, v_flat, *, group, block_size, scale,
-                 sliding_window, soft_cap, block_sizes: RaggedBlockSizes, interpret: bool):
+def _ragged_call(tiles: QueryTiles, tables, qt, k_flat, v_flat, *, group: int, block_size: int,
+                 attn: AttentionParams, block_sizes: RaggedBlockSizes, interpret: bool):
     """Builds grid, BlockSpecs and the `pallas_call` over the tiled layout qt [KVH, R, D]."""
     num_kv_heads, num_rows, head_dim = qt.shape
     num_tiles = tiles.seq_id.shape[0]
     m_rows = num_rows // num_tiles
     kernel = functools.partial(
         _ragged_kernel, group=group, block_size=block_size,
-        pages=block_sizes.pages_per_compute_block, scale=scale,
-        sliding_window=sliding_window, soft_cap=soft_cap,
+        pages=block_sizes.pages_per_compute_block, attn=attn,
     )
     tile_spec = pl.BlockSpec((None, m_rows, head_dim), lambda t, h: (h, t, 0))
+    whole = common.whole_spec
     return pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads),
         in_specs=[
-            _whole_spec((num_tiles,)), _whole_spec((num_tiles,)), _whole_spec((num_tiles,)),
-            _whole_spec(tables.shape), tile_spec,
-            _whole_spec(k_flat.shape), _whole_spec(v_flat.shape),
+            whole((num_tiles,)), whole((num_tiles,)), whole((num_tiles,)),
+            whole(tables.shape), tile_spec, whole(k_flat.shape), whole(v_flat.shape),
         ],
         out_specs=tile_spec,
         out_shape=jax.ShapeDtypeStruct(qt.shape, qt.dtype),
@@ -137,57 +111,48 @@ def _ragged_call(tiles: QueryTiles, tables, qt, k_flat, v_flat, *, group, block_
     )(tiles.seq_id, tiles.first_pos, tiles.num_valid, tables, qt, k_flat, v_flat)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("scale", "sliding_window", "soft_cap", "block_sizes", "interpret"),
-)
+@functools.partial(jax.jit, static_argnames=("attn", "block_sizes", "interpret"))
 def ragged_attention(
     q: jax.Array,  # [T, H, D] ragged batch, each sequence's tokens contiguous
     k_cache: jax.Array,  # [NB, bs, KVH, D]
     v_cache: jax.Array,
     md: AttentionMetadata,
+    attn: AttentionParams,
     *,
-    scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
     block_sizes: RaggedBlockSizes = RaggedBlockSizes(),
     interpret: bool = False,
 ) -> jax.Array:
-    """Pallas ragged paged attention; returns [T, H, D] in q.dtype."""
+    """Pallas ragged paged attention; returns [T, H, D] in q.dtype.
+
+    Tokens are regrouped into tiles of one sequence (`pad_queries`) so that a program
+    reads only that sequence's pages; `unpad_outputs` restores the ragged token order.
+    """
     num_tokens, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
+    group = common.kv_group(q, k_cache, v_cache)
+    block_size, num_kv_heads = k_cache.shape[1:3]
     gp = common.next_pow2(group)  # Triton tiles are powers of two
     bq = block_sizes.block_q
     tiles = make_query_tiles(md, num_tokens, bq)
     qp = pad_queries(q, tiles, bq).reshape(-1, num_kv_heads, group, head_dim)  # [R, KVH, G, D]
     qp = jnp.pad(qp, ((0, 0), (0, 0), (0, gp - group), (0, 0)))
     qt = qp.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)  # [KVH, R * Gp, D]
-    pages = block_sizes.pages_per_compute_block
-    width = md.block_tables.shape[1]
-    tables = jnp.pad(md.block_tables.astype(jnp.int32), ((0, 0), (0, -width % pages)))
-    flat = (num_blocks * block_size, num_kv_heads, head_dim)
+    tables = common.pad_tables(md.block_tables, block_sizes.pages_per_compute_block)
     ot = _ragged_call(
-        tiles, tables, qt, k_cache.reshape(flat), v_cache.reshape(flat), group=gp,
-        block_size=block_size, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        block_sizes=block_sizes, interpret=interpret,
+        tiles, tables, qt, common.flat_pages(k_cache), common.flat_pages(v_cache), group=gp,
+        block_size=block_size, attn=attn, block_sizes=block_sizes, interpret=interpret,
     )
     op = ot.reshape(num_kv_heads, -1, gp, head_dim)[:, :, :group].transpose(1, 0, 2, 3)
     return unpad_outputs(op.reshape(-1, num_heads, head_dim), tiles)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "block_q")
-)
+@functools.partial(jax.jit, static_argnames=("attn", "block_q"))
 def ragged_attention_reference(
     q: jax.Array,  # [T, H, D]
     k_cache: jax.Array,  # [NB, bs, KVH, D]
     v_cache: jax.Array,
     md: AttentionMetadata,
+    attn: AttentionParams,
     *,
-    scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
     block_q: int = 16,
 ) -> jax.Array:
     """Pure-JAX ragged attention, one query tile at a time (`lax.map`).
@@ -196,13 +161,10 @@ def ragged_attention_reference(
     O(context * KVH * D + block_q * H * context) instead of a per-token copy of the keys.
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    group = common.kv_group(q, k_cache, v_cache)
     tiles = make_query_tiles(md, num_tokens, block_q)
     qp = pad_queries(q, tiles, block_q)
-    qp = qp.reshape(-1, block_q, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    attend = functools.partial(
-        common.attend_one_seq, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap
-    )
+    qp = qp.reshape(-1, block_q, k_cache.shape[2], group, head_dim)  # [NT, bq, KVH, G, D]
 
     def one_tile(args):
         q_tile, seq, first_pos, num_valid = args  # q_tile [bq, KVH, G, D]
@@ -212,7 +174,8 @@ def ragged_attention_reference(
         q_pos = first_pos + jnp.arange(block_q, dtype=jnp.int32)
         # Padding rows get position -1: they see no key, so they cannot read unused slots.
         q_pos = jnp.where(jnp.arange(block_q) < num_valid, q_pos, -1)
-        return attend(q_tile, k, v, q_pos, jnp.where(num_valid > 0, md.seq_lens[seq], 0))
+        seq_len = jnp.where(num_valid > 0, md.seq_lens[seq], 0)
+        return common.attend_one_seq(q_tile, k, v, q_pos, seq_len, attn)
 
     out = jax.lax.map(one_tile, (qp, tiles.seq_id, tiles.first_pos, tiles.num_valid))
     out = out.reshape(-1, num_heads, head_dim)  # [NT * bq, H, D]

@@ -71,10 +71,11 @@ def _paged_attention(opts: StepOptions):
     cfg, scale = opts.cfg, opts.cfg.head_dim ** -0.5
 
     def attention(layer, q, k, v, cache, md):
+        attn = ops.AttentionParams(scale, sliding_window=cfg.sliding_window(layer))
+
         def local(q, k, v, k_cache, v_cache, md):
             k_cache, v_cache = ops.write_kv(k_cache, v_cache, k, v, md.slot_mapping)
-            out = ops.paged_attention(q, k_cache, v_cache, md, scale=scale,
-                                      sliding_window=cfg.sliding_window(layer),
+            out = ops.paged_attention(q, k_cache, v_cache, md, attn,
                                       decode_only=opts.decode_only, backend=opts.backend)
             return out, k_cache, v_cache
         if opts.mesh is not None:

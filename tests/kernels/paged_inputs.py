@@ -11,6 +11,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from pjinfer.kernels.common import AttentionParams
 from pjinfer.kernels.metadata import AttentionMetadata
 
 
@@ -76,9 +77,9 @@ def make_batch(
     )
 
 
-def naive_attention(batch: PagedBatch, *, scale: float, sliding_window=None,
-                    soft_cap=None) -> np.ndarray:
+def naive_attention(batch: PagedBatch, attn: AttentionParams) -> np.ndarray:
     """Textbook softmax attention per token from the dense K/V, float64; [T_real, H, D]."""
+    scale, sliding_window, soft_cap = attn.scale, attn.sliding_window, attn.soft_cap
     q = np.asarray(batch.q.astype(jnp.float32), np.float64)
     outs, t = [], 0
     for s, q_len in enumerate(batch.q_lens):

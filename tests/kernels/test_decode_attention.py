@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pjinfer.kernels.common import AttentionParams
 from pjinfer.kernels.decode_attention import (
     DecodeBlockSizes,
     decode_attention,
@@ -16,10 +17,10 @@ from tests.kernels.paged_inputs import TOL, make_batch, rel_err
 SEQ_LENS = [1, 23, 64, 50]  # single token, unaligned, aligned, unaligned
 
 
-def _check(b, dtype, sizes, **opts):
-    args = (b.q, b.k_cache, b.v_cache, b.md.block_tables, b.md.seq_lens)
-    out = decode_attention(*args, block_sizes=sizes, interpret=True, **opts)
-    ref = decode_attention_reference(*args, **opts)
+def _check(b, dtype, sizes, attn):
+    args = (b.q, b.k_cache, b.v_cache, b.md.block_tables, b.md.seq_lens, attn)
+    out = decode_attention(*args, block_sizes=sizes, interpret=True)
+    ref = decode_attention_reference(*args)
     assert out.shape == b.q.shape and out.dtype == dtype
     assert rel_err(out, ref) < TOL[dtype]
 
@@ -33,7 +34,7 @@ def test_decode_matches_reference(group, head_dim, block_size, pages, splits):
     b = make_batch(rng, [1] * 4, SEQ_LENS, num_kv_heads=2, group=group, head_dim=head_dim,
                    block_size=block_size)
     sizes = DecodeBlockSizes(pages_per_compute_block=pages, num_splits=splits)
-    _check(b, jnp.float32, sizes, scale=head_dim**-0.5)
+    _check(b, jnp.float32, sizes, AttentionParams(scale=head_dim**-0.5))
 
 
 @pytest.mark.parametrize("window,cap", [(7, None), (None, 3.0), (20, 2.0)])
@@ -41,7 +42,7 @@ def test_decode_window_and_cap(window, cap):
     rng = np.random.default_rng(11)
     b = make_batch(rng, [1] * 4, SEQ_LENS, num_kv_heads=2, group=4, head_dim=64, block_size=16)
     sizes = DecodeBlockSizes(pages_per_compute_block=1, num_splits=2)
-    _check(b, jnp.float32, sizes, scale=0.3, sliding_window=window, soft_cap=cap)
+    _check(b, jnp.float32, sizes, AttentionParams(scale=0.3, sliding_window=window, soft_cap=cap))
 
 
 def test_decode_bfloat16_with_padding_seq():
@@ -49,10 +50,10 @@ def test_decode_bfloat16_with_padding_seq():
     # The padding sequence (seq_len 0) still owns a padding token, since T == S.
     b = make_batch(rng, [1, 1, 1, 0], [40, 1, 77, 0], num_kv_heads=1, group=8, head_dim=128,
                    block_size=32, dtype=jnp.bfloat16, pad_tokens=1)
-    args = (b.q, b.k_cache, b.v_cache, b.md.block_tables, b.md.seq_lens)
+    args = (b.q, b.k_cache, b.v_cache, b.md.block_tables, b.md.seq_lens, AttentionParams(0.1))
     sizes = DecodeBlockSizes(pages_per_compute_block=2, num_splits=2)
-    out = decode_attention(*args, scale=0.1, block_sizes=sizes, interpret=True)
-    ref = decode_attention_reference(*args, scale=0.1)
+    out = decode_attention(*args, block_sizes=sizes, interpret=True)
+    ref = decode_attention_reference(*args)
     assert out.dtype == jnp.bfloat16
     assert rel_err(out[:3], ref[:3]) < TOL[jnp.bfloat16]
     assert np.isfinite(np.asarray(out[3], np.float32)).all()  # padding seq: 0, not NaN

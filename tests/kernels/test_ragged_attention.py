@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pjinfer.kernels.common import AttentionParams
 from pjinfer.kernels.ragged_attention import (
     RaggedBlockSizes,
     ragged_attention,
@@ -18,10 +19,10 @@ from tests.kernels.paged_inputs import TOL, make_batch, rel_err
 MIXED = ([9, 1, 1, 21, 0], [9, 1, 45, 60, 0])
 
 
-def _check(b, dtype, sizes, **opts):
-    out = ragged_attention(b.q, b.k_cache, b.v_cache, b.md, block_sizes=sizes,
-                           interpret=True, **opts)
-    ref = ragged_attention_reference(b.q, b.k_cache, b.v_cache, b.md, **opts)
+def _check(b, dtype, sizes, attn):
+    out = ragged_attention(b.q, b.k_cache, b.v_cache, b.md, attn, block_sizes=sizes,
+                           interpret=True)
+    ref = ragged_attention_reference(b.q, b.k_cache, b.v_cache, b.md, attn)
     n = b.num_real_tokens
     assert out.shape == b.q.shape and out.dtype == dtype
     assert rel_err(out[:n], ref[:n]) < TOL[dtype]
@@ -36,7 +37,7 @@ def test_ragged_matches_reference(group, head_dim, block_size, block_q, pages):
     b = make_batch(rng, *MIXED, num_kv_heads=2, group=group, head_dim=head_dim,
                    block_size=block_size, pad_tokens=3)
     sizes = RaggedBlockSizes(block_q=block_q, pages_per_compute_block=pages)
-    _check(b, jnp.float32, sizes, scale=head_dim**-0.5)
+    _check(b, jnp.float32, sizes, AttentionParams(scale=head_dim**-0.5))
 
 
 @pytest.mark.parametrize("window,cap", [(6, None), (None, 2.5), (17, 4.0)])
@@ -44,11 +45,12 @@ def test_ragged_window_and_cap(window, cap):
     rng = np.random.default_rng(13)
     b = make_batch(rng, *MIXED, num_kv_heads=2, group=4, head_dim=64, block_size=16)
     _check(b, jnp.float32, RaggedBlockSizes(block_q=8, pages_per_compute_block=1),
-           scale=0.3, sliding_window=window, soft_cap=cap)
+           AttentionParams(scale=0.3, sliding_window=window, soft_cap=cap))
 
 
 def test_ragged_bfloat16_prefill_only():
     rng = np.random.default_rng(17)
     b = make_batch(rng, [33, 12], [33, 40], num_kv_heads=1, group=8, head_dim=128,
                    block_size=32, dtype=jnp.bfloat16)
-    _check(b, jnp.bfloat16, RaggedBlockSizes(block_q=16, pages_per_compute_block=1), scale=0.1)
+    _check(b, jnp.bfloat16, RaggedBlockSizes(block_q=16, pages_per_compute_block=1),
+           AttentionParams(scale=0.1))

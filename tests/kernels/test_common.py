@@ -1,0 +1,37 @@
+"""The shared static arguments and input checks of the kernels and references."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from pjinfer.kernels.common import AttentionParams
+from pjinfer.kernels.decode_attention import DecodeBlockSizes, decode_attention_reference
+from pjinfer.kernels.ragged_attention import RaggedBlockSizes
+
+
+def test_attention_params_is_a_hashable_static_value():
+    a = AttentionParams(scale=0.125, sliding_window=8)
+    assert a == AttentionParams(0.125, 8) and hash(a) == hash(AttentionParams(0.125, 8))
+    assert a != AttentionParams(0.125, 8, soft_cap=30.0)
+
+
+@pytest.mark.parametrize("bad", [dict(sliding_window=0), dict(soft_cap=0.0)])
+def test_attention_params_rejects_empty_window_and_zero_cap(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        AttentionParams(scale=1.0, **bad)
+
+
+@pytest.mark.parametrize("cls,field", [(DecodeBlockSizes, "num_splits"),
+                                       (RaggedBlockSizes, "block_q")])
+def test_block_sizes_reject_zero_counts(cls, field):
+    with pytest.raises(ValueError, match=f"{cls.__name__}.{field} must be >= 1"):
+        cls(**{field: 0})
+
+
+def test_heads_that_do_not_fit_the_cache_are_rejected():
+    cache = jnp.zeros((4, 16, 3, 64))  # [NB, bs, KVH, D], 3 KV heads
+    q = jnp.zeros((2, 4, 64))  # 4 query heads: not a multiple of 3
+    with pytest.raises(ValueError, match="multiple of the KV heads"):
+        decode_attention_reference(q, cache, cache, jnp.zeros((2, 4), jnp.int32),
+                                   jnp.ones((2,), jnp.int32), AttentionParams(1.0))
