@@ -47,10 +47,7 @@ class _EngineCollector(Collector):
             "prefix_cache_hit_rate": ("Prefix cache hits / queries, in tokens.",
                                       s.prefix_cache_hit_rate),
         }
-        for name, (doc, value) in gauges.items():
-            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=[MODEL_LABEL])
-            gauge.add_metric([self._model_name], value)
-            yield gauge
+        yield from self._families(GaugeMetricFamily, gauges)
         counters = {
             "prompt_tokens": ("Prompt tokens computed.", s.num_prompt_tokens),
             "generation_tokens": ("Tokens generated.", s.num_generation_tokens),
@@ -62,10 +59,14 @@ class _EngineCollector(Collector):
             "engine_requests_rejected": ("Requests refused because the queue was full.",
                                          s.num_rejected),
         }
-        for name, (doc, value) in counters.items():
-            counter = CounterMetricFamily(PREFIX + name, doc, labels=[MODEL_LABEL])
-            counter.add_metric([self._model_name], value)
-            yield counter
+        yield from self._families(CounterMetricFamily, counters)
+
+    def _families(self, family: type, table: dict[str, tuple[str, float]]) -> Iterator[Metric]:
+        """One metric family per (name: (doc, value)), labelled with the model name."""
+        for name, (doc, value) in table.items():
+            metric = family(PREFIX + name, doc, labels=[MODEL_LABEL])
+            metric.add_metric([self._model_name], value)
+            yield metric
 
 
 class ServerMetrics:

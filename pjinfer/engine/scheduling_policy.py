@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from pjinfer.registry import Registry
+
 if TYPE_CHECKING:
     from pjinfer.engine.request import Request
 
@@ -54,24 +56,19 @@ class SJFPolicy:
                 request.arrival_time)
 
 
-_POLICIES: dict[str, type] = {"fcfs": FCFSPolicy, "priority": PriorityPolicy, "sjf": SJFPolicy}
+POLICIES: Registry[type] = Registry(
+    "scheduling_policy", "pjinfer.engine.scheduling_policy.register_scheduling_policy",
+    {"fcfs": FCFSPolicy, "priority": PriorityPolicy, "sjf": SJFPolicy})
 
 
 def register_scheduling_policy(name: str, policy: type, *, overwrite: bool = False) -> None:
     """Make `scheduling_policy=name` build `policy()` (a class with `key(request)`)."""
-    if name in _POLICIES and not overwrite:
-        raise ValueError(f"scheduling policy {name!r} is already registered; "
-                         "pass overwrite=True to replace it")
-    _POLICIES[name] = policy
+    POLICIES.register(name, policy, overwrite=overwrite)
 
 
 def scheduling_policies() -> list[str]:
-    return list(_POLICIES)
+    return POLICIES.names()
 
 
 def make_policy(name: str) -> SchedulingPolicy:
-    try:
-        return _POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown scheduling_policy {name!r}; valid: "
-                         f"{', '.join(_POLICIES)}") from None
+    return POLICIES.get(name)()
