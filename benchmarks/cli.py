@@ -15,48 +15,54 @@ from pjinfer.benchmarks.common import finish_record, jax_device_info, new_record
 
 
 def _roofline_args(parser: argparse.ArgumentParser) -> None:
-    from pjinfer.benchmarks.roofline import add_roofline_args
+    from pjinfer.benchmarks.ceilings import add_roofline_args
 
     parser.add_argument("--model", default=None, help="model folder (default: the demo model)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=512)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="rows of the matmul ceiling's shapes: the engine's token budget")
     add_roofline_args(parser)
 
 
 def _run_roofline(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    """The ceilings of this device and what they allow for one static batch."""
-    from pjinfer.benchmarks.roofline import (
-        ModelShape,
-        ceilings_from_args,
-        ceilings_record,
-        latency_roofline,
-    )
+    """The ceilings of this device and what they allow for one static batch; its JSON is what
+    `--ceilings-from` reuses (for `serve`, whose client must not measure)."""
+    from pjinfer.benchmarks.ceilings import ceilings_from_args, ceilings_record
+    from pjinfer.benchmarks.roofline import ModelShape, latency_roofline
     from pjinfer.config import ModelConfig
     from pjinfer.demo import DEMO_MODEL_DIR
 
     record = new_record("roofline", argv, vars(args))
     args.no_roofline = False
-    ceilings = ceilings_from_args(args)
-    shape = ModelShape.from_model_config(ModelConfig.from_pretrained(args.model or
-                                                                     DEMO_MODEL_DIR), args.dtype)
+    cfg = ModelConfig.from_pretrained(args.model or DEMO_MODEL_DIR)
+    shape = ModelShape.from_model_config(cfg, args.dtype)
+    ceilings = ceilings_from_args(args, lambda: shape, args.max_num_batched_tokens)
     roof = latency_roofline(shape, ceilings, args.batch_size, args.input_len, args.output_len)
     record.update(device=jax_device_info(), ceilings=ceilings_record(ceilings),
-                  model={"num_params": shape.num_params, "weight_bytes": shape.weight_bytes,
+                  model={"num_params": shape.num_params, "layer_params": shape.layer_params,
+                         "lm_head_params": shape.lm_head_params,
                          "kv_bytes_per_token": shape.kv_bytes_per_token},
                   roofline=roof)
+    _print_roofline(ceilings, roof)
+    return record
+
+
+def _print_roofline(ceilings: Any, roof: dict[str, Any]) -> None:
+    median_bw, median_mm = ceilings.hbm_bytes_per_s_median, ceilings.matmul_flops_per_s_median
     print_table("Roofline", [
-        ("Device", record["device"]["device_kind"]),
-        ("HBM bandwidth (TB/s)", ceilings.hbm_bytes_per_s / 1e12),
-        ("bf16 matmul (TFLOP/s)", ceilings.matmul_flops_per_s / 1e12),
-        ("Weights (GB)", shape.weight_bytes / 1e9),
-        ("KV per token (KB)", shape.kv_bytes_per_token / 1e3),
+        ("Weight streaming, best (TB/s)", ceilings.hbm_bytes_per_s / 1e12),
+        ("Weight streaming, median (TB/s)", median_bw and median_bw / 1e12),
+        ("bf16 matmul, best (TFLOP/s)", ceilings.matmul_flops_per_s / 1e12),
+        ("bf16 matmul, median (TFLOP/s)", median_mm and median_mm / 1e12),
+        ("First decode step (GB)", (roof["work"]["first_decode_step"] or {}).get(
+            "total_bytes", 0) / 1e9),
         ("Weights-only step (ms)", roof["tpot_weights_only_s"] * 1e3),
         ("Best TPOT (ms)", roof["tpot_s"] * 1e3),
         ("Best TTFT (ms)", roof["ttft_s"] * 1e3),
     ])
-    return record
 
 
 def build_parser() -> argparse.ArgumentParser:

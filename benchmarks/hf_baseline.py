@@ -48,6 +48,19 @@ def _import_repo_as_pjinfer() -> None:
 if __package__ in (None, ""):
     _import_repo_as_pjinfer()
 
+from pjinfer.benchmarks.ceilings import (  # noqa: E402
+    CPU_MATMUL_ROWS,
+    Ceilings,
+    add_roofline_args,
+    ceilings_from_args,
+    ceilings_of,
+    ceilings_record,
+    gemv_plan,
+    matmul_plan,
+    stream_bytes_for,
+    timed_rate,
+    timing_plan,
+)
 from pjinfer.benchmarks.common import (  # noqa: E402
     Progress,
     finish_record,
@@ -57,13 +70,10 @@ from pjinfer.benchmarks.common import (  # noqa: E402
 )
 from pjinfer.benchmarks.datasets import add_dataset_args, get_requests  # noqa: E402
 from pjinfer.benchmarks.roofline import (  # noqa: E402
-    Ceilings,
     ModelShape,
-    add_roofline_args,
-    ceilings_record,
-    fraction,
+    latency_ratios,
     latency_roofline,
-    median_seconds,
+    throughput_ratios,
     throughput_roofline,
 )
 
@@ -116,22 +126,29 @@ def device_record() -> dict[str, Any]:
     return {"platform": "cpu", "device_kind": "cpu", "device_count": 1}
 
 
-def measure_ceilings_torch(device: Any) -> Ceilings:
-    """Same two ceilings as roofline.measure_ceilings, measured through PyTorch."""
+def measure_ceilings_torch(device: Any, shape: ModelShape, tokens: int = 2048) -> Ceilings:
+    """The plans of pjinfer.benchmarks.ceilings (weight-streaming GEMV, a step's matmul shapes,
+    pipelined), measured through PyTorch: JAX would take this process's GPU memory."""
     import torch
 
     on_gpu = device.type == "cuda"
-    nbytes, n = (2 << 30, 8192) if on_gpu else (64 << 20, 512)
-    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    copy_s = median_seconds(lambda: (dst.copy_(src), sync()), iters=10, warmup=3)
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    dot_s = median_seconds(lambda: (a @ b, sync()), iters=10, warmup=3)
-    return Ceilings(2 * nbytes / copy_s, 2 * n**3 / dot_s, source="measured (torch)",
-                    details={"copy_bytes": nbytes, "copy_median_s": copy_s, "matmul_n": n,
-                             "matmul_median_s": dot_s})
+    timing = timing_plan(10, None, 2, on_cpu=not on_gpu)
+    sync = (lambda _: torch.cuda.synchronize()) if on_gpu else (lambda _: None)
+
+    def randn(*dims: int) -> Any:
+        return torch.randn(*dims, dtype=torch.bfloat16, device=device)
+
+    gemv = gemv_plan(shape, stream_bytes_for(torch.cuda.mem_get_info()[0] if on_gpu else None),
+                     rows=8)
+    w = randn(gemv["matrices"], gemv["k"], gemv["n"])
+    x = randn(gemv["matrices"], gemv["rows"], gemv["k"])
+    bandwidth = gemv | timed_rate(torch.bmm, (x, w), gemv["bytes_per_call"], timing, sync)
+    del w, x
+    mm = matmul_plan(shape, tokens if on_gpu else min(tokens, CPU_MATMUL_ROWS))
+    operands = [(randn(m, k), randn(k, n)) for m, k, n in mm["shapes_mkn"]]
+    matmul = mm | timed_rate(lambda ops: [a @ b for a, b in ops], (operands,),
+                             mm["flops_per_call"], timing, sync)
+    return ceilings_of(bandwidth, matmul, timing, source="measured (torch)")
 
 
 def generate(model: Any, device: Any, prompts: list[list[int]], new_tokens: int) -> float:
@@ -230,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     record = new_record(f"hf-{args.mode}", argv, vars(args))
     _, device = None, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    ceilings = _ceilings(args, device)
+    shape = _shape(args)
+    ceilings = _ceilings(args, device, shape)
     start = time.perf_counter()
     model, device = load_model(args.model, args.dtype, args.attn_implementation)
     record.update(startup_s=time.perf_counter() - start, device=device_record(),
@@ -238,20 +256,20 @@ def main(argv: list[str] | None = None) -> int:
                   engine_args={"framework": "transformers", "dtype": args.dtype,
                                "attn_implementation": args.attn_implementation,
                                "decoding": "greedy", "batching": "static"})
-    shape = _shape(args)
-    record["model"] = {"num_params": shape.num_params, "weight_bytes": shape.weight_bytes,
+    record["model"] = {"num_params": shape.num_params, "layer_params": shape.layer_params,
+                       "lm_head_params": shape.lm_head_params,
                        "kv_bytes_per_token": shape.kv_bytes_per_token}
     _run_mode(args, model, device, record, shape, ceilings)
     finish_record(record, args.output_json)
     return 0
 
 
-def _ceilings(args: argparse.Namespace, device: Any) -> Ceilings | None:
-    if args.no_roofline:
-        return None
-    if args.hbm_bandwidth and args.peak_tflops:
-        return Ceilings(args.hbm_bandwidth * 1e12, args.peak_tflops * 1e12, source="given")
-    return measure_ceilings_torch(device)
+def _ceilings(args: argparse.Namespace, device: Any, shape: ModelShape) -> Ceilings | None:
+    """As the pjinfer benchmarks' flags say, but measured through PyTorch."""
+    given = ceilings_from_args(args)
+    if given is not None or args.no_roofline:
+        return given
+    return measure_ceilings_torch(device, shape)
 
 
 def _shape(args: argparse.Namespace) -> ModelShape:
@@ -267,11 +285,7 @@ def _run_mode(args: argparse.Namespace, model: Any, device: Any, record: dict[st
         if ceilings:
             roof = record["roofline"] = latency_roofline(
                 shape, ceilings, args.batch_size, args.input_len, args.output_len)
-            record["ratios"] = {
-                "tpot_roofline_over_median": fraction(roof["tpot_s"], res["tpot_s"]["median"]),
-                "tpot_weights_only_over_median": fraction(roof["tpot_weights_only_s"],
-                                                          res["tpot_s"]["median"]),
-                "e2e_roofline_over_median": fraction(roof["e2e_s"], res["e2e_s"]["median"])}
+            record["ratios"] = latency_ratios(res, roof)
         rows = [(f"{k} median (ms)", res[k]["median"] * 1e3) for k in ("e2e_s", "ttft_s",
                                                                        "tpot_s")]
     else:
@@ -282,11 +296,7 @@ def _run_mode(args: argparse.Namespace, model: Any, device: Any, record: dict[st
             roof = record["roofline"] = throughput_roofline(
                 shape, ceilings, [r.prompt_len for r in reqs], [r.output_len for r in reqs],
                 res["batch_size_used"])
-            rate = res["output_tokens_per_s"]
-            record["ratios"] = {
-                "output_tokens_per_s_vs_roofline": fraction(rate, roof["output_tokens_per_s"]),
-                "output_tokens_per_s_vs_compute_roofline":
-                    fraction(rate, roof["compute_output_tokens_per_s"])}
+            record["ratios"] = throughput_ratios(res, roof)
         rows = [(k, res[k]) for k in ("elapsed_s", "requests_per_s", "output_tokens_per_s",
                                       "total_tokens_per_s", "batch_size_used")]
     print_table(f"transformers {args.mode}", [("Device", record["device"]["device_kind"]),

@@ -12,15 +12,11 @@ import time
 from typing import Any
 
 from pjinfer.benchmarks import offline
+from pjinfer.benchmarks.ceilings import add_roofline_args, ceilings_record
 from pjinfer.benchmarks.common import jax_device_info, print_table, summarize
 from pjinfer.benchmarks.datasets import random_requests
 from pjinfer.benchmarks.engine_args import add_engine_args
-from pjinfer.benchmarks.roofline import (
-    add_roofline_args,
-    ceilings_record,
-    fraction,
-    latency_roofline,
-)
+from pjinfer.benchmarks.roofline import latency_ratios, latency_roofline
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +51,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         roof = latency_roofline(shape, ceilings, args.batch_size, args.input_len,
                                 args.output_len)
         record["roofline"] = roof
-        record["ratios"] = _ratios(record["results"], roof)
+        record["ratios"] = latency_ratios(record["results"], roof)
     _print(record)
     return record
 
@@ -81,14 +77,6 @@ def _results(iters: list[dict[str, Any]]) -> dict[str, Any]:
             "e2e_per_iter_s": [it["e2e_s"] for it in iters]}
 
 
-def _ratios(results: dict[str, Any], roof: dict[str, float]) -> dict[str, float | None]:
-    """Roofline time over measured time (1.0 = at the roofline)."""
-    tpot = results["tpot_s"]["median"]
-    return {"tpot_roofline_over_median": fraction(roof["tpot_s"], tpot),
-            "tpot_weights_only_over_median": fraction(roof["tpot_weights_only_s"], tpot),
-            "e2e_roofline_over_median": fraction(roof["e2e_s"], results["e2e_s"]["median"])}
-
-
 def _print(record: dict[str, Any]) -> None:
     res, roof = record["results"], record.get("roofline") or {}
     ms = 1e3
@@ -98,5 +86,7 @@ def _print(record: dict[str, Any]) -> None:
             value = res[key][p]
             rows.append((f"{label} {p} (ms)", None if value is None else value * ms))
     rows += [("Roofline TPOT (ms)", roof["tpot_s"] * ms if roof else None),
+             ("TPOT share of roofline", (record.get("ratios") or {}).get(
+                 "tpot_roofline_over_median")),
              ("Compiles in timed iters", record["timed"]["num_compiles"])]
     print_table("Latency", rows)

@@ -11,9 +11,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from pjinfer import engine_flags
 from pjinfer.benchmarks.common import Progress
 from pjinfer.benchmarks.datasets import SampleRequest
 from pjinfer.benchmarks.roofline import ModelShape
+from pjinfer.engine.config import ENGINE_ARGS
 
 _ids = itertools.count()
 STAT_FIELDS = ("num_steps", "num_preemptions", "num_prompt_tokens", "num_generation_tokens",
@@ -21,13 +23,20 @@ STAT_FIELDS = ("num_steps", "num_preemptions", "num_prompt_tokens", "num_generat
 
 
 def start_run(command: str, args: Any, argv: list[str]) -> tuple[dict, Any, Any]:
-    """The record, the roofline ceilings and the built LLM; start-up time goes in the record."""
+    """The record, the roofline ceilings and the built LLM; start-up time goes in the record.
+
+    The ceilings are measured first, while the accelerator's memory is still free for the
+    16 GB weight stream (the engine's KV cache takes most of it).
+    """
+    from pjinfer.benchmarks.ceilings import ceilings_from_args
     from pjinfer.benchmarks.common import new_record
     from pjinfer.benchmarks.engine_args import build_llm
-    from pjinfer.benchmarks.roofline import ceilings_from_args
 
     record = new_record(command, argv, vars(args))
-    ceilings = ceilings_from_args(args)
+    engine_args = engine_flags.run_config_from_flags(args).engine_args()
+    tokens = engine_args.get("max_num_batched_tokens",
+                             ENGINE_ARGS["max_num_batched_tokens"].default)
+    ceilings = ceilings_from_args(args, lambda: planned_shape(engine_args), tokens)
     start = time.perf_counter()
     llm, record["engine_args"] = build_llm(args, warmup=args.engine_warmup)
     record["startup_s"] = time.perf_counter() - start
@@ -68,6 +77,15 @@ def counters_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, i
     return {k: after[k] - before[k] for k in after}
 
 
+def planned_shape(engine_args: dict[str, Any]) -> ModelShape:
+    """The shape of the model the engine is about to load, before it loads it."""
+    from pjinfer.config import ModelConfig
+    from pjinfer.demo import DEMO_MODEL_DIR
+
+    cfg = ModelConfig.from_pretrained(engine_args.get("model") or DEMO_MODEL_DIR)
+    return ModelShape.from_model_config(cfg, engine_args.get("dtype", "auto"))
+
+
 def model_shape(engine: Any) -> ModelShape:
     """The roofline's view of the loaded model, in the dtype the engine actually runs."""
     import numpy as np
@@ -82,6 +100,7 @@ def model_record(engine: Any, shape: ModelShape) -> dict[str, Any]:
     cfg = engine.model_config
     return {"name": engine.served_model_name, "architecture": cfg.architecture,
             "num_params": shape.num_params, "weight_bytes": shape.weight_bytes,
+            "layer_params": shape.layer_params, "lm_head_params": shape.lm_head_params,
             "kv_bytes_per_token": shape.kv_bytes_per_token, "num_layers": cfg.num_hidden_layers,
             "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
             "dtype": np.dtype(engine.runner.kv_dtype).name,

@@ -1,49 +1,91 @@
-"""Roofline arithmetic for a Llama-family decoder, and the two ceilings measured on the device.
+"""Roofline of a Llama-family decoder workload: the bytes and FLOPs it needs, over ceilings.
 
-Every benchmark reports its figure next to the best the hardware could do, so a number is read
-as "x% of what is possible" rather than in isolation:
-- bandwidth roofline: a decode step must read every weight once plus the KV cache of every
-  sequence in the batch; its time is at least those bytes over the measured HBM bandwidth.
-  Weight bytes count the whole embedding table, as PERF_NOTES does (16.06 GB for Llama-3-8B); the
-  step really reads only B rows of it, so the bound is ~6% loose for that model.
-- compute roofline: 2 * params FLOPs per token processed (one multiply-add per weight) plus
-  attention (QK^T and PV: 4 * layers * heads * head_dim per attended position), over the
-  measured bf16 matmul rate.
-The ceilings are measured in the same process as the run (the machines are shared and vary).
+A benchmark figure is read as a share of the least time the device could take for the same
+work, so the work must be what the workload really needs, term by term (`Work`, written into
+every record as `roofline.work`), not a round number such as "all parameters once per step".
+
+Bytes (2 B per value in bf16; figures for Llama-3-8B):
+- layer weights: every decoder layer's projections and norms, read once per step however many
+  sequences it serves (32 layers x 218.1 M params: 13.96 GB).
+- final norm (8 KB) and lm_head (vocab x hidden: 1.05 GB), once per step.
+- embedding rows: one row of `hidden` values per processed token (8 KB). The vocab x hidden
+  table is not streamed: a lookup reads the rows of the step's tokens, not the 1.05 GB.
+- KV read: each sequence's cached K/V, once per step (131,072 B per cached position: 2 x 32
+  layers x 8 kv heads x 128 x 2 B). The step's own new positions come from the step itself.
+- KV written: the K/V of every processed token, once.
+  Activations and logits are left out: a fused step need not send them through memory (f32
+  logits would add 0.5 MB per sequence per step, 1.7% of a decode step at batch 512).
+  A batch-1 decode step at 512 cached tokens: 13.96 + 1.05 GB + 67 MB = 15.08 GB.
+
+FLOPs (a multiply-add is 2):
+- layers: 2 x layer params per processed token (13.96 GFLOP per token).
+- attention: QK^T and PV, 4 x layers x q heads x head_dim per (query, attended key) pair;
+  causal, so a token attends to its prefix and itself: n tokens from scratch make n(n+1)/2
+  pairs, not n^2.
+- lm_head: 2 x vocab x hidden per logits row (1.05 GFLOP). The engine computes one row per
+  sequence per step (`logits_indices` in pjinfer/engine/step.py), never one per prompt token;
+  a workload needs one per generated token.
+  The embedding lookup does no arithmetic.
+
+Time: a step takes at least max(bytes / bandwidth, FLOPs / matmul rate), with the ceilings of
+`pjinfer.benchmarks.ceilings` (measured in the same process, by the same kind of work). A latency
+run is the sum of its steps' bounds; an offline workload is bounded by its total work, with the
+weights read once per step and at least ceil(output tokens / max_num_seqs) steps.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, astuple, dataclass, replace
 from typing import Any
 
+from pjinfer.benchmarks.ceilings import Ceilings
+
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+STEP_FORMULA = "max(total_bytes / hbm_bytes_per_s, total_flops / matmul_flops_per_s)"
 
 
 @dataclass(frozen=True, slots=True)
 class ModelShape:
-    """The few numbers of a model that its roofline depends on."""
+    """The numbers of a model that its roofline and its ceiling measurement depend on."""
 
-    num_params: int
     num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    layer_params: int  # all decoder layers together: projections and norms
+    tied_embeddings: bool
     dtype_bytes: int
 
     @classmethod
     def from_model_config(cls, cfg: Any, dtype: str = "auto") -> ModelShape:
         """From a pjinfer ModelConfig; `dtype` is the engine's (auto = the checkpoint's)."""
         name = cfg.dtype if dtype == "auto" else dtype
-        return cls(num_params=cfg.num_params(), num_layers=cfg.num_hidden_layers,
+        tables = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+        return cls(num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+                   intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
                    num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-                   head_dim=cfg.head_dim, dtype_bytes=_DTYPE_BYTES[name])
+                   head_dim=cfg.head_dim,
+                   layer_params=cfg.num_params() - tables - cfg.hidden_size,
+                   tied_embeddings=cfg.tie_word_embeddings, dtype_bytes=_DTYPE_BYTES[name])
+
+    @property
+    def lm_head_params(self) -> int:
+        """vocab x hidden, read by the logits matmul whether or not it is the embedding table."""
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        tables = self.lm_head_params * (1 if self.tied_embeddings else 2)
+        return self.layer_params + tables + self.hidden_size
 
     @property
     def weight_bytes(self) -> int:
+        """The checkpoint's size; a step reads less (`step_weights`: no embedding table)."""
         return self.num_params * self.dtype_bytes
 
     @property
@@ -51,83 +93,143 @@ class ModelShape:
         """K and V of one position across all layers (131,072 B for Llama-3-8B in bf16)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
-    def attention_flops(self, attended: int) -> int:
-        """QK^T and PV for queries that together attend to `attended` key positions."""
-        return 4 * self.num_layers * self.num_heads * self.head_dim * attended
+    @property
+    def attention_flops_per_pair(self) -> int:
+        """QK^T and PV of one query against one key, all heads and layers."""
+        return 4 * self.num_layers * self.num_heads * self.head_dim
 
-    def flops(self, tokens: int, attended: int) -> int:
-        return 2 * self.num_params * tokens + self.attention_flops(attended)
+    def matmul_shapes(self, tokens: int) -> list[tuple[int, int, int]]:
+        """(M, K, N) of a layer's projections over `tokens` rows: qkv, o, gate+up, down."""
+        d, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads
+        return [(tokens, d, q + 2 * kv * self.head_dim), (tokens, q, d),
+                (tokens, d, 2 * self.intermediate_size), (tokens, self.intermediate_size, d)]
 
 
 @dataclass(frozen=True, slots=True)
-class Ceilings:
-    """Measured (or given) device limits: bytes/s counting read + write, and bf16 FLOP/s."""
+class Work:
+    """Bytes moved and FLOPs done, one field per term of the module docstring."""
 
-    hbm_bytes_per_s: float
-    matmul_flops_per_s: float
-    source: str  # "measured" or "given"
-    details: dict | None = None
+    layer_weight_bytes: int = 0
+    final_norm_bytes: int = 0
+    lm_head_bytes: int = 0
+    embedding_row_bytes: int = 0
+    kv_read_bytes: int = 0
+    kv_write_bytes: int = 0
+    layer_flops: int = 0
+    attention_flops: int = 0
+    lm_head_flops: int = 0
+
+    def __add__(self, other: Work) -> Work:
+        return Work(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    def scaled(self, k: int) -> Work:
+        return Work(*(k * v for v in astuple(self)))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(v for k, v in asdict(self).items() if k.endswith("_bytes"))
+
+    @property
+    def total_flops(self) -> int:
+        return self.layer_flops + self.attention_flops + self.lm_head_flops
+
+    def memory_seconds(self, c: Ceilings) -> float:
+        return self.total_bytes / c.hbm_bytes_per_s
+
+    def compute_seconds(self, c: Ceilings) -> float:
+        return self.total_flops / c.matmul_flops_per_s
+
+    def seconds(self, c: Ceilings) -> float:
+        """The least time this work can take: it must both move its bytes and do its FLOPs."""
+        return max(self.memory_seconds(c), self.compute_seconds(c))
+
+    def record(self) -> dict[str, int]:
+        return {**asdict(self), "total_bytes": self.total_bytes,
+                "total_flops": self.total_flops}
 
 
-# ---- decode steps and latency ------------------------------------------------------------
-def decode_step_bytes(shape: ModelShape, context_lens: Sequence[int]) -> int:
-    """Bytes one decode step must read: all weights, plus each sequence's cached K/V."""
-    return shape.weight_bytes + shape.kv_bytes_per_token * sum(context_lens)
+# ---- the work of steps and requests -------------------------------------------------------
+def step_weights(shape: ModelShape) -> Work:
+    """What every step reads once, whatever its batch: layers, final norm, lm_head."""
+    b = shape.dtype_bytes
+    return Work(layer_weight_bytes=shape.layer_params * b, final_norm_bytes=shape.hidden_size * b,
+                lm_head_bytes=shape.lm_head_params * b)
 
 
-def decode_step_seconds(shape: ModelShape, c: Ceilings, context_lens: Sequence[int]) -> float:
-    """Lower bound on one decode step: the larger of its bandwidth and compute times."""
-    memory = decode_step_bytes(shape, context_lens) / c.hbm_bytes_per_s
-    compute = shape.flops(len(context_lens), sum(context_lens)) / c.matmul_flops_per_s
-    return max(memory, compute)
+def sequence_work(shape: ModelShape, cached: int, new: int, logit_rows: int) -> Work:
+    """One sequence's share of one step: `new` tokens after `cached` ones (weights apart)."""
+    pairs = new * cached + new * (new + 1) // 2  # causal: each new token sees its prefix
+    return Work(embedding_row_bytes=new * shape.hidden_size * shape.dtype_bytes,
+                kv_read_bytes=cached * shape.kv_bytes_per_token,
+                kv_write_bytes=new * shape.kv_bytes_per_token,
+                layer_flops=2 * shape.layer_params * new,
+                attention_flops=shape.attention_flops_per_pair * pairs,
+                lm_head_flops=2 * shape.lm_head_params * logit_rows)
 
 
-def prefill_seconds(shape: ModelShape, c: Ceilings, prompt_lens: Sequence[int]) -> float:
-    """Lower bound on prefilling these prompts together (causal: a token sees its prefix)."""
-    attended = sum(n * (n + 1) // 2 for n in prompt_lens)
-    compute = shape.flops(sum(prompt_lens), attended) / c.matmul_flops_per_s
-    return max(shape.weight_bytes / c.hbm_bytes_per_s, compute)
+def decode_work(shape: ModelShape, cached: int, steps: int) -> Work:
+    """`steps` one-token decode steps of one sequence that starts with `cached` positions.
 
-
-def latency_roofline(shape: ModelShape, c: Ceilings, batch: int, input_len: int,
-                     output_len: int) -> dict[str, float]:
-    """Best TPOT and end-to-end time for one static batch (W1, W2)."""
-    steps = [decode_step_seconds(shape, c, [input_len + i] * batch)
-             for i in range(1, output_len)]
-    tpot = sum(steps) / len(steps) if steps else 0.0
-    prefill = prefill_seconds(shape, c, [input_len] * batch)
-    return {"tpot_s": tpot, "tpot_weights_only_s": shape.weight_bytes / c.hbm_bytes_per_s,
-            "ttft_s": prefill, "e2e_s": prefill + sum(steps),
-            "output_tokens_per_s": batch / tpot if tpot else 0.0}
-
-
-# ---- throughput ----------------------------------------------------------------------------
-def throughput_roofline(shape: ModelShape, c: Ceilings, prompt_lens: Sequence[int],
-                        output_lens: Sequence[int], max_num_seqs: int) -> dict[str, float]:
-    """Best time for a whole offline workload (W3, W4): max of its compute and bandwidth times.
-
-    Bandwidth: each step yields at most `max_num_seqs` output tokens and reads all weights, and
-    every output token reads its context's K/V once.
+    As `sequence_work(cached, steps)` (same tokens, pairs, logits rows), except that step j
+    reads its whole cache again: cached + j positions, not the prefix once.
     """
+    reads = steps * cached + steps * (steps - 1) // 2
+    return replace(sequence_work(shape, cached, steps, logit_rows=steps),
+                   kv_read_bytes=reads * shape.kv_bytes_per_token)
+
+
+def request_work(shape: ModelShape, prompt_len: int, output_len: int) -> Work:
+    """A whole request, weights apart: its prompt in one pass (which yields output token 1),
+    then output_len - 1 decode steps; the last output token is never fed back."""
+    prefill = sequence_work(shape, 0, prompt_len, logit_rows=min(output_len, 1))
+    return prefill + decode_work(shape, prompt_len, max(output_len - 1, 0))
+
+
+# ---- rooflines ------------------------------------------------------------------------------
+def latency_roofline(shape: ModelShape, c: Ceilings, batch: int, input_len: int,
+                     output_len: int) -> dict[str, Any]:
+    """Best TTFT, TPOT and end-to-end time for one static batch (W1, W2), step by step."""
+    weights = step_weights(shape)
+    prefill = weights + sequence_work(shape, 0, input_len, logit_rows=1).scaled(batch)
+    decodes = [weights + sequence_work(shape, input_len + j, 1, logit_rows=1).scaled(batch)
+               for j in range(output_len - 1)]
+    step_s = [w.seconds(c) for w in decodes]
+    tpot = statistics.fmean(step_s) if step_s else 0.0
+    return {
+        "ttft_s": prefill.seconds(c), "tpot_s": tpot,
+        "e2e_s": prefill.seconds(c) + sum(step_s),
+        "tpot_weights_only_s": weights.memory_seconds(c),
+        "output_tokens_per_s": batch / tpot if tpot else 0.0,
+        "decode_steps": len(decodes),
+        "decode_steps_memory_bound": sum(w.memory_seconds(c) >= w.compute_seconds(c)
+                                         for w in decodes),
+        "formula": f"each step: {STEP_FORMULA}; tpot_s = mean over decode steps; "
+                   "e2e_s = prefill + sum of decode steps",
+        "work": {"prefill": prefill.record(), "first_decode_step": _first(decodes),
+                 "all_decode_steps": sum(decodes, Work()).record()},
+    }
+
+
+def _first(steps: list[Work]) -> dict[str, int] | None:
+    return steps[0].record() if steps else None
+
+
+def throughput_roofline(shape: ModelShape, c: Ceilings, prompt_lens: Sequence[int],
+                        output_lens: Sequence[int], max_num_seqs: int) -> dict[str, Any]:
+    """Best time for a whole offline workload (W3, W4): the larger of its bandwidth and compute
+    times. A step yields at most `max_num_seqs` output tokens and reads the weights once."""
     out_total = sum(output_lens)
-    attended = sum(_attended(p, o) for p, o in zip(prompt_lens, output_lens, strict=True))
-    compute = shape.flops(sum(prompt_lens) + out_total, attended) / c.matmul_flops_per_s
     min_steps = -(-out_total // max_num_seqs)
-    kv_read = shape.kv_bytes_per_token * sum(
-        o * p + o * (o - 1) // 2 for p, o in zip(prompt_lens, output_lens, strict=True))
-    memory = (min_steps * shape.weight_bytes + kv_read) / c.hbm_bytes_per_s
-    elapsed = max(compute, memory)
-    tokens = sum(prompt_lens) + out_total
-    return {"elapsed_s": elapsed, "compute_s": compute, "memory_s": memory,
+    work = step_weights(shape).scaled(min_steps)
+    for p, o in zip(prompt_lens, output_lens, strict=True):
+        work += request_work(shape, p, o)
+    elapsed = work.seconds(c)
+    return {"elapsed_s": elapsed, "compute_s": work.compute_seconds(c),
+            "memory_s": work.memory_seconds(c), "min_steps": min_steps,
             "output_tokens_per_s": out_total / elapsed,
-            "total_tokens_per_s": tokens / elapsed,
-            "compute_output_tokens_per_s": out_total / compute}
-
-
-def _attended(prompt_len: int, output_len: int) -> int:
-    """Key positions attended while prefilling `prompt_len` and decoding `output_len` tokens."""
-    total = prompt_len + output_len
-    return total * (total + 1) // 2 - 1 if output_len else prompt_len * (prompt_len + 1) // 2
+            "total_tokens_per_s": (sum(prompt_lens) + out_total) / elapsed,
+            "formula": f"elapsed_s = {STEP_FORMULA} over the whole workload",
+            "work": work.record()}
 
 
 def fraction(numerator: float | None, denominator: float | None) -> float | None:
@@ -138,85 +240,23 @@ def fraction(numerator: float | None, denominator: float | None) -> float | None
     return numerator / denominator
 
 
-# ---- measuring the ceilings ------------------------------------------------------------------
-def median_seconds(fn: Callable[[], Any], *, iters: int, warmup: int) -> float:
-    """Median wall time of `fn()` (which must block until its device work is done)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def latency_ratios(results: dict[str, Any], roof: dict[str, Any]) -> dict[str, float | None]:
+    """Roofline time over measured median time (1.0 = at the roofline), each from the record's
+    own `roofline` and `results` fields."""
+    tpot = results["tpot_s"]["median"]
+    return {"tpot_roofline_over_median": fraction(roof["tpot_s"], tpot),
+            "tpot_weights_only_over_median": fraction(roof["tpot_weights_only_s"], tpot),
+            "ttft_roofline_over_median": fraction(roof["ttft_s"], results["ttft_s"]["median"]),
+            "e2e_roofline_over_median": fraction(roof["e2e_s"], results["e2e_s"]["median"])}
 
 
-def measure_ceilings(*, copy_bytes: int | None = None, matmul_n: int | None = None,
-                     iters: int = 10, warmup: int = 3) -> Ceilings:
-    """HBM bandwidth from an elementwise pass (read + write) and bf16 FLOP/s from jnp.dot.
-
-    Sizes default to 2 GiB and 8192^3 on accelerators (large enough to hide launch overhead)
-    and 64 MiB and 512^3 on CPU (where only the plumbing matters).
-    """
-    import jax
-
-    on_cpu = jax.default_backend() == "cpu"
-    copy_bytes = copy_bytes or (64 << 20 if on_cpu else 2 << 30)
-    matmul_n = matmul_n or (512 if on_cpu else 8192)
-    copy_s = _time_copy(copy_bytes, iters, warmup)
-    dot_s = _time_matmul(matmul_n, iters, warmup)
-    details = {"copy_bytes": copy_bytes, "copy_median_s": copy_s, "matmul_n": matmul_n,
-               "matmul_median_s": dot_s, "iters": iters, "warmup": warmup}
-    return Ceilings(hbm_bytes_per_s=2 * copy_bytes / copy_s,
-                    matmul_flops_per_s=2 * matmul_n**3 / dot_s, source="measured",
-                    details=details)
-
-
-def _time_copy(nbytes: int, iters: int, warmup: int) -> float:
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.zeros(nbytes // 2, jnp.bfloat16)
-    step = jax.jit(lambda a: a + jnp.ones((), a.dtype))  # XLA cannot elide it, unlike a copy
-    seconds = median_seconds(lambda: step(x).block_until_ready(), iters=iters, warmup=warmup)
-    return seconds
-
-
-def _time_matmul(n: int, iters: int, warmup: int) -> float:
-    import jax
-    import jax.numpy as jnp
-
-    ka, kb = jax.random.split(jax.random.key(0))
-    a = jax.random.normal(ka, (n, n), jnp.bfloat16)  # random: zeros run ~13% faster on H200
-    b = jax.random.normal(kb, (n, n), jnp.bfloat16)
-    dot = jax.jit(jnp.dot)
-    seconds = median_seconds(lambda: dot(a, b).block_until_ready(), iters=iters, warmup=warmup)
-    return seconds
-
-
-def ceilings_from_args(args: Any) -> Ceilings | None:
-    """--no-roofline: None; --hbm-bandwidth/--peak-tflops: given values; else measure."""
-    if getattr(args, "no_roofline", False):
-        return None
-    if args.hbm_bandwidth and args.peak_tflops:
-        return Ceilings(args.hbm_bandwidth * 1e12, args.peak_tflops * 1e12, source="given")
-    return measure_ceilings()
-
-
-def add_roofline_args(parser: Any) -> None:
-    group = parser.add_argument_group("roofline")
-    group.add_argument("--no-roofline", action="store_true",
-                       help="skip measuring the ceilings and the roofline fields")
-    group.add_argument("--hbm-bandwidth", type=float, default=None, metavar="TB/S",
-                       help="use this bandwidth (read + write) instead of measuring it")
-    group.add_argument("--peak-tflops", type=float, default=None, metavar="TFLOP/S",
-                       help="use this bf16 matmul rate instead of measuring it")
-
-
-def ceilings_record(c: Ceilings | None) -> dict | None:
-    if c is None:
-        return None
-    out = asdict(c)
-    out["hbm_tb_per_s"] = c.hbm_bytes_per_s / 1e12
-    out["matmul_tflops"] = c.matmul_flops_per_s / 1e12
-    return out
+def throughput_ratios(results: dict[str, Any], roof: dict[str, Any]) -> dict[str, float | None]:
+    """How much of the roofline was reached (1.0 = at the roofline); the first equals the larger
+    of the other two, which say how far compute alone and memory alone would explain."""
+    elapsed = results["elapsed_s"]
+    return {
+        "output_tokens_per_s_vs_roofline":
+            fraction(results["output_tokens_per_s"], roof["output_tokens_per_s"]),
+        "compute_s_over_elapsed": fraction(roof["compute_s"], elapsed),
+        "memory_s_over_elapsed": fraction(roof["memory_s"], elapsed),
+    }

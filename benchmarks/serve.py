@@ -14,14 +14,14 @@ import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from pjinfer.benchmarks.ceilings import add_roofline_args, ceilings_from_args, ceilings_record
 from pjinfer.benchmarks.common import Progress, new_record, print_table, summarize
 from pjinfer.benchmarks.datasets import SampleRequest, add_dataset_args, get_requests
-from pjinfer.benchmarks.roofline import Ceilings, ModelShape, ceilings_record, fraction
+from pjinfer.benchmarks.roofline import ModelShape, fraction, step_weights
 
 
 @dataclass(slots=True)
@@ -53,13 +53,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout", type=float, default=1800.0, metavar="SECONDS")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--seed", type=int, default=0, help="arrival-time seed")
-    parser.add_argument("--ceilings-from", default=None, metavar="JSON",
-                        help="take measured ceilings from an earlier result (the client does "
-                             "not measure them: it must not take the server's GPU memory)")
-    parser.add_argument("--hbm-bandwidth", type=float, default=None, metavar="TB/S")
-    parser.add_argument("--peak-tflops", type=float, default=None, metavar="TFLOP/S")
     parser.add_argument("--no-progress", action="store_true")
     add_dataset_args(parser, num_prompts=200)
+    # The client never measures ceilings: it must not take the server's GPU memory.
+    add_roofline_args(parser, can_measure=False)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
@@ -69,12 +66,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                                            cfg.max_position_embeddings)
     record["server"] = {"base_url": args.base_url, "endpoint": args.endpoint}
     record["results"] = asyncio.run(_benchmark(args, reqs, record))
-    ceilings = _ceilings(args)
+    ceilings = ceilings_from_args(args)
     record["ceilings"] = ceilings_record(ceilings)
     if ceilings is not None:
-        shape = ModelShape.from_model_config(cfg, dtype="auto")
-        best = shape.weight_bytes / ceilings.hbm_bytes_per_s
-        record["roofline"] = {"tpot_weights_only_s": best}
+        weights = step_weights(ModelShape.from_model_config(cfg, dtype="auto"))
+        best = weights.memory_seconds(ceilings)  # no decode step can take less
+        record["roofline"] = {"tpot_weights_only_s": best, "work": weights.record(),
+                              "formula": "tpot_weights_only_s = total_bytes / hbm_bytes_per_s"}
         record["ratios"] = {"tpot_weights_only_over_p99":
                             fraction(best, record["results"]["tpot_s"]["p99"]),
                             "tpot_weights_only_over_median":
@@ -88,16 +86,6 @@ def _model_config(model: str | None) -> Any:
     from pjinfer.demo import DEMO_MODEL_DIR
 
     return ModelConfig.from_pretrained(model or DEMO_MODEL_DIR)
-
-
-def _ceilings(args: argparse.Namespace) -> Ceilings | None:
-    if args.hbm_bandwidth and args.peak_tflops:
-        return Ceilings(args.hbm_bandwidth * 1e12, args.peak_tflops * 1e12, source="given")
-    if args.ceilings_from:
-        c = json.loads(Path(args.ceilings_from).read_text())["ceilings"]
-        return Ceilings(c["hbm_bytes_per_s"], c["matmul_flops_per_s"],
-                        source=f"from {args.ceilings_from}")
-    return None
 
 
 # ---- the load generator -------------------------------------------------------------------

@@ -12,15 +12,11 @@ import time
 from typing import Any
 
 from pjinfer.benchmarks import offline
+from pjinfer.benchmarks.ceilings import add_roofline_args, ceilings_record
 from pjinfer.benchmarks.common import jax_device_info, print_table
 from pjinfer.benchmarks.datasets import SampleRequest, add_dataset_args, get_requests
 from pjinfer.benchmarks.engine_args import add_engine_args
-from pjinfer.benchmarks.roofline import (
-    add_roofline_args,
-    ceilings_record,
-    fraction,
-    throughput_roofline,
-)
+from pjinfer.benchmarks.roofline import throughput_ratios, throughput_roofline
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +47,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         record["roofline"] = throughput_roofline(
             shape, ceilings, [r.prompt_len for r in reqs], [r.output_len for r in reqs],
             engine.config.max_num_seqs)
-        record["ratios"] = _ratios(record["results"], record["roofline"])
+        record["ratios"] = throughput_ratios(record["results"], record["roofline"])
     _print(record)
     return record
 
@@ -80,17 +76,6 @@ def _timed_pass(engine: Any, reqs: list, *, progress: bool) -> dict[str, Any]:
     return {"results": results, "counters": counters}
 
 
-def _ratios(results: dict[str, Any], roof: dict[str, float]) -> dict[str, float | None]:
-    """How much of the roofline was reached (1.0 = at the roofline)."""
-    rate = results["output_tokens_per_s"]
-    return {
-        "output_tokens_per_s_vs_roofline": fraction(rate, roof["output_tokens_per_s"]),
-        "output_tokens_per_s_vs_compute_roofline":
-            fraction(rate, roof["compute_output_tokens_per_s"]),
-        "elapsed_roofline_over_measured": fraction(roof["elapsed_s"], results["elapsed_s"]),
-    }
-
-
 def _print(record: dict[str, Any]) -> None:
     res, roof = record["results"], record.get("roofline") or {}
     print_table("Offline throughput", [
@@ -106,4 +91,6 @@ def _print(record: dict[str, Any]) -> None:
         ("Preemptions", res["num_preemptions"]),
         ("Compiles in timed pass", record["timed"]["num_compiles"]),
         ("Roofline output tok/s", roof.get("output_tokens_per_s")),
+        ("Share of roofline", (record.get("ratios") or {}).get(
+            "output_tokens_per_s_vs_roofline")),
     ])

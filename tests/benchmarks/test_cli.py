@@ -71,6 +71,30 @@ def test_latency(tmp_path):
     assert res["ttft_s"]["median"] < res["e2e_s"]["median"]
     assert rec["timed"]["num_compiles"] == 0  # warm-up iterations compiled every shape
     assert rec["roofline"]["tpot_s"] > 0 and rec["ratios"]["tpot_roofline_over_median"] > 0
+    # usable as printed: the ratio is the record's own roofline over its own median
+    assert rec["ratios"]["tpot_roofline_over_median"] == pytest.approx(
+        rec["roofline"]["tpot_s"] / res["tpot_s"]["median"])
+
+
+def test_roofline_record_feeds_ceilings_from(tmp_path):
+    path = tmp_path / "ceilings.json"
+    assert main(["roofline", "--hbm-bandwidth", "4.5", "--peak-tflops", "800", "--batch-size",
+                 "1", "--input-len", "16", "--output-len", "4", "--output-json", str(path)]) == 0
+    roof = json.loads(path.read_text())
+    assert roof["ceilings"]["hbm_tb_per_s"] == 4.5 and roof["roofline"]["decode_steps"] == 3
+    # the weights-only floor, recomputed from the record's own terms and ceilings
+    step = roof["roofline"]["work"]["first_decode_step"]
+    assert roof["roofline"]["tpot_weights_only_s"] == pytest.approx(
+        (step["layer_weight_bytes"] + step["final_norm_bytes"] + step["lm_head_bytes"]) / 4.5e12)
+    rec = _run(tmp_path, ["throughput", "--num-prompts", "2", "--input-len", "8",
+                          "--output-len", "3", "--warmup-requests", "0", "--no-engine-warmup",
+                          "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+                          "--no-progress", "--ceilings-from", str(path)])
+    assert rec["ceilings"]["source"].startswith("from ") and rec["ceilings"]["hbm_tb_per_s"] == 4.5
+    ratios, roof_t = rec["ratios"], rec["roofline"]
+    assert ratios["output_tokens_per_s_vs_roofline"] == pytest.approx(
+        rec["results"]["output_tokens_per_s"] / roof_t["output_tokens_per_s"])
+    assert roof_t["work"]["lm_head_flops"] == 2 * 6 * 512 * 128  # one logits row per output
 
 
 # ---- serve, against the real server in this process ---------------------------------------
