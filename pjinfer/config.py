@@ -1,9 +1,9 @@
 """Model configuration read from a Hugging Face `config.json`.
 
 Hub checkpoints come from transformers 4.x (`rope_theta`, `rope_scaling`, `torch_dtype`, often no
-`head_dim`) and 5.x (`rope_parameters`, `dtype`); both are accepted and mean what the transformers
-implementation of the architecture makes them mean, including flags that switch a feature off
-(Qwen2's `use_sliding_window`, Mistral's `sliding_window: null`).
+`head_dim`) and 5.x (`rope_parameters`, `dtype`); both are accepted here, for every architecture.
+What a field means for one architecture (which layers slide, which projections have biases) is
+that architecture's `ModelSpec.parse_config` (pjinfer.models), so this module names none.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from pjinfer.errors import ModelLoadError
+from pjinfer.models.registry import get_model_spec
+from pjinfer.models.spec import ParamSpec
 
 DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
@@ -64,7 +66,11 @@ class RopeScaling:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """The shape and numerics of a Llama-family decoder; hashable so it can be a static jit arg."""
+    """The shape and numerics of a decoder; hashable so it can be a static jit arg.
+
+    The fields after `tie_word_embeddings` are switches some architectures use; `options` holds
+    settings only one architecture knows (its `parse_config` fills it; read with `option`).
+    """
 
     architecture: str
     vocab_size: int
@@ -89,6 +95,7 @@ class ModelConfig:
     dtype: str = "float32"  # the checkpoint's own dtype (`torch_dtype` / `dtype`)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    options: tuple[tuple[str, Any], ...] = ()  # (name, hashable value) pairs
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -101,9 +108,6 @@ class ModelConfig:
             raise ValueError(
                 f"config.json: num_attention_heads ({self.num_attention_heads}) must be a multiple "
                 f"of num_key_value_heads ({self.num_key_value_heads})")
-        if self.hidden_act not in ("silu", "swish"):
-            raise ValueError(f"config.json: hidden_act {self.hidden_act!r} is not supported; "
-                             "Llama-family models use 'silu'")
         if self.sliding_windows and len(self.sliding_windows) != self.num_hidden_layers:
             raise ValueError("sliding_windows needs one entry per layer")
         normalize_dtype(self.dtype, field_name="config.json dtype")
@@ -115,14 +119,17 @@ class ModelConfig:
     def sliding_window(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None
 
+    def option(self, name: str, default: Any = None) -> Any:
+        """An architecture-specific setting from `options`."""
+        return dict(self.options).get(name, default)
+
+    def param_specs(self) -> list[ParamSpec]:
+        """Every parameter of this model, as its architecture declares them."""
+        return get_model_spec(self.architecture).param_specs(self)
+
     def num_params(self) -> int:
         """Parameter count, for memory sizing and the roofline."""
-        d, h, kv, hd, i = (self.hidden_size, self.num_attention_heads, self.num_key_value_heads,
-                           self.head_dim, self.intermediate_size)
-        attn = d * (h + 2 * kv) * hd + h * hd * d
-        per_layer = attn + 3 * d * i + 2 * d + (2 * hd if self.qk_norm else 0)
-        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * per_layer + embed + d
+        return sum(math.prod(p.shape) for p in self.param_specs())
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any], *, architecture: str | None = None) -> ModelConfig:
@@ -154,6 +161,16 @@ class ModelConfig:
             raise ModelLoadError(f"{path}: {e}") from None
 
 
+def resolve_dtype(dtype: str, cfg: ModelConfig) -> Any:
+    """'auto' takes the checkpoint's `torch_dtype`/`dtype`; otherwise float32/bfloat16/float16.
+
+    Returns a jnp.dtype; jax is imported here, not at the top, so reading a config stays cheap.
+    """
+    import jax.numpy as jnp
+
+    return jnp.dtype(cfg.dtype if dtype == "auto" else normalize_dtype(dtype))
+
+
 def _architecture(raw: dict[str, Any]) -> str:
     archs = raw.get("architectures") or []
     if not archs:
@@ -172,21 +189,19 @@ def _rope_fields(raw: dict[str, Any]) -> tuple[float, RopeScaling]:
     return float(raw.get("rope_theta", 10000.0)), RopeScaling.from_hf(raw.get("rope_scaling"))
 
 
-def _sliding_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
-    """Which layers use a sliding window, following each transformers implementation."""
+def sliding_window_layers(raw: dict[str, Any],
+                          layer_types: list[str] | None) -> tuple[int | None, ...]:
+    """Per-layer sliding window (HF semantics: keys with q-k < W), () when there is none.
+
+    A null or 0 `sliding_window` switches the feature off (Mistral's `sliding_window: null`);
+    `layer_types` (transformers 5, or derived by the architecture) picks the sliding layers,
+    None meaning every layer slides.
+    """
     window = raw.get("sliding_window")
     if not window:
         return ()
-    layer_types = raw.get("layer_types")
-    if arch.startswith("Qwen"):
-        if not raw.get("use_sliding_window", False):
-            return ()
-        if layer_types is None:
-            start = raw.get("max_window_layers", num_layers)
-            layer_types = ["sliding_attention" if i >= start else "full_attention"
-                           for i in range(num_layers)]
-    if layer_types is None:  # Mistral: every layer slides
-        return (int(window),) * num_layers
+    if layer_types is None:
+        return (int(window),) * raw["num_hidden_layers"]
     return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
 
 
@@ -198,11 +213,10 @@ def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
 
 
 def _hf_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The fields every decoder has, then those the architecture's spec parses itself."""
     heads = raw["num_attention_heads"]
     rope_theta, rope_scaling = _rope_fields(raw)
-    attention_bias = bool(raw.get("attention_bias", False))
-    is_qwen2 = arch == "Qwen2ForCausalLM"
-    return dict(
+    generic = dict(
         architecture=arch,
         vocab_size=raw["vocab_size"],
         hidden_size=raw["hidden_size"],
@@ -216,14 +230,10 @@ def _hf_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=True if is_qwen2 else attention_bias,
-        o_bias=False if is_qwen2 else attention_bias,
-        mlp_bias=bool(raw.get("mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
-        sliding_windows=_sliding_windows(raw, arch, raw["num_hidden_layers"]),
         hidden_act=raw.get("hidden_act", "silu"),
         dtype=normalize_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32",
                               field_name="config.json dtype"),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_eos_ids(raw),
     )
+    return {**generic, **get_model_spec(arch).parse_config(raw)}

@@ -1,32 +1,40 @@
-"""Load a Hugging Face checkpoint (single or sharded safetensors) into pjinfer's param pytree.
+"""The one loader: checkpoint tensors -> the architecture's `ParamSpec`s -> device arrays.
 
-Files are memory-mapped and each tensor goes to the device on its own, so host memory never holds
-an extra copy of the whole model; transposes and dtype casts happen on the device.
+Formats: safetensors (single or sharded files), orbax (a `pjinfer convert` folder), dummy
+(random weights of the right shapes, no files), auto (orbax when the folder has the marker, else
+safetensors). The same path serves one device (mesh None) and a tp mesh, where every tensor goes
+straight into its shards (pjinfer.sharding.placement). Files are memory-mapped and each tensor
+goes to the device on its own, so host memory never holds an extra copy of the whole model;
+dtype casts happen on the device. Each param gets its spec's dtype when it declares one
+(quantized weights, their scales), else the model dtype.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable, Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.sharding import Mesh
 
-from pjinfer.config import ModelConfig, normalize_dtype
+from pjinfer.config import ModelConfig, resolve_dtype
 from pjinfer.errors import ModelLoadError
-from pjinfer.models.registry import get_model_spec
+from pjinfer.models.spec import ParamSpec, build_tree
+from pjinfer.sharding.checkpoint import is_orbax_checkpoint, restore_params
+from pjinfer.sharding.mesh import make_mesh
+from pjinfer.sharding.placement import Placer, shard_params
 
 # auto = orbax when the folder holds a `pjinfer convert` checkpoint, else safetensors
 LOAD_FORMATS = ("auto", "safetensors", "dummy", "orbax")
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
               "F64": np.float64, "I64": np.int64, "I32": np.int32, "I8": np.int8,
-              "U8": np.uint8, "BOOL": np.bool_}
+              "U8": np.uint8, "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn,
+              "F8_E5M2": ml_dtypes.float8_e5m2}
+Params = dict[str, Any]
 
 
 class SafetensorsIndex:
@@ -77,102 +85,83 @@ class SafetensorsIndex:
         return raw.view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
-def resolve_dtype(dtype: str, cfg: ModelConfig) -> jnp.dtype:
-    """'auto' takes the checkpoint's `torch_dtype`/`dtype`; otherwise float32/bfloat16/float16."""
-    name = cfg.dtype if dtype == "auto" else normalize_dtype(dtype)
-    return jnp.dtype(name)
-
-
-def set_param(tree: Any, path: tuple, value: Any) -> None:
-    for key in path[:-1]:
-        tree = tree[key]
-    tree[path[-1]] = value
-
-
-def empty_param_tree(shapes: Any) -> Any:
-    """Copy the nested dict/list structure of `param_shapes` so leaves can be filled in."""
-    if isinstance(shapes, dict):
-        return {k: empty_param_tree(v) for k, v in shapes.items()}
-    if isinstance(shapes, list):
-        return [empty_param_tree(v) for v in shapes]
-    return None
-
-
-def walk_param_shapes(cfg: ModelConfig) -> Iterator[tuple[tuple, str, bool, tuple[int, ...]]]:
-    spec = get_model_spec(cfg.architecture)
-    shapes = spec.param_shapes(cfg)
-    for path, hf_name, transpose in spec.hf_weight_names(cfg):
-        shape = shapes
-        for key in path:
-            shape = shape[key]
-        yield path, hf_name, transpose, tuple(shape)
-
-
-def load_params(model_dir: str | Path, cfg: ModelConfig, *, dtype: str = "auto",
-                place: Callable[[tuple, np.ndarray], jax.Array] | None = None) -> dict:
-    """Read every parameter, checking names and shapes against the checkpoint.
-
-    `place(path, host_array)` puts one tensor on its device(s); the sharded loader passes one
-    that transfers only each device's slice.
-    """
-    target = resolve_dtype(dtype, cfg)
-    index = SafetensorsIndex(model_dir)
-    params = empty_param_tree(get_model_spec(cfg.architecture).param_shapes(cfg))
-    place = place or (lambda _path, host: jnp.asarray(host))
-    for path, hf_name, transpose, shape in walk_param_shapes(cfg):
-        if hf_name not in index:
-            raise ModelLoadError(f"checkpoint in {model_dir} is missing tensor {hf_name!r} "
+def read_param(index: SafetensorsIndex, p: ParamSpec, cfg: ModelConfig) -> np.ndarray:
+    """The host tensor of `p` (a memmap view unless its transform copies), shape-checked."""
+    if not p.hf_names:
+        raise ModelLoadError(f"param {p.path} of {cfg.architecture} names no checkpoint tensor")
+    for name in p.hf_names:
+        if name not in index:
+            raise ModelLoadError(f"checkpoint in {index.model_dir} is missing tensor {name!r} "
                                  f"(needed for {cfg.architecture} with this config.json)")
-        host = index.get(hf_name)
-        host = host.T if transpose else host
-        if tuple(host.shape) != shape:
-            raise ModelLoadError(f"tensor {hf_name!r} has shape {tuple(host.shape)} (after "
-                                 f"transpose={transpose}), expected {shape} from config.json")
-        set_param(params, path, place(path, host).astype(target))
-    return params
+    host = p.from_checkpoint([index.get(name) for name in p.hf_names])
+    if tuple(host.shape) != p.shape:
+        raise ModelLoadError(f"tensor {', '.join(map(repr, p.hf_names))} has shape "
+                             f"{tuple(host.shape)} (after its transform), expected {p.shape} "
+                             "from config.json")
+    return host
 
 
-def dummy_params(cfg: ModelConfig, *, dtype: str = "auto", seed: int = 0) -> dict:
-    """Random weights of the right shapes made on the device (benchmarks without files).
-
-    Scaled like a trained model (norms 1, projections ~1/sqrt(fan_in)) so activations stay finite.
-    """
-    target = resolve_dtype(dtype, cfg)
-    key = jax.random.key(seed)
-    params = empty_param_tree(get_model_spec(cfg.architecture).param_shapes(cfg))
-    for n, (path, _, _, shape) in enumerate(walk_param_shapes(cfg)):
-        set_param(params, path, dummy_tensor(jax.random.fold_in(key, n), path[-1], shape, target))
-    return params
-
-
-def dummy_tensor(key: jax.Array, name: str, shape: tuple[int, ...], dtype) -> jax.Array:
-    if name.endswith("norm"):
-        return jnp.ones(shape, dtype)
-    if name.endswith("bias"):
-        return jnp.zeros(shape, dtype)
-    scale = 0.02 if name == "embed" else shape[0] ** -0.5
-    return _random_normal(key, shape, dtype, scale)
-
-
-@partial(jax.jit, static_argnames=("shape", "dtype", "scale"))
-def _random_normal(key: jax.Array, shape: tuple[int, ...], dtype, scale: float) -> jax.Array:
-    """Jitted so the float32 draw fuses with the cast instead of landing in memory first."""
-    return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
-
-
-def load_model(model_dir: str | Path, *, dtype: str = "auto", load_format: str = "auto",
-               seed: int = 0) -> tuple[ModelConfig, dict]:
-    """Config and params of a local HF model folder; `dummy` makes random weights instead."""
+def check_load_format(load_format: str) -> None:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, "
                          f"got {load_format!r}")
-    cfg = ModelConfig.from_pretrained(model_dir)
-    get_model_spec(cfg.architecture)
-    if load_format == "dummy":
-        return cfg, dummy_params(cfg, dtype=dtype, seed=seed)
-    # ---- orbax checkpoints (written by `pjinfer convert`; see pjinfer.sharding.checkpoint) ----
-    from pjinfer.sharding.checkpoint import is_orbax_checkpoint, restore_params
 
+
+def load_params(model_dir: str | Path | None, cfg: ModelConfig, *, dtype: str = "auto",
+                load_format: str = "auto", seed: int = 0, mesh: Mesh | None = None,
+                canonical: bool = False) -> Params:
+    """Every parameter of `cfg`, on the default device (mesh None) or in its shards of `mesh`.
+
+    `canonical` keeps the checkpoint's kv-head layout on the mesh (for `pjinfer convert`);
+    `seed` picks the dummy weights, which need no `model_dir`.
+    """
+    check_load_format(load_format)
+    model_dtype = resolve_dtype(dtype, cfg)  # a bad dtype fails before any file is read
+    placer = Placer(cfg, mesh, canonical=canonical)
+    if load_format == "dummy":
+        return _dummy(cfg, placer, model_dtype, seed)
     if load_format == "orbax" or (load_format == "auto" and is_orbax_checkpoint(model_dir)):
-        return cfg, restore_params(model_dir, cfg, dtype=dtype)
-    return cfg, load_params(model_dir, cfg, dtype=dtype)
+        return restore_params(model_dir, cfg, placer, dtype=dtype)
+    return _safetensors(SafetensorsIndex(model_dir), cfg, placer, model_dtype)
+
+
+def _safetensors(index: SafetensorsIndex, cfg: ModelConfig, placer: Placer,
+                 model_dtype: Any) -> Params:
+    return build_tree((p.path, placer.from_host(p, read_param(index, p, cfg))
+                       .astype(p.target_dtype(model_dtype))) for p in cfg.param_specs())
+
+
+def _dummy(cfg: ModelConfig, placer: Placer, model_dtype: Any, seed: int) -> Params:
+    """Random weights (see `ParamSpec.init`), one key per param in spec order."""
+    key = jax.random.key(seed)
+    return build_tree((p.path, placer.generate(p, p.target_dtype(model_dtype),
+                                               jax.random.fold_in(key, n)))
+                      for n, p in enumerate(cfg.param_specs()))
+
+
+def load_engine_model(model_dir: str | Path, *, tensor_parallel_size: int = 1,
+                      data_parallel_size: int = 1, dtype: str = "auto",
+                      load_format: str = "auto", seed: int = 0, params: Params | None = None,
+                      ) -> tuple[ModelConfig, Params, Mesh | None]:
+    """(config, params, mesh) for an engine: a ("dp", "tp") mesh when either size is > 1 (None
+    otherwise), validated against the model before any weight is read.
+
+    Given `params` (unsharded, checkpoint layout) only config.json is read; they are returned as
+    they are without a mesh, else placed onto it.
+    """
+    check_load_format(load_format)
+    cfg = ModelConfig.from_pretrained(model_dir)
+    mesh = None
+    if tensor_parallel_size > 1 or data_parallel_size > 1:
+        mesh = make_mesh(tensor_parallel_size, data_parallel_size, cfg=cfg)
+    if params is not None:
+        return cfg, (params if mesh is None else shard_params(params, cfg, mesh)), mesh
+    return cfg, load_params(model_dir, cfg, dtype=dtype, load_format=load_format, seed=seed,
+                            mesh=mesh), mesh
+
+
+def load_model(model_dir: str | Path, *, dtype: str = "auto", load_format: str = "auto",
+               seed: int = 0) -> tuple[ModelConfig, Params]:
+    """Config and params of a local HF model folder on one device; `dummy` makes random ones."""
+    cfg, params, _ = load_engine_model(model_dir, dtype=dtype, load_format=load_format, seed=seed)
+    return cfg, params

@@ -1,15 +1,16 @@
 """Tensor parallelism applied from outside the (unsharded) model code, gpt-fast style.
 
 mesh.py        ("dp", "tp") Mesh + validation of tensor_parallel_size against model and devices
-rules.py       param path -> logical axes -> mesh axes (two tables); kv-head duplication layout
+rules.py       param path -> logical axes (the ModelSpec's table) -> mesh axes; kv-head duplication
 attention.py   shard_map of write_kv + paged attention over the tp axis (kernels see one shard)
-loading.py     weights straight into their shards (safetensors memmap slices, dummy, explicit)
+placement.py   each tensor straight into its shards (memmap slices, generated, or already loaded)
 checkpoint.py  orbax save/restore onto the mesh; convert.py is `pjinfer convert`
+loading.py     the engine's former entry points, now thin calls of pjinfer.weights
 distributed.py jax.distributed start-up for multi-host (PJINFER_* environment variables)
 """
 
 from .mesh import AXES, check_parallelism, make_mesh
-from .rules import LOGICAL_TO_MESH, PARAM_RULES, layout_config, param_shardings
+from .rules import LOGICAL_TO_MESH, layout_config, param_shardings
 
-__all__ = ["AXES", "LOGICAL_TO_MESH", "PARAM_RULES", "check_parallelism", "layout_config",
-           "make_mesh", "param_shardings"]
+__all__ = ["AXES", "LOGICAL_TO_MESH", "check_parallelism", "layout_config", "make_mesh",
+           "param_shardings"]

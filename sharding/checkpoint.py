@@ -17,22 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, SingleDeviceSharding
 
-from pjinfer.config import ModelConfig
+from pjinfer.config import ModelConfig, resolve_dtype
 from pjinfer.errors import ModelLoadError
-from pjinfer.models.registry import get_model_spec
-from pjinfer.weights import empty_param_tree, resolve_dtype, set_param, walk_param_shapes
+from pjinfer.models.spec import build_tree, get_path
 
-from .loading import expand_kv_fn, get_path
-from .mesh import tp_size
-from .rules import (
-    KV_PARAMS,
-    canonical_sharding,
-    kv_head_replicas,
-    layout_config,
-    param_shardings,
-)
+from .placement import Placer
 
 MARKER = "pjinfer_orbax.json"
 PARAMS_DIR = "params"
@@ -42,45 +32,25 @@ def is_orbax_checkpoint(model_dir: str | Path) -> bool:
     return (Path(model_dir) / MARKER).is_file()
 
 
-def save_params(params: dict, model_dir: str | Path) -> Path:
-    """Write `params` (any sharding; each process writes its shards) and then the marker."""
+def save_params(params: dict, model_dir: str | Path, *, dtype: str) -> Path:
+    """Write `params` (any sharding; each process writes its shards), then the marker naming
+    the model dtype `dtype` (params whose spec declares a dtype of their own keep theirs)."""
     model_dir = Path(model_dir).absolute()
     import orbax.checkpoint as ocp  # lazy: 0.7 s to import, only needed for orbax folders
 
-    leaves = jax.tree.leaves(params)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(model_dir / PARAMS_DIR, params, force=True)
         ckptr.wait_until_finished()
-    marker = {"format": "orbax", "params": PARAMS_DIR, "dtype": str(leaves[0].dtype)}
+    marker = {"format": "orbax", "params": PARAMS_DIR, "dtype": dtype}
     if jax.process_index() == 0:
         (model_dir / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     return model_dir / PARAMS_DIR
 
 
-def _abstract_params(cfg: ModelConfig, mesh: Mesh | None, dtype) -> dict:
-    tree = empty_param_tree(get_model_spec(cfg.architecture).param_shapes(cfg))
-    for path, _, _, shape in walk_param_shapes(cfg):
-        sharding = (SingleDeviceSharding(jax.local_devices()[0]) if mesh is None
-                    else canonical_sharding(path, shape, cfg, mesh))
-        set_param(tree, path, jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
-    return tree
-
-
-def _to_layout(params: dict, cfg: ModelConfig, mesh: Mesh | None, target) -> dict:
-    """Cast, and duplicate kv heads into the device layout (on device, per tensor)."""
-    reps = kv_head_replicas(cfg, tp_size(mesh))
-    shardings = param_shardings(layout_config(cfg, tp_size(mesh)), mesh) if mesh else None
-    for path, *_ in walk_param_shapes(cfg):
-        w = get_path(params, path)
-        if mesh is not None and path[-1] in KV_PARAMS and reps > 1:
-            w = expand_kv_fn(reps, cfg.head_dim, get_path(shardings, path))(w)
-        set_param(params, path, w if w.dtype == target else w.astype(target))
-    return params
-
-
-def restore_params(model_dir: str | Path, cfg: ModelConfig, *, mesh: Mesh | None = None,
+def restore_params(model_dir: str | Path, cfg: ModelConfig, placer: Placer, *,
                    dtype: str = "auto") -> dict:
-    """Restore every tensor directly into its target sharding (no host-side full copy)."""
+    """Restore every tensor directly into its stored sharding (no host-side full copy), then
+    into the placer's layout (kv heads duplicated on the device) and dtype."""
     model_dir = Path(model_dir).absolute()
     if not is_orbax_checkpoint(model_dir):
         raise ModelLoadError(f"{model_dir} holds no orbax checkpoint (no {MARKER}); create one "
@@ -88,9 +58,13 @@ def restore_params(model_dir: str | Path, cfg: ModelConfig, *, mesh: Mesh | None
     marker = json.loads((model_dir / MARKER).read_text())
     stored = jax.numpy.dtype(marker["dtype"])
     target = stored if dtype == "auto" else resolve_dtype(dtype, cfg)
-    abstract = _abstract_params(cfg, mesh, stored)
+    specs = cfg.param_specs()
+    abstract = build_tree((p.path, jax.ShapeDtypeStruct(p.shape, p.target_dtype(stored),
+                                                        sharding=placer.stored_sharding(p)))
+                          for p in specs)
     import orbax.checkpoint as ocp
 
     with ocp.StandardCheckpointer() as ckptr:
         params: Any = ckptr.restore(model_dir / marker.get("params", PARAMS_DIR), abstract)
-    return _to_layout(params, cfg, mesh, target)
+    return build_tree((p.path, placer.from_device(p, get_path(params, p.path))
+                       .astype(p.target_dtype(target))) for p in specs)

@@ -13,8 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from pjinfer.config import DTYPES, ModelConfig
-from pjinfer.models.registry import get_model_spec
+from pjinfer.config import DTYPES, ModelConfig, resolve_dtype
 
 # Everything but the weights: config, generation config, tokenizer, chat template.
 _COPY_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken", ".py")
@@ -54,18 +53,16 @@ def convert(src: str | Path, dst: str | Path, *, dtype: str = "auto",
     from pjinfer.weights import load_params
 
     from .checkpoint import save_params
-    from .loading import make_placer
     from .mesh import make_mesh
 
     src, dst = Path(src), Path(dst)
     cfg = ModelConfig.from_pretrained(src)
-    get_model_spec(cfg.architecture)
-    place = None
-    if tensor_parallel_size > 1:  # canonical layout: the checkpoint serves any tp
-        place = make_placer(cfg, make_mesh(tensor_parallel_size, cfg=cfg), canonical=True)
-    params = load_params(src, cfg, dtype=dtype, place=place)
+    mesh = make_mesh(tensor_parallel_size, cfg=cfg) if tensor_parallel_size > 1 else None
+    # canonical layout (kv heads not duplicated): the checkpoint serves any tp
+    params = load_params(src, cfg, dtype=dtype, load_format="safetensors", mesh=mesh,
+                         canonical=True)
     copy_model_files(src, dst)
-    return save_params(params, dst)
+    return save_params(params, dst, dtype=str(resolve_dtype(dtype, cfg)))
 
 
 def main(argv: list[str] | None = None) -> int:

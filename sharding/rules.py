@@ -1,14 +1,15 @@
-"""Partition rules: param path -> logical axes -> mesh axes -> PartitionSpec, in two tables.
+"""Partition rules: param path -> logical axes (the architecture's table) -> mesh axes.
 
-Megatron layout: q/k/v/gate/up are column-parallel (output dim split), o/down row-parallel
-(input dim split), so each attention and MLP block needs exactly one all-reduce; embedding and
-lm_head are split over the vocabulary; norms are replicated; biases follow their projection.
+Which logical axes a parameter has is the model's knowledge: `ModelSpec.partition_rules`
+(e.g. Megatron's column/row-parallel split in pjinfer.models.llama). This module only maps the
+logical names onto the ("dp", "tp") mesh, one table for every architecture.
 
 GQA with tp > num_key_value_heads: kv heads are *duplicated* (vLLM's choice), not replicated.
 The device layout holds `tp` kv heads, copy j being original head j // (tp / KVH), so each
 shard stores and reads one kv head: its query heads (H / tp of them, all in one GQA group)
 read the right one without any index arithmetic in the kernel, and each device's cache holds
-1 head instead of all KVH. `layout_config` is the config of that device layout.
+1 head instead of all KVH. `layout_config` is the config of that device layout; a parameter
+takes part when its last logical axis is "kv_heads" (that dim is kv heads x head_dim).
 """
 
 from __future__ import annotations
@@ -21,42 +22,33 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pjinfer.config import ModelConfig
 from pjinfer.models.registry import get_model_spec
+from pjinfer.models.spec import Axes, ModelSpec, ParamPath, build_tree
 
-# Param path ("layers/3/q_proj") pattern -> logical axis of each dim. First match wins.
-PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
-    (r"embed$", ("vocab", "embed")),
-    (r"lm_head$", ("embed", "vocab")),
-    (r"(final_norm|input_norm|post_attn_norm)$", ("embed",)),
-    (r"q_proj$", ("embed", "heads")),
-    (r"[kv]_proj$", ("embed", "kv_heads")),
-    (r"o_proj$", ("heads", "embed")),
-    (r"q_bias$", ("heads",)),
-    (r"[kv]_bias$", ("kv_heads",)),
-    (r"[qk]_norm$", ("head_dim",)),
-    (r"(gate|up)_proj$", ("embed", "mlp")),
-    (r"down_proj$", ("mlp", "embed")),
-    (r"(gate|up)_bias$", ("mlp",)),
-    (r"(o|down)_bias$", ("embed",)),
-)
 # Logical axis -> mesh axis (None = replicated).
 LOGICAL_TO_MESH: dict[str, str | None] = {
     "vocab": "tp", "heads": "tp", "kv_heads": "tp", "mlp": "tp",
     "embed": None, "head_dim": None, "blocks": None, "block": None,
 }
 KV_CACHE_AXES = ("blocks", "block", "kv_heads", "head_dim")  # [NB, bs, KVH, hd]
-KV_PARAMS = ("k_proj", "v_proj", "k_bias", "v_bias")  # last dim = kv heads x head_dim
 
 
-def path_name(path: tuple) -> str:
+def path_name(path: ParamPath) -> str:
     return "/".join(str(k) for k in path)
 
 
-def logical_axes(path: tuple) -> tuple[str | None, ...]:
+def logical_axes(spec: ModelSpec, path: ParamPath) -> Axes:
+    """The first of the architecture's rules whose pattern matches "layers/3/q_proj"."""
     name = path_name(path)
-    for pattern, axes in PARAM_RULES:
+    for pattern, axes in spec.partition_rules:
         if re.search(pattern, name):
             return axes
-    raise KeyError(f"no partition rule matches param {name!r}; add one to PARAM_RULES")
+    raise KeyError(f"no partition rule matches param {name!r}; add one to the architecture's "
+                   "ModelSpec.partition_rules")
+
+
+def holds_kv_heads(spec: ModelSpec, path: ParamPath) -> bool:
+    """Whether the last dim is kv heads x head_dim (duplicated when tp > kv heads)."""
+    return logical_axes(spec, path)[-1] == "kv_heads"
 
 
 def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
@@ -81,28 +73,26 @@ def layout_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     return dataclasses.replace(cfg, num_key_value_heads=cfg.num_key_value_heads * reps)
 
 
-def _map_shapes(fn, shapes: Any, path: tuple = ()) -> Any:
-    if isinstance(shapes, dict):
-        return {k: _map_shapes(fn, v, (*path, k)) for k, v in shapes.items()}
-    if isinstance(shapes, list):
-        return [_map_shapes(fn, v, (*path, i)) for i, v in enumerate(shapes)]
-    return fn(path, tuple(shapes))
+def param_sharding(spec: ModelSpec, path: ParamPath, shape: tuple[int, ...],
+                   mesh: Mesh) -> NamedSharding:
+    """Sharding of one param of shape `shape` (the device layout's, or the checkpoint's)."""
+    return NamedSharding(mesh, spec_for(logical_axes(spec, path), shape, mesh))
 
 
 def param_shardings(cfg: ModelConfig, mesh: Mesh) -> Any:
     """NamedSharding of every param of `cfg`'s layout (pass `layout_config` for the devices)."""
-    shapes = get_model_spec(cfg.architecture).param_shapes(cfg)
-    return _map_shapes(lambda p, s: NamedSharding(mesh, spec_for(logical_axes(p), s, mesh)),
-                       shapes)
+    spec = get_model_spec(cfg.architecture)
+    return build_tree((p.path, param_sharding(spec, p.path, p.shape, mesh))
+                      for p in cfg.param_specs())
 
 
-def canonical_sharding(path: tuple, shape: tuple[int, ...], cfg: ModelConfig,
+def canonical_sharding(spec: ModelSpec, path: ParamPath, shape: tuple[int, ...], cfg: ModelConfig,
                        mesh: Mesh) -> NamedSharding:
     """Sharding of a canonical-layout (checkpoint) tensor: kv params that the device layout
     duplicates are replicated, so no device holds a partial head."""
-    if path[-1] in KV_PARAMS and kv_head_replicas(cfg, mesh.shape["tp"]) > 1:
+    if holds_kv_heads(spec, path) and kv_head_replicas(cfg, mesh.shape["tp"]) > 1:
         return NamedSharding(mesh, PartitionSpec())
-    return NamedSharding(mesh, spec_for(logical_axes(path), shape, mesh))
+    return param_sharding(spec, path, shape, mesh)
 
 
 def kv_cache_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:

@@ -17,7 +17,6 @@ from jax.sharding import Mesh
 from pjinfer.config import ModelConfig
 from pjinfer.engine.inputs import StepInputs
 from pjinfer.kernels import ops
-from pjinfer.models.layers import rope_inv_freq
 from pjinfer.models.registry import get_model_spec
 from pjinfer.sharding.attention import shard_over_heads
 
@@ -51,10 +50,9 @@ def model_step(params, kv_caches: KVCaches, inputs: StepInputs, *, opts: StepOpt
     cfg = opts.cfg
     spec = get_model_spec(cfg.architecture)
     attention = _paged_attention(opts)
-    inv_freq = jnp.asarray(rope_inv_freq(cfg, opts.max_model_len))
     hidden, kv_caches = spec.forward(params, cfg, inputs.resolved_token_ids(), inputs.positions,
                                      kv_caches, inputs.attn, attention=attention,
-                                     inv_freq=inv_freq)
+                                     rotary=spec.rotary(cfg, opts.max_model_len))
     logits = spec.compute_logits(params, hidden[inputs.logits_indices])  # [S, V]
     if opts.prompt_logprobs is None:
         return logits, kv_caches

@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from pjinfer.config import ModelConfig
-from pjinfer.models.layers import rope_inv_freq
 from pjinfer.models.registry import get_model_spec
 
 
@@ -52,10 +51,9 @@ def dense_logits(params, cfg: ModelConfig, token_ids: jax.Array, lengths: jax.Ar
                                      sliding_window=window)
         return out, cache
 
-    inv_freq = jnp.asarray(rope_inv_freq(cfg))
     hidden, _ = spec.forward(params, cfg, token_ids.reshape(-1), positions,
                              [None] * cfg.num_hidden_layers, None, attention=attention,
-                             inv_freq=inv_freq)
+                             rotary=spec.rotary(cfg, None))
     return spec.compute_logits(params, hidden).reshape(b, seq_len, -1)
 
 

@@ -63,9 +63,14 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """x [T, in] @ w [in, out] (+ b): weights are stored input-major, transposed from HF."""
-    y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *,
+           out_dtype: jnp.dtype | None = None) -> jax.Array:
+    """x [T, in] @ w [in, out] (+ b) -> [T, out] in `out_dtype` (default x's), float32 sums.
+
+    Weights are stored input-major, transposed from HF. Every matmul with a weight goes through
+    here, so a quantized or adapter linear has one place to replace.
+    """
+    y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype or x.dtype)
     return y if b is None else y + b
 
 

@@ -4,26 +4,36 @@ Params layout (weights input-major, i.e. transposed from HF's [out, in]):
   embed [V, D]; final_norm [D]; lm_head [D, V] (absent when tied)
   layers[i]: input_norm [D]; q_proj [D, H*hd]; k_proj/v_proj [D, KVH*hd]; o_proj [H*hd, D];
              optional q_bias/k_bias/v_bias, o_bias, q_norm/k_norm [hd] (Qwen3);
-             post_attn_norm [D]; gate_proj/up_proj [D, I]; down_proj [I, D] (+ optional biases)
+             post_attn_norm [D]; then the MLP's own params, for `gated_mlp`
+             gate_proj/up_proj [D, I]; down_proj [I, D] (+ optional biases)
 Layers are a Python list, unrolled under jit: with one cache array per layer XLA updates each in
-place, where a `lax.scan` over stacked caches copied them every step (11.7 vs 4.26 ms/token for
-Llama-3-8B on the H200, see PERF_NOTES).
+place, where a `lax.scan` over stacked caches copied them every step (Llama-3-8B on one H200:
+11.7 ms/token with the scan, 4.26 ms/token unrolled).
+
+The MLP is an argument (`forward(..., mlp=...)` with its `param_specs(..., mlp_specs=...)`), so a
+MoE block or an adapter replaces it without touching the attention path; every matmul with a
+weight goes through `layers.linear`. The end of the module declares the architecture for the
+registry: config.json parsing, partition rules, rotary setup, one `ModelSpec` per variant.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from pjinfer.config import ModelConfig
-from pjinfer.models.layers import apply_rope, gated_mlp, linear, rms_norm
+from pjinfer.config import ModelConfig, sliding_window_layers
+from pjinfer.models.layers import apply_rope, gated_mlp, linear, rms_norm, rope_inv_freq
+from pjinfer.models.spec import ModelSpec, ParamSpec, transpose
 
 Params = dict[str, Any]
 # attention(layer, q [T,H,hd], k [T,KVH,hd], v [T,KVH,hd], cache, metadata) -> (out [T,H,hd], cache)
 AttentionFn = Callable[..., tuple[jax.Array, Any]]
+MlpFn = Callable[[Params, jax.Array], jax.Array]  # (layer params, x [T, D]) -> [T, D]
+MlpSpecsFn = Callable[[ModelConfig, int], list[ParamSpec]]  # (cfg, layer) -> its MLP's params
 
 
 def _project_qkv(lp: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Array,
@@ -39,87 +49,160 @@ def _project_qkv(lp: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Arra
 
 
 def decoder_layer(lp: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
-                  inv_freq: jax.Array, attend: Callable) -> tuple[jax.Array, Any]:
-    """One pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
+                  inv_freq: jax.Array, attend: Callable, mlp: MlpFn = gated_mlp,
+                  ) -> tuple[jax.Array, Any]:
+    """One pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). x [T, D]."""
     h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
     q, k, v = _project_qkv(lp, cfg, h, positions, inv_freq)
     out, cache = attend(q, k, v)
     x = x + linear(out.reshape(x.shape[0], -1), lp["o_proj"], lp.get("o_bias"))
-    x = x + gated_mlp(lp, rms_norm(x, lp["post_attn_norm"], cfg.rms_norm_eps))
+    x = x + mlp(lp, rms_norm(x, lp["post_attn_norm"], cfg.rms_norm_eps))
     return x, cache
 
 
 def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
-            kv_caches: list, metadata: Any, *, attention: AttentionFn,
-            inv_freq: jax.Array) -> tuple[jax.Array, list]:
+            kv_caches: list, metadata: Any, *, attention: AttentionFn, rotary: jax.Array,
+            mlp: MlpFn = gated_mlp) -> tuple[jax.Array, list]:
     """Hidden states [T, D] of a flat (ragged) batch of tokens, and the updated per-layer caches.
 
-    `attention` decides how keys are stored and read (paged cache, or dense for the oracle).
+    `attention` decides how keys are stored and read (paged cache, or dense for the oracle);
+    `rotary` is what `rotary()` returns: the RoPE inverse frequencies [hd / 2].
     """
     x = params["embed"][token_ids]  # [T, D]
     new_caches = []
     for i, lp in enumerate(params["layers"]):
         def attend(q, k, v, i=i):
             return attention(i, q, k, v, kv_caches[i], metadata)
-        x, cache = decoder_layer(lp, cfg, x, positions, inv_freq, attend)
+        x, cache = decoder_layer(lp, cfg, x, positions, rotary, attend, mlp)
         new_caches.append(cache)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_caches
 
 
 def compute_logits(params: Params, hidden: jax.Array) -> jax.Array:
     """Logits [N, V] in float32 from hidden states [N, D]; tied models reuse the embedding."""
-    head = params.get("lm_head")
+    head = params.get("lm_head")  # [D, V]
     if head is None:
-        return jnp.einsum("nd,vd->nv", hidden, params["embed"],
-                          preferred_element_type=jnp.float32)
-    return jnp.dot(hidden, head, preferred_element_type=jnp.float32)
+        head = params["embed"].T  # [V, D] -> [D, V]
+    return linear(hidden, head, out_dtype=jnp.float32)
 
 
-def param_shapes(cfg: ModelConfig) -> Params:
-    """Shapes of every parameter (a pytree of tuples), the contract the loader fills."""
-    d, hd, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+# ---- parameters -----------------------------------------------------------------------------
+def _layer_param(i: int, name: str, shape: tuple[int, ...], hf_name: str) -> ParamSpec:
+    """A param of layer i: `*_proj` are HF Linear weights (transposed to input-major); the
+    dummy loader draws norms as ones and biases as zeros."""
+    path, names = ("layers", i, name), (f"model.layers.{i}.{hf_name}",)
+    if name.endswith("_proj"):
+        return ParamSpec(path, shape, hf_names=names, transform=transpose)
+    return ParamSpec(path, shape, hf_names=names, init="ones" if "norm" in name else "zeros")
+
+
+def _attention_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
+    """Both norms of the block and the attention projections of layer i."""
+    d, hd = cfg.hidden_size, cfg.head_dim
     qd, kvd = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    layer = {"input_norm": (d,), "q_proj": (d, qd), "k_proj": (d, kvd), "v_proj": (d, kvd),
-             "o_proj": (qd, d), "post_attn_norm": (d,), "gate_proj": (d, i), "up_proj": (d, i),
-             "down_proj": (i, d)}
+    table = [("input_norm", (d,), "input_layernorm.weight"),
+             ("q_proj", (d, qd), "self_attn.q_proj.weight"),
+             ("k_proj", (d, kvd), "self_attn.k_proj.weight"),
+             ("v_proj", (d, kvd), "self_attn.v_proj.weight"),
+             ("o_proj", (qd, d), "self_attn.o_proj.weight"),
+             ("post_attn_norm", (d,), "post_attention_layernorm.weight")]
     if cfg.qkv_bias:
-        layer.update(q_bias=(qd,), k_bias=(kvd,), v_bias=(kvd,))
+        table += [(f"{p}_bias", (n,), f"self_attn.{p}_proj.bias")
+                  for p, n in (("q", qd), ("k", kvd), ("v", kvd))]
     if cfg.o_bias:
-        layer["o_bias"] = (d,)
-    if cfg.mlp_bias:
-        layer.update(gate_bias=(i,), up_bias=(i,), down_bias=(d,))
+        table.append(("o_bias", (d,), "self_attn.o_proj.bias"))
     if cfg.qk_norm:
-        layer.update(q_norm=(hd,), k_norm=(hd,))
-    params: Params = {"embed": (cfg.vocab_size, d), "final_norm": (d,),
-                      "layers": [dict(layer) for _ in range(cfg.num_hidden_layers)]}
+        table += [(f"{p}_norm", (hd,), f"self_attn.{p}_norm.weight") for p in ("q", "k")]
+    return [_layer_param(i, *row) for row in table]
+
+
+def gated_mlp_specs(cfg: ModelConfig, i: int) -> list[ParamSpec]:
+    """The params `gated_mlp` reads in layer i."""
+    d, m = cfg.hidden_size, cfg.intermediate_size
+    table = [("gate_proj", (d, m), "mlp.gate_proj.weight"),
+             ("up_proj", (d, m), "mlp.up_proj.weight"),
+             ("down_proj", (m, d), "mlp.down_proj.weight")]
+    if cfg.mlp_bias:
+        table += [("gate_bias", (m,), "mlp.gate_proj.bias"), ("up_bias", (m,), "mlp.up_proj.bias"),
+                  ("down_bias", (d,), "mlp.down_proj.bias")]
+    return [_layer_param(i, *row) for row in table]
+
+
+def param_specs(cfg: ModelConfig, *, mlp_specs: MlpSpecsFn = gated_mlp_specs) -> list[ParamSpec]:
+    """Every parameter, with its HF checkpoint tensor: the contract the loader fills."""
+    d, v = cfg.hidden_size, cfg.vocab_size
+    specs = [ParamSpec(("embed",), (v, d), hf_names=("model.embed_tokens.weight",),
+                       init_scale=0.02),
+             ParamSpec(("final_norm",), (d,), hf_names=("model.norm.weight",), init="ones")]
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = (d, cfg.vocab_size)
-    return params
+        specs.append(ParamSpec(("lm_head",), (d, v), hf_names=("lm_head.weight",),
+                               transform=transpose))
+    for i in range(cfg.num_hidden_layers):
+        specs += _attention_specs(cfg, i) + mlp_specs(cfg, i)
+    return specs
 
 
-# pjinfer param name -> (HF name inside a layer, whether the tensor is a Linear weight to transpose)
-_LAYER_HF_NAMES = {
-    "input_norm": ("input_layernorm.weight", False),
-    "q_proj": ("self_attn.q_proj.weight", True), "k_proj": ("self_attn.k_proj.weight", True),
-    "v_proj": ("self_attn.v_proj.weight", True), "o_proj": ("self_attn.o_proj.weight", True),
-    "q_bias": ("self_attn.q_proj.bias", False), "k_bias": ("self_attn.k_proj.bias", False),
-    "v_bias": ("self_attn.v_proj.bias", False), "o_bias": ("self_attn.o_proj.bias", False),
-    "q_norm": ("self_attn.q_norm.weight", False), "k_norm": ("self_attn.k_norm.weight", False),
-    "post_attn_norm": ("post_attention_layernorm.weight", False),
-    "gate_proj": ("mlp.gate_proj.weight", True), "up_proj": ("mlp.up_proj.weight", True),
-    "down_proj": ("mlp.down_proj.weight", True), "gate_bias": ("mlp.gate_proj.bias", False),
-    "up_bias": ("mlp.up_proj.bias", False), "down_bias": ("mlp.down_proj.bias", False),
-}
+# ---- the architecture, for the registry --------------------------------------------------------
+# Param path pattern -> logical axis of each dim (Megatron: q/k/v/gate/up column-parallel,
+# o/down row-parallel, vocab-parallel embedding and head, norms replicated, biases follow).
+PARTITION_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    (r"embed$", ("vocab", "embed")),
+    (r"lm_head$", ("embed", "vocab")),
+    (r"(final_norm|input_norm|post_attn_norm)$", ("embed",)),
+    (r"q_proj$", ("embed", "heads")),
+    (r"[kv]_proj$", ("embed", "kv_heads")),
+    (r"o_proj$", ("heads", "embed")),
+    (r"q_bias$", ("heads",)),
+    (r"[kv]_bias$", ("kv_heads",)),
+    (r"[qk]_norm$", ("head_dim",)),
+    (r"(gate|up)_proj$", ("embed", "mlp")),
+    (r"down_proj$", ("mlp", "embed")),
+    (r"(gate|up)_bias$", ("mlp",)),
+    (r"(o|down)_bias$", ("embed",)),
+)
 
 
-def hf_weight_names(cfg: ModelConfig) -> list[tuple[tuple, str, bool]]:
-    """(param path, HF tensor name, transpose?) for every parameter of `param_shapes(cfg)`."""
-    out: list[tuple[tuple, str, bool]] = [(("embed",), "model.embed_tokens.weight", False),
-                                          (("final_norm",), "model.norm.weight", False)]
-    if not cfg.tie_word_embeddings:
-        out.append((("lm_head",), "lm_head.weight", True))
-    for i, layer in enumerate(param_shapes(cfg)["layers"]):
-        for name in layer:
-            hf, transpose = _LAYER_HF_NAMES[name]
-            out.append((("layers", i, name), f"model.layers.{i}.{hf}", transpose))
-    return out
+def rotary(cfg: ModelConfig, max_model_len: int | None = None) -> jax.Array:
+    """RoPE inverse frequencies [hd / 2]; dynamic NTK fixes its base for `max_model_len`."""
+    return jnp.asarray(rope_inv_freq(cfg, max_model_len))
+
+
+def parse_llama(raw: dict[str, Any]) -> dict[str, Any]:
+    """Llama and Mistral: `attention_bias` on q/k/v and o; every layer slides when
+    `sliding_window` is set (unless `layer_types` says otherwise)."""
+    act = raw.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"config.json: hidden_act {act!r} is not supported; "
+                         "Llama-family models use 'silu'")
+    bias = bool(raw.get("attention_bias", False))
+    return dict(qkv_bias=bias, o_bias=bias, mlp_bias=bool(raw.get("mlp_bias", False)),
+                sliding_windows=sliding_window_layers(raw, raw.get("layer_types")))
+
+
+def _qwen_windows(raw: dict[str, Any]) -> tuple[int | None, ...]:
+    """Qwen slides only with `use_sliding_window`, then layers >= `max_window_layers`."""
+    if not raw.get("use_sliding_window", False):
+        return ()
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        n = raw["num_hidden_layers"]
+        start = raw.get("max_window_layers", n)
+        layer_types = ["sliding_attention" if i >= start else "full_attention" for i in range(n)]
+    return sliding_window_layers(raw, layer_types)
+
+
+def parse_qwen2(raw: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2: biases on q/k/v always, never on o."""
+    return {**parse_llama(raw), "qkv_bias": True, "o_bias": False,
+            "sliding_windows": _qwen_windows(raw)}
+
+
+def parse_qwen3(raw: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3: per-head RMSNorm on q and k."""
+    return {**parse_llama(raw), "qk_norm": True, "sliding_windows": _qwen_windows(raw)}
+
+
+LLAMA = ModelSpec(forward=forward, compute_logits=compute_logits, param_specs=param_specs,
+                  partition_rules=PARTITION_RULES, rotary=rotary, parse_config=parse_llama)
+QWEN2 = dataclasses.replace(LLAMA, parse_config=parse_qwen2)
+QWEN3 = dataclasses.replace(LLAMA, parse_config=parse_qwen3)

@@ -12,8 +12,7 @@ from pjinfer.demo import DEMO_MODEL_DIR
 from pjinfer.models.dense import dense_logits
 from pjinfer.sharding import convert
 from pjinfer.sharding.checkpoint import MARKER, is_orbax_checkpoint
-from pjinfer.sharding.loading import load_sharded_model
-from pjinfer.weights import load_model
+from pjinfer.weights import load_engine_model, load_model
 
 IDS = np.array([[1, 5, 9, 13, 17, 21, 25, 29]], np.int32)
 
@@ -44,8 +43,8 @@ def test_sharded_convert_restores_onto_any_mesh(gqa8_model, tmp_path):
     """Converted on tp=2, restored on tp=8 (kv heads duplicated after restore) = safetensors."""
     dst = tmp_path / "gqa8_orbax"
     convert.main([str(gqa8_model), str(dst), "--tensor-parallel-size", "2"])
-    _, restored, _ = load_sharded_model(dst, 8)
-    _, ref, _ = load_sharded_model(gqa8_model, 8)
+    _, restored, _ = load_engine_model(dst, tensor_parallel_size=8)
+    _, ref, _ = load_engine_model(gqa8_model, tensor_parallel_size=8)
     assert restored["layers"][0]["k_proj"].sharding.spec == P(None, "tp")
     _same_params(restored, ref)
     tokens = [pjinfer.LLM(str(path), tensor_parallel_size=tp).generate(

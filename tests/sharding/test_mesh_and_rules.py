@@ -8,11 +8,15 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from pjinfer.config import ModelConfig
-from pjinfer.models.llama import param_shapes
-from pjinfer.sharding.loading import dummy_params_sharded, expand_kv_heads
+from pjinfer.models.spec import shape_tree
 from pjinfer.sharding.mesh import make_mesh
+from pjinfer.sharding.placement import expand_kv_heads
 from pjinfer.sharding.rules import kv_cache_sharding, layout_config, param_shardings
-from pjinfer.weights import dummy_params
+from pjinfer.weights import load_params
+
+
+def param_shapes(cfg):
+    return shape_tree(cfg.param_specs())
 
 
 def test_mesh_axes_and_devices(gqa8_model):
@@ -86,8 +90,8 @@ def test_kv_heads_are_duplicated_when_tp_exceeds_them(gqa8_model):
 def test_sharded_dummy_weights_equal_unsharded(gqa8_model):
     cfg = ModelConfig.from_pretrained(gqa8_model)
     mesh = make_mesh(4, cfg=cfg)
-    sharded = dummy_params_sharded(cfg, mesh, dtype="float32", seed=3)
-    plain = dummy_params(cfg, dtype="float32", seed=3)
+    sharded = load_params(None, cfg, load_format="dummy", dtype="float32", seed=3, mesh=mesh)
+    plain = load_params(None, cfg, load_format="dummy", dtype="float32", seed=3)
     q = sharded["layers"][1]["q_proj"]
     assert q.sharding.spec == P(None, "tp") and q.addressable_shards[0].data.shape == (64, 16)
     np.testing.assert_array_equal(np.asarray(q), np.asarray(plain["layers"][1]["q_proj"]))

@@ -12,10 +12,9 @@ from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.inputs import Chunk, build_step_inputs
 from pjinfer.engine.runner import ModelRunner
 from pjinfer.engine.step import StepOptions, init_kv_caches, model_step
-from pjinfer.sharding.loading import load_sharded_model
 from pjinfer.sharding.mesh import make_mesh
 from pjinfer.sharding.rules import kv_cache_sharding, layout_config
-from pjinfer.weights import load_model
+from pjinfer.weights import load_engine_model, load_model
 
 BLOCK_SIZE, NUM_BLOCKS, MAX_LEN = 16, 24, 128
 NO_PREV = np.zeros(8, np.int32)  # no previous step: nothing pending
@@ -50,7 +49,7 @@ def _greedy_logits(path, tp: int, backend: str = "reference", steps: int = 3) ->
         cfg, params = load_model(path, dtype="float32")
         mesh, sharding = None, None
     else:
-        cfg, params, mesh = load_sharded_model(path, tp, dtype="float32")
+        cfg, params, mesh = load_engine_model(path, tensor_parallel_size=tp, dtype="float32")
         cfg = layout_config(cfg, tp)
         sharding = kv_cache_sharding(cfg, mesh)
     caches = init_kv_caches(cfg, NUM_BLOCKS, BLOCK_SIZE, np.float32, sharding)
@@ -87,7 +86,7 @@ def test_pallas_kernels_run_per_shard(gqa8_model):
 
 
 def _collectives(path, tp: int, decode_only: bool) -> dict[str, int]:
-    cfg, params, mesh = load_sharded_model(path, tp, dtype="float32")
+    cfg, params, mesh = load_engine_model(path, tensor_parallel_size=tp, dtype="float32")
     ecfg = EngineConfig(model=str(path), max_num_seqs=8, max_num_batched_tokens=32,
                         num_kv_blocks=NUM_BLOCKS, tensor_parallel_size=tp, warmup=False)
     runner = ModelRunner(cfg, ecfg, params, max_model_len=MAX_LEN, mesh=mesh)
