@@ -5,7 +5,6 @@ rules.py       param path -> logical axes (the ModelSpec's table) -> mesh axes; 
 attention.py   shard_map of write_kv + paged attention over the tp axis (kernels see one shard)
 placement.py   each tensor straight into its shards (memmap slices, generated, or already loaded)
 checkpoint.py  orbax save/restore onto the mesh; convert.py is `pjinfer convert`
-loading.py     the engine's former entry points, now thin calls of pjinfer.weights
 distributed.py jax.distributed start-up for multi-host (PJINFER_* environment variables)
 """
 

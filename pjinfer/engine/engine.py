@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pjinfer.cache.kv_cache_manager import KVCacheManager
-from pjinfer.config import ModelConfig
 from pjinfer.demo import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from pjinfer.engine.compilation_cache import use_compilation_cache
 from pjinfer.engine.config import EngineConfig
@@ -29,10 +28,8 @@ from pjinfer.engine.scheduling_policy import make_policy
 from pjinfer.errors import EngineOverloadedError
 from pjinfer.outputs import RequestOutput
 from pjinfer.sampling_params import SamplingParams
-from pjinfer.sharding.loading import load_sharded_model, shard_params
-from pjinfer.sharding.mesh import make_mesh
 from pjinfer.tokenizer import load_tokenizer
-from pjinfer.weights import load_model
+from pjinfer.weights import load_engine_model
 
 log = logging.getLogger("pjinfer")
 
@@ -85,21 +82,12 @@ class LLMEngine:
             log.info("compiled %d step shapes in %.1fs", n, time.perf_counter() - start)
 
     def _load(self, model_dir: str, params) -> tuple:
-        """(model config, params, mesh). tensor_parallel_size > 1 builds a ("dp", "tp") mesh
-        and loads every tensor straight into its shards (pjinfer.sharding); 1 = no mesh."""
+        """(model config, params, mesh): one loader for every format, one device or sharded
+        over a ("dp", "tp") mesh (tensor_parallel_size > 1); given params are only sharded."""
         c = self.config
-        if params is not None:  # given params: read only the config, never the weights again
-            cfg = ModelConfig.from_pretrained(model_dir)
-            if c.tensor_parallel_size == 1:
-                return cfg, params, None
-            mesh = make_mesh(c.tensor_parallel_size, cfg=cfg)
-            return cfg, shard_params(params, cfg, mesh), mesh
-        if c.tensor_parallel_size == 1:
-            cfg, loaded = load_model(model_dir, dtype=c.dtype, load_format=c.load_format,
-                                     seed=c.seed)
-            return cfg, loaded, None
-        return load_sharded_model(model_dir, c.tensor_parallel_size, dtype=c.dtype,
-                                  load_format=c.load_format, seed=c.seed)
+        return load_engine_model(model_dir, tensor_parallel_size=c.tensor_parallel_size,
+                                 dtype=c.dtype, load_format=c.load_format, seed=c.seed,
+                                 params=params)
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

@@ -11,6 +11,7 @@ from __future__ import annotations
 from importlib import import_module
 
 from pjinfer.models.spec import ModelSpec
+from pjinfer.registry import Registry
 
 _BUILTIN: dict[str, str] = {  # architecture -> "module:attribute" of its ModelSpec
     "LlamaForCausalLM": "pjinfer.models.llama:LLAMA",
@@ -18,30 +19,32 @@ _BUILTIN: dict[str, str] = {  # architecture -> "module:attribute" of its ModelS
     "Qwen2ForCausalLM": "pjinfer.models.llama:QWEN2",
     "Qwen3ForCausalLM": "pjinfer.models.llama:QWEN3",
 }
-_REGISTRY: dict[str, ModelSpec] = {}
+_REGISTRY: Registry[ModelSpec] = Registry("architecture",
+                                          "pjinfer.models.registry.register_model", {})
 
 
 def register_model(architecture: str, spec: ModelSpec, *, overwrite: bool = False) -> None:
     """Make `architecture` loadable; refuses to shadow an existing entry unless `overwrite`."""
-    if architecture in supported_architectures() and not overwrite:
-        raise ValueError(f"architecture {architecture!r} is already registered; "
-                         "pass overwrite=True to replace it")
-    _REGISTRY[architecture] = spec
+    _load_builtin(architecture)
+    _REGISTRY.register(architecture, spec, overwrite=overwrite)
 
 
 def supported_architectures() -> list[str]:
-    return sorted({*_REGISTRY, *_BUILTIN})
+    return sorted({*_REGISTRY.names(), *_BUILTIN})
 
 
 def get_model_spec(architecture: str) -> ModelSpec:
-    if architecture not in _REGISTRY and architecture in _BUILTIN:
-        module, attribute = _BUILTIN[architecture].split(":")
-        _REGISTRY[architecture] = getattr(import_module(module), attribute)
-    try:
-        return _REGISTRY[architecture]
-    except KeyError:
+    _load_builtin(architecture)
+    if architecture not in _REGISTRY:
         raise ValueError(
             f"unsupported architecture {architecture!r}; supported: "
             f"{', '.join(supported_architectures())} (or add one with "
-            "pjinfer.models.registry.register_model)") from None
+            f"{_REGISTRY.how_to_add})")
+    return _REGISTRY.get(architecture)
 
+
+def _load_builtin(architecture: str) -> None:
+    """Import a built-in architecture's module the first time it is asked for."""
+    if architecture not in _REGISTRY and architecture in _BUILTIN:
+        module, attribute = _BUILTIN[architecture].split(":")
+        _REGISTRY.register(architecture, getattr(import_module(module), attribute))
