@@ -30,10 +30,12 @@ class APIError(Exception):
     """An error the client sees as OpenAI's `{"error": {...}}` body with `status`."""
 
     def __init__(self, message: str, *, status: int = 400, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None):
+                 type: str = "invalid_request_error", code: str | None = None,
+                 retry_after: float | None = None):
         super().__init__(message)
         self.message, self.status, self.param, self.type, self.code = (
             message, status, param, type, code)
+        self.retry_after = retry_after  # seconds, sent as Retry-After (429 and 503)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
