@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 from pjinfer import __version__
 from pjinfer.engine.config import ENGINE_ARGS, EngineConfig
 from pjinfer.engine_flags import add_engine_args, run_config_from_flags
+from pjinfer.plugins import PluginError
 from pjinfer.run_config import RunConfig, RunConfigError
 
 log = logging.getLogger("pjinfer")
@@ -43,18 +44,14 @@ SERVER_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--api-key": ("api_key", str, "require 'Authorization: Bearer KEY' on /v1/*; repeat for "
                   "several keys, each with its own rate limit (also env PJINFER_API_KEY or "
                   "VLLM_API_KEY)"),
-    "--api-key-file": ("api_key_file", str, "file of API keys, one per line (added to "
-                       "--api-key)"),
+    "--api-key-file": ("api_key_file", str, "file of more API keys, one per line"),
     "--rate-limit-requests": ("rate_limit_requests", float, "requests per second per API key "
-                              "(one global bucket without keys); over it: 429 + Retry-After"),
-    "--rate-limit-burst": ("rate_limit_burst", float, "requests a key may send at once "
-                           "(default: one second's worth of --rate-limit-requests)"),
-    "--rate-limit-tokens": ("rate_limit_tokens", float, "prompt + max_tokens per second per API "
-                            "key; over it: 429 + Retry-After"),
+                              "(one global bucket without keys)"),
+    "--rate-limit-burst": ("rate_limit_burst", float, "requests at once per key (default: rate)"),
+    "--rate-limit-tokens": ("rate_limit_tokens", float, "prompt + max_tokens per second per key"),
     "--max-num-queued-requests": ("max_num_queued_requests", int, "requests admitted and not "
-                                  "finished (waiting or running); past it: 503 + Retry-After"),
-    "--max-num-queued-tokens": ("max_num_queued_tokens", int, "prompt tokens of the requests "
-                                "admitted and not finished; past it: 503 + Retry-After"),
+                                  "finished yet (waiting or running)"),
+    "--max-num-queued-tokens": ("max_num_queued_tokens", int, "prompt tokens of those"),
     "--drain-timeout": ("drain_timeout", float, "seconds in-flight requests get at shutdown"),
     "--log-level": ("log_level", str, "debug, info, warning or error"),
     "--max-request-bytes": ("max_request_bytes", int, "largest request body accepted; larger "
@@ -95,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_server_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("server arguments")
+    group = parser.add_argument_group("server arguments", "over a rate limit the server answers "
+                                      "429, past a queue cap 503, both with Retry-After")
     for flag, (dest, kind, help_text) in SERVER_FLAGS.items():
         group.add_argument(flag, dest=dest, type=kind, help=help_text, metavar=dest.upper(),
                            action="append" if flag == "--api-key" else "store")
@@ -334,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except (UsageError, RunConfigError) as e:
+    except (UsageError, RunConfigError, PluginError) as e:
         return _fail(args.command, str(e))
 
 

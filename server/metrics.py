@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pjinfer.engine.metrics import EngineStats
+from pjinfer.plugins import metrics_collectors
 from pjinfer.server.protocol import Summary
 
 PREFIX = "pjinfer:"
@@ -68,6 +69,14 @@ class _EngineCollector(Collector):
             yield counter
 
 
+class _PluginCollectors(Collector):
+    """The collectors plugins registered (pjinfer.plugins), read at each scrape."""
+
+    def collect(self) -> Iterator[Metric]:
+        for collector in metrics_collectors():
+            yield from collector.collect()
+
+
 class ServerMetrics:
     """The metrics of one app; `render()` is the /metrics body."""
 
@@ -75,6 +84,7 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(stats, model_name))
+        self.registry.register(_PluginCollectors())
         self.http_requests = Counter(
             PREFIX + "http_requests", "HTTP requests by route and status code.",
             [MODEL_LABEL, "route", "status"], registry=self.registry)
