@@ -34,7 +34,7 @@ from pjinfer.engine.async_engine import AsyncEngine
 from pjinfer.errors import ServerShuttingDownError
 from pjinfer.outputs import RequestOutput
 from pjinfer.sampling_params import RequestOutputKind
-from pjinfer.server import body, protocol, streaming, validation
+from pjinfer.server import beam, body, protocol, streaming, validation
 from pjinfer.server.admission import Admission, AdmissionLimits, Ticket, retry_after_header
 from pjinfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from pjinfer.server.protocol import APIError, GenerationRequest, ModelInfo
@@ -77,7 +77,8 @@ class OpenAIServer:
         self.engine = engine
         self.options = options
         name = options.served_model_name or engine.served_model_name
-        self.info = ModelInfo(name, engine.max_model_len, engine.tokenizer, engine.vocab_size)
+        self.info = ModelInfo(name, engine.max_model_len, engine.tokenizer, engine.vocab_size,
+                              engine.config.max_logprobs)
         self.metrics = ServerMetrics(engine.stats, name)
         self.created = int(time.time())
         self.pool = ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="pjinfer-parse")
@@ -173,21 +174,30 @@ class OpenAIServer:
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, validation.parse_completion,
-                                 streaming.completion_events, protocol.completion_response)
+                                 streaming.completion_events, protocol.completion_response,
+                                 beam.completion_response)
 
     async def chat(self, request: Request) -> Response:
         return await self._serve(
             request, validation.parse_chat,
             lambda req, streams, *rest: streaming.chat_events(req, streams[0], *rest),
-            lambda req, outputs, tokenizer: protocol.chat_response(req, outputs[0], tokenizer))
+            lambda req, outputs, tokenizer: protocol.chat_response(req, outputs[0], tokenizer),
+            beam.chat_response)
 
     async def _serve(self, request: Request, parse: Callable[..., GenerationRequest],
                      events: Callable[..., AsyncIterator[str]],
-                     whole: Callable[..., dict[str, Any]]) -> Response:
-        """Parse, admit, generate; then stream `events` or answer `whole`."""
-        req = await self._parse(request, parse)
+                     whole: Callable[..., dict[str, Any]],
+                     beams: Callable[..., dict[str, Any]]) -> Response:
+        """Parse, admit, generate; then stream `events`, or answer `whole` (`beams` for a
+        beam search)."""
+        req = await self._parse(request, beam.with_beam(parse))
         tokenizer, on_finished = self.info.tokenizer, self.metrics.observe_finished
         with self._admit(request, req) as ticket:
+            if req.beam is not None:
+                results = await _unless_disconnected(request, beam.run(self.engine, req))
+                for summary in beam.summaries(req, results):
+                    on_finished(summary)
+                return JSONResponse(beams(req, results, tokenizer))
             streams = self._generate(req)
             if req.stream:
                 streams = await _unless_disconnected(request, streaming.prime(streams))

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from pjinfer.beam_search import BeamSearchParams
 from pjinfer.errors import EngineDeadError, EngineOverloadedError, ServerShuttingDownError
 from pjinfer.outputs import (
     CompletionOutput,
@@ -72,6 +73,7 @@ class ModelInfo:
     max_model_len: int
     tokenizer: Any
     vocab_size: int
+    max_logprobs: int = 20  # the engine's; beam search needs 2 x width of them per step
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +91,7 @@ class GenerationRequest:
     priority: int = 0
     # echo with max_tokens=0 (prompt scoring): the engine generates one token, never shown
     prompt_only: bool = False
+    beam: BeamSearchParams | None = None  # use_beam_search: n is the width (server.beam)
 
 # ---- responses ----------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
