@@ -156,6 +156,15 @@ class Admission:
             self._buckets[key] = buckets
         return self._buckets[key]
 
+    def precheck(self, key: str | None) -> None:
+        """The request-rate check alone, before the body is parsed and tokenized: a flooding
+        client's surplus is refused for the price of reading its headers. Nothing is taken
+        (admit() does that, with the token cost once it is known)."""
+        for kind, bucket in self._buckets_of(key):
+            wait = bucket.wait_time(1) if kind == "requests" else 0.0
+            if wait > 0:
+                raise _rate_limited(kind, wait, self.limits)
+
     def admit(self, key: str | None, prompt_tokens: int, max_new_tokens: int) -> Ticket:
         """Admit a request or raise a 429 / 503 APIError carrying its Retry-After."""
         costs = {"requests": 1, "tokens": prompt_tokens + max_new_tokens}

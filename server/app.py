@@ -190,6 +190,7 @@ class OpenAIServer:
                      beams: Callable[..., dict[str, Any]]) -> Response:
         """Parse, admit, generate; then stream `events`, or answer `whole` (`beams` for a
         beam search)."""
+        self.admission.precheck(request.state.api_key)
         req = await self._parse(request, beam.with_beam(parse))
         tokenizer, on_finished = self.info.tokenizer, self.metrics.observe_finished
         with self._admit(request, req) as ticket:
