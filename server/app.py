@@ -83,6 +83,7 @@ class OpenAIServer:
         self.created = int(time.time())
         self.pool = ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="pjinfer-parse")
         self.admission = Admission(options.admission)
+        self.metrics.watch_admission(self.admission)
 
     # ---- plumbing -----------------------------------------------------------------------
     def endpoint(self, route: str, handler: Handler, *, auth: bool) -> Handler:

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pjinfer.engine.metrics import EngineStats
 from pjinfer.plugins import metrics_collectors
+from pjinfer.server.admission import Admission
 from pjinfer.server.protocol import Summary
 
 PREFIX = "pjinfer:"
@@ -99,6 +100,16 @@ class ServerMetrics:
                 ("time_per_output_token_seconds",
                  "Mean time between output tokens of a request.", _TPOT_BUCKETS),
                 ("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)))
+
+    def watch_admission(self, admission: Admission) -> None:
+        """The counts the queue caps compare against (server.admission), read at scrape."""
+        for name, doc, read in (
+                ("server_queued_requests", "Requests admitted by the server, not finished.",
+                 lambda: admission.queued_requests),
+                ("server_queued_prompt_tokens", "Prompt tokens of those requests.",
+                 lambda: admission.queued_tokens)):
+            Gauge(PREFIX + name, doc, [MODEL_LABEL], registry=self.registry
+                  ).labels(self.model_name).set_function(read)
 
     def observe_request(self, route: str, status: int) -> None:
         self.http_requests.labels(self.model_name, route, str(status)).inc()

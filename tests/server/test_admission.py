@@ -154,3 +154,14 @@ def test_serve_help_lists_the_admission_flags(capsys):
     for flag in ("--rate-limit-requests", "--rate-limit-burst", "--rate-limit-tokens",
                  "--api-key-file", "--max-num-queued-requests", "--max-num-queued-tokens"):
         assert flag in out
+
+
+def test_precheck_refuses_an_empty_request_bucket_without_drawing_on_it():
+    clock = FakeClock()
+    admission = Admission(AdmissionLimits(rate_limit_requests=1, rate_limit_tokens=10), clock)
+    for _ in range(5):
+        admission.precheck("a")  # checks only: the one request of the burst stays
+    admission.admit("a", 8, 2).release()
+    with pytest.raises(APIError) as refused:
+        admission.precheck("a")
+    assert refused.value.status == 429 and refused.value.type == "requests"

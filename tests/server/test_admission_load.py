@@ -153,6 +153,7 @@ def test_a_flooding_key_does_not_slow_the_other(limited_server):
     m = live.wait_idle()
     assert m["pjinfer:num_requests_running"] == m["pjinfer:num_requests_waiting"] == 0
     assert m["pjinfer:kv_blocks_free"] == m["pjinfer:kv_blocks_total"]
+    assert m["pjinfer:server_queued_requests"] == m["pjinfer:server_queued_prompt_tokens"] == 0
     assert m["pjinfer:http_requests_total"] >= FLOOD + 2 * CALM_SAMPLES
 
 
