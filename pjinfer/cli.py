@@ -149,6 +149,7 @@ def server_args(config: RunConfig) -> dict[str, Any]:
     if not 0 < args["port"] < 65536:
         raise UsageError(f"--port must be in [1, 65535], got {args['port']}")
     _check_server_options(args)
+    args["admission"] = _admission(args)
     return args
 
 
@@ -192,7 +193,6 @@ def _check_server_options(args: dict[str, Any]) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {args[name]}")
     if (args["ssl_keyfile"] is None) != (args["ssl_certfile"] is None):
         raise UsageError("--ssl-keyfile and --ssl-certfile go together: give both or neither")
-    args["admission"] = _admission(args)
 
 
 def set_memory_fraction(gpu_memory_utilization: float) -> None:

@@ -147,12 +147,13 @@ def test_toml_server_keys():
         parse_run_config({"server": {"api_key": 5}})
 
 
-def test_serve_help_lists_the_admission_flags(capsys):
+def test_serve_help_lists_the_admission_and_plugin_flags(capsys):
     with pytest.raises(SystemExit):
         cli.main(["serve", "--help"])
     out = capsys.readouterr().out
     for flag in ("--rate-limit-requests", "--rate-limit-burst", "--rate-limit-tokens",
-                 "--api-key-file", "--max-num-queued-requests", "--max-num-queued-tokens"):
+                 "--api-key-file", "--max-num-queued-requests", "--max-num-queued-tokens",
+                 "--plugins"):
         assert flag in out
 
 
