@@ -11,6 +11,7 @@ from typing import Any
 
 from pjinfer import engine_flags
 from pjinfer.benchmarks.synthetic_tokenizer import has_tokenizer, synthetic_tokenizer_dir
+from pjinfer.plugins import PluginError
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -20,7 +21,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine arguments the user set; a config-only model folder gets a synthetic tokenizer."""
-    kwargs = engine_flags.run_config_from_flags(args).engine_args()
+    try:
+        kwargs = engine_flags.run_config_from_flags(args).engine_args()
+    except PluginError as e:
+        raise SystemExit(str(e)) from None
     if kwargs.get("model") and not kwargs.get("tokenizer") and not has_tokenizer(kwargs["model"]):
         kwargs["tokenizer"] = str(synthetic_tokenizer_dir(_vocab_size(kwargs["model"])))
     return kwargs

@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 from pjinfer import __version__
 from pjinfer.engine.config import ENGINE_ARGS, EngineConfig
 from pjinfer.engine_flags import add_engine_args, run_config_from_flags
+from pjinfer.plugins import PluginError
 from pjinfer.run_config import RunConfig, RunConfigError
 
 log = logging.getLogger("pjinfer")
@@ -40,8 +41,17 @@ def _origins(text: str) -> list[str]:
 SERVER_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--host": ("host", str, "address to bind (default 127.0.0.1)"),
     "--port": ("port", int, "port to bind (default 8000)"),
-    "--api-key": ("api_key", str, "require 'Authorization: Bearer KEY' on /v1/* (also env "
-                  "PJINFER_API_KEY or VLLM_API_KEY)"),
+    "--api-key": ("api_key", str, "require 'Authorization: Bearer KEY' on /v1/*; repeat for "
+                  "several keys, each with its own rate limit (also env PJINFER_API_KEY or "
+                  "VLLM_API_KEY)"),
+    "--api-key-file": ("api_key_file", str, "file of more API keys, one per line"),
+    "--rate-limit-requests": ("rate_limit_requests", float, "requests per second per API key "
+                              "(one global bucket without keys)"),
+    "--rate-limit-burst": ("rate_limit_burst", float, "requests at once per key (default: rate)"),
+    "--rate-limit-tokens": ("rate_limit_tokens", float, "prompt + max_tokens per second per key"),
+    "--max-num-queued-requests": ("max_num_queued_requests", int, "requests admitted and not "
+                                  "finished yet (waiting or running)"),
+    "--max-num-queued-tokens": ("max_num_queued_tokens", int, "prompt tokens of those"),
     "--drain-timeout": ("drain_timeout", float, "seconds in-flight requests get at shutdown"),
     "--log-level": ("log_level", str, "debug, info, warning or error"),
     "--max-request-bytes": ("max_request_bytes", int, "largest request body accepted; larger "
@@ -82,8 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_server_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server arguments", "over a rate limit the server answers "
+                                      "429, past a queue cap 503, both with Retry-After")
     for flag, (dest, kind, help_text) in SERVER_FLAGS.items():
-        parser.add_argument(flag, dest=dest, type=kind, help=help_text, metavar=dest.upper())
+        group.add_argument(flag, dest=dest, type=kind, help=help_text, metavar=dest.upper(),
+                           action="append" if flag == "--api-key" else "store")
 
 
 def _add_sampling(parser: argparse.ArgumentParser) -> None:
@@ -129,15 +142,45 @@ def _name_source(message: str, config: RunConfig) -> str:
 
 def server_args(config: RunConfig) -> dict[str, Any]:
     args = config.server_args()
-    if args["api_key"] is None:
-        args["api_key"] = os.environ.get("PJINFER_API_KEY") or os.environ.get("VLLM_API_KEY")
+    args["api_keys"] = _api_keys(args)
     if args["log_level"].lower() not in LOG_LEVELS:
         raise UsageError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got "
                          f"{args['log_level']!r}")
     if not 0 < args["port"] < 65536:
         raise UsageError(f"--port must be in [1, 65535], got {args['port']}")
     _check_server_options(args)
+    args["admission"] = _admission(args)
     return args
+
+
+def _api_keys(args: dict[str, Any]) -> list[str]:
+    """--api-key (once or repeated; a string or a list in TOML), then --api-key-file; else
+    the environment's key."""
+    from pjinfer.server.admission import read_api_keys
+
+    given = args["api_key"]
+    keys = [given] if isinstance(given, str) else list(given or [])
+    if not all(isinstance(k, str) and k for k in keys):
+        raise UsageError(f"--api-key must be a non-empty string (or, in TOML, a list of them), "
+                         f"got {given!r}")
+    if args["api_key_file"] is not None:
+        try:
+            keys += read_api_keys(args["api_key_file"])
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    env = os.environ.get("PJINFER_API_KEY") or os.environ.get("VLLM_API_KEY")
+    return keys or ([env] if env else [])
+
+
+def _admission(args: dict[str, Any]) -> Any:
+    from pjinfer.server.admission import AdmissionLimits
+
+    names = ("rate_limit_requests", "rate_limit_burst", "rate_limit_tokens",
+             "max_num_queued_requests", "max_num_queued_tokens")
+    try:
+        return AdmissionLimits(**{name: args[name] for name in names})
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _check_server_options(args: dict[str, Any]) -> None:
@@ -174,9 +217,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log.info("loading %s (dtype %s, load_format %s)%s", ecfg.model or "the demo model",
              ecfg.dtype, ecfg.load_format, "; then compiling step shapes" if ecfg.warmup else "")
     engine = _build(AsyncEngine, ecfg)
-    given = {k: srv[k] for k in ("api_key", "drain_timeout", "max_request_bytes",
+    given = {k: srv[k] for k in ("drain_timeout", "max_request_bytes",
                                  "engine_stuck_timeout") if srv[k] is not None}
-    options = ServerOptions(**given, allowed_origins=tuple(srv["allowed_origins"] or ()))
+    options = ServerOptions(**given, allowed_origins=tuple(srv["allowed_origins"] or ()),
+                            api_keys=tuple(srv["api_keys"]), admission=srv["admission"])
     serve(engine, options, host=srv["host"], port=srv["port"], log_level=srv["log_level"],
           ssl_keyfile=srv["ssl_keyfile"], ssl_certfile=srv["ssl_certfile"])
     return 0
@@ -288,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except (UsageError, RunConfigError) as e:
+    except (UsageError, RunConfigError, PluginError) as e:
         return _fail(args.command, str(e))
 
 

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from pjinfer.engine.config import ENGINE_ARGS, EngineArg
+from pjinfer.plugins import PLUGIN_GROUP, load_plugins, parse_plugin_names
 from pjinfer.run_config import RunConfig, load_run_config
 
 GROUP_TITLE = "engine arguments (vLLM names)"
@@ -26,6 +27,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
     group = parser.add_argument_group(GROUP_TITLE)
     group.add_argument("--config", default=None, metavar="TOML",
                        help="TOML run config; flags override its values")
+    group.add_argument("--plugins", type=parse_plugin_names, default=None, metavar="A,B",
+                       help=f"plugins to load ({PLUGIN_GROUP!r} entry points; default: all "
+                       "installed)")
     if positional_model:  # SUPPRESS: a missing MODEL does not undo --model
         group.add_argument("model", nargs="?", metavar="MODEL", default=argparse.SUPPRESS,
                            help=ENGINE_ARGS["model"].help)
@@ -62,7 +66,9 @@ def given_engine_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_config_from_flags(args: argparse.Namespace) -> RunConfig:
-    """The `--config` file (or an empty config) with every engine flag given laid over it."""
+    """The `--config` file (or an empty config) with every engine flag given laid over it.
+    Plugins load first (pjinfer.plugins): they may add the policy or architecture named."""
+    load_plugins(getattr(args, "plugins", None))
     path = getattr(args, "config", None)
     config = load_run_config(path) if path else RunConfig()
     return config.with_engine_args(given_engine_args(args))

@@ -22,9 +22,14 @@ class LLM:
 
     `LLM(model=None)` serves the embedded demo model; engine arguments use vLLM's names.
     A `config` (path to a TOML run config) supplies defaults that keyword arguments override.
+    `plugins` names the plugins to load first (pjinfer.plugins; None: every installed one).
     """
 
-    def __init__(self, model: str | None = None, *, config: str | None = None, **engine_args):
+    def __init__(self, model: str | None = None, *, config: str | None = None,
+                 plugins: Sequence[str] | None = None, **engine_args):
+        from pjinfer.plugins import load_plugins
+
+        load_plugins(plugins)  # before the EngineConfig, which checks names they register
         if config is not None:
             from pjinfer.run_config import load_run_config
 

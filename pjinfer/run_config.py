@@ -22,15 +22,18 @@ from pjinfer.engine.config import ENGINE_ARGS, SECTIONS
 _OTHER_KEYS: dict[str, dict[str, type]] = {
     "parallel": {"data_parallel_size": int, "coordinator_address": str, "num_processes": int,
                  "process_id": int},
-    "server": {"host": str, "port": int, "api_key": str, "drain_timeout": float,
-               "log_level": str, "max_request_bytes": int, "engine_stuck_timeout": float,
-               "allowed_origins": list, "ssl_keyfile": str, "ssl_certfile": str},
+    "server": {"host": str, "port": int, "api_key": (str, list), "api_key_file": str,
+               "drain_timeout": float, "log_level": str, "max_request_bytes": int,
+               "engine_stuck_timeout": float, "allowed_origins": list, "ssl_keyfile": str,
+               "ssl_certfile": str, "rate_limit_requests": float, "rate_limit_burst": float,
+               "rate_limit_tokens": float, "max_num_queued_requests": int,
+               "max_num_queued_tokens": int},
 }
 
 
-def _schema() -> dict[str, dict[str, tuple[str | None, type]]]:
+def _schema() -> dict[str, dict[str, tuple[str | None, Any]]]:
     """section -> key -> (EngineConfig field, or None for a key that is not one; type)."""
-    schema: dict[str, dict[str, tuple[str | None, type]]] = {
+    schema: dict[str, dict[str, tuple[str | None, Any]]] = {
         section: {} for section in (*SECTIONS, *_OTHER_KEYS)}
     for arg in ENGINE_ARGS.values():
         schema[arg.section][arg.key] = (arg.name, arg.type)
@@ -40,12 +43,9 @@ def _schema() -> dict[str, dict[str, tuple[str | None, type]]]:
 
 
 SCHEMA = _schema()
-# None: the server's own default (pjinfer.server.app.ServerOptions)
-SERVER_DEFAULTS: dict[str, Any] = {"host": "127.0.0.1", "port": 8000, "api_key": None,
-                                   "drain_timeout": 30.0, "log_level": "info",
-                                   "max_request_bytes": None, "engine_stuck_timeout": None,
-                                   "allowed_origins": None, "ssl_keyfile": None,
-                                   "ssl_certfile": None}
+# None: the server's own default (pjinfer.server.app.ServerOptions), or no limit
+SERVER_DEFAULTS: dict[str, Any] = {**dict.fromkeys(_OTHER_KEYS["server"]), "host": "127.0.0.1",
+                                   "port": 8000, "drain_timeout": 30.0, "log_level": "info"}
 
 
 class RunConfigError(ValueError):
@@ -171,11 +171,15 @@ def _check_value(source: str | None, section: str, key: str, value: Any) -> None
     expected = schema[key][1]
     if value is None or _has_type(value, expected):
         return
-    raise RunConfigError(f"{source}: [{section}] {key} must be {_TYPE_WORDS[expected]}, got "
+    words = " or ".join(_TYPE_WORDS[t] for t in (expected if isinstance(expected, tuple)
+                                                  else (expected,)))
+    raise RunConfigError(f"{source}: [{section}] {key} must be {words}, got "
                          f"{type(value).__name__} {value!r}")
 
 
-def _has_type(value: Any, expected: type) -> bool:
+def _has_type(value: Any, expected: type | tuple[type, ...]) -> bool:
+    if isinstance(expected, tuple):  # several accepted types, e.g. a key or a list of keys
+        return any(_has_type(value, t) for t in expected)
     if expected is float:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
         return ok and math.isfinite(value)

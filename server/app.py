@@ -34,7 +34,8 @@ from pjinfer.engine.async_engine import AsyncEngine
 from pjinfer.errors import ServerShuttingDownError
 from pjinfer.outputs import RequestOutput
 from pjinfer.sampling_params import RequestOutputKind
-from pjinfer.server import body, protocol, streaming, validation
+from pjinfer.server import beam, body, protocol, streaming, validation
+from pjinfer.server.admission import Admission, AdmissionLimits, Ticket, retry_after_header
 from pjinfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from pjinfer.server.protocol import APIError, GenerationRequest, ModelInfo
 
@@ -55,12 +56,18 @@ class ClientGone(Exception):
 class ServerOptions:
     """How one app serves, besides its engine (each has a `pjinfer serve` flag)."""
 
-    api_key: str | None = None
+    api_key: str | None = None  # one key; `api_keys` holds more (each its own rate bucket)
+    api_keys: tuple[str, ...] = ()
     served_model_name: str | None = None
     drain_timeout: float = 30.0
     max_request_bytes: int = body.DEFAULT_MAX_REQUEST_BYTES
     engine_stuck_timeout: float = DEFAULT_ENGINE_STUCK_TIMEOUT_S
     allowed_origins: tuple[str, ...] = ()  # CORS; empty: no CORS headers at all
+    admission: AdmissionLimits = AdmissionLimits()
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return self.api_keys + ((self.api_key,) if self.api_key is not None else ())
 
 
 class OpenAIServer:
@@ -70,10 +77,13 @@ class OpenAIServer:
         self.engine = engine
         self.options = options
         name = options.served_model_name or engine.served_model_name
-        self.info = ModelInfo(name, engine.max_model_len, engine.tokenizer, engine.vocab_size)
+        self.info = ModelInfo(name, engine.max_model_len, engine.tokenizer, engine.vocab_size,
+                              engine.config.max_logprobs)
         self.metrics = ServerMetrics(engine.stats, name)
         self.created = int(time.time())
         self.pool = ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="pjinfer-parse")
+        self.admission = Admission(options.admission)
+        self.metrics.watch_admission(self.admission)
 
     # ---- plumbing -----------------------------------------------------------------------
     def endpoint(self, route: str, handler: Handler, *, auth: bool) -> Handler:
@@ -81,9 +91,10 @@ class OpenAIServer:
 
         async def wrapped(request: Request) -> Response:
             request.state.request_id = uuid.uuid4().hex
+            request.state.api_key = None
             try:
                 if auth:
-                    self._check_key(request)
+                    request.state.api_key = self._check_key(request)
                 response = await handler(request)
             except ClientGone:
                 response = Response(status_code=499)
@@ -94,21 +105,26 @@ class OpenAIServer:
 
         return wrapped
 
-    def _check_key(self, request: Request) -> None:
-        if self.options.api_key is None:
-            return
+    def _check_key(self, request: Request) -> str | None:
+        """The caller's API key (None when the server has none), compared with every key in
+        constant time."""
+        keys = self.options.keys
+        if not keys:
+            return None
         header = request.headers.get("authorization", "")
         token = header[7:] if header.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(token.encode(), self.options.api_key.encode()):
-            raise APIError("Incorrect or missing API key; pass it as 'Authorization: Bearer "
-                           "<key>'", status=401, code="invalid_api_key")
+        if any([hmac.compare_digest(token.encode(), key.encode()) for key in keys]):
+            return token
+        raise APIError("Incorrect or missing API key; pass it as 'Authorization: Bearer "
+                       "<key>'", status=401, code="invalid_api_key")
 
     def _error_response(self, exc: Exception, request_id: str) -> Response:
         error = protocol.error_for(exc)
         if error.status >= 500 and error.code is None:  # a fault of ours, not the client's
             log.error("request %s failed", request_id, exc_info=exc)
             error.message = f"{error.message} (request {request_id})"
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 503 else None
+        retry = error.retry_after or (RETRY_AFTER_S if error.status == 503 else None)
+        headers = {"Retry-After": retry_after_header(retry)} if retry else None
         return error_json(error, headers)
 
     async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -158,26 +174,48 @@ class OpenAIServer:
         return JSONResponse(self._card())
 
     async def completions(self, request: Request) -> Response:
-        req = await self._parse(request, validation.parse_completion)
-        streams = self._generate(req)
-        if req.stream:
-            streams = await _unless_disconnected(request, streaming.prime(streams))
-            return _sse(streaming.completion_events(req, streams, self.info.tokenizer,
-                                                    self.metrics.observe_finished))
-        outputs = await _unless_disconnected(
-            request, streaming.collect(streams, self.metrics.observe_finished))
-        return JSONResponse(protocol.completion_response(req, outputs, self.info.tokenizer))
+        return await self._serve(request, validation.parse_completion,
+                                 streaming.completion_events, protocol.completion_response,
+                                 beam.completion_response)
 
     async def chat(self, request: Request) -> Response:
-        req = await self._parse(request, validation.parse_chat)
-        streams = self._generate(req)
-        if req.stream:
-            streams = await _unless_disconnected(request, streaming.prime(streams))
-            return _sse(streaming.chat_events(req, streams[0], self.info.tokenizer,
-                                              self.metrics.observe_finished))
-        outputs = await _unless_disconnected(
-            request, streaming.collect(streams, self.metrics.observe_finished))
-        return JSONResponse(protocol.chat_response(req, outputs[0], self.info.tokenizer))
+        return await self._serve(
+            request, validation.parse_chat,
+            lambda req, streams, *rest: streaming.chat_events(req, streams[0], *rest),
+            lambda req, outputs, tokenizer: protocol.chat_response(req, outputs[0], tokenizer),
+            beam.chat_response)
+
+    async def _serve(self, request: Request, parse: Callable[..., GenerationRequest],
+                     events: Callable[..., AsyncIterator[str]],
+                     whole: Callable[..., dict[str, Any]],
+                     beams: Callable[..., dict[str, Any]]) -> Response:
+        """Parse, admit, generate; then stream `events`, or answer `whole` (`beams` for a
+        beam search)."""
+        self.admission.precheck(request.state.api_key)
+        req = await self._parse(request, beam.with_beam(parse))
+        tokenizer, on_finished = self.info.tokenizer, self.metrics.observe_finished
+        with self._admit(request, req) as ticket:
+            if req.beam is not None:
+                results = await _unless_disconnected(request, beam.run(self.engine, req))
+                for summary in beam.summaries(req, results):
+                    on_finished(summary)
+                return JSONResponse(beams(req, results, tokenizer))
+            streams = self._generate(req)
+            if req.stream:
+                streams = await _unless_disconnected(request, streaming.prime(streams))
+                return _sse(ticket.hand_off(events(req, streams, tokenizer, on_finished)))
+            outputs = await _unless_disconnected(request, streaming.collect(streams,
+                                                                            on_finished))
+            return JSONResponse(whole(req, outputs, tokenizer))
+
+    def _admit(self, request: Request, req: GenerationRequest) -> Ticket:
+        """Rate limits and queue caps (server.admission); the cost counts every choice's
+        max_tokens (up to the context length when unset)."""
+        limit = self.info.max_model_len
+        new_tokens = sum(req.params.n * (req.params.max_tokens or limit - len(p))
+                         for p in req.prompts)
+        return self.admission.admit(request.state.api_key, sum(map(len, req.prompts)),
+                                    new_tokens)
 
     # ---- operations routes --------------------------------------------------------------
     async def health(self, request: Request) -> Response:

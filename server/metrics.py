@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pjinfer.engine.metrics import EngineStats
+from pjinfer.plugins import metrics_collectors
+from pjinfer.server.admission import Admission
 from pjinfer.server.protocol import Summary
 
 PREFIX = "pjinfer:"
@@ -69,6 +71,14 @@ class _EngineCollector(Collector):
             yield metric
 
 
+class _PluginCollectors(Collector):
+    """The collectors plugins registered (pjinfer.plugins), read at each scrape."""
+
+    def collect(self) -> Iterator[Metric]:
+        for collector in metrics_collectors():
+            yield from collector.collect()
+
+
 class ServerMetrics:
     """The metrics of one app; `render()` is the /metrics body."""
 
@@ -76,6 +86,7 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(stats, model_name))
+        self.registry.register(_PluginCollectors())
         self.http_requests = Counter(
             PREFIX + "http_requests", "HTTP requests by route and status code.",
             [MODEL_LABEL, "route", "status"], registry=self.registry)
@@ -90,6 +101,16 @@ class ServerMetrics:
                 ("time_per_output_token_seconds",
                  "Mean time between output tokens of a request.", _TPOT_BUCKETS),
                 ("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)))
+
+    def watch_admission(self, admission: Admission) -> None:
+        """The counts the queue caps compare against (server.admission), read at scrape."""
+        for name, doc, read in (
+                ("server_queued_requests", "Requests admitted by the server, not finished.",
+                 lambda: admission.queued_requests),
+                ("server_queued_prompt_tokens", "Prompt tokens of those requests.",
+                 lambda: admission.queued_tokens)):
+            Gauge(PREFIX + name, doc, [MODEL_LABEL], registry=self.registry
+                  ).labels(self.model_name).set_function(read)
 
     def observe_request(self, route: str, status: int) -> None:
         self.http_requests.labels(self.model_name, route, str(status)).inc()

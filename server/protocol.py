@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from pjinfer.beam_search import BeamSearchParams
 from pjinfer.errors import EngineDeadError, EngineOverloadedError, ServerShuttingDownError
 from pjinfer.outputs import (
     CompletionOutput,
@@ -30,10 +31,12 @@ class APIError(Exception):
     """An error the client sees as OpenAI's `{"error": {...}}` body with `status`."""
 
     def __init__(self, message: str, *, status: int = 400, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None):
+                 type: str = "invalid_request_error", code: str | None = None,
+                 retry_after: float | None = None):
         super().__init__(message)
         self.message, self.status, self.param, self.type, self.code = (
             message, status, param, type, code)
+        self.retry_after = retry_after  # seconds, sent as Retry-After (429 and 503)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -70,6 +73,7 @@ class ModelInfo:
     max_model_len: int
     tokenizer: Any
     vocab_size: int
+    max_logprobs: int = 20  # the engine's; beam search needs 2 x width of them per step
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +91,7 @@ class GenerationRequest:
     priority: int = 0
     # echo with max_tokens=0 (prompt scoring): the engine generates one token, never shown
     prompt_only: bool = False
+    beam: BeamSearchParams | None = None  # use_beam_search: n is the width (server.beam)
 
 # ---- responses ----------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)

@@ -13,9 +13,9 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from pjinfer.outputs import CompletionOutput, RequestOutput
 from pjinfer.server.protocol import (
@@ -30,6 +30,7 @@ from pjinfer.server.protocol import (
 log = logging.getLogger("pjinfer.server")
 DONE = "data: [DONE]\n\n"
 OnFinished = Callable[[Summary], None]
+T = TypeVar("T")
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -67,17 +68,26 @@ async def _pump(i: int, stream: AsyncIterator[RequestOutput], queue: asyncio.Que
         queue.put_nowait(e)
 
 
-async def prime(streams: list[AsyncIterator[RequestOutput]]
-                ) -> list[AsyncIterator[RequestOutput]]:
-    """Wait for every stream's first output before the 200 header goes out, so a rejected
-    request (bad prompt, queue full) still gets its proper status code."""
-    tasks = [asyncio.ensure_future(anext(s)) for s in streams]
+async def gather_or_cancel(awaitables: list[Awaitable[T]]) -> list[T]:
+    """All results in order; if one fails (or this is cancelled), the others are cancelled
+    and awaited before the error goes on, so no engine request is left running."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
     try:
-        firsts = await asyncio.gather(*tasks)
+        return await asyncio.gather(*tasks)
     except BaseException:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def prime(streams: list[AsyncIterator[RequestOutput]]
+                ) -> list[AsyncIterator[RequestOutput]]:
+    """Wait for every stream's first output before the 200 header goes out, so a rejected
+    request (bad prompt, queue full) still gets its proper status code."""
+    try:
+        firsts = await gather_or_cancel([anext(s) for s in streams])
+    except BaseException:
         for s in streams:
             await s.aclose()
         raise

@@ -79,6 +79,6 @@ def test_serve_hands_the_server_flags_to_the_server(monkeypatch):
     assert cli.main(["serve", "--allowed-origins", '["*"]', "--max-request-bytes", "100",
                      "--engine-stuck-timeout", "5", "--ssl-keyfile", "k.pem",
                      "--ssl-certfile", "c.pem", "--api-key", "s", "--port", "8123"]) == 0
-    assert seen["options"] == ServerOptions(api_key="s", max_request_bytes=100,
+    assert seen["options"] == ServerOptions(api_keys=("s",), max_request_bytes=100,
                                             engine_stuck_timeout=5.0, allowed_origins=("*",))
     assert (seen["ssl_keyfile"], seen["ssl_certfile"], seen["port"]) == ("k.pem", "c.pem", 8123)

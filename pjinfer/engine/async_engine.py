@@ -92,6 +92,10 @@ class AsyncEngine:
         return self.engine.model_config.vocab_size
 
     @property
+    def eos_token_id(self) -> int | None:
+        return self.engine.eos_token_id
+
+    @property
     def served_model_name(self) -> str:
         return self.engine.served_model_name
 

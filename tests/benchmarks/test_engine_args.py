@@ -15,8 +15,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def test_every_engine_argument_but_warmup_has_a_flag():
-    """Warm-up is each benchmark's own flag (--engine-warmup), with its own default."""
-    assert set(vars(_parser().parse_args([]))) == set(ENGINE_ARGS) - {"warmup"} | {"config"}
+    """Warm-up is each benchmark's own flag (--engine-warmup), with its own default; --config
+    and --plugins come with the engine flags."""
+    assert set(vars(_parser().parse_args([]))) == \
+        set(ENGINE_ARGS) - {"warmup"} | {"config", "plugins"}
 
 
 def test_flags_override_the_config(tmp_path):
