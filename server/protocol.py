@@ -8,6 +8,7 @@ engine outputs into whole responses.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +71,8 @@ class ModelInfo:
     max_model_len: int
     tokenizer: Any
     vocab_size: int
+    # compiles a StructuredOutputsParams (cached by the engine); ValueError if it is invalid
+    check_structured: Callable[[Any], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
