@@ -9,6 +9,7 @@ thread pool, and their results are cached by the constraint's `key`. A request g
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,6 +25,8 @@ COMPILE_WORKERS = 2
 # Compact JSON (OpenAI's strict mode emits none either): free whitespace lets a model pad
 # its output with blanks until max_tokens instead of closing the object.
 JSON_OPTIONS = {"whitespace_flexible": False}
+MAX_ERROR_CHARS = 500
+_ECHO = re.compile(r"^\s*(\d+\s*\|.*|\^+)\s*$")  # "   1 | start: /a(b/" and "   ^" lines
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
@@ -43,7 +46,9 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
 
 def _error_message(spec: StructuredOutputsParams, error: str) -> str:
     """Name the field and say what is wrong, in the user's terms."""
-    error = error.strip().splitlines()[0] if error.strip() else "rejected by llguidance"
+    # llguidance's messages echo the source with carets under it: keep only the words
+    lines = [ln.strip() for ln in error.splitlines() if ln.strip() and not _ECHO.match(ln)]
+    error = " ".join(lines)[:MAX_ERROR_CHARS] or "rejected by llguidance"
     what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar",
             "choice": "choice list", "json_object": "JSON object grammar"}[spec.kind]
     if "Unimplemented keys" in error:
