@@ -4,7 +4,9 @@ With asynchronous scheduling (the default) a step returns before the device has 
 `step()` schedules and launches step t+1, then waits for step t and turns its tokens into
 outputs while t+1 runs, so the host's work hides behind the device's. Each request's last token
 of step t reaches step t+1 on the device (`Chunk.prev_row`). A request that stops at step t
-(EOS, stop string) has had one more token launched; that token is dropped.
+(EOS, stop string) has had one more token launched; that token is dropped. A step with
+structured-output rows launches its forward, finishes the step before (the grammars consume
+its tokens), then fills its token mask and launches its sampler (`_sample`).
 """
 
 from __future__ import annotations
