@@ -164,3 +164,22 @@ def test_async_equals_sync_with_constrained_and_free_rows(engine_args):
     assert {o[2] for o in sync} == {"stop", "length"}
     _check("json", sync[0][1])
     _check("grammar", sync[5][1])
+
+
+def test_n_sequences_each_follow_the_grammar_and_a_waiting_request_aborts_cleanly(llm):
+    import pjinfer.sampling_params
+
+    assert pjinfer.sampling_params.StructuredOutputsParams is StructuredOutputsParams
+    spec = StructuredOutputsParams(regex=r"[a-z]{3}\.")
+    (out,) = llm.generate(["Beautiful is"], SamplingParams(
+        n=3, temperature=1.0, seed=1, max_tokens=10, structured_outputs=spec))
+    assert [c.finish_reason for c in out.outputs] == ["stop"] * 3
+    assert all(re.fullmatch(r"[a-z]{3}\.", c.text) for c in out.outputs)
+    engine = llm.engine  # a grammar never compiled before: the request waits for it
+    engine.add_request("waiting", "Beautiful is", SamplingParams(
+        structured_outputs=StructuredOutputsParams(regex=r"[0-9]{5}")))
+    final = engine.abort_request("waiting")
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    while engine.has_unfinished_requests():
+        engine.step()
+    _kv_clean(llm)
