@@ -183,3 +183,33 @@ def test_n_sequences_each_follow_the_grammar_and_a_waiting_request_aborts_cleanl
     while engine.has_unfinished_requests():
         engine.step()
     _kv_clean(llm)
+
+
+def test_constrained_steps_stay_asynchronous(llm, monkeypatch):
+    """Step t+1's forward is launched before step t's tokens are fetched; its sampler (with
+    the mask those tokens decide) only after."""
+    while llm.engine.has_unfinished_requests():  # a step still in flight from a test before
+        llm.engine.step()
+    events = []
+    runner = llm.engine.runner
+
+    def recorder(name: str):
+        method = getattr(runner, name)
+
+        def record(*args, **kwargs):
+            events.append(name)
+            return method(*args, **kwargs)
+        return record
+
+    for name in ("forward", "sample", "fetch"):
+        monkeypatch.setattr(runner, name, recorder(name))
+    (out,) = llm.generate(["Beautiful is"], SamplingParams(
+        temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(
+            regex=r"[ a-z]{40,50}\.")))
+    assert out.outputs[0].finish_reason == "stop"
+    # the first step has no step before it (the last one launched is never fetched: the
+    # grammar ended the request in the step before)
+    assert events[:2] == ["forward", "sample"]
+    steady = " ".join(events[2:])
+    assert steady == " ".join(["forward fetch sample"] * (len(events[2:]) // 3)), events
+    assert len(out.outputs[0].token_ids) >= 10 and steady.count("forward") >= 10
