@@ -15,7 +15,7 @@ import logging
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pjinfer.cache.kv_cache_manager import KVCacheManager
 from pjinfer.config import ModelConfig
@@ -137,10 +137,10 @@ class LLMEngine:
         if self.tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer and this model has none; "
                              "use stop_token_ids")
-        if self.scheduler.num_waiting >= self.config.max_waiting_requests:
+        if self.num_waiting >= self.config.max_waiting_requests:
             self.metrics.num_rejected += 1
             raise EngineOverloadedError(
-                f"{self.scheduler.num_waiting} requests are already waiting "
+                f"{self.num_waiting} requests are already waiting "
                 f"(max_waiting_requests={self.config.max_waiting_requests}); retry later")
         group = self._make_group(request_id, prompt_ids, params, priority)
         parked = self.structured_output.park(group)  # until its grammar compiles
@@ -257,6 +257,12 @@ class LLMEngine:
                              time.perf_counter() - launched.start)
         return {nt.request.group_id for nt in update.new_tokens}
 
+    @property
+    def num_waiting(self) -> int:
+        """Queued requests, those waiting for their grammar to compile included."""
+        return self.scheduler.num_waiting + self.structured_output.num_parked
+
     def get_stats(self):
-        return self.metrics.snapshot(self.scheduler, self.kv)
+        return replace(self.metrics.snapshot(self.scheduler, self.kv),
+                       num_waiting=self.num_waiting)
 

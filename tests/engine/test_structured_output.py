@@ -178,6 +178,7 @@ def test_n_sequences_each_follow_the_grammar_and_a_waiting_request_aborts_cleanl
     engine = llm.engine  # a grammar never compiled before: the request waits for it
     engine.add_request("waiting", "Beautiful is", SamplingParams(
         structured_outputs=StructuredOutputsParams(regex=r"[0-9]{5}")))
+    assert engine.get_stats().num_waiting == 1  # counted while it waits for its grammar
     final = engine.abort_request("waiting")
     assert final.finished and final.outputs[0].finish_reason == "abort"
     while engine.has_unfinished_requests():
