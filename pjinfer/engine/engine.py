@@ -83,7 +83,7 @@ class LLMEngine:
         self.eos_token_id = self._eos_token_id()
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size,
-            list(self.model_config.eos_token_ids) or [self.eos_token_id])
+            list(self.model_config.eos_token_ids) or None)
         log.info("loaded %s (%s, %d layers) in %.1fs; KV cache: %d blocks of %d tokens",
                  self.served_model_name, self.model_config.architecture,
                  self.model_config.num_hidden_layers, time.perf_counter() - start,

@@ -64,10 +64,11 @@ class GrammarCompiler:
     may exceed the tokenizer's: llguidance then masks the padding ids off itself.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]):
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int] | None):
         self._hf_tokenizer, self.vocab_size, self._eos = tokenizer, vocab_size, eos_token_ids
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache: held briefly, the engine loop takes it
+        self._tokenizer_lock = threading.Lock()  # held while the tokenizer is built (slow)
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._pool = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="pjinfer-grammar")
 
@@ -91,7 +92,7 @@ class GrammarCompiler:
 
     def tokenizer(self) -> llguidance.LLTokenizer:
         """llguidance's view of the vocabulary, built once (about 1 s for a 128k vocabulary)."""
-        with self._lock:
+        with self._tokenizer_lock:
             if self._ll_tokenizer is None:
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(
                     self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos)

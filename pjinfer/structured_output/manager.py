@@ -30,7 +30,8 @@ GRAMMAR_WAIT_S = 0.01  # an engine with only requests waiting for their grammar 
 class StructuredOutputManager:
     """Owns the grammar compiler and the groups waiting for it; builds each step's mask."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]):
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int] | None):
+        """`eos_token_ids`: what ends a complete grammar (None: the tokenizer's EOS)."""
         self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
         self.vocab_size = vocab_size
         self._parked: list[tuple[list[Request], Future]] = []

@@ -9,6 +9,7 @@ import json
 import os
 import re
 from dataclasses import replace
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ import pytest
 from pjinfer import LLM, SamplingParams, StructuredOutputsParams
 from pjinfer.demo import zen_lines
 from pjinfer.engine.sampler import apply_token_bitmask
+from pjinfer.structured_output.manager import StructuredOutputManager
 
 SEEDS = int(os.environ.get("PJINFER_STRUCTURED_SEEDS", "40"))
 SCHEMA = {
@@ -62,6 +64,19 @@ def test_bitmask_on_device_equals_llguidance_reference(vocab_size):
     got = np.asarray(jax.jit(apply_token_bitmask)(jnp.asarray(logits), jnp.asarray(mask)))
     np.testing.assert_array_equal(got, expected)
     np.testing.assert_array_equal(got[0], logits[0])
+
+
+def test_padding_ids_past_the_tokenizer_are_masked_off(llm):
+    """A model whose logits are wider than its tokenizer (vocab padded for the hardware):
+    constrained rows never sample a padding id; unconstrained rows keep every id."""
+    manager = StructuredOutputManager(llm.tokenizer, 600, None)  # demo tokenizer: 512 ids
+    matcher = manager.compiler.compile(StructuredOutputsParams(regex="[a-z ]+")).deep_copy()
+    row = SimpleNamespace(samples=True, request=SimpleNamespace(grammar=matcher))
+    mask = manager.bitmask(SimpleNamespace(scheduled=[row]), 2)  # [2, ceil(600 / 32)]
+    allowed = (mask[:, :, None] >> np.arange(32)) & 1
+    allowed = allowed.reshape(2, -1)[:, :600].astype(bool)
+    assert mask.shape == (2, 19) and 20 < allowed[0, :512].sum() < 512
+    assert not allowed[0, 512:].any() and allowed[1].all()
 
 
 def _check(kind: str, text: str) -> None:
