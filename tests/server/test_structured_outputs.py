@@ -44,6 +44,18 @@ def test_json_object_returns_json(live_server):
         assert choice.message.content.startswith("{")
 
 
+def test_streamed_json_schema_joins_to_a_valid_object(live_server):
+    schema = {**ZenLine.model_json_schema(), "additionalProperties": False}
+    stream = live_server.client().chat.completions.create(
+        model=MODEL, messages=CHAT["messages"], max_tokens=80, temperature=1.0, seed=5,
+        stream=True, response_format={"type": "json_schema", "json_schema": {
+            "name": "zen", "schema": schema, "strict": True}})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop", text
+    ZenLine.model_validate_json(text)
+
+
 @pytest.mark.parametrize(("extra", "check"), [
     ({"structured_outputs": {"choice": [" ugly.", " pretty."]}},
      lambda t: t in (" ugly.", " pretty.")),
