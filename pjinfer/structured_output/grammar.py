@@ -57,6 +57,15 @@ def _error_message(spec: StructuredOutputsParams, error: str) -> str:
     return f"structured_outputs.{spec.kind} is not a valid {what}: {error}"
 
 
+def result_of(future: Future) -> llguidance.LLMatcher:
+    """A compile's matcher (waiting for it), or a fresh ValueError: re-raising the cached one
+    would grow its traceback with every request that hits it."""
+    error = future.exception()
+    if error is not None:
+        raise ValueError(str(error)) from None
+    return future.result()
+
+
 class GrammarCompiler:
     """Thread-pool compiles with an LRU cache of futures keyed by `StructuredOutputsParams.key`.
 
@@ -88,7 +97,7 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
         """Wait for the compile (callers off the engine loop: the server's parse threads)."""
-        return self.submit(spec).result()
+        return result_of(self.submit(spec))
 
     def tokenizer(self) -> llguidance.LLTokenizer:
         """llguidance's view of the vocabulary, built once (about 1 s for a 128k vocabulary)."""
@@ -101,7 +110,7 @@ class GrammarCompiler:
     def _compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
         try:
             grammar = grammar_text(spec)
-        except ValueError as e:
+        except (ValueError, TypeError, RuntimeError) as e:
             raise ValueError(_error_message(spec, str(e))) from None
         tokenizer = self.tokenizer()
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar,

@@ -20,7 +20,7 @@ import numpy as np
 
 from pjinfer.engine.request import Request, RequestStatus
 from pjinfer.engine.scheduler import NewTokens, Scheduler, SchedulerOutput
-from pjinfer.structured_output.grammar import GrammarCompiler
+from pjinfer.structured_output.grammar import GrammarCompiler, result_of
 from pjinfer.structured_output.params import StructuredOutputsParams
 
 log = logging.getLogger("pjinfer")
@@ -50,8 +50,8 @@ class StructuredOutputManager:
         if spec is None:
             return False
         future = self.compiler.submit(spec)
-        if future.done() and future.exception() is not None:
-            raise future.exception()
+        if future.done():
+            result_of(future)  # raises if the grammar is known to be invalid
         self._parked.append((group, future))
         return True
 
