@@ -11,6 +11,7 @@ _EXPORTS = {
     "LLM": "pjinfer.llm",
     "generate": "pjinfer.llm",
     "SamplingParams": "pjinfer.sampling_params",
+    "StructuredOutputsParams": "pjinfer.sampling_params",
     "RequestOutputKind": "pjinfer.sampling_params",
     "RequestOutput": "pjinfer.outputs",
     "CompletionOutput": "pjinfer.outputs",

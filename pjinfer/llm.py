@@ -51,6 +51,9 @@ class LLM:
         prompts = _as_list(prompts)
         params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                   for p in _broadcast(sampling_params, len(prompts))]
+        for p in params:  # a bad schema/regex/grammar: ValueError before anything runs
+            if p.structured_outputs is not None:
+                self.engine.structured_output.check(p.structured_outputs)
         ids = []
         try:
             for prompt, p in zip(prompts, params, strict=True):

@@ -14,6 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from pjinfer.structured_output.params import StructuredOutputsParams
+
+__all__ = ["RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
+
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs; also bounds the sampler's static top-K.
 MAX_N = 128  # Sequences per request; each one is a full sequence in the batch.
 GREEDY_TEMPERATURE = 1e-5  # Below this vLLM samples greedily: dividing by it overflows f32.
@@ -126,6 +130,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice...
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -187,6 +192,10 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{self.structured_outputs!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             kinds = ", ".join(f"RequestOutputKind.{k.name}" for k in RequestOutputKind)
             raise ValueError(f"output_kind must be one of {kinds}, got {self.output_kind!r}")

@@ -78,7 +78,7 @@ class OpenAIServer:
         self.options = options
         name = options.served_model_name or engine.served_model_name
         self.info = ModelInfo(name, engine.max_model_len, engine.tokenizer, engine.vocab_size,
-                              engine.config.max_logprobs)
+                              engine.config.max_logprobs, engine.check_structured_outputs)
         self.metrics = ServerMetrics(engine.stats, name)
         self.created = int(time.time())
         self.pool = ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="pjinfer-parse")

@@ -8,6 +8,7 @@ engine outputs into whole responses.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +75,8 @@ class ModelInfo:
     tokenizer: Any
     vocab_size: int
     max_logprobs: int = 20  # the engine's; beam search needs 2 x width of them per step
+    # compiles a StructuredOutputsParams (cached by the engine); ValueError if it is invalid
+    check_structured: Callable[[Any], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,12 +15,13 @@ from typing import Any
 
 from pjinfer.sampling_params import MAX_N, SamplingParams
 from pjinfer.server.protocol import APIError, GenerationRequest, ModelInfo, param_of
+from pjinfer.server.structured_outputs import parse_structured_outputs
 from pjinfer.tokenizer import apply_chat_template
 
 MAX_PROMPTS = 1024  # prompts in one batched completions request
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI fields this server does not implement: refused rather than silently ignored
-UNSUPPORTED = ("suffix", "tools", "response_format")
+UNSUPPORTED = ("suffix", "tools")
 
 # body key -> SamplingParams field, shared by both endpoints (OpenAI names, then vLLM's extras)
 _SAMPLING_FIELDS = {
@@ -240,6 +241,7 @@ def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int
         raise APIError(f"best_of must be null or equal to n ({n}), got {best_of}: ranking "
                        "candidates by likelihood is not supported", param="best_of")
     kwargs["logit_bias"] = _logit_bias(get_field(body, "logit_bias", "dict"))
+    kwargs["structured_outputs"] = parse_structured_outputs(body, info)
     try:
         params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
         params.check_vocab(info.vocab_size)

@@ -99,6 +99,10 @@ class AsyncEngine:
     def served_model_name(self) -> str:
         return self.engine.served_model_name
 
+    def check_structured_outputs(self, spec) -> None:
+        """Thread-safe: compile `spec` now (the engine caches it); ValueError if invalid."""
+        self.engine.structured_output.check(spec)
+
     def stats(self) -> EngineStats:
         """The snapshot the engine thread published after its latest step."""
         return self._stats

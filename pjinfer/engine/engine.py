@@ -4,7 +4,9 @@ With asynchronous scheduling (the default) a step returns before the device has 
 `step()` schedules and launches step t+1, then waits for step t and turns its tokens into
 outputs while t+1 runs, so the host's work hides behind the device's. Each request's last token
 of step t reaches step t+1 on the device (`Chunk.prev_row`). A request that stops at step t
-(EOS, stop string) has had one more token launched; that token is dropped.
+(EOS, stop string) has had one more token launched; that token is dropped. A step with
+structured-output rows launches its forward, finishes the step before (the grammars consume
+its tokens), then fills its token mask and launches its sampler (`_sample`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pjinfer.cache.kv_cache_manager import KVCacheManager
 from pjinfer.demo import DEMO_MODEL_DIR, DEMO_MODEL_NAME
@@ -22,24 +24,28 @@ from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.metrics import EngineMetrics
 from pjinfer.engine.output_processor import OutputProcessor
 from pjinfer.engine.request import Request, RequestStatus
-from pjinfer.engine.runner import LaunchedStep, ModelRunner
+from pjinfer.engine.runner import LaunchedForward, LaunchedStep, ModelRunner
 from pjinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pjinfer.engine.scheduling_policy import make_policy
 from pjinfer.errors import EngineOverloadedError
 from pjinfer.outputs import RequestOutput
 from pjinfer.sampling_params import SamplingParams
+from pjinfer.structured_output.manager import StructuredOutputManager
 from pjinfer.tokenizer import load_tokenizer
 from pjinfer.weights import load_engine_model
 
 log = logging.getLogger("pjinfer")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Launched:
-    """A step on the device, with the schedule that produced it."""
+    """A step on the device, with the schedule that produced it. A step with structured-output
+    rows is launched in two halves: `forward` first, `step` (its sampler) once the token mask
+    can be filled, i.e. once the step before has been finished."""
 
     sched: SchedulerOutput
-    step: LaunchedStep
+    forward: LaunchedForward | None
+    step: LaunchedStep | None
     start: float
 
 
@@ -72,6 +78,9 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._in_flight: _Launched | None = None
         self.eos_token_id = self._eos_token_id()
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size,
+            list(self.model_config.eos_token_ids) or None)
         log.info("loaded %s (%s, %d layers) in %.1fs; KV cache: %d blocks of %d tokens",
                  self.served_model_name, self.model_config.architecture,
                  self.model_config.num_hidden_layers, time.perf_counter() - start,
@@ -116,14 +125,16 @@ class LLMEngine:
         if self.tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer and this model has none; "
                              "use stop_token_ids")
-        if self.scheduler.num_waiting >= self.config.max_waiting_requests:
+        if self.num_waiting >= self.config.max_waiting_requests:
             self.metrics.num_rejected += 1
             raise EngineOverloadedError(
-                f"{self.scheduler.num_waiting} requests are already waiting "
+                f"{self.num_waiting} requests are already waiting "
                 f"(max_waiting_requests={self.config.max_waiting_requests}); retry later")
         group = self._make_group(request_id, prompt_ids, params, priority)
+        parked = self.structured_output.park(group)  # until its grammar compiles
         self.output_processor.add(group)
-        self.scheduler.add(group)
+        if not parked:
+            self.scheduler.add(group)
         self.metrics.on_arrival()
         return prompt_ids
 
@@ -170,18 +181,21 @@ class LLMEngine:
         return self.output_processor.final_output(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return self.scheduler.has_unfinished() or self._in_flight is not None \
+            or self.structured_output.num_parked > 0
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Launch the next step, finish the previous one; return outputs of every request that
         changed (with asynchronous scheduling, those of the previous step)."""
+        changed = self.structured_output.admit_compiled(self.scheduler)
         sched = self.scheduler.schedule()
         launched = self._launch(sched)
         started = [s for s in (self._in_flight, launched) if s is not None]
         self._in_flight = launched if launched is not None and self._deferrable(sched) else None
-        changed = {r.group_id for r in sched.timed_out}
+        changed |= {r.group_id for r in sched.timed_out}
         for done in started:
+            self._sample(done)  # a constrained step's sampler, after the step before finished
             if done is not self._in_flight:
                 changed |= self._finish_step(done)
         self.metrics.num_preemptions = self.scheduler.num_preemptions
@@ -191,7 +205,8 @@ class LLMEngine:
         return self.config.async_scheduling and sched.allows_async
 
     def _launch(self, sched: SchedulerOutput) -> _Launched | None:
-        """Dispatch the scheduled batch (the scheduler has already advanced its requests)."""
+        """Dispatch the scheduled batch (the scheduler has already advanced its requests); a
+        batch with constrained rows only its forward (see `_sample`)."""
         start = time.perf_counter()
         self.runner.free_rows(sched.freed_request_ids)
         if not sched.scheduled:
@@ -200,23 +215,42 @@ class LLMEngine:
         wants_lp = any(row.params.logprobs is not None for row in sched.rows)
         wants_prompt_lp = any(c.next_token_ids is not None for c in sched.chunks)
         prev = self._in_flight.step if self._in_flight is not None else None
-        step = self.runner.launch(
+        forward = self.runner.forward(
             sched.chunks, sched.rows, max_logprobs=self.config.max_logprobs if wants_lp else 0,
             prompt_logprobs=self.config.max_logprobs if wants_prompt_lp else None, prev=prev,
             refresh_tables=bool(sched.copy_ops))
-        return _Launched(sched, step, start)
+        if self.structured_output.constrained(sched):
+            return _Launched(sched, forward, None, start)
+        return _Launched(sched, None, self.runner.sample(forward), start)
+
+    def _sample(self, launched: _Launched) -> None:
+        """Launch a constrained step's sampler with its token mask. Called once the step
+        before has been finished, so every matcher has consumed the token sampled there;
+        the device is still busy with this step's forward meanwhile."""
+        if launched.step is None:
+            mask = self.structured_output.bitmask(launched.sched,
+                                                  launched.forward.layout.padded_seqs)
+            launched.step, launched.forward = self.runner.sample(launched.forward, mask), None
 
     def _finish_step(self, launched: _Launched) -> set[str]:
         """Wait for a launched step, apply its tokens and text; returns the changed groups."""
         result = self.runner.fetch(launched.step)
         update = self.scheduler.update_from_output(launched.sched,
                                                    result.token_ids[:, None].tolist())
+        self.scheduler.finish_requests(self.structured_output.advance(update.new_tokens),
+                                       RequestStatus.FINISHED_STOPPED)  # grammar complete
         for r, stop in self.output_processor.process(launched.sched, update.new_tokens, result):
             self.scheduler.finish_requests([r], RequestStatus.FINISHED_STOPPED, stop)
         self.metrics.on_step(launched.sched.num_prompt_tokens,
                              time.perf_counter() - launched.start)
         return {nt.request.group_id for nt in update.new_tokens}
 
+    @property
+    def num_waiting(self) -> int:
+        """Queued requests, those waiting for their grammar to compile included."""
+        return self.scheduler.num_waiting + self.structured_output.num_parked
+
     def get_stats(self):
-        return self.metrics.snapshot(self.scheduler, self.kv)
+        return replace(self.metrics.snapshot(self.scheduler, self.kv),
+                       num_waiting=self.num_waiting)
 

@@ -6,6 +6,7 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pjinfer.engine.sampling_metadata import SamplingRow
 from pjinfer.sampling_params import SamplingParams
@@ -89,6 +90,8 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     stop_reason: int | str | None = None
+    # Structured outputs: this sequence's llguidance matcher, set once its grammar compiled
+    grammar: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

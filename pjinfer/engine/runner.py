@@ -47,6 +47,19 @@ GiB = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
+class LaunchedForward:
+    """A dispatched model forward whose sampler is not launched yet: a structured-output
+    row's token mask needs the previous step's tokens on the host first."""
+
+    logits: jax.Array  # [S, V] f32
+    md: SamplingMetadata
+    prev_tokens: jax.Array  # [P]
+    prompt_logprobs: tuple[jax.Array, ...] | None
+    layout: BatchLayout
+    max_logprobs: int
+
+
+@dataclass(frozen=True, slots=True)
 class LaunchedStep:
     """A dispatched step whose outputs are still on (or on their way to) the device."""
 
@@ -217,7 +230,7 @@ class ModelRunner:
             for temperature in (0.0, 1.0):
                 row = SamplingRow(SamplingParams(temperature=temperature), [0], [], 0)
                 md = SamplingMetadata.build([row], seqs)
-                jax.block_until_ready(self._sample(logits, md, self._no_prev_tokens,
+                jax.block_until_ready(self._sample(logits, md, self._no_prev_tokens, None,
                                                    max_logprobs=0))
 
     def _dummy(self, tokens: int, seqs: int, decode_only: bool):
@@ -243,7 +256,15 @@ class ModelRunner:
     def launch(self, chunks: list[Chunk], rows: list[SamplingRow], *, max_logprobs: int = 0,
                prompt_logprobs: int | None = None, prev: LaunchedStep | None = None,
                refresh_tables: bool = False) -> LaunchedStep:
-        """Dispatch the step and its sampler without waiting for either.
+        """Dispatch the step and its sampler without waiting for either (see `forward`)."""
+        return self.sample(self.forward(chunks, rows, max_logprobs=max_logprobs,
+                                        prompt_logprobs=prompt_logprobs, prev=prev,
+                                        refresh_tables=refresh_tables))
+
+    def forward(self, chunks: list[Chunk], rows: list[SamplingRow], *, max_logprobs: int = 0,
+                prompt_logprobs: int | None = None, prev: LaunchedStep | None = None,
+                refresh_tables: bool = False) -> LaunchedForward:
+        """Dispatch the model step without waiting for it; `sample` launches its sampler.
 
         `prev` is the step before, possibly still running: chunks whose last token it sampled
         (`Chunk.prev_row`) read that token on the device, so the host never waits for it.
@@ -262,8 +283,16 @@ class ModelRunner:
         out = fn(self.params, self.kv_caches, inputs)
         logits, self.kv_caches = out[0], out[1]
         md = SamplingMetadata.build(rows, layout.padded_seqs, columns, history)
-        sampled, next_tokens = self._sample(logits, md, prev_tokens, max_logprobs=max_logprobs)
-        return LaunchedStep(sampled, out[2] if len(out) > 2 else None, next_tokens, layout)
+        return LaunchedForward(logits, md, prev_tokens, out[2] if len(out) > 2 else None,
+                               layout, max_logprobs)
+
+    def sample(self, fwd: LaunchedForward, bitmask: np.ndarray | None = None) -> LaunchedStep:
+        """Dispatch the sampler of a launched forward. `bitmask` [S, ceil(V/32)] i32 (bit v
+        of row s: token v allowed) masks the structured-output rows; None when no row is
+        constrained, which compiles a sampler without the mask at all."""
+        sampled, next_tokens = self._sample(fwd.logits, fwd.md, fwd.prev_tokens, bitmask,
+                                            max_logprobs=fwd.max_logprobs)
+        return LaunchedStep(sampled, fwd.prompt_logprobs, next_tokens, fwd.layout)
 
     def _from_batch(self, chunks: list[Chunk], rows: list[SamplingRow], refresh: bool):
         """(block tables, sampling columns, penalties' history maker) of a step of engine
@@ -295,9 +324,11 @@ class ModelRunner:
                                       prompt_logprobs=prompt_logprobs))
 
 
-def _sample_padded(logits: jax.Array, md: SamplingMetadata, prev_tokens: jax.Array, *,
-                   max_logprobs: int, width: int) -> tuple[SamplerOutput, jax.Array]:
+def _sample_padded(logits: jax.Array, md: SamplingMetadata, prev_tokens: jax.Array,
+                   bitmask: jax.Array | None, *, max_logprobs: int,
+                   width: int) -> tuple[SamplerOutput, jax.Array]:
     """The sampler (pending tokens of the previous step filled into the penalties' history),
     plus its tokens padded to `width` rows: a fixed shape for the next step."""
-    out = sample(logits, md.with_pending(prev_tokens), max_logprobs=max_logprobs)
+    out = sample(logits, md.with_pending(prev_tokens), max_logprobs=max_logprobs,
+                 bitmask=bitmask)
     return out, jnp.zeros(width, jnp.int32).at[:out.token_ids.shape[0]].set(out.token_ids)

@@ -1,8 +1,9 @@
 """Token selection on device: pure, jit-able functions run inside the engine's step.
 
-Order (vLLM v1): logit_bias -> min_tokens suppression -> penalties -> greedy argmax, or
-temperature -> top-k -> top-p -> min-p -> Gumbel-max with a per-row key. Logprobs are taken from
-the raw model distribution, as vLLM returns them by default.
+Order (vLLM v1): structured-output token mask -> logit_bias -> min_tokens suppression ->
+penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> Gumbel-max with a
+per-row key. Logprobs are taken from the raw model distribution (before the mask too), as vLLM
+returns them by default.
 """
 
 from __future__ import annotations
@@ -35,11 +36,15 @@ jax.tree_util.register_dataclass(
 )
 
 
-def sample(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int) -> SamplerOutput:
-    """Choose one token per row of `logits` [S, V] f32; `max_logprobs` (K) is static."""
+def sample(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int,
+           bitmask: jax.Array | None = None) -> SamplerOutput:
+    """Choose one token per row of `logits` [S, V] f32; `max_logprobs` (K) is static.
+    `bitmask` [S, ceil(V/32)] i32: the structured-output rows' allowed tokens (None: no
+    row is constrained; the mask is then no part of the trace)."""
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # [S, V]
     processed = apply_penalties(
-        suppress_tokens(apply_logit_bias(logits, md.bias_token_ids, md.bias_values),
+        suppress_tokens(apply_logit_bias(apply_token_bitmask(logits, bitmask),
+                                         md.bias_token_ids, md.bias_values),
                         md.suppress_token_ids),
         md,
     )
@@ -54,6 +59,17 @@ def _row_index(ids: jax.Array) -> jax.Array:
 def _drop_padding(ids: jax.Array, vocab_size: int) -> jax.Array:
     """PAD (-1) would wrap to the last token; map it out of range so mode='drop' skips it."""
     return jnp.where(ids < 0, vocab_size, ids)
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array | None) -> jax.Array:
+    """Disallowed tokens to -inf: bit v % 32 of word v // 32 of a row is token v (llguidance's
+    packing); words past the vocabulary are ignored. Unconstrained rows are all ones."""
+    if bitmask is None:
+        return logits
+    num_seqs, vocab_size = logits.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
+    allowed = bits.reshape(num_seqs, -1)[:, :vocab_size].astype(jnp.bool_)  # [S, V]
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def apply_logit_bias(logits: jax.Array, ids: jax.Array, values: jax.Array) -> jax.Array:

@@ -47,8 +47,7 @@ REFUSED = [
     ("/v1/completions", {**COMPLETION, "suffix": "!"}, "suffix"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {
         "name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}},
-     "response_format"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, "response_format"),
     ("/v1/completions", {**COMPLETION, "max_tokens": 0}, "max_tokens"),  # without echo
 ]
 

@@ -1,0 +1,1 @@
+"""Structured outputs: constrain generation to a JSON schema, regex, choice or grammar."""

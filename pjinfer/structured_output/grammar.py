@@ -1,0 +1,126 @@
+"""Compiling constraints into llguidance matchers, off the engine loop and once per spec.
+
+Building a matcher for a large JSON schema can take a good part of a second (llguidance
+drops the GIL meanwhile), which the engine loop must not wait for: compiles run in a small
+thread pool, and their results are cached by the constraint's `key`. A request gets a
+`deep_copy` of the cached pristine matcher: cheap, the compiled grammar is shared.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import llguidance
+import llguidance.hf
+
+from pjinfer.structured_output.params import StructuredOutputsParams
+
+CACHE_SIZE = 256  # compiled grammars kept (failures too: a bad schema is refused at once)
+COMPILE_WORKERS = 2
+# Compact JSON (OpenAI's strict mode emits none either): free whitespace lets a model pad
+# its output with blanks until max_tokens instead of closing the object.
+JSON_OPTIONS = {"whitespace_flexible": False}
+MAX_ERROR_CHARS = 500
+_ECHO = re.compile(r"^\s*(\d+\s*\|.*|\^+)\s*$")  # "   1 | start: /a(b/" and "   ^" lines
+
+
+def grammar_text(spec: StructuredOutputsParams) -> str:
+    """The llguidance grammar for a constraint (not yet checked: see `GrammarCompiler`)."""
+    kind = spec.kind
+    if kind == "json":
+        return llguidance.LLMatcher.grammar_from_json_schema(spec.json, defaults=JSON_OPTIONS)
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"},
+                                                            defaults=JSON_OPTIONS)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+    if kind == "choice":
+        return llguidance.grammar_from("choice", json.dumps(list(spec.choice)))
+    return llguidance.grammar_from("grammar", spec.grammar)  # Lark, or GBNF converted
+
+
+def _error_message(spec: StructuredOutputsParams, error: str) -> str:
+    """Name the field and say what is wrong, in the user's terms."""
+    # llguidance's messages echo the source with carets under it: keep only the words
+    lines = [ln.strip() for ln in error.splitlines() if ln.strip() and not _ECHO.match(ln)]
+    error = " ".join(lines)[:MAX_ERROR_CHARS] or "rejected by llguidance"
+    what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar",
+            "choice": "choice list", "json_object": "JSON object grammar"}[spec.kind]
+    if "Unimplemented keys" in error:
+        return (f"structured_outputs.json uses an unsupported JSON schema keyword: {error}; "
+                "remove it from the schema")
+    return f"structured_outputs.{spec.kind} is not a valid {what}: {error}"
+
+
+def result_of(future: Future) -> llguidance.LLMatcher:
+    """A compile's matcher (waiting for it), or a fresh ValueError: re-raising the cached one
+    would grow its traceback with every request that hits it."""
+    error = future.exception()
+    if error is not None:
+        raise ValueError(str(error)) from None
+    return future.result()
+
+
+class GrammarCompiler:
+    """Thread-pool compiles with an LRU cache of futures keyed by `StructuredOutputsParams.key`.
+
+    `tokenizer` is the Hugging Face tokenizer; `vocab_size` the model's logits width, which
+    may exceed the tokenizer's: llguidance then masks the padding ids off itself.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int] | None):
+        self._hf_tokenizer, self.vocab_size, self._eos = tokenizer, vocab_size, eos_token_ids
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()  # the cache: held briefly, the engine loop takes it
+        self._tokenizer_lock = threading.Lock()  # held while the tokenizer is built (slow)
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._pool = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="pjinfer-grammar")
+
+    def submit(self, spec: StructuredOutputsParams) -> Future:
+        """The (possibly shared, possibly finished) compile of `spec`: a pristine LLMatcher,
+        or a ValueError naming the field."""
+        if self._hf_tokenizer is None:
+            raise ValueError("structured_outputs need a tokenizer and this model has none")
+        with self._lock:
+            future = self._cache.get(spec.key)
+            if future is None:
+                future = self._cache[spec.key] = self._pool.submit(self._compile, spec)
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+            self._cache.move_to_end(spec.key)
+        return future
+
+    def compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """Wait for the compile (callers off the engine loop: the server's parse threads)."""
+        return result_of(self.submit(spec))
+
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's view of the vocabulary, built once (about 1 s for a 128k vocabulary)."""
+        with self._tokenizer_lock:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos)
+            return self._ll_tokenizer
+
+    def _compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
+        try:
+            grammar = grammar_text(spec)
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise ValueError(_error_message(spec, str(e))) from None
+        tokenizer = self.tokenizer()
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar,
+                                                                                 tokenizer)
+        if is_error:
+            raise ValueError(_error_message(spec, messages[0]))
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(_error_message(spec, matcher.get_error()))
+        return matcher
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

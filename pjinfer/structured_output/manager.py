@@ -1,0 +1,127 @@
+"""The engine's structured-output state: requests waiting for their grammar, masks, matchers.
+
+A constrained request is parked here (not scheduled, holding no KV blocks) until its grammar
+has compiled; then each of its sequences gets its own matcher (`Request.grammar`). Every step
+with constrained rows gets a packed token bitmask filled from the matchers, and after the step
+the matchers consume the accepted tokens; a request ends when its grammar is complete.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections.abc import Iterable
+from concurrent.futures import Future
+from typing import Any
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+from pjinfer.engine.request import Request, RequestStatus
+from pjinfer.engine.scheduler import NewTokens, Scheduler, SchedulerOutput
+from pjinfer.structured_output.grammar import GrammarCompiler, result_of
+from pjinfer.structured_output.params import StructuredOutputsParams
+
+log = logging.getLogger("pjinfer")
+GRAMMAR_WAIT_S = 0.01  # an engine with only requests waiting for their grammar blocks this long
+
+
+class StructuredOutputManager:
+    """Owns the grammar compiler and the groups waiting for it; builds each step's mask."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int] | None):
+        """`eos_token_ids`: what ends a complete grammar (None: the tokenizer's EOS)."""
+        self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+        self.vocab_size = vocab_size
+        self._parked: list[tuple[list[Request], Future]] = []
+        self._executor: llguidance.LLExecutor | None = None  # parallel mask fills
+
+    def check(self, spec: StructuredOutputsParams) -> None:
+        """Compile now (or find the cached compile) and raise its ValueError: for callers off
+        the engine loop that want the error before the request exists (server, LLM)."""
+        self.compiler.compile(spec)
+
+    # ---- waiting for grammars -------------------------------------------------------------
+    def park(self, group: list[Request]) -> bool:
+        """Hold a constrained group until its grammar is ready; False for an unconstrained one.
+        A grammar already known to be invalid raises its ValueError here."""
+        spec = group[0].params.structured_outputs
+        if spec is None:
+            return False
+        future = self.compiler.submit(spec)
+        if future.done():
+            result_of(future)  # raises if the grammar is known to be invalid
+        self._parked.append((group, future))
+        return True
+
+    @property
+    def num_parked(self) -> int:
+        return len(self._parked)
+
+    def admit_compiled(self, scheduler: Scheduler) -> set[str]:
+        """Queue the groups whose grammar has compiled (each sequence gets its own matcher);
+        end, aborted, those whose grammar failed: returns their ids (changed groups). With
+        nothing else to run, wait a little for a compile rather than spin."""
+        if not self._parked:
+            return set()
+        failed, parked = [], []
+        for group, future in self._parked:
+            if group[0].is_finished:  # aborted while waiting
+                continue
+            if not future.done():
+                parked.append((group, future))
+            elif future.exception() is not None:
+                log.warning("request %s: %s", group[0].group_id, future.exception())
+                scheduler.finish_requests(group, RequestStatus.FINISHED_ABORTED,
+                                          str(future.exception()))
+                failed.append(group[0].group_id)
+            else:
+                for r in group:
+                    r.grammar = future.result().deep_copy()
+                scheduler.add(group)
+        self._parked = parked
+        if parked and not scheduler.has_unfinished():
+            concurrent.futures.wait([f for _, f in parked], GRAMMAR_WAIT_S,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        return set(failed)
+
+    # ---- the step -------------------------------------------------------------------------
+    @staticmethod
+    def constrained(sched: SchedulerOutput) -> bool:
+        """Does any row of the step sample under a grammar?"""
+        return any(c.samples and c.request.grammar is not None for c in sched.scheduled)
+
+    def bitmask(self, sched: SchedulerOutput, num_rows: int) -> np.ndarray | None:
+        """[num_rows, ceil(V/32)] i32 allowed tokens of every row (all ones for rows without
+        a grammar), from the matchers as they are now: call once the previous step's tokens
+        are consumed. None when no row is constrained."""
+        rows = [(c.request.grammar, i) for i, c in enumerate(sched.scheduled)
+                if c.samples and c.request.grammar is not None]
+        if not rows:
+            return None
+        mask = llguidance.numpy.allocate_token_bitmask(num_rows, self.vocab_size)
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        llguidance.numpy.fill_next_token_bitmask_par(self._executor, rows, mask)
+        return mask
+
+    def advance(self, new_tokens: Iterable[NewTokens]) -> list[Request]:
+        """Feed each live constrained request its accepted tokens; returns those whose grammar
+        is now complete (or broken: a token it rejected), which the caller ends."""
+        done = []
+        for nt in new_tokens:
+            r, matcher = nt.request, nt.request.grammar
+            if matcher is None or r.is_finished:
+                continue
+            for token in nt.token_ids:
+                matcher.consume_token(token)
+            if matcher.is_error():
+                log.warning("request %s: its grammar rejected a sampled token: %s",
+                            r.request_id, matcher.get_error().splitlines()[0])
+            if matcher.is_stopped():  # also true in the error state
+                done.append(r)
+        return done
+
+    def shutdown(self) -> None:
+        self.compiler.shutdown()
