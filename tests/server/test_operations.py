@@ -230,6 +230,9 @@ class _HungEngine:
     def abort_request(self, request_id):
         self.pending = None
 
+    def take_failures(self) -> dict:
+        return {}
+
     def step(self) -> list[RequestOutput]:
         self.release.wait()
         done = CompletionOutput(0, "x", [7], finish_reason="length")
