@@ -19,3 +19,14 @@ class EngineDeadError(PjinferError):
 
 class ServerShuttingDownError(PjinferError):
     """The server is stopping and this request outlived the drain timeout (HTTP 503)."""
+
+
+class RequestFailedError(PjinferError):
+    """One request hit a fault inside the engine (HTTP 500); the engine went on serving the
+    others. The original exception is its `__cause__`."""
+
+    def __init__(self, request_id: str, cause: BaseException):
+        super().__init__(f"request {request_id} failed inside the engine: "
+                         f"{type(cause).__name__}: {cause}")
+        self.request_id = request_id
+        self.__cause__ = cause

@@ -93,6 +93,11 @@ class LLM:
             for out in self.engine.step():
                 if out.finished:
                     done[out.request_id] = out
+            failures = self.engine.take_failures()
+            if failures:  # the batch cannot be returned whole: end the rest, say why
+                for rid in ids:
+                    self.engine.abort_request(rid)
+                raise next(iter(failures.values()))
         for rid, prompt in zip(ids, prompts, strict=True):
             done[rid].prompt = prompt if isinstance(prompt, str) else None
         return [done[rid] for rid in ids]

@@ -37,6 +37,7 @@ from pjinfer.sampling_params import RequestOutputKind
 from pjinfer.server import beam, body, protocol, streaming, validation
 from pjinfer.server.admission import Admission, AdmissionLimits, Ticket, retry_after_header
 from pjinfer.server.metrics import CONTENT_TYPE, ServerMetrics
+from pjinfer.server.openapi import openapi_schema
 from pjinfer.server.protocol import APIError, GenerationRequest, ModelInfo
 
 log = logging.getLogger("pjinfer.server")
@@ -229,6 +230,11 @@ class OpenAIServer:
     async def prometheus(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
+    async def openapi(self, request: Request) -> Response:
+        info = self.info
+        return JSONResponse(openapi_schema(info.served_model_name, info.max_model_len,
+                                           info.vocab_size, self.engine.config.max_logprobs))
+
     async def tokenize(self, request: Request) -> Response:
         tokens = await self._off_loop(validation.tokenize, await self._json_body(request),
                                       self.info)
@@ -257,6 +263,7 @@ def build_app(engine: AsyncEngine, options: ServerOptions | None = None,
         ("/metrics", server.prometheus, ["GET"], False),
         ("/tokenize", server.tokenize, ["POST"], False),
         ("/detokenize", server.detokenize, ["POST"], False),
+        ("/openapi.json", server.openapi, ["GET"], False),
     ]
     routes = [Route(path, server.endpoint(path, handler, auth=auth), methods=methods)
               for path, handler, methods, auth in table]

@@ -13,7 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from pjinfer.beam_search import BeamSearchParams
-from pjinfer.errors import EngineDeadError, EngineOverloadedError, ServerShuttingDownError
+from pjinfer.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestFailedError,
+    ServerShuttingDownError,
+)
 from pjinfer.outputs import (
     CompletionOutput,
     Logprob,
@@ -54,6 +59,8 @@ def error_for(exc: BaseException) -> APIError:
         return APIError(str(exc), status=503, type="server_error", code="engine_dead")
     if isinstance(exc, ServerShuttingDownError):
         return APIError(str(exc), status=503, type="server_error", code="shutting_down")
+    if isinstance(exc, RequestFailedError):  # a fault of ours, for this request alone
+        return APIError(str(exc), status=500, type="server_error")
     if isinstance(exc, ValueError):
         return APIError(str(exc), param=param_of(str(exc)))
     return APIError(f"internal error: {type(exc).__name__}: {exc}", status=500,

@@ -179,6 +179,7 @@ class AsyncEngine:
                     outputs = self.engine.step()
                     self._stats = self.engine.get_stats()  # before a client can see a finish
                     self._deliver(outputs)
+                    self._deliver_failures()
                 else:
                     self._stats = self.engine.get_stats()
                 self._last_progress = time.monotonic()
@@ -207,6 +208,14 @@ class AsyncEngine:
             stream.put(out)
             if out.finished:
                 del self._streams[out.request_id]
+
+
+    def _deliver_failures(self) -> None:
+        """A request a fault ended gets its error (HTTP 500, or an error event) and no more."""
+        for request_id, error in self.engine.take_failures().items():
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.put(error)
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:

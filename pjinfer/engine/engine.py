@@ -27,7 +27,7 @@ from pjinfer.engine.request import Request, RequestStatus
 from pjinfer.engine.runner import LaunchedForward, LaunchedStep, ModelRunner
 from pjinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pjinfer.engine.scheduling_policy import make_policy
-from pjinfer.errors import EngineOverloadedError
+from pjinfer.errors import EngineOverloadedError, RequestFailedError
 from pjinfer.outputs import RequestOutput
 from pjinfer.sampling_params import SamplingParams
 from pjinfer.structured_output.manager import StructuredOutputManager
@@ -77,6 +77,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         self._rng = random.Random(config.seed)
         self._in_flight: _Launched | None = None
+        self._failures: dict[str, RequestFailedError] = {}
         self.eos_token_id = self._eos_token_id()
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size,
@@ -187,19 +188,55 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Launch the next step, finish the previous one; return outputs of every request that
-        changed (with asynchronous scheduling, those of the previous step)."""
+        changed (with asynchronous scheduling, those of the previous step). A fault fails only
+        the requests it touched (see `take_failures`); the others go on."""
         changed = self.structured_output.admit_compiled(self.scheduler)
         sched = self.scheduler.schedule()
-        launched = self._launch(sched)
+        launched = self._contain(sched, self._launch, sched)
         started = [s for s in (self._in_flight, launched) if s is not None]
         self._in_flight = launched if launched is not None and self._deferrable(sched) else None
         changed |= {r.group_id for r in sched.timed_out}
         for done in started:
-            self._sample(done)  # a constrained step's sampler, after the step before finished
+            self._contain(done.sched, self._sample, done)  # a constrained step's sampler
             if done is not self._in_flight:
-                changed |= self._finish_step(done)
+                changed |= self._contain(done.sched, self._finish_step, done) or set()
         self.metrics.num_preemptions = self.scheduler.num_preemptions
-        return self.output_processor.outputs(changed)
+        outputs = self.output_processor.outputs(changed)
+        self._fail_processed()
+        return outputs
+
+    def take_failures(self) -> dict[str, RequestFailedError]:
+        """Requests failed by faults since the last call (group id -> error); they produce no
+        more outputs, so whoever waits on them must be told here."""
+        failures, self._failures = self._failures, {}
+        return failures
+
+    def _contain(self, sched: SchedulerOutput, stage, arg):
+        """Run one stage of a step. If it raises, fail the requests of that step (which of them
+        caused it is unknown) and return None; re-raise if the KV cache was lost with it (a
+        fault inside the donated step call): then no request can go on."""
+        try:
+            return stage(arg)
+        except Exception as e:
+            if any(k.is_deleted() for k, _ in self.runner.kv_caches):
+                raise
+            for group_id in dict.fromkeys(c.request.group_id for c in sched.scheduled):
+                self._fail(group_id, e)
+            return None
+
+    def _fail_processed(self) -> None:
+        for group_id, error in self.output_processor.take_failed().items():
+            self._fail(group_id, error)
+
+    def _fail(self, group_id: str, error: Exception) -> None:
+        """End one request after a fault of ours: free its blocks, record why."""
+        if group_id not in self.output_processor:
+            return
+        log.warning("request %s failed: %s: %s", group_id, type(error).__name__, error)
+        self.scheduler.finish_requests(self.output_processor.requests(group_id),
+                                       RequestStatus.FINISHED_ABORTED)
+        self.output_processor.drop(group_id)
+        self._failures[group_id] = RequestFailedError(group_id, error)
 
     def _deferrable(self, sched: SchedulerOutput) -> bool:
         return self.config.async_scheduling and sched.allows_async
@@ -241,6 +278,7 @@ class LLMEngine:
                                        RequestStatus.FINISHED_STOPPED)  # grammar complete
         for r, stop in self.output_processor.process(launched.sched, update.new_tokens, result):
             self.scheduler.finish_requests([r], RequestStatus.FINISHED_STOPPED, stop)
+        self._fail_processed()
         self.metrics.on_step(launched.sched.num_prompt_tokens,
                              time.perf_counter() - launched.start)
         return {nt.request.group_id for nt in update.new_tokens}

@@ -2,7 +2,8 @@
 
 Shapes are padded to buckets so the step compiles a bounded number of times: the token count
 T to a power of two, the sequence count S to a power of four (decode cost barely depends on S
-padding: padded sequences have no context and the matmuls are bandwidth-bound).
+padding: padded sequences have no context and the matmuls are bandwidth-bound), and never below
+two sequences, even with max_num_seqs=1 (see `MIN_PADDED_SEQS`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from pjinfer.kernels.metadata import AttentionMetadata
 
 MIN_TOKEN_BUCKET = 16
 MIN_SEQ_BUCKET = 8
+# A step of one token makes XLA turn the KV cache's row scatter into a dynamic-update-slice
+# that, on the CPU, copies every layer's whole cache each step (~300 ms a token with the
+# default 256 MiB cache instead of ~1.5 ms): steps are padded to at least two sequences.
+MIN_PADDED_SEQS = 2
 
 
 def _pow_bucket(n: int, base: int, lo: int, hi: int) -> int:
@@ -40,8 +45,13 @@ def token_buckets(max_tokens: int) -> list[int]:
     return _bucket_sizes(MIN_TOKEN_BUCKET, 2, max_tokens)
 
 
+def max_padded_seqs(max_seqs: int) -> int:
+    """The widest step: rows of the sampler's output and of the next step's prev_tokens."""
+    return max(max_seqs, MIN_PADDED_SEQS)
+
+
 def seq_buckets(max_seqs: int) -> list[int]:
-    return _bucket_sizes(MIN_SEQ_BUCKET, 4, max_seqs)
+    return _bucket_sizes(MIN_SEQ_BUCKET, 4, max_padded_seqs(max_seqs))
 
 
 def bucket_tokens(n: int, max_tokens: int) -> int:
@@ -49,7 +59,7 @@ def bucket_tokens(n: int, max_tokens: int) -> int:
 
 
 def bucket_seqs(n: int, max_seqs: int) -> int:
-    return _pow_bucket(n, 4, MIN_SEQ_BUCKET, max_seqs)
+    return _pow_bucket(n, 4, MIN_SEQ_BUCKET, max_padded_seqs(max_seqs))
 
 
 @jax.tree_util.register_dataclass

@@ -71,6 +71,8 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self._groups: dict[str, _Group] = {}
+        # Groups whose processing raised: the engine fails them (and only them); see `take_failed`
+        self._failed: dict[str, Exception] = {}
 
     def __contains__(self, group_id: str) -> bool:
         return group_id in self._groups
@@ -78,6 +80,16 @@ class OutputProcessor:
     def add(self, group: list[Request]) -> None:
         self._groups[group[0].group_id] = _Group([_Sequence(r, self._detokenizer(r))
                                                   for r in group])
+
+    def take_failed(self) -> dict[str, Exception]:
+        """Groups whose text or output building raised since the last call, and why: a fault
+        in one request's tokens (a detokenizer bug, a bad logprob) must not end the others."""
+        failed, self._failed = self._failed, {}
+        return failed
+
+    def drop(self, group_id: str) -> None:
+        """Forget a failed group without building its output (that may be what failed)."""
+        self._groups.pop(group_id, None)
 
     def requests(self, group_id: str) -> list[Request]:
         return [s.request for s in self._groups[group_id].seqs]
@@ -99,11 +111,14 @@ class OutputProcessor:
         stops = []
         for nt in new_tokens:
             seq = self._sequence(nt.request)
-            if seq is None:
+            if seq is None or nt.request.group_id in self._failed:
                 continue
-            self._token_logprobs(seq, nt, result)
-            if self._detokenize(seq, nt.token_ids):
-                stops.append((nt.request, seq.detokenizer.stop_reason))
+            try:
+                self._token_logprobs(seq, nt, result)
+                if self._detokenize(seq, nt.token_ids):
+                    stops.append((nt.request, seq.detokenizer.stop_reason))
+            except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
+                self._failed[nt.request.group_id] = e
         return stops
 
     def _sequence(self, r: Request) -> _Sequence | None:
@@ -166,18 +181,25 @@ class OutputProcessor:
         outs = []
         for gid in group_ids:
             group = self._groups.get(gid)
-            if group is None:
+            if group is None or gid in self._failed:
                 continue
-            kind = group.head.params.output_kind
-            if kind is RequestOutputKind.FINAL_ONLY and not group.finished:
+            try:
+                out = self._due_output(gid, group)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                self._failed[gid] = e
                 continue
-            out = self._output(gid, group, delta=kind is RequestOutputKind.DELTA)
             if out is not None:
                 outs.append(out)
             if group.finished:
                 self.metrics.on_finished(self.requests(gid))
                 del self._groups[gid]
         return outs
+
+    def _due_output(self, gid: str, group: _Group) -> RequestOutput | None:
+        kind = group.head.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not group.finished:
+            return None
+        return self._output(gid, group, delta=kind is RequestOutputKind.DELTA)
 
     def final_output(self, group_id: str) -> RequestOutput | None:
         """An ended (aborted) group's last output, and forget it."""

@@ -24,6 +24,7 @@ from pjinfer.engine.inputs import (
     StepInputs,
     batch_layout,
     build_step_inputs,
+    max_padded_seqs,
     seq_buckets,
     token_buckets,
 )
@@ -65,7 +66,7 @@ class LaunchedStep:
 
     sampled: SamplerOutput
     prompt_logprobs: tuple[jax.Array, ...] | None
-    next_tokens: jax.Array  # [P] sampled tokens padded to max_num_seqs: the next prev_tokens
+    next_tokens: jax.Array  # [P] sampled tokens padded to max_padded_seqs: the next prev_tokens
     layout: BatchLayout
 
 
@@ -100,10 +101,11 @@ class ModelRunner:
         self._base_opts = StepOptions(cfg=self.cfg, max_model_len=max_model_len,
                                       backend=ecfg.attention_backend, mesh=mesh)
         self._compiled: dict[tuple, object] = {}
-        self._sample = jax.jit(partial(_sample_padded, width=ecfg.max_num_seqs),
+        width = max_padded_seqs(ecfg.max_num_seqs)
+        self._sample = jax.jit(partial(_sample_padded, width=width),
                                static_argnames=("max_logprobs",))
         # prev_tokens of a step with no step before it (nothing pending)
-        self._no_prev_tokens = self._replicate(np.zeros(ecfg.max_num_seqs, np.int32))
+        self._no_prev_tokens = self._replicate(np.zeros(width, np.int32))
         self._copy = jax.jit(copy_blocks, donate_argnums=0, **(
             {} if mesh is None else dict(out_shardings=self._cache_shardings())))
         self.num_compiles = 0

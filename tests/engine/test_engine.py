@@ -129,3 +129,21 @@ def test_unknown_engine_argument_is_named():
 def test_engine_flags_must_be_bools(name):
     with pytest.raises(ValueError, match=f"{name} must be true or false"):
         EngineConfig(**{name: "no"})
+
+
+def test_one_sequence_decode_writes_the_kv_cache_in_place():
+    """`--max-num-seqs 1` decoded at ~320 ms a token on the CPU against ~1.6 ms with 2: a
+    one-token step made XLA rewrite its KV write as a copy of the whole cache. The decode
+    step must need no temporary anywhere near the cache's size, and compile once per shape."""
+    engine = LLMEngine(EngineConfig(warmup=False, max_num_seqs=1, num_kv_blocks=1024))
+    engine.add_request("a", "Beautiful is better than",
+                       SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert len(outputs[-1].outputs[0].token_ids) == 32
+    assert engine.runner.num_compiles == 2  # the prompt's shape, the decode shape
+    cache_bytes = sum(k.nbytes + v.nbytes for k, v in engine.runner.kv_caches)
+    for step in engine.runner._compiled.values():
+        assert step.memory_analysis().temp_size_in_bytes < cache_bytes / 16
+    _assert_no_leak(engine)
