@@ -115,7 +115,11 @@ class AsyncEngine:
         if self._error is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self._error}")
         request_id = request_id or f"req-{next(self._ids)}"
-        stream = await self._add(request_id, prompt, params, priority)
+        try:
+            stream = await self._add(request_id, prompt, params, priority)
+        except asyncio.CancelledError:  # the add may still reach the engine: undo it after
+            self.abort(request_id)
+            raise
         finished = False
         try:
             while True:

@@ -82,13 +82,24 @@ def test_stream_disconnect_frees_blocks(live_server):
     assert _aborted(live_server) == before + 1
 
 
-def test_non_streaming_disconnect_frees_blocks(live_server):
+def test_non_streaming_disconnect_frees_blocks(live_server, monkeypatch):
     before = _aborted(live_server)
+    engine = live_server.engine.engine
+    step = engine.step
+
+    def slow_step():  # 400 tokens then take >= 2 s: still running when the client is gone
+        time.sleep(0.005)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
     body = {"model": MODEL, "messages": QUESTION, "max_tokens": 400, "temperature": 0,
             "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(live_server.base_url + "/v1/chat/completions", json=body, headers=AUTH,
-                   timeout=0.1)  # the 400 tokens take longer than this, even on a fast CPU
+                   timeout=0.1)
+    deadline = time.monotonic() + 10  # the server notices the disconnect within its poll
+    while _aborted(live_server) < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
     m = live_server.wait_idle()
     assert m["pjinfer:kv_blocks_used"] == 0 and m["pjinfer:num_requests_running"] == 0
     assert _aborted(live_server) == before + 1
