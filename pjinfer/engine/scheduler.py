@@ -158,41 +158,38 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch and advance every picked request as if the step had run."""
         out = SchedulerOutput(timed_out=self._expire(time.monotonic()))
-        picked: list[tuple[Request, int]] = []
+        picked: list[tuple[Request, int, list[int]]] = []  # (request, new tokens, block table)
         budget = self._schedule_running(picked, out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(picked, budget)
         out.copy_ops = self.kv.take_copy_ops()  # after every allocation of this step
         sampled_rows: dict[str, int] = {}
-        for row, (request, num_new) in enumerate(picked):
-            out.chunks.append(self._chunk(request, num_new))
-            out.rows.append(request.sampling_row(out.chunks[-1].prev_row))
-            out.scheduled.append(self._advance(request, num_new))
+        for row, (request, num_new, table) in enumerate(picked):
+            self._pick(out, request, num_new, table)
             if out.scheduled[-1].samples:
                 sampled_rows[request.request_id] = row
         self._sampled_rows = sampled_rows
         out.freed_request_ids, self._freed = self._freed, []
         return out
 
-    def _chunk(self, r: Request, num_new: int) -> Chunk:
-        """The runner's view; a pending last token is read on the device from the step before
-        (its row there), so the host never waits for it."""
+    def _pick(self, out: SchedulerOutput, r: Request, num_new: int, table: list[int]) -> None:
+        """Hand one request to the runner and advance it as if the step had run. A pending
+        last token is read on the device from the step before (its row there), so the host
+        never waits for it. (Runs for every sequence every step: kept lean.)"""
         first = r.num_computed_tokens
         prev_row = self._sampled_rows[r.request_id] if r.num_pending_tokens else -1
         following = None
         if r.wants_prompt_logprobs and first < r.num_prompt_tokens:
             following = r.token_ids_between(first + 1, first + num_new + 1)
-        return Chunk(r.token_ids_between(first, first + num_new), first, num_new,
-                     self.kv.block_table(r.request_id), prev_row, following, r.request_id)
-
-    def _advance(self, r: Request, num_new: int) -> ScheduledChunk:
-        first = r.num_computed_tokens
-        r.num_computed_tokens += num_new
-        samples = r.num_computed_tokens == r.num_tokens  # not a prompt chunk
+        out.chunks.append(Chunk(r.token_ids_between(first, first + num_new), first, num_new,
+                                table, prev_row, following, r.request_id))
+        out.rows.append(r.sampling_row(prev_row))
+        r.num_computed_tokens = computed = first + num_new
+        samples = computed == r.num_tokens  # not a prompt chunk
         if samples:
             r.num_pending_tokens += 1
             r.final_token_pending = self._at_length_limit(r, r.num_output_tokens)
-        return ScheduledChunk(r, first, num_new, samples)
+        out.scheduled.append(ScheduledChunk(r, first, num_new, samples))
 
     def _at_length_limit(self, r: Request, num_output: int) -> bool:
         """The one length rule: max_tokens outputs, or max_model_len tokens in all."""
@@ -207,8 +204,7 @@ class Scheduler:
         self.finish_requests(expired, RequestStatus.FINISHED_TIMEOUT)
         return expired
 
-    def _schedule_running(self, picked: list[tuple[Request, int]], out: SchedulerOutput,
-                          budget: int) -> int:
+    def _schedule_running(self, picked: list, out: SchedulerOutput, budget: int) -> int:
         # Decodes (one token to go) first, then chunks of prompts already being prefilled.
         order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
         for request in order:
@@ -219,23 +215,26 @@ class Scheduler:
             if request.final_token_pending:  # its last token is being sampled: nothing to do
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self._allocate_or_preempt(request, num_new, picked, out):
-                picked.append((request, num_new))
+            table = self._allocate_or_preempt(request, num_new, picked, out)
+            if table is not None:
+                picked.append((request, num_new, table))
                 budget -= num_new
         return budget
 
-    def _allocate_or_preempt(self, request: Request, num_new: int,
-                             picked: list[tuple[Request, int]], out: SchedulerOutput) -> bool:
-        while self.kv.allocate_slots(request.request_id, request.all_token_ids,
-                                     request.num_computed_tokens, num_new) is None:
-            scheduled = {r.request_id for r, _ in picked}
+    def _allocate_or_preempt(self, request: Request, num_new: int, picked: list,
+                             out: SchedulerOutput) -> list[int] | None:
+        """The request's block table with room for `num_new` more tokens, preempting others
+        (last by policy first) until it fits; None if the request itself had to go."""
+        while (table := self.kv.allocate_slots(request.request_id, request.all_token_ids,
+                                               request.num_computed_tokens, num_new)) is None:
+            scheduled = {p[0].request_id for p in picked}
             candidates = [r for r in self.running if r.request_id not in scheduled]
             victim = max(candidates, key=self.policy.key)
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is request:
-                return False
-        return True
+                return None
+        return table
 
     def _preempt(self, request: Request) -> None:
         """Free everything; the request will recompute prompt + output when readmitted."""
@@ -248,38 +247,40 @@ class Scheduler:
         self.num_preemptions += 1
         self._push(request)
 
-    def _schedule_waiting(self, picked: list[tuple[Request, int]], budget: int) -> None:
+    def _schedule_waiting(self, picked: list, budget: int) -> None:
         while self._waiting and budget > 0:
             request = self._waiting[0][2]
             group = 1 + len(self._fork_pending.get(request.group_id, ()))
             if len(self.running) + group > self.config.max_num_seqs:
                 break
-            num_new = self._admit(request, budget)
+            num_new, table = self._admit(request, budget)
             if num_new == 0:
                 break
             heapq.heappop(self._waiting)
             request.status = RequestStatus.RUNNING
             request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
             self.running.append(request)
-            picked.append((request, num_new))
+            picked.append((request, num_new, table))
             budget -= num_new
 
-    def _admit(self, request: Request, budget: int) -> int:
-        """Allocate the first chunk (after any prefix-cache hit); 0 if it cannot start now."""
+    def _admit(self, request: Request, budget: int) -> tuple[int, list[int]]:
+        """Allocate the first chunk (after any prefix-cache hit): (tokens to compute, block
+        table); 0 tokens if it cannot start now."""
         blocks, num_cached = [], 0
         if self.config.enable_prefix_caching:
             blocks, num_cached = self.kv.get_computed_blocks(request.all_token_ids)
         num_new = request.num_tokens - num_cached
         if num_new > budget and not self.config.enable_chunked_prefill:
-            return 0
+            return 0, []
         num_new = min(num_new, budget)
-        if self.kv.allocate_slots(request.request_id, request.all_token_ids, num_cached,
-                                  num_new, blocks) is None:
-            return 0
+        table = self.kv.allocate_slots(request.request_id, request.all_token_ids, num_cached,
+                                       num_new, blocks)
+        if table is None:
+            return 0, []
         request.num_computed_tokens = num_cached
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_cached
-        return num_new
+        return num_new, table
 
     # ---- after the step -----------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput,
