@@ -65,15 +65,15 @@ def test_a_fault_in_one_request_leaves_the_others_unchanged(engine, monkeypatch)
 
 
 def test_a_step_fault_fails_that_step_and_the_engine_goes_on(engine, monkeypatch):
-    launch = engine.runner.launch
+    forward = engine.runner.forward  # what the engine launches a step's model with
     calls = iter(range(1000))
 
     def faulty(*args, **kwargs):
         if next(calls) == 3:
             raise RuntimeError("injected launch fault")
-        return launch(*args, **kwargs)
+        return forward(*args, **kwargs)
 
-    monkeypatch.setattr(engine.runner, "launch", faulty)
+    monkeypatch.setattr(engine.runner, "forward", faulty)
     _, failures = _run(engine, {"x": PROMPTS["a"], "y": PROMPTS["c"]})
     assert set(failures) == {"x", "y"}
     _assert_idle(engine)
