@@ -4,10 +4,13 @@ attention scale, and the config errors that name their field (parity: test_parit
 from __future__ import annotations
 
 import json
+import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from pjinfer.config import ModelConfig
 from pjinfer.models.dense import dense_logits
@@ -65,6 +68,19 @@ def test_gpt2_config_names_and_attention_scales(hf_models):
     relu = ModelConfig.from_pretrained(hf_models["gpt2_relu"])
     assert relu.attention_scales == (1.0, 1.0) and relu.intermediate_size == 96
     assert not relu.tie_word_embeddings
+
+
+def test_gpt2_hub_checkpoint_without_transformer_prefix_loads(hf_models, tmp_path):
+    """The Hub's GPT-2 files hold GPT2Model's names (h.0..., wte) and causal-mask buffers."""
+    path = tmp_path / "gpt2_hub"
+    shutil.copytree(hf_models["gpt2"], path)
+    tensors = load_file(path / "model.safetensors")
+    bare = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+    bare["h.0.attn.bias"] = np.ones((1, 1, 4, 4), np.float32)
+    save_file(bare, path / "model.safetensors")
+    _, ours = load_model(path, dtype="float32")
+    _, ref = load_model(hf_models["gpt2"], dtype="float32")
+    jax.tree.map(np.testing.assert_array_equal, ours, ref)
 
 
 @pytest.mark.parametrize("name, change, match", [
