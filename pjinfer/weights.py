@@ -68,14 +68,23 @@ class SafetensorsIndex:
         for name, info in header.items():
             self._entries[name] = (path, info, 8 + size)
 
+    def _key(self, name: str) -> str:
+        """`name`, or the same without its first component when only that is stored: a base
+        model saved without its head (transformers' base_model_prefix; e.g. the Hub's GPT-2
+        says `h.0.attn.c_attn.weight` where GPT2LMHeadModel says `transformer.h.0...`)."""
+        if name in self._entries or "." not in name:
+            return name
+        bare = name.split(".", 1)[1]
+        return bare if bare in self._entries else name
+
     def __contains__(self, name: str) -> bool:
-        return name in self._entries
+        return self._key(name) in self._entries
 
     def names(self) -> list[str]:
         return list(self._entries)
 
     def get(self, name: str) -> np.ndarray:
-        path, info, data_start = self._entries[name]
+        path, info, data_start = self._entries[self._key(name)]
         if info["dtype"] not in _ST_DTYPES:
             raise ModelLoadError(f"tensor {name!r} has unsupported dtype {info['dtype']}")
         if path not in self._maps:

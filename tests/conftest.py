@@ -15,6 +15,16 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
             initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
+# GPT-2 spells the shape its own way (n_embd, n_head ...) and has no GQA or intermediate_size.
+GPT2_TINY = dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                 initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+BASES = {"GPT2Config": GPT2_TINY}  # config class -> its TINY (default: TINY)
+# LongRoPE: factors for head_dim 16 x partial_rotary_factor 0.5 = 8 rotary dims; short ones
+# up to 64 positions, long ones beyond (max_position_embeddings 256: attention factor 1.15).
+PHI3_LONGROPE = dict(original_max_position_embeddings=64, partial_rotary_factor=0.5,
+                     rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.3, 2.0, 3.5],
+                                   "long_factor": [1.5, 4.0, 9.0, 20.0]})
+
 # name -> (transformers config class name, overrides, save_pretrained kwargs)
 MODEL_VARIANTS = {
     # GQA, Llama-3 rope scaling, sharded checkpoint (index.json + several files)
@@ -30,6 +40,14 @@ MODEL_VARIANTS = {
     # use_sliding_window=False must switch the window off although sliding_window is set
     "qwen2": ("Qwen2Config", dict(use_sliding_window=False, sliding_window=4), {}),
     "qwen3": ("Qwen3Config", dict(head_dim=32, attention_bias=False), {}),
+    # tied head, gelu_new, scores divided by layer + 1
+    "gpt2": ("GPT2Config", dict(scale_attn_by_inverse_layer_idx=True), {}),
+    # untied head, relu, n_inner, no 1/sqrt(hd), float32 upcast flag
+    "gpt2_relu": ("GPT2Config", dict(activation_function="relu", n_inner=96,
+                                     tie_word_embeddings=False, scale_attn_weights=False,
+                                     reorder_and_upcast_attn=True), {}),
+    "phi3": ("Phi3Config", PHI3_LONGROPE, {}),  # GQA, partial rotary, longrope (short here)
+    "phi3_sw": ("Phi3Config", dict(sliding_window=6, tie_word_embeddings=True), {}),
 }
 
 
@@ -39,12 +57,12 @@ def build_hf_model(root: Path, name: str) -> Path:
     import transformers
 
     cls_name, overrides, save_kwargs = MODEL_VARIANTS[name]
-    config = getattr(transformers, cls_name)(**{**TINY, **overrides})
+    config = getattr(transformers, cls_name)(**{**BASES.get(cls_name, TINY), **overrides})
     torch.manual_seed(sum(map(ord, name)))
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # norms away from 1 so a missing or misplaced weight shows
         for pname, p in model.named_parameters():
-            if "norm" in pname or pname.endswith("bias"):
+            if "norm" in pname or ".ln_" in pname or pname.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
     path = root / name
     model.save_pretrained(path, safe_serialization=True, **save_kwargs)

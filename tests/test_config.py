@@ -55,7 +55,8 @@ def test_mistral_null_window_means_full_attention():
     ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
     ({"hidden_size": 0}, "hidden_size"),
     ({"torch_dtype": "int4"}, "unknown dtype"),
-    ({"rope_scaling": {"rope_type": "su", "factor": 2.0}}, "unsupported rope type"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "unsupported rope type"),
+    ({"rope_scaling": {"rope_type": "su", "short_factor": [1.0]}}, "long_factor"),
     ({"architectures": []}, "architectures"),
 ])
 def test_bad_configs_name_the_field(change, match):

@@ -30,7 +30,7 @@ def test_missing_config(tmp_path):
 def test_unsupported_architecture_lists_supported(tmp_path, hf_models):
     path = _copy(hf_models["qwen2"], tmp_path / "m")
     raw = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**raw, "architectures": ["GPT2LMHeadModel"]}))
+    (path / "config.json").write_text(json.dumps({**raw, "architectures": ["FalconForCausalLM"]}))
     with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen3ForCausalLM"):
         load_model(path)
 

@@ -66,10 +66,11 @@ def _paged_attention(opts: StepOptions):
     Under a mesh the two ops run per tp shard (each sees its own q and kv heads), so the
     Pallas kernels never see a sharded array.
     """
-    cfg, scale = opts.cfg, opts.cfg.head_dim ** -0.5
+    cfg = opts.cfg
 
     def attention(layer, q, k, v, cache, md):
-        attn = ops.AttentionParams(scale, sliding_window=cfg.sliding_window(layer))
+        attn = ops.AttentionParams(cfg.attention_scale(layer),
+                                   sliding_window=cfg.sliding_window(layer))
 
         def local(q, k, v, k_cache, v_cache, md):
             k_cache, v_cache = ops.write_kv(k_cache, v_cache, k, v, md.slot_mapping)

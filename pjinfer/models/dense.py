@@ -36,24 +36,27 @@ def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, seq_ids: ja
 
 @partial(jax.jit, static_argnames=("cfg",))
 def dense_logits(params, cfg: ModelConfig, token_ids: jax.Array, lengths: jax.Array) -> jax.Array:
-    """Logits [B, L, V] (float32) for right-padded prompts token_ids [B, L] of `lengths` [B]."""
+    """Logits [B, L, V] (float32) for right-padded prompts token_ids [B, L] of `lengths` [B].
+
+    The rotary setup is that of sequences up to L, as transformers picks length-dependent rope
+    (dynamic NTK, LongRoPE) from the current length.
+    """
     b, seq_len = token_ids.shape
     spec = get_model_spec(cfg.architecture)
     positions = jnp.tile(jnp.arange(seq_len, dtype=jnp.int32), b)
     seq_ids = jnp.repeat(jnp.arange(b, dtype=jnp.int32), seq_len)
     valid = positions < jnp.repeat(lengths, seq_len)
     seq_ids = jnp.where(valid, seq_ids, -1 - jnp.arange(b * seq_len))  # padding sees only itself
-    scale = cfg.head_dim ** -0.5
 
     def attention(layer, q, k, v, cache, _):
-        window = cfg.sliding_window(layer)
-        out = dense_causal_attention(q, k, v, seq_ids, positions, scale=scale,
-                                     sliding_window=window)
+        out = dense_causal_attention(q, k, v, seq_ids, positions,
+                                     scale=cfg.attention_scale(layer),
+                                     sliding_window=cfg.sliding_window(layer))
         return out, cache
 
     hidden, _ = spec.forward(params, cfg, token_ids.reshape(-1), positions,
                              [None] * cfg.num_hidden_layers, None, attention=attention,
-                             rotary=spec.rotary(cfg, None))
+                             rotary=spec.rotary(cfg, seq_len))
     return spec.compute_logits(params, hidden).reshape(b, seq_len, -1)
 
 

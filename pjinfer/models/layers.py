@@ -1,8 +1,10 @@
-"""Building blocks shared by the Llama-family decoders: norms, rotary embeddings, MLP."""
+"""Building blocks shared by the decoders: norms, rotary embeddings, activations, MLPs."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +18,44 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return weight * x32.astype(x.dtype)
+
+
+def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm (with bias) in float32, cast back; GPT-2's ln_1/ln_2/ln_f."""
+    x32 = x.astype(jnp.float32)
+    centered = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(centered * centered, axis=-1, keepdims=True)
+    return (centered * jax.lax.rsqrt(var + eps) * weight + bias).astype(x.dtype)
+
+
+# Norms by name for the decoder: (params holding `name` [and `name_bias`], name, x, eps).
+def rms_norm_named(p: dict, name: str, x: jax.Array, eps: float) -> jax.Array:
+    return rms_norm(x, p[name], eps)
+
+
+def layer_norm_named(p: dict, name: str, x: jax.Array, eps: float) -> jax.Array:
+    return layer_norm(x, p[name], p[f"{name}_bias"], eps)
+
+
+# transformers' ACT2FN names -> jax; gelu_new and gelu_pytorch_tanh are the same tanh formula.
+ACTIVATIONS = {
+    "silu": jax.nn.silu, "swish": jax.nn.silu, "relu": jax.nn.relu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+}
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["inv_freq"],
+         meta_fields=["attention_factor"])
+@dataclass(frozen=True)
+class Rope:
+    """What `apply_rope` needs: inverse frequencies [rotary_dim / 2] (rotary_dim <= head_dim:
+    the rest of each head passes through) and the factor cos and sin are multiplied by (static
+    under jit, so a factor of 1 costs nothing)."""
+
+    inv_freq: jax.Array
+    attention_factor: float = 1.0
 
 
 def _llama3_inv_freq(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:
@@ -32,18 +72,25 @@ def _llama3_inv_freq(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:
 
 
 def rope_inv_freq(cfg: ModelConfig, max_len: int | None = None) -> np.ndarray:
-    """Inverse frequencies [head_dim / 2] in float32, as transformers computes them.
+    """Inverse frequencies [rotary_dim / 2] in float32, as transformers computes them.
 
-    Dynamic NTK changes the base only for sequences longer than `max_position_embeddings`;
-    transformers recomputes it per forward from the current length, which a paged cache cannot
-    follow, so (like vLLM) the base is fixed once for the longest length the engine serves.
+    Dynamic NTK and LongRoPE depend on the sequence length: transformers recomputes them per
+    forward from the current length, which a paged cache cannot follow (keys already stored
+    keep their rotation), so (like vLLM) they are fixed once for `max_len`, the longest
+    length the engine serves. Dynamic NTK changes the base only past max_position_embeddings;
+    LongRoPE takes its long factors when max_len > original_max_position_embeddings, its short
+    ones otherwise (and for max_len None, as transformers does without a length).
     """
-    d, s = cfg.head_dim, cfg.rope_scaling
+    d, s = int(cfg.head_dim * cfg.partial_rotary_factor), cfg.rope_scaling
     base = cfg.rope_theta
     if s.rope_type == "dynamic" and max_len and max_len > cfg.max_position_embeddings:
         ratio = s.factor * max_len / cfg.max_position_embeddings - (s.factor - 1)
         base = base * ratio ** (d / (d - 2))
     exponent = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d
+    if s.rope_type == "longrope":
+        long = max_len is not None and max_len > s.original_max_position_embeddings
+        ext = np.asarray(s.long_factor if long else s.short_factor, np.float32)
+        return (1.0 / (ext * base ** exponent)).astype(np.float32)
     inv_freq = (1.0 / (base ** exponent)).astype(np.float32)
     if s.rope_type == "linear":
         return (inv_freq / np.float32(s.factor)).astype(np.float32)
@@ -52,15 +99,26 @@ def rope_inv_freq(cfg: ModelConfig, max_len: int | None = None) -> np.ndarray:
     return inv_freq
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (HF layout, not interleaved). x [T, N, D], positions [T]."""
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [T, 1, D]
+def rope(cfg: ModelConfig, max_len: int | None = None) -> Rope:
+    """The rotary setup of `cfg` for sequences up to `max_len` (see `rope_inv_freq`)."""
+    return Rope(jnp.asarray(rope_inv_freq(cfg, max_len)), cfg.rope_scaling.attention_factor)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, r: Rope) -> jax.Array:
+    """Rotate-half RoPE (HF layout, not interleaved) on the first R dims of each head.
+
+    x [T, N, D], positions [T]; R = 2 * len(inv_freq) <= D.
+    """
+    freqs = positions.astype(jnp.float32)[:, None] * r.inv_freq[None, :]  # [T, R/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [T, 1, R]
     cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if r.attention_factor != 1.0:
+        cos, sin = cos * r.attention_factor, sin * r.attention_factor
     x32 = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    return (x32 * cos + rotated * sin).astype(x.dtype)
+    rot, half = emb.shape[-1], emb.shape[-1] // 2
+    xr = x32[..., :rot]
+    rotated = jnp.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
+    return jnp.concatenate([xr * cos + rotated * sin, x32[..., rot:]], axis=-1).astype(x.dtype)
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *,
@@ -79,3 +137,9 @@ def gated_mlp(lp: dict, x: jax.Array) -> jax.Array:
     gate = linear(x, lp["gate_proj"], lp.get("gate_bias"))
     up = linear(x, lp["up_proj"], lp.get("up_bias"))
     return linear(jax.nn.silu(gate) * up, lp["down_proj"], lp.get("down_bias"))
+
+
+def plain_mlp(lp: dict, x: jax.Array, *, act: str) -> jax.Array:
+    """Ungated: down(act(up(x))) (GPT-2's c_fc, c_proj)."""
+    h = ACTIVATIONS[act](linear(x, lp["up_proj"], lp.get("up_bias")))
+    return linear(h, lp["down_proj"], lp.get("down_bias"))

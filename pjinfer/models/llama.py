@@ -26,7 +26,15 @@ import jax
 import jax.numpy as jnp
 
 from pjinfer.config import ModelConfig, sliding_window_layers
-from pjinfer.models.layers import apply_rope, gated_mlp, linear, rms_norm, rope_inv_freq
+from pjinfer.models.layers import (
+    Rope,
+    apply_rope,
+    gated_mlp,
+    linear,
+    rms_norm,
+    rms_norm_named,
+    rope,
+)
 from pjinfer.models.spec import ModelSpec, ParamSpec, transpose
 
 Params = dict[str, Any]
@@ -34,10 +42,12 @@ Params = dict[str, Any]
 AttentionFn = Callable[..., tuple[jax.Array, Any]]
 MlpFn = Callable[[Params, jax.Array], jax.Array]  # (layer params, x [T, D]) -> [T, D]
 MlpSpecsFn = Callable[[ModelConfig, int], list[ParamSpec]]  # (cfg, layer) -> its MLP's params
+# (params holding the norm's weight [and bias], its name, x [T, D], eps) -> [T, D]
+NormFn = Callable[[Params, str, jax.Array, float], jax.Array]
 
 
 def _project_qkv(lp: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Array,
-                 inv_freq: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 rope: Rope | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     t, hd = h.shape[0], cfg.head_dim
     q = linear(h, lp["q_proj"], lp.get("q_bias")).reshape(t, -1, hd)  # [T, H, hd]
     k = linear(h, lp["k_proj"], lp.get("k_bias")).reshape(t, -1, hd)  # [T, KVH, hd]
@@ -45,37 +55,42 @@ def _project_qkv(lp: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Arra
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+    if rope is None:  # positions come from a learned table instead (GPT-2)
+        return q, k, v
+    return apply_rope(q, positions, rope), apply_rope(k, positions, rope), v
 
 
 def decoder_layer(lp: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
-                  inv_freq: jax.Array, attend: Callable, mlp: MlpFn = gated_mlp,
-                  ) -> tuple[jax.Array, Any]:
+                  rope: Rope | None, attend: Callable, mlp: MlpFn = gated_mlp,
+                  norm: NormFn = rms_norm_named) -> tuple[jax.Array, Any]:
     """One pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). x [T, D]."""
-    h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
-    q, k, v = _project_qkv(lp, cfg, h, positions, inv_freq)
+    h = norm(lp, "input_norm", x, cfg.rms_norm_eps)
+    q, k, v = _project_qkv(lp, cfg, h, positions, rope)
     out, cache = attend(q, k, v)
     x = x + linear(out.reshape(x.shape[0], -1), lp["o_proj"], lp.get("o_bias"))
-    x = x + mlp(lp, rms_norm(x, lp["post_attn_norm"], cfg.rms_norm_eps))
+    x = x + mlp(lp, norm(lp, "post_attn_norm", x, cfg.rms_norm_eps))
     return x, cache
 
 
 def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array,
-            kv_caches: list, metadata: Any, *, attention: AttentionFn, rotary: jax.Array,
-            mlp: MlpFn = gated_mlp) -> tuple[jax.Array, list]:
+            kv_caches: list, metadata: Any, *, attention: AttentionFn, rotary: Rope | None,
+            mlp: MlpFn = gated_mlp, norm: NormFn = rms_norm_named) -> tuple[jax.Array, list]:
     """Hidden states [T, D] of a flat (ragged) batch of tokens, and the updated per-layer caches.
 
     `attention` decides how keys are stored and read (paged cache, or dense for the oracle);
-    `rotary` is what `rotary()` returns: the RoPE inverse frequencies [hd / 2].
+    `rotary` is what `rotary()` returns (None: no rope, the params' learned `pos_embed` [P, D]
+    is added to the token embeddings instead); `mlp` and `norm` are the block's pieces.
     """
     x = params["embed"][token_ids]  # [T, D]
+    if "pos_embed" in params:
+        x = x + params["pos_embed"][positions]
     new_caches = []
     for i, lp in enumerate(params["layers"]):
         def attend(q, k, v, i=i):
             return attention(i, q, k, v, kv_caches[i], metadata)
-        x, cache = decoder_layer(lp, cfg, x, positions, rotary, attend, mlp)
+        x, cache = decoder_layer(lp, cfg, x, positions, rotary, attend, mlp, norm)
         new_caches.append(cache)
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_caches
+    return norm(params, "final_norm", x, cfg.rms_norm_eps), new_caches
 
 
 def compute_logits(params: Params, hidden: jax.Array) -> jax.Array:
@@ -162,11 +177,6 @@ PARTITION_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
 )
 
 
-def rotary(cfg: ModelConfig, max_model_len: int | None = None) -> jax.Array:
-    """RoPE inverse frequencies [hd / 2]; dynamic NTK fixes its base for `max_model_len`."""
-    return jnp.asarray(rope_inv_freq(cfg, max_model_len))
-
-
 def parse_llama(raw: dict[str, Any]) -> dict[str, Any]:
     """Llama and Mistral: `attention_bias` on q/k/v and o; every layer slides when
     `sliding_window` is set (unless `layer_types` says otherwise)."""
@@ -203,6 +213,6 @@ def parse_qwen3(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 LLAMA = ModelSpec(forward=forward, compute_logits=compute_logits, param_specs=param_specs,
-                  partition_rules=PARTITION_RULES, rotary=rotary, parse_config=parse_llama)
+                  partition_rules=PARTITION_RULES, rotary=rope, parse_config=parse_llama)
 QWEN2 = dataclasses.replace(LLAMA, parse_config=parse_qwen2)
 QWEN3 = dataclasses.replace(LLAMA, parse_config=parse_qwen3)

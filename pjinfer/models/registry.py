@@ -18,6 +18,8 @@ _BUILTIN: dict[str, str] = {  # architecture -> "module:attribute" of its ModelS
     "MistralForCausalLM": "pjinfer.models.llama:LLAMA",
     "Qwen2ForCausalLM": "pjinfer.models.llama:QWEN2",
     "Qwen3ForCausalLM": "pjinfer.models.llama:QWEN3",
+    "GPT2LMHeadModel": "pjinfer.models.gpt2:GPT2",
+    "Phi3ForCausalLM": "pjinfer.models.phi3:PHI3",
 }
 _REGISTRY: Registry[ModelSpec] = Registry("architecture",
                                           "pjinfer.models.registry.register_model", {})

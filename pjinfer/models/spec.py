@@ -62,6 +62,11 @@ def no_config_fields(raw: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+def same_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """Default `normalize_config`: config.json already uses the generic (Llama) spelling."""
+    return raw
+
+
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     """The pure functions and declarations that make up one architecture.
@@ -73,8 +78,11 @@ class ModelSpec:
     partition_rules: (regex on "layers/3/q_proj", logical axes) pairs, first match wins; the
         logical names are those of pjinfer.sharding.rules.LOGICAL_TO_MESH. A param whose last
         axis is "kv_heads" has kv heads x head_dim there, duplicated when tp > kv heads.
-    rotary(cfg, max_model_len | None) -> the `rotary` argument of forward (e.g. inv_freq [hd/2])
+    rotary(cfg, max_len | None) -> the `rotary` argument of forward (e.g. a `layers.Rope`);
+        max_len is the longest sequence the caller serves (the engine's max_model_len)
     parse_config(hf config.json dict) -> ModelConfig fields specific to the architecture
+    normalize_config(hf config.json dict) -> the same with the generic field names (hidden_size,
+        num_attention_heads ...), applied before anything is read (GPT-2 says n_embd, n_head)
     """
 
     forward: Callable[..., tuple[Any, list]]
@@ -83,6 +91,7 @@ class ModelSpec:
     partition_rules: tuple[tuple[str, Axes], ...]
     rotary: Callable[..., Any]
     parse_config: Callable[[dict[str, Any]], dict[str, Any]] = no_config_fields
+    normalize_config: Callable[[dict[str, Any]], dict[str, Any]] = same_config
 
 
 # ---- checkpoint transforms ------------------------------------------------------------------
@@ -98,6 +107,18 @@ def _fuse(*tensors: np.ndarray, axis: int, pre: Callable | None) -> np.ndarray:
 def fuse(axis: int = -1, *, pre: Callable[[np.ndarray], np.ndarray] | None = None) -> Callable:
     """Concatenate several tensors (e.g. q, k, v into one qkv) after `pre` (e.g. transpose)."""
     return partial(_fuse, axis=axis, pre=pre)
+
+
+def _part(t: np.ndarray, *, start: int, stop: int, pre: Callable | None) -> np.ndarray:
+    t = pre(t) if pre else t
+    return t[..., start:stop]
+
+
+def part(start: int, stop: int, *, pre: Callable[[np.ndarray], np.ndarray] | None = None
+         ) -> Callable:
+    """Columns start:stop of one fused tensor after `pre` (e.g. q out of a fused qkv): a view
+    of the memory map, so each split param is sharded on its own like an unfused one."""
+    return partial(_part, start=start, stop=stop, pre=pre)
 
 
 def _stack(*tensors: np.ndarray, axis: int, pre: Callable | None) -> np.ndarray:

@@ -52,7 +52,7 @@ def test_float32_logits_and_greedy_match_transformers(hf_models, name):
     assert dense_greedy_generate(params, cfg, PROMPTS[0], 32) == expected
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gpt2", "phi3"])
 def test_bfloat16_logits_match_transformers(hf_models, name):
     import torch
 

@@ -31,6 +31,14 @@ def test_greedy_tokens_match_tp1(gqa8_model, tp):
     assert _generate(gqa8_model, tp) == expected
 
 
+@pytest.mark.parametrize("name", ["gpt2", "gpt2_relu", "phi3", "phi3_sw"])
+def test_other_architectures_match_tp1(hf_models, name):
+    """GPT-2 (split c_attn, LayerNorm biases, learned positions, per-layer scale) and Phi-3
+    (split qkv/gate_up, LongRoPE, sliding window) shard with Llama's rules."""
+    expected = _generate(hf_models[name], 1)
+    assert _generate(hf_models[name], 2) == expected
+
+
 def test_chunked_prefill_and_prefix_cache_under_tp(gqa8_model):
     """Chunks of 16 tokens and copy-on-write/prefix hits run through the sharded cache."""
     kwargs = dict(max_num_batched_tokens=16, enable_prefix_caching=True)
