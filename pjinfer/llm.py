@@ -46,19 +46,21 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
-        """One finished RequestOutput per prompt, in the order given."""
+                 *, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """One finished RequestOutput per prompt, in the order given. `priority` (one int per
+        prompt, lower first, as vLLM) orders them under `scheduling_policy="priority"`."""
         prompts = _as_list(prompts)
         params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                   for p in _broadcast(sampling_params, len(prompts))]
+        priorities = _priorities(priority, len(prompts))
         for p in params:  # a bad schema/regex/grammar: ValueError before anything runs
             if p.structured_outputs is not None:
                 self.engine.structured_output.check(p.structured_outputs)
         ids = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p, rank in zip(prompts, params, priorities, strict=True):
                 ids.append(f"llm-{next(self._ids)}")
-                self.engine.add_request(ids[-1], prompt, p)
+                self.engine.add_request(ids[-1], prompt, p, priority=rank)
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -129,3 +131,13 @@ def _broadcast(params, n: int) -> list[SamplingParams]:
         raise ValueError(f"got {len(params)} sampling_params for {n} prompts; pass one, "
                          "or one per prompt")
     return list(params)
+
+
+def _priorities(priority: Sequence[int] | None, n: int) -> list[int]:
+    if priority is None:
+        return [0] * n
+    if len(priority) != n or not all(isinstance(p, int) and not isinstance(p, bool)
+                                      for p in priority):
+        raise ValueError(f"priority must be a list of {n} integers (one per prompt), got "
+                         f"{priority!r}")
+    return list(priority)

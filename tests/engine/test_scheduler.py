@@ -193,3 +193,16 @@ def test_sjf_serves_short_prompts_first_and_ages_long_ones():
 def test_sjf_rejects_bad_aging_rate():
     with pytest.raises(ValueError, match="aging_rate"):
         SJFPolicy(aging_rate=0)
+
+
+def test_llm_generate_takes_a_priority_per_prompt():
+    """Under the priority policy, LLM.generate's `priority` decides who runs first."""
+    from pjinfer import LLM
+
+    llm = LLM(warmup=False, scheduling_policy="priority", max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=3)
+    outs = llm.generate(["Beautiful is", "Explicit is"], params, priority=[5, -5])
+    first = min(outs, key=lambda o: o.metrics.first_token_time)
+    assert first.outputs[0].text and outs.index(first) == 1
+    with pytest.raises(ValueError, match="priority must be a list of 2 integers"):
+        llm.generate(["a", "b"], params, priority=[1])
