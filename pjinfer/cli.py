@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from pjinfer import __version__
+from pjinfer.engine.compilation_cache import default_cache_dir
 from pjinfer.engine.config import ENGINE_ARGS, EngineConfig
 from pjinfer.engine_flags import add_engine_args, run_config_from_flags
 from pjinfer.plugins import PluginError
@@ -122,10 +123,20 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
     return config.with_overrides("server", server) if server else config
 
 
+def engine_args(config: RunConfig) -> dict[str, Any]:
+    """The run config's engine arguments, with the command's default compilation cache (see
+    `default_cache_dir`) where neither flag nor file chose one; an empty folder turns it off."""
+    args = config.engine_args()
+    if args.get("compilation_cache_dir") is None:
+        args["compilation_cache_dir"] = default_cache_dir()
+    args["compilation_cache_dir"] = args["compilation_cache_dir"] or None
+    return args
+
+
 def engine_config(config: RunConfig) -> EngineConfig:
     """EngineConfig from a run config; a bad value is a UsageError naming flag and key."""
     try:
-        return EngineConfig.from_kwargs(**config.engine_args())
+        return EngineConfig.from_kwargs(**engine_args(config))
     except ValueError as e:
         raise UsageError(_name_source(str(e), config)) from None
 
@@ -264,9 +275,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     set_memory_fraction(ecfg.gpu_memory_utilization)
     from pjinfer.llm import LLM
 
-    engine_args = config.engine_args()
-    engine_args.setdefault("warmup", False)
-    llm = _build(lambda _: LLM(**engine_args), ecfg)
+    kwargs = engine_args(config)
+    kwargs.setdefault("warmup", False)
+    llm = _build(lambda _: LLM(**kwargs), ecfg)
     try:
         if args.chat:
             outputs = llm.chat([{"role": "user", "content": args.prompt}], params)
