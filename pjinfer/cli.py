@@ -1,4 +1,4 @@
-"""The `pjinfer` command: `serve`, `generate`, `bench`, `convert`.
+"""The `pjinfer` command: `serve`, `generate`, `demo-path`, `bench`, `convert`.
 
 Engine flags keep vLLM's names and are generated from the EngineConfig table
 (pjinfer.engine_flags), for both `serve` and `generate`; each maps to an EngineConfig field and
@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the prompt text (with --chat: the user message)")
     add_engine_args(gen)
     _add_sampling(gen)
+    sub.add_parser("demo-path", help="print the demo model's folder (config.json, "
+                   "tokenizer.json), e.g. for another tool's --tokenizer")
     for name, module in DISPATCH.items():
         sub.add_parser(name, help=f"runs {module}.main (pjinfer {name} --help)", add_help=False)
     return parser
@@ -333,11 +335,23 @@ def _setup_logging(level: str) -> None:
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU" noise
 
 
-COMMANDS = {"serve": cmd_serve, "generate": cmd_generate}
+def cmd_demo_path(args: argparse.Namespace) -> int:
+    """The folder `pjinfer serve` with no model serves from: tools that tokenize on their own
+    side (lm-eval, guidellm) load the same tokenizer from it."""
+    from pjinfer.demo import DEMO_MODEL_DIR
+
+    print(DEMO_MODEL_DIR)
+    return 0
+
+
+COMMANDS = {"serve": cmd_serve, "generate": cmd_generate, "demo-path": cmd_demo_path}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # transformers advises at import that "PyTorch was not found": pjinfer uses only its
+    # tokenizers, so that line would read as a problem with the install (a user's setting wins)
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     if argv and argv[0] in DISPATCH:
         return _dispatch(argv[0], argv[1:])
     args = build_parser().parse_args(argv)

@@ -23,7 +23,7 @@ def test_version():
 def test_help_lists_commands():
     r = pjinfer_cli("--help")
     assert r.returncode == 0
-    for command in ("serve", "generate", "bench", "convert"):
+    for command in ("serve", "generate", "demo-path", "bench", "convert"):
         assert command in r.stdout
     serve = pjinfer_cli("serve", "--help")
     for flag in ("--max-model-len", "--api-key", "--no-enable-chunked-prefill", "--config",
@@ -49,6 +49,17 @@ def test_bad_flags_exit_2_with_one_line(args, words):
     assert r.returncode == 2
     assert words in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_demo_path_is_a_folder_transformers_loads_the_tokenizer_from():
+    from transformers import AutoTokenizer
+
+    r = pjinfer_cli("demo-path")
+    assert r.returncode == 0 and r.stderr == ""
+    tokenizer = AutoTokenizer.from_pretrained(r.stdout.strip())
+    assert tokenizer.decode(tokenizer.encode("Beautiful is better than ugly.",
+                                             add_special_tokens=False)) == \
+        "Beautiful is better than ugly."
 
 
 def test_generate_on_the_demo_model():
