@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from pjinfer.config import ModelConfig
 from pjinfer.engine.config import EngineConfig
-from pjinfer.engine.executable_cache import ExecutableCache
+from pjinfer.engine.executable_cache import ExecutableCache, served_by_jax_cache
 from pjinfer.engine.input_batch import InputBatch
 from pjinfer.engine.inputs import (
     BatchLayout,
@@ -186,16 +186,22 @@ class ModelRunner:
         elif not compile:
             return None
         else:
-            jitted = jax.jit(partial(model_step, opts=opts), donate_argnums=(1,),
-                             **self._step_shardings(opts))
-            fn = jitted.lower(*args).compile()
+            fn, from_jax_cache = self._compile(opts, args)
             self.num_compiles += 1
-            if disk:
+            if disk and not from_jax_cache:
                 disk.store("model_step", opts, args, fn)
             how = "compiled"
         self._compiled[key] = fn
         log.debug("%s step %s in %.2fs", how, key[1:], time.perf_counter() - start)
         return fn
+
+    def _compile(self, opts: StepOptions, args: tuple):
+        """Trace, lower and compile one step; whether JAX's persistent cache served it."""
+        jitted = jax.jit(partial(model_step, opts=opts), donate_argnums=(1,),
+                         **self._step_shardings(opts))
+        with served_by_jax_cache() as served:
+            fn = jitted.lower(*args).compile()
+        return fn, served()
 
     def _cache_shardings(self):
         if self.mesh is None:

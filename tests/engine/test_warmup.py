@@ -3,9 +3,14 @@ nothing."""
 
 from __future__ import annotations
 
+import shutil
+
+import jax
+
 import pjinfer
 from pjinfer import SamplingParams
 from pjinfer.engine import runner as runner_module
+from pjinfer.engine.executable_cache import SUBDIR
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
@@ -36,3 +41,16 @@ def test_a_large_model_warms_up_every_shape(monkeypatch):
     assert len(runner.warmup_shapes()) == 28  # 4 decode + 24 prefill (tokens, seqs) buckets
     assert {(8, 8, True), (16, 8, False), (256, 256, True), (2048, 256, False)} <= set(
         runner.warmup_shapes())
+
+
+def test_steps_served_by_jax_cache_are_not_stored_broken(tmp_path, restore_jax_cache_flags):
+    """A new pjinfer changes every executable-cache key while JAX's own cache still holds the
+    steps: those come from JAX's cache and are not stored again (on the CPU such a copy lacks
+    its kernels), so every later start still answers."""
+    _serve_once(tmp_path)
+    shutil.rmtree(tmp_path / SUBDIR)  # as if pjinfer's source had changed
+    for _ in range(2):
+        jax.clear_caches()  # a restart: only the disk caches are left
+        warm, after, text = _serve_once(tmp_path)
+        assert warm == after == (2, 0) and text.startswith(" ugly.\nExplicit")
+    assert not (tmp_path / SUBDIR).exists()
