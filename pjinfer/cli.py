@@ -125,20 +125,19 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
     return config.with_overrides("server", server) if server else config
 
 
-def engine_args(config: RunConfig) -> dict[str, Any]:
-    """The run config's engine arguments, with the command's default compilation cache (see
-    `default_cache_dir`) where neither flag nor file chose one; an empty folder turns it off."""
-    args = config.engine_args()
-    if args.get("compilation_cache_dir") is None:
-        args["compilation_cache_dir"] = default_cache_dir()
-    args["compilation_cache_dir"] = args["compilation_cache_dir"] or None
-    return args
+def with_default_cache(config: RunConfig) -> RunConfig:
+    """The run config, with the commands' compilation cache folder (`default_cache_dir`) where
+    neither flag nor file chose one (an empty folder, from either, turns the cache off)."""
+    path = default_cache_dir()
+    if path is None or "compilation_cache_dir" in config.engine_args():
+        return config
+    return config.with_overrides("compilation", {"compilation_cache_dir": path})
 
 
 def engine_config(config: RunConfig) -> EngineConfig:
     """EngineConfig from a run config; a bad value is a UsageError naming flag and key."""
     try:
-        return EngineConfig.from_kwargs(**engine_args(config))
+        return EngineConfig.from_kwargs(**config.engine_args())
     except ValueError as e:
         raise UsageError(_name_source(str(e), config)) from None
 
@@ -217,7 +216,7 @@ def set_memory_fraction(gpu_memory_utilization: float) -> None:
 
 # ---- commands -----------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
-    config = run_config_from_args(args)
+    config = with_default_cache(run_config_from_args(args))
     srv = server_args(config)
     _setup_logging(srv["log_level"])
     ecfg = engine_config(config)
@@ -270,16 +269,16 @@ def _build(factory: Any, ecfg: Any) -> Any:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    config = run_config_from_args(args)
+    config = with_default_cache(run_config_from_args(args))
     _setup_logging("warning")
     params = _sampling_params(args)
     ecfg = engine_config(config)
     set_memory_fraction(ecfg.gpu_memory_utilization)
     from pjinfer.llm import LLM
 
-    kwargs = engine_args(config)
-    kwargs.setdefault("warmup", False)
-    llm = _build(lambda _: LLM(**kwargs), ecfg)
+    engine_args = config.engine_args()
+    engine_args.setdefault("warmup", False)
+    llm = _build(lambda _: LLM(**engine_args), ecfg)
     try:
         if args.chat:
             outputs = llm.chat([{"role": "user", "content": args.prompt}], params)
