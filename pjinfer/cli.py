@@ -1,4 +1,4 @@
-"""The `pjinfer` command: `serve`, `generate`, `bench`, `convert`.
+"""The `pjinfer` command: `serve`, `generate`, `demo-path`, `bench`, `convert`.
 
 Engine flags keep vLLM's names and are generated from the EngineConfig table
 (pjinfer.engine_flags), for both `serve` and `generate`; each maps to an EngineConfig field and
@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from pjinfer import __version__
+from pjinfer.engine.compilation_cache import default_cache_dir
 from pjinfer.engine.config import ENGINE_ARGS, EngineConfig
 from pjinfer.engine_flags import add_engine_args, run_config_from_flags
 from pjinfer.plugins import PluginError
@@ -86,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the prompt text (with --chat: the user message)")
     add_engine_args(gen)
     _add_sampling(gen)
+    sub.add_parser("demo-path", help="print the demo model's folder (config.json, "
+                   "tokenizer.json), e.g. for another tool's --tokenizer")
     for name, module in DISPATCH.items():
         sub.add_parser(name, help=f"runs {module}.main (pjinfer {name} --help)", add_help=False)
     return parser
@@ -120,6 +123,15 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
     given = vars(args)
     server = {dest: given[dest] for _, (dest, _, _) in SERVER_FLAGS.items() if dest in given}
     return config.with_overrides("server", server) if server else config
+
+
+def with_default_cache(config: RunConfig) -> RunConfig:
+    """The run config, with the commands' compilation cache folder (`default_cache_dir`) where
+    neither flag nor file chose one (an empty folder, from either, turns the cache off)."""
+    path = default_cache_dir()
+    if path is None or "compilation_cache_dir" in config.engine_args():
+        return config
+    return config.with_overrides("compilation", {"compilation_cache_dir": path})
 
 
 def engine_config(config: RunConfig) -> EngineConfig:
@@ -204,7 +216,7 @@ def set_memory_fraction(gpu_memory_utilization: float) -> None:
 
 # ---- commands -----------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
-    config = run_config_from_args(args)
+    config = with_default_cache(run_config_from_args(args))
     srv = server_args(config)
     _setup_logging(srv["log_level"])
     ecfg = engine_config(config)
@@ -257,7 +269,7 @@ def _build(factory: Any, ecfg: Any) -> Any:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    config = run_config_from_args(args)
+    config = with_default_cache(run_config_from_args(args))
     _setup_logging("warning")
     params = _sampling_params(args)
     ecfg = engine_config(config)
@@ -322,11 +334,23 @@ def _setup_logging(level: str) -> None:
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU" noise
 
 
-COMMANDS = {"serve": cmd_serve, "generate": cmd_generate}
+def cmd_demo_path(args: argparse.Namespace) -> int:
+    """The folder `pjinfer serve` with no model serves from: tools that tokenize on their own
+    side (lm-eval, guidellm) load the same tokenizer from it."""
+    from pjinfer.demo import DEMO_MODEL_DIR
+
+    print(DEMO_MODEL_DIR)
+    return 0
+
+
+COMMANDS = {"serve": cmd_serve, "generate": cmd_generate, "demo-path": cmd_demo_path}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # transformers advises at import that "PyTorch was not found": pjinfer uses only its
+    # tokenizers, so that line would read as a problem with the install (a user's setting wins)
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     if argv and argv[0] in DISPATCH:
         return _dispatch(argv[0], argv[1:])
     args = build_parser().parse_args(argv)

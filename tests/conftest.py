@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +13,11 @@ import pytest
 # Several tests shard over fake CPU devices; the flag must be set before JAX initialises.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# `pjinfer serve|generate` keep compiled steps under ~/.cache/pjinfer by default: tests (and the
+# CLI subprocesses they start) use a temporary folder of their own instead.
+_CACHE_DIR = tempfile.mkdtemp(prefix="pjinfer-test-cache-")
+atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+os.environ["PJINFER_COMPILATION_CACHE_DIR"] = _CACHE_DIR
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

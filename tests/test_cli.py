@@ -23,7 +23,7 @@ def test_version():
 def test_help_lists_commands():
     r = pjinfer_cli("--help")
     assert r.returncode == 0
-    for command in ("serve", "generate", "bench", "convert"):
+    for command in ("serve", "generate", "demo-path", "bench", "convert"):
         assert command in r.stdout
     serve = pjinfer_cli("serve", "--help")
     for flag in ("--max-model-len", "--api-key", "--no-enable-chunked-prefill", "--config",
@@ -49,6 +49,17 @@ def test_bad_flags_exit_2_with_one_line(args, words):
     assert r.returncode == 2
     assert words in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_demo_path_is_a_folder_transformers_loads_the_tokenizer_from():
+    from transformers import AutoTokenizer
+
+    r = pjinfer_cli("demo-path")
+    assert r.returncode == 0 and r.stderr == ""
+    tokenizer = AutoTokenizer.from_pretrained(r.stdout.strip())
+    assert tokenizer.decode(tokenizer.encode("Beautiful is better than ugly.",
+                                             add_special_tokens=False)) == \
+        "Beautiful is better than ugly."
 
 
 def test_generate_on_the_demo_model():
@@ -82,3 +93,24 @@ def test_serve_hands_the_server_flags_to_the_server(monkeypatch):
     assert seen["options"] == ServerOptions(api_keys=("s",), max_request_bytes=100,
                                             engine_stuck_timeout=5.0, allowed_origins=("*",))
     assert (seen["ssl_keyfile"], seen["ssl_certfile"], seen["port"]) == ("k.pem", "c.pem", 8123)
+
+
+@pytest.mark.parametrize(("flags", "env", "folder"), [
+    ([], {"XDG_CACHE_HOME": "/xdg"}, "/xdg/pjinfer"),
+    ([], {"HOME": "/home/u"}, "/home/u/.cache/pjinfer"),
+    ([], {"PJINFER_COMPILATION_CACHE_DIR": "/env"}, "/env"),
+    ([], {"PJINFER_COMPILATION_CACHE_DIR": ""}, None),  # off
+    (["--compilation-cache-dir", "/flag"], {"PJINFER_COMPILATION_CACHE_DIR": "/env"}, "/flag"),
+    (["--compilation-cache-dir", ""], {"XDG_CACHE_HOME": "/xdg"}, ""),  # off
+])
+def test_serve_and_generate_keep_compiled_steps_in_the_user_cache(monkeypatch, flags, env,
+                                                                  folder):
+    from pjinfer.cli import build_parser, engine_config, run_config_from_args, with_default_cache
+
+    for name in ("PJINFER_COMPILATION_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    for argv in (["serve", *flags], ["generate", "hi", *flags]):
+        config = with_default_cache(run_config_from_args(build_parser().parse_args(argv)))
+        assert engine_config(config).compilation_cache_dir == folder

@@ -77,9 +77,13 @@ class EngineConfig:
                                  "(reference) elsewhere", "compilation", choices=BACKENDS)
     async_scheduling: bool = arg(True, "schedule and build step t+1 while step t runs on the "
                                  "device; off runs every step to completion first", "scheduler")
-    warmup: bool = arg(True, "compile every step shape at start-up", "compilation")
+    warmup: bool = arg(True, "compile every step shape at start-up (a model under 64 MiB: "
+                       "the smallest ones, the others on first use)", "compilation")
     compilation_cache_dir: str | None = arg(None, "folder of the persistent compilation cache: "
-                                            "a restart loads the step executables from it",
+                                            "a restart loads the step executables from it "
+                                            "(pjinfer serve|generate default: "
+                                            "$XDG_CACHE_HOME/pjinfer or ~/.cache/pjinfer, or "
+                                            "$PJINFER_COMPILATION_CACHE_DIR; '' turns it off)",
                                             "compilation")
 
     def __post_init__(self) -> None:

@@ -12,6 +12,7 @@ Entries are pickles: load only a directory you trust (as with JAX's own cache).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -20,6 +21,7 @@ import os
 import pickle
 import sys
 import tempfile
+import threading
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 
@@ -112,6 +114,35 @@ class ExecutableCache:
             log.warning("executable cache: cannot write %s (%s)", path, e)
             return False
         return True
+
+
+_JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_hits = threading.local()
+
+
+def _count_hit(event: str, **_) -> None:
+    if event == _JAX_CACHE_HIT:  # recorded in the compiling thread
+        _hits.count = getattr(_hits, "count", 0) + 1
+
+
+@contextlib.contextmanager
+def served_by_jax_cache():
+    """Yields a callable: did a compile inside the block come from JAX's persistent cache?
+
+    Such an executable runs, but on XLA:CPU its re-serialization lacks the compiled kernels
+    ("Function ... not found" on every step after the next restart): the caller must not
+    store it. This happens when a new pjinfer changes every key here while JAX's cache
+    still holds the steps; those then restart through JAX's cache (no XLA compile)."""
+    _register_listener()
+    before = getattr(_hits, "count", 0)
+    yield lambda: getattr(_hits, "count", 0) > before
+
+
+@functools.cache
+def _register_listener() -> None:
+    from jax._src import monitoring  # JAX's own event hooks: no public equivalent
+
+    monitoring.register_event_listener(_count_hit)
 
 
 def describe(name: str, static: object, args: tuple) -> str:

@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from pjinfer.config import ModelConfig
 from pjinfer.engine.config import EngineConfig
-from pjinfer.engine.executable_cache import ExecutableCache
+from pjinfer.engine.executable_cache import ExecutableCache, served_by_jax_cache
 from pjinfer.engine.input_batch import InputBatch
 from pjinfer.engine.inputs import (
     BatchLayout,
@@ -45,6 +45,11 @@ from pjinfer.sharding.rules import kv_cache_sharding, layout_config, replicated
 log = logging.getLogger("pjinfer")
 CPU_KV_CACHE_BYTES = 256 << 20
 GiB = 1 << 30
+# Below this many parameter bytes a step compiles in about a second and runs in milliseconds:
+# warm-up compiles only what a first short request needs, and the other shapes compile (or load
+# from the executable cache) on first use. Above it, a lazy compile would stall every running
+# request for tens of seconds, so warm-up compiles every shape the scheduler can produce.
+SMALL_MODEL_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,16 +186,22 @@ class ModelRunner:
         elif not compile:
             return None
         else:
-            jitted = jax.jit(partial(model_step, opts=opts), donate_argnums=(1,),
-                             **self._step_shardings(opts))
-            fn = jitted.lower(*args).compile()
+            fn, from_jax_cache = self._compile(opts, args)
             self.num_compiles += 1
-            if disk:
+            if disk and not from_jax_cache:
                 disk.store("model_step", opts, args, fn)
             how = "compiled"
         self._compiled[key] = fn
         log.debug("%s step %s in %.2fs", how, key[1:], time.perf_counter() - start)
         return fn
+
+    def _compile(self, opts: StepOptions, args: tuple):
+        """Trace, lower and compile one step; whether JAX's persistent cache served it."""
+        jitted = jax.jit(partial(model_step, opts=opts), donate_argnums=(1,),
+                         **self._step_shardings(opts))
+        with served_by_jax_cache() as served:
+            fn = jitted.lower(*args).compile()
+        return fn, served()
 
     def _cache_shardings(self):
         if self.mesh is None:
@@ -209,24 +220,31 @@ class ModelRunner:
                     out_shardings=(rep, self._cache_shardings(), *extra))
 
     def warmup(self) -> int:
-        """Load every (tokens, seqs) bucket the scheduler can produce from the executable cache
-        (serially: threads do not speed up loading), then compile the rest in parallel."""
-        ecfg = self.ecfg
-        shapes = [(s, s, True) for s in seq_buckets(ecfg.max_num_seqs)]
-        shapes += [(t, s, False) for t in token_buckets(ecfg.max_num_batched_tokens)
-                   for s in seq_buckets(ecfg.max_num_seqs) if s <= t]
+        """Load the warm-up shapes from the executable cache (serially: threads do not speed
+        up loading), compile the rest in parallel; returns how many shapes are ready."""
+        shapes = self.warmup_shapes()
         missing = [shape for shape in shapes
                    if self._compiled_step(*self._dummy(*shape), compile=False) is None]
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
             list(pool.map(lambda shape: self._compiled_step(*self._dummy(*shape), load=False),
                           missing))
-        self._warm_sampler()
+        self._warm_sampler(sorted({seqs for _, seqs, _ in shapes}))
         return len(shapes)
 
-    def _warm_sampler(self) -> None:
+    def warmup_shapes(self) -> list[tuple[int, int, bool]]:
+        """(tokens, seqs, decode_only) of every bucket the scheduler can produce; for a model
+        under SMALL_MODEL_BYTES only the smallest decode and prefill buckets."""
+        seqs = seq_buckets(self.ecfg.max_num_seqs)
+        tokens = token_buckets(self.ecfg.max_num_batched_tokens)
+        if sum(x.nbytes for x in jax.tree.leaves(self.params)) < SMALL_MODEL_BYTES:
+            seqs, tokens = seqs[:1], [t for t in tokens if t >= seqs[0]][:1]
+        return [(s, s, True) for s in seqs] + [(t, s, False) for t in tokens for s in seqs
+                                               if s <= t]
+
+    def _warm_sampler(self, seq_sizes: list[int]) -> None:
         """Compile the sampler's common variants (greedy; plain temperature sampling, the
-        OpenAI default) for every sequence bucket, so a first such request never waits."""
-        for seqs in seq_buckets(self.ecfg.max_num_seqs):
+        OpenAI default) for the warmed sequence buckets, so a first such request never waits."""
+        for seqs in seq_sizes:
             # a device array, like the step's logits: host arrays would key another trace
             logits = jax.device_put(np.zeros((seqs, self.cfg.vocab_size), np.float32))
             for temperature in (0.0, 1.0):

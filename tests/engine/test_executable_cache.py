@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
 
 import pjinfer
 from pjinfer import SamplingParams
+from pjinfer.engine import runner as runner_module
 from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.engine import LLMEngine
 from pjinfer.engine.executable_cache import SUBDIR, ExecutableCache, describe
@@ -21,21 +21,23 @@ SMALL = dict(max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=64)  # 4 s
 NUM_SHAPES = 4
 PROMPTS = ["Beautiful is better than", "Errors should"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=2)  # + a 5th executable
-JAX_CACHE_FLAGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-                   "jax_persistent_cache_min_entry_size_bytes")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def every_shape():
+    """The demo model is small enough for a lazy warm-up (test_warmup.py): here it compiles
+    every shape at warm-up, as a large model does."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runner_module, "SMALL_MODEL_BYTES", 0)
+        yield
 
 
 @pytest.fixture(scope="module")
-def cold(tmp_path_factory):
-    """A cache filled by a first engine; compilation_cache_dir sets process-wide JAX flags,
-    put back at the end of the module."""
-    saved = {name: getattr(jax.config, name) for name in JAX_CACHE_FLAGS}
+def cold(tmp_path_factory, restore_jax_cache_flags):
+    """A cache filled by a first engine."""
     path = tmp_path_factory.mktemp("compilation_cache")
     runner, outputs = _run(path)
-    yield path, runner, outputs
-    for name, value in saved.items():
-        jax.config.update(name, value)
-    compilation_cache.reset_cache()
+    return path, runner, outputs
 
 
 def _run(cache_dir):

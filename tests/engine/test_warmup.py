@@ -1,0 +1,56 @@
+"""Warm-up of a small model: the demo server is ready in seconds, and a restart compiles
+nothing."""
+
+from __future__ import annotations
+
+import shutil
+
+import jax
+
+import pjinfer
+from pjinfer import SamplingParams
+from pjinfer.engine import runner as runner_module
+from pjinfer.engine.executable_cache import SUBDIR
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+def _serve_once(cache_dir):
+    """The demo engine as `pjinfer serve` builds it (warm-up on), then one short request."""
+    llm = pjinfer.LLM(None, compilation_cache_dir=str(cache_dir), warmup=True)
+    runner = llm.engine.runner
+    warm = (runner.num_compiles, runner.num_cache_loads)
+    text = llm.generate(["Beautiful is better than"], GREEDY)[0].outputs[0].text
+    return warm, (runner.num_compiles, runner.num_cache_loads), text
+
+
+def test_demo_warms_up_two_shapes_and_a_restart_compiles_none(tmp_path,
+                                                              restore_jax_cache_flags):
+    warm, after, text = _serve_once(tmp_path)
+    assert warm == (2, 0)  # of the 28 shapes the default scheduler settings can produce
+    assert after == warm and text.startswith(" ugly.\nExplicit")  # the request needed no more
+
+    warm, after, again = _serve_once(tmp_path)
+    assert warm == after == (0, 2) and again == text
+
+
+def test_a_large_model_warms_up_every_shape(monkeypatch):
+    runner = pjinfer.LLM(None).engine.runner
+    assert len(runner.warmup_shapes()) == 2
+    monkeypatch.setattr(runner_module, "SMALL_MODEL_BYTES", 0)
+    assert len(runner.warmup_shapes()) == 28  # 4 decode + 24 prefill (tokens, seqs) buckets
+    assert {(8, 8, True), (16, 8, False), (256, 256, True), (2048, 256, False)} <= set(
+        runner.warmup_shapes())
+
+
+def test_steps_served_by_jax_cache_are_not_stored_broken(tmp_path, restore_jax_cache_flags):
+    """A new pjinfer changes every executable-cache key while JAX's own cache still holds the
+    steps: those come from JAX's cache and are not stored again (on the CPU such a copy lacks
+    its kernels), so every later start still answers."""
+    _serve_once(tmp_path)
+    shutil.rmtree(tmp_path / SUBDIR)  # as if pjinfer's source had changed
+    for _ in range(2):
+        jax.clear_caches()  # a restart: only the disk caches are left
+        warm, after, text = _serve_once(tmp_path)
+        assert warm == after == (2, 0) and text.startswith(" ugly.\nExplicit")
+    assert not (tmp_path / SUBDIR).exists()
