@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -114,3 +115,20 @@ def test_serve_and_generate_keep_compiled_steps_in_the_user_cache(monkeypatch, f
     for argv in (["serve", *flags], ["generate", "hi", *flags]):
         config = with_default_cache(run_config_from_args(build_parser().parse_args(argv)))
         assert engine_config(config).compilation_cache_dir == folder
+
+
+def test_no_pytorch_warning_on_the_cli_path(tmp_path):
+    """Where torch is absent (the serve path needs none), transformers announces it at import;
+    the CLI silences that line. torch is hidden here with a None entry in sys.modules."""
+    hide_torch = "import sys; sys.modules['torch'] = None; "
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
+    plain = subprocess.run([sys.executable, "-c", hide_torch + "import transformers"],
+                           capture_output=True, text=True, env=env, timeout=120)
+    assert "PyTorch was not found" in plain.stderr  # the simulation shows the warning
+    cli = subprocess.run(
+        [sys.executable, "-c", hide_torch + "from pjinfer.cli import main; "
+         "main(['generate', 'Beautiful is better than', '--temperature', '0', '--max-tokens',"
+         " '2', '--compilation-cache-dir', ''])"],
+        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert "ugly" in cli.stdout and "PyTorch was not found" not in cli.stderr
