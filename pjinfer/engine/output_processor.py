@@ -130,7 +130,10 @@ class OutputProcessor:
         r = seq.request
         if nt.token_ids and len(r.output_token_ids) == len(nt.token_ids):
             self.metrics.on_first_token(r.first_token_time - r.arrival_time)
-        for token in nt.token_ids:  # one sampler row per step: its logprobs are the first's
+        # The sampler scores one position per row, so every accepted token is credited with
+        # that row's logprobs: exact for the one token a sampling step accepts today; a
+        # multi-token update (speculative decoding) must bring a row per token first.
+        for token in nt.token_ids:
             seq.cumulative_logprob += float(result.logprobs[nt.row, 0])
             if r.params.logprobs is not None:
                 seq.logprobs.append(self._position_logprobs(r.params.logprobs, nt.row, token,

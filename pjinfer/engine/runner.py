@@ -22,7 +22,7 @@ from pjinfer.engine.inputs import (
     BatchLayout,
     Chunk,
     StepInputs,
-    batch_layout,
+    bucket_seqs,
     build_step_inputs,
     max_padded_seqs,
     seq_buckets,
@@ -319,8 +319,7 @@ class ModelRunner:
         requests; Nones for a one-off batch of anonymous chunks, built from its lists."""
         if not chunks or chunks[0].request_id is None:
             return None, None, None
-        padded = batch_layout(chunks, max_num_batched_tokens=self.ecfg.max_num_batched_tokens,
-                              max_num_seqs=self.ecfg.max_num_seqs).padded_seqs
+        padded = bucket_seqs(len(chunks), self.ecfg.max_num_seqs)  # the step's padded rows
         batch_rows = self.batch.rows_for(chunks, rows, refresh=refresh)
         tables, columns = self.batch.gather(batch_rows, padded)
         return tables, columns, partial(self.batch.token_history, batch_rows, rows, padded)
