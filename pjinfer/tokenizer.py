@@ -16,13 +16,14 @@ def load_tokenizer(model_dir: str | Path, tokenizer: str | Path | None = None) -
     A model folder without any tokenizer file (random-weight benchmark shapes, test models)
     gives None: the engine then takes token-id prompts only and returns no text.
     """
-    from transformers import AutoTokenizer
-
     path = Path(tokenizer or model_dir)
     if not path.is_dir():
         raise ModelLoadError(f"tokenizer folder {str(path)!r} does not exist")
     if tokenizer is None and not any((path / f).is_file() for f in TOKENIZER_FILES):
         return None
+    # only now: importing transformers (and PyTorch, where installed) takes seconds
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as e:

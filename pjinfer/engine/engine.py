@@ -101,8 +101,8 @@ class LLMEngine:
                  self.runner.num_blocks, config.block_size)
         if config.warmup:
             n = self.runner.warmup(self.startup_phases)
-            log.info("compiled %d step shapes in %.1fs", n,
-                     self.startup_phases["step_shapes"] + self.startup_phases["sampler"])
+            log.info("%d step shapes ready in %.1fs", n,
+                     self.startup_phases["step_load"] + self.startup_phases["compile"])
 
     def _load(self, model_dir: str, params) -> tuple:
         """(model config, params, mesh): one loader for every format, one device or sharded

@@ -221,20 +221,25 @@ class ModelRunner:
 
     def warmup(self, phases: dict[str, float] | None = None) -> int:
         """Load the warm-up shapes from the executable cache (serially: threads do not speed
-        up loading), compile the rest in parallel; returns how many shapes are ready. Seconds
-        per phase go to `phases` (step_shapes: loaded or compiled; sampler)."""
+        up loading), then compile the missing ones and the sampler's variants together in a
+        thread pool (XLA compiles release the GIL); returns how many step shapes are ready.
+        Seconds per phase go to `phases` (step_load, compile)."""
         phases = {} if phases is None else phases
         start = time.perf_counter()
         shapes = self.warmup_shapes()
         missing = [shape for shape in shapes
                    if self._compiled_step(*self._dummy(*shape), compile=False) is None]
-        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            list(pool.map(lambda shape: self._compiled_step(*self._dummy(*shape), load=False),
-                          missing))
-        phases["step_shapes"] = time.perf_counter() - start
+        phases["step_load"] = time.perf_counter() - start
         start = time.perf_counter()
-        self._warm_sampler(sorted({seqs for _, seqs, _ in shapes}))
-        phases["sampler"] = time.perf_counter() - start
+        samplers = [(seqs, t) for seqs in sorted({seqs for _, seqs, _ in shapes})
+                    for t in (0.0, 1.0)]
+        with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+            jobs = [pool.submit(self._compiled_step, *self._dummy(*shape), load=False)
+                    for shape in missing]
+            jobs += [pool.submit(self._warm_sampler, *variant) for variant in samplers]
+            for job in jobs:
+                job.result()
+        phases["compile"] = time.perf_counter() - start
         return len(shapes)
 
     def warmup_shapes(self) -> list[tuple[int, int, bool]]:
@@ -247,17 +252,15 @@ class ModelRunner:
         return [(s, s, True) for s in seqs] + [(t, s, False) for t in tokens for s in seqs
                                                if s <= t]
 
-    def _warm_sampler(self, seq_sizes: list[int]) -> None:
-        """Compile the sampler's common variants (greedy; plain temperature sampling, the
-        OpenAI default) for the warmed sequence buckets, so a first such request never waits."""
-        for seqs in seq_sizes:
-            # a device array, like the step's logits: host arrays would key another trace
-            logits = jax.device_put(np.zeros((seqs, self.cfg.vocab_size), np.float32))
-            for temperature in (0.0, 1.0):
-                row = SamplingRow(SamplingParams(temperature=temperature), [0], [], 0)
-                md = SamplingMetadata.build([row], seqs)
-                jax.block_until_ready(self._sample(logits, md, self._no_prev_tokens, None,
-                                                   max_logprobs=0))
+    def _warm_sampler(self, seqs: int, temperature: float) -> None:
+        """Compile one of the sampler's common variants (greedy; plain temperature sampling, the
+        OpenAI default) for a warmed sequence bucket, so a first such request never waits."""
+        # a device array, like the step's logits: host arrays would key another trace
+        logits = jax.device_put(np.zeros((seqs, self.cfg.vocab_size), np.float32))
+        row = SamplingRow(SamplingParams(temperature=temperature), [0], [], 0)
+        md = SamplingMetadata.build([row], seqs)
+        jax.block_until_ready(self._sample(logits, md, self._no_prev_tokens, None,
+                                           max_logprobs=0))
 
     def _dummy(self, tokens: int, seqs: int, decode_only: bool):
         """An empty batch of exactly these bucket shapes: only shapes matter to the compile."""

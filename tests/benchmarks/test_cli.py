@@ -39,7 +39,7 @@ def test_throughput_random(tmp_path):
     assert 0 < res["median_ttft_ms"] <= res["p99_ttft_ms"] < res["elapsed_s"] * 1e3
     assert 0 < res["median_tpot_ms"] <= res["p99_tpot_ms"]
     assert rec["device"]["device_kind"] and rec["startup_s"] > 0
-    phases = rec["startup_phases"]  # --no-engine-warmup: no step_shapes / sampler phase
+    phases = rec["startup_phases"]  # --no-engine-warmup: no step_load / compile phase
     assert {"imports", "weights", "tokenizer", "kv_cache", "first_token"} <= set(phases)
     engine = sum(v for k, v in phases.items() if k not in ("process_before_engine",
                                                            "first_token"))
