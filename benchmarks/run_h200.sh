@@ -5,6 +5,8 @@
 #   bash benchmarks/run_h200.sh hf        # transformers W1, W2, W3, W4           (~5-7 min)
 #   bash benchmarks/run_h200.sh serve     # W5 at 4 and 16 req/s (needs starlette + uvicorn,
 #                                         # e.g. carried as wheels in .whl/)     (~4 min)
+#   bash benchmarks/run_h200.sh structured  # W4 with a JSON schema on every request vs
+#                                           # without, one process (needs llguidance) (~4 min)
 #   bash benchmarks/run_h200.sh --smoke pjinfer hf serve   # the same plumbing, tiny, on CPU
 #
 # Each stage fits one 10-minute device command; every step has its own time limit, and a
@@ -108,6 +110,12 @@ stage_hf() {
       --output-json "$JSON/hf_w4_throughput.json"
 }
 
+stage_structured() {
+  step w4_structured 420 $PY -m pjinfer.benchmarks.structured "${MODEL[@]}" "${ENGINE[@]}" \
+      --compilation-cache-dir "$CACHE" --dataset synthetic-sharegpt --num-prompts $N_W4 \
+      --no-progress --out "$JSON/w4_structured.json"
+}
+
 stage_serve() {
   if ! $PY -c "import starlette, uvicorn" 2>/dev/null; then
     log "SKIP serve: starlette/uvicorn missing (carry them as wheels in .whl/)"; return 0
@@ -146,7 +154,8 @@ for stage in "${STAGES[@]}"; do
     pjinfer) stage_pjinfer ;;
     hf) stage_hf ;;
     serve) stage_serve ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve)" ;;
+    structured) stage_structured ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | structured)" ;;
   esac
 done
 pack
