@@ -243,11 +243,13 @@ def _chat_choice(req: GenerationRequest, c: CompletionOutput, sent: _Sent,
                  tokenizer: Any) -> dict[str, Any] | None:
     _advance(sent, c)
     delta, finish_reason = ({"content": c.text} if c.text else {}), c.finish_reason
+    held = False  # text the tool parser holds back: its tokens' logprobs still go out
     if req.tools is not None:  # content and tool call deltas, from the text so far
         sent.tools = sent.tools or req.tools.stream()
         delta = sent.tools.feed(c.text, c.finished)
         finish_reason = req.tools.finish_reason(c.finish_reason, sent.tools.called)
-    if not (delta or c.finished):
+        held = req.params.logprobs is not None and bool(c.logprobs)
+    if not (delta or c.finished or held):
         return None
     logprobs = chat_logprobs(c.logprobs, tokenizer, req.params.logprobs)
     return {"index": c.index, "delta": delta, "logprobs": logprobs,

@@ -35,8 +35,6 @@ class ChatTools:
     constraint: StructuredOutputsParams | None
 
 
-NO_TOOLS = ChatTools(None, None, None)
-
 
 def parse_tools(body: dict[str, Any], info: ModelInfo) -> ChatTools:
     """`tools` and `tool_choice` of a chat body (APIError naming the field when wrong)."""

@@ -76,10 +76,14 @@ def test_required_round_trip(live_server):
 
 
 def test_required_streamed(live_server):
-    stream = live_server.client().chat.completions.create(**ONE, tool_choice="required",
-                                                          stream=True)
-    content, calls, reason = _joined_stream(list(stream))
+    chunks = list(live_server.client().chat.completions.create(
+        **ONE, tool_choice="required", stream=True, logprobs=True,
+        stream_options={"include_usage": True}))
+    content, calls, reason = _joined_stream(chunks)
     assert content == "" and reason == "tool_calls" and len(calls) == 1
+    logprobs = [lp for c in chunks if c.choices and c.choices[0].logprobs
+                for lp in c.choices[0].logprobs.content]
+    assert len(logprobs) == chunks[-1].usage.completion_tokens  # none lost while held back
     for call in calls:
         jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
     whole = live_server.client().chat.completions.create(**ONE, tool_choice="required")
