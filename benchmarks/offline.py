@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from pjinfer import engine_flags
 from pjinfer.benchmarks.common import Progress
 from pjinfer.benchmarks.datasets import SampleRequest
@@ -86,6 +88,26 @@ def run_requests(engine: Any, reqs: Sequence[SampleRequest], *, desc: str = "req
                 bar.update()
     bar.close()
     return [done[i] for i in ids]
+
+
+def request_latencies(outs: Sequence[Any]) -> dict[str, float]:
+    """TTFT (arrival to first token: offline, all arrive at once, so queueing counts) and TPOT
+    (first token to finish over the tokens after the first), median and p99, in ms."""
+    ttft, tpot = [], []
+    for o in outs:
+        m = o.metrics
+        if m is None or m.first_token_time is None:
+            continue
+        ttft.append(m.time_to_first_token)
+        n = output_tokens(o)
+        if m.finished_time is not None and n > 1:
+            tpot.append((m.finished_time - m.first_token_time) / (n - 1))
+    out = {}
+    for name, values in (("ttft", ttft), ("tpot", tpot)):
+        if values:
+            out[f"median_{name}_ms"] = float(np.median(values)) * 1e3
+            out[f"p99_{name}_ms"] = float(np.percentile(values, 99)) * 1e3
+    return out
 
 
 def engine_counters(engine: Any) -> dict[str, int]:

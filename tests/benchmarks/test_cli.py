@@ -36,6 +36,8 @@ def test_throughput_random(tmp_path):
     assert res["output_tokens"] == 20  # ignore_eos forces every length
     assert res["output_tokens_per_s"] == pytest.approx(20 / res["elapsed_s"])
     assert res["num_steps"] >= 4 and res["num_preemptions"] == 0
+    assert 0 < res["median_ttft_ms"] <= res["p99_ttft_ms"] < res["elapsed_s"] * 1e3
+    assert 0 < res["median_tpot_ms"] <= res["p99_tpot_ms"]
     assert rec["device"]["device_kind"] and rec["startup_s"] > 0
     phases = rec["startup_phases"]  # --no-engine-warmup: no step_shapes / sampler phase
     assert {"imports", "weights", "tokenizer", "kv_cache", "first_token"} <= set(phases)
