@@ -5,6 +5,10 @@
 #   bash benchmarks/run_h200.sh hf        # transformers W1, W2, W3, W4           (~5-7 min)
 #   bash benchmarks/run_h200.sh serve     # W5 at 4 and 16 req/s (needs starlette + uvicorn,
 #                                         # e.g. carried as wheels in .whl/)     (~4 min)
+#   bash benchmarks/run_h200.sh startup   # cold start, then a warm restart, phases  (~2 min)
+#   bash benchmarks/run_h200.sh profile   # 16 GB checkpoint load vs disk, W1 step profile
+#                                         # (and without command buffers), prefill attention
+#   bash benchmarks/run_h200.sh long      # W6: 64 x 8,192/512 and 8 x 32,768/256 (~6 min)
 #   bash benchmarks/run_h200.sh structured  # W4 with a JSON schema on every request vs
 #                                           # without, one process (needs llguidance) (~4 min)
 #   bash benchmarks/run_h200.sh --smoke pjinfer hf serve   # the same plumbing, tiny, on CPU
@@ -39,6 +43,8 @@ if [ $SMOKE = 1 ]; then
   $PY -c "import shutil, pjinfer.demo as d; shutil.copy(d.DEMO_MODEL_DIR / 'config.json', '$HF_MODEL')"
   N_W3=4; N_W4=4; IN_W1=16; OUT_W1=8; ITERS=2; HF_N=4; HF_B=4; W3_IN=16; W3_OUT=4
   W2=(--batch-size 2 --input-len 8 --output-len 6); W5_N=6; RATES=(4 16); T=120
+  LONG=(--max-model-len 512); W6A=(--num-prompts 4 --input-len 64 --output-len 8)
+  W6B=(--num-prompts 2 --input-len 200 --output-len 8)
 else
   MODEL=(--model configs/models/llama3-8b --load-format dummy --dtype bfloat16)
   # 512 sequences per step: W3/W4 steps then carry ~4x as many decodes per prefill token
@@ -46,6 +52,11 @@ else
   HF_MODEL=configs/models/llama3-8b
   N_W3=${N_W3:-1000}; N_W4=${N_W4:-1000}; IN_W1=512; OUT_W1=512; ITERS=3; HF_N=256; HF_B=256; W3_IN=1024; W3_OUT=256
   W2=(--batch-size 8 --input-len 32 --output-len 128); W5_N=200; RATES=(4 16); T=1
+  # W6 needs Llama-3.1's 131k positions; one max_model_len for both parts shares compiles
+  LONG=(--model configs/models/llama3.1-8b --load-format dummy --dtype bfloat16
+        --max-model-len 33024)
+  W6A=(--num-prompts 64 --input-len 8192 --output-len 512)
+  W6B=(--num-prompts 8 --input-len 32768 --output-len 256)
 fi
 CACHE=/tmp/pjinfer-jax-cache
 BENCH=($PY -m pjinfer.benchmarks.cli)
@@ -94,6 +105,40 @@ stage_pjinfer() {
   step w2_latency 90 "${BENCH[@]}" latency "${MODEL[@]}" "${ENGINE[@]}" \
       --compilation-cache-dir "$CACHE" "${W2[@]}" --num-iters 5 --num-iters-warmup 1 \
       --output-json "$JSON/w2_latency.json"
+}
+
+stage_startup() {
+  rm -rf "$CACHE"
+  # Empty compilation cache: startup_s and startup_phases are the cold start; then a new
+  # process on the same cache is the warm restart. process_to_first_token_s includes imports.
+  for kind in cold warm; do
+    step startup_$kind 240 "${BENCH[@]}" throughput "${MODEL[@]}" "${ENGINE[@]}" \
+        --compilation-cache-dir "$CACHE" --num-prompts 8 --input-len 128 --output-len 16 \
+        --warmup-requests 0 --no-roofline --output-json "$JSON/startup_$kind.json"
+  done
+}
+
+stage_profile() {
+  if [ $SMOKE = 1 ]; then log "SKIP profile in smoke mode (Llama-3-8B shapes only)"; return 0; fi
+  step load_rate 240 $PY -m pjinfer.benchmarks.load_rate configs/models/llama3-8b \
+      --dir /tmp/pjinfer-ckpt-8b --output-json "$JSON/load_rate.json"
+  rm -rf /tmp/pjinfer-ckpt-8b
+  step w1_profile 240 $PY benchmarks/step_probe.py --layouts decode_1x768 decode_8x160 \
+      --backends auto --profile /tmp/pjinfer-prof --out "$JSON/w1_profile.json"
+  step w1_no_command_buffer 150 env XLA_FLAGS=--xla_gpu_enable_command_buffer= \
+      $PY benchmarks/step_probe.py --layouts decode_1x768 --backends auto \
+      --out "$JSON/w1_probe_no_command_buffer.json"
+  step prefill_attention 200 $PY benchmarks/bench_attention.py --skip-tune --skip-decode \
+      --quick --layouts prefill_1x2048 prefill_1x8192 --out "$JSON/prefill_attention.json"
+}
+
+stage_long() {
+  step w6_8k 300 "${BENCH[@]}" throughput "${LONG[@]}" --max-num-seqs 64 \
+      --max-num-batched-tokens 2048 --compilation-cache-dir "$CACHE" "${W6A[@]}" \
+      --warmup-requests 0 --output-json "$JSON/w6_8k_throughput.json"
+  step w6_32k 240 "${BENCH[@]}" throughput "${LONG[@]}" --max-num-seqs 64 \
+      --max-num-batched-tokens 2048 --compilation-cache-dir "$CACHE" "${W6B[@]}" \
+      --warmup-requests 0 --output-json "$JSON/w6_32k_throughput.json"
 }
 
 stage_hf() {
@@ -154,8 +199,11 @@ for stage in "${STAGES[@]}"; do
     pjinfer) stage_pjinfer ;;
     hf) stage_hf ;;
     serve) stage_serve ;;
+    startup) stage_startup ;;
+    profile) stage_profile ;;
+    long) stage_long ;;
     structured) stage_structured ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | structured)" ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured)" ;;
   esac
 done
 pack

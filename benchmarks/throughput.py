@@ -75,7 +75,8 @@ def timed_pass(engine: Any, reqs: list, *, progress: bool,
                "output_tokens": n_out, "requests_per_s": len(outs) / elapsed,
                "input_tokens_per_s": n_in / elapsed, "output_tokens_per_s": n_out / elapsed,
                "total_tokens_per_s": (n_in + n_out) / elapsed,
-               "num_steps": counters["num_steps"], "num_preemptions": counters["num_preemptions"]}
+               "num_steps": counters["num_steps"], "num_preemptions": counters["num_preemptions"],
+               **offline.request_latencies(outs)}
     return {"results": results, "counters": counters}
 
 

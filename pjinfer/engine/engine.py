@@ -11,10 +11,11 @@ its tokens), then fills its token mask and launches its sampler (`_sample`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from pjinfer.cache.kv_cache_manager import KVCacheManager
@@ -37,6 +38,13 @@ from pjinfer.weights import load_engine_model
 log = logging.getLogger("pjinfer")
 
 
+@contextlib.contextmanager
+def _timed(phases: dict[str, float], name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    phases[name] = time.perf_counter() - start
+
+
 @dataclass(slots=True)
 class _Launched:
     """A step on the device, with the schedule that produced it. A step with structured-output
@@ -57,14 +65,18 @@ class LLMEngine:
         if config.compilation_cache_dir:
             use_compilation_cache(config.compilation_cache_dir)
         model_dir = config.model or str(DEMO_MODEL_DIR)
-        start = time.perf_counter()
-        self.model_config, loaded, mesh = self._load(model_dir, params)
-        self.tokenizer = load_tokenizer(model_dir, config.tokenizer)
+        # seconds per start-up phase, in order (a restart's cost, reported by the benchmarks)
+        self.startup_phases: dict[str, float] = {}
+        with _timed(self.startup_phases, "weights"):
+            self.model_config, loaded, mesh = self._load(model_dir, params)
+        with _timed(self.startup_phases, "tokenizer"):
+            self.tokenizer = load_tokenizer(model_dir, config.tokenizer)
         self.served_model_name = config.served_model_name or (
             DEMO_MODEL_NAME if config.model is None else model_dir.rstrip("/").split("/")[-1])
         self.max_model_len = self._max_model_len()
-        self.runner = ModelRunner(self.model_config, config, loaded,
-                                  max_model_len=self.max_model_len, mesh=mesh)
+        with _timed(self.startup_phases, "kv_cache"):
+            self.runner = ModelRunner(self.model_config, config, loaded,
+                                      max_model_len=self.max_model_len, mesh=mesh)
         self.kv = KVCacheManager(num_blocks=self.runner.num_blocks, block_size=config.block_size,
                                  enable_prefix_caching=config.enable_prefix_caching)
         sched_cfg = SchedulerConfig(
@@ -79,17 +91,18 @@ class LLMEngine:
         self._in_flight: _Launched | None = None
         self._failures: dict[str, RequestFailedError] = {}
         self.eos_token_id = self._eos_token_id()
-        self.structured_output = StructuredOutputManager(
-            self.tokenizer, self.model_config.vocab_size,
-            list(self.model_config.eos_token_ids) or None)
+        with _timed(self.startup_phases, "structured_output"):
+            self.structured_output = StructuredOutputManager(
+                self.tokenizer, self.model_config.vocab_size,
+                list(self.model_config.eos_token_ids) or None)
         log.info("loaded %s (%s, %d layers) in %.1fs; KV cache: %d blocks of %d tokens",
                  self.served_model_name, self.model_config.architecture,
-                 self.model_config.num_hidden_layers, time.perf_counter() - start,
+                 self.model_config.num_hidden_layers, sum(self.startup_phases.values()),
                  self.runner.num_blocks, config.block_size)
         if config.warmup:
-            start = time.perf_counter()
-            n = self.runner.warmup()
-            log.info("compiled %d step shapes in %.1fs", n, time.perf_counter() - start)
+            n = self.runner.warmup(self.startup_phases)
+            log.info("compiled %d step shapes in %.1fs", n,
+                     self.startup_phases["step_shapes"] + self.startup_phases["sampler"])
 
     def _load(self, model_dir: str, params) -> tuple:
         """(model config, params, mesh): one loader for every format, one device or sharded

@@ -219,16 +219,22 @@ class ModelRunner:
         return dict(in_shardings=(params, self._cache_shardings(), rep),
                     out_shardings=(rep, self._cache_shardings(), *extra))
 
-    def warmup(self) -> int:
+    def warmup(self, phases: dict[str, float] | None = None) -> int:
         """Load the warm-up shapes from the executable cache (serially: threads do not speed
-        up loading), compile the rest in parallel; returns how many shapes are ready."""
+        up loading), compile the rest in parallel; returns how many shapes are ready. Seconds
+        per phase go to `phases` (step_shapes: loaded or compiled; sampler)."""
+        phases = {} if phases is None else phases
+        start = time.perf_counter()
         shapes = self.warmup_shapes()
         missing = [shape for shape in shapes
                    if self._compiled_step(*self._dummy(*shape), compile=False) is None]
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
             list(pool.map(lambda shape: self._compiled_step(*self._dummy(*shape), load=False),
                           missing))
+        phases["step_shapes"] = time.perf_counter() - start
+        start = time.perf_counter()
         self._warm_sampler(sorted({seqs for _, seqs, _ in shapes}))
+        phases["sampler"] = time.perf_counter() - start
         return len(shapes)
 
     def warmup_shapes(self) -> list[tuple[int, int, bool]]:
