@@ -69,15 +69,16 @@ def seconds_since_process_start() -> float | None:
 
 
 def run_requests(engine: Any, reqs: Sequence[SampleRequest], *, desc: str = "requests",
-                 progress: bool = True) -> list[Any]:
-    """Submit all requests at once (offline), step until done; finished outputs in input order."""
+                 progress: bool = True, extra: dict[str, Any] | None = None) -> list[Any]:
+    """Submit all requests at once (offline), step until done; finished outputs in input order.
+    `extra`: more SamplingParams fields (e.g. structured_outputs) for every request."""
     from pjinfer import RequestOutputKind, SamplingParams
 
     ids = []
     for r in reqs:
         ids.append(f"bench-{next(_ids)}")
         params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=1.0,
-                                output_kind=RequestOutputKind.FINAL_ONLY)
+                                output_kind=RequestOutputKind.FINAL_ONLY, **(extra or {}))
         engine.add_request(ids[-1], r.prompt, params)
     done: dict[str, Any] = {}
     bar = Progress(len(ids), desc, enabled=progress)

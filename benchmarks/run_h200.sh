@@ -9,6 +9,8 @@
 #   bash benchmarks/run_h200.sh profile   # 16 GB checkpoint load vs disk, W1 step profile
 #                                         # (and without command buffers), prefill attention
 #   bash benchmarks/run_h200.sh long      # W6: 64 x 8,192/512 and 8 x 32,768/256 (~6 min)
+#   bash benchmarks/run_h200.sh structured  # W4 with a JSON schema on every request vs
+#                                           # without, one process (needs llguidance) (~4 min)
 #   bash benchmarks/run_h200.sh --smoke pjinfer hf serve   # the same plumbing, tiny, on CPU
 #
 # Each stage fits one 10-minute device command; every step has its own time limit, and a
@@ -153,6 +155,12 @@ stage_hf() {
       --output-json "$JSON/hf_w4_throughput.json"
 }
 
+stage_structured() {
+  step w4_structured 420 $PY -m pjinfer.benchmarks.structured "${MODEL[@]}" "${ENGINE[@]}" \
+      --compilation-cache-dir "$CACHE" --dataset synthetic-sharegpt --num-prompts $N_W4 \
+      --no-progress --out "$JSON/w4_structured.json"
+}
+
 stage_serve() {
   if ! $PY -c "import starlette, uvicorn" 2>/dev/null; then
     log "SKIP serve: starlette/uvicorn missing (carry them as wheels in .whl/)"; return 0
@@ -194,7 +202,8 @@ for stage in "${STAGES[@]}"; do
     startup) stage_startup ;;
     profile) stage_profile ;;
     long) stage_long ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long)" ;;
+    structured) stage_structured ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured)" ;;
   esac
 done
 pack

@@ -64,6 +64,11 @@ SERVER_FLAGS: dict[str, tuple[str, Any, str]] = {
                           "e.g. '[\"*\"]' (default: no CORS headers)"),
     "--ssl-keyfile": ("ssl_keyfile", str, "serve HTTPS with this private key file"),
     "--ssl-certfile": ("ssl_certfile", str, "serve HTTPS with this certificate file"),
+    "--enable-auto-tool-choice": ("enable_auto_tool_choice", bool, "let the model decide "
+                                  "when to call tools (tool_choice \"auto\", the default with "
+                                  "tools); needs --tool-call-parser"),
+    "--tool-call-parser": ("tool_call_parser", str, "how tool calls are read from the model's "
+                           "output: hermes, llama3_json or mistral (the model's format)"),
 }
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DISPATCH = {"bench": "pjinfer.benchmarks.cli", "convert": "pjinfer.sharding.convert"}
@@ -98,6 +103,9 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server arguments", "over a rate limit the server answers "
                                       "429, past a queue cap 503, both with Retry-After")
     for flag, (dest, kind, help_text) in SERVER_FLAGS.items():
+        if kind is bool:
+            group.add_argument(flag, dest=dest, action="store_true", help=help_text)
+            continue
         group.add_argument(flag, dest=dest, type=kind, help=help_text, metavar=dest.upper(),
                            action="append" if flag == "--api-key" else "store")
 
@@ -205,6 +213,12 @@ def _check_server_options(args: dict[str, Any]) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {args[name]}")
     if (args["ssl_keyfile"] is None) != (args["ssl_certfile"] is None):
         raise UsageError("--ssl-keyfile and --ssl-certfile go together: give both or neither")
+    from pjinfer.tool_parsers import check_tool_options
+
+    try:
+        check_tool_options(bool(args["enable_auto_tool_choice"]), args["tool_call_parser"])
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def set_memory_fraction(gpu_memory_utilization: float) -> None:
@@ -232,7 +246,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     given = {k: srv[k] for k in ("drain_timeout", "max_request_bytes",
                                  "engine_stuck_timeout") if srv[k] is not None}
     options = ServerOptions(**given, allowed_origins=tuple(srv["allowed_origins"] or ()),
-                            api_keys=tuple(srv["api_keys"]), admission=srv["admission"])
+                            api_keys=tuple(srv["api_keys"]), admission=srv["admission"],
+                            enable_auto_tool_choice=bool(srv["enable_auto_tool_choice"]),
+                            tool_call_parser=srv["tool_call_parser"])
     serve(engine, options, host=srv["host"], port=srv["port"], log_level=srv["log_level"],
           ssl_keyfile=srv["ssl_keyfile"], ssl_certfile=srv["ssl_certfile"])
     return 0

@@ -31,12 +31,14 @@ def load_tokenizer(model_dir: str | Path, tokenizer: str | Path | None = None) -
                              f"or tokenizer.model with tokenizer_config.json ({e})") from None
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]], *,
-                        add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a conversation rendered with the model's own chat template."""
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], *,
+                        add_generation_prompt: bool = True,
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids of a conversation rendered with the model's own chat template; `tools`
+    (OpenAI function definitions) go to the template, which decides how to show them."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; use completions, or pass "
                          "a tokenizer whose tokenizer_config.json defines chat_template")
-    text = tokenizer.apply_chat_template(messages, tokenize=False,
+    text = tokenizer.apply_chat_template(messages, tokenize=False, tools=tools,
                                          add_generation_prompt=add_generation_prompt)
     return tokenizer.encode(text, add_special_tokens=False)

@@ -39,6 +39,7 @@ from pjinfer.server.admission import Admission, AdmissionLimits, Ticket, retry_a
 from pjinfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from pjinfer.server.openapi import openapi_schema
 from pjinfer.server.protocol import APIError, GenerationRequest, ModelInfo
+from pjinfer.tool_parsers import check_tool_options
 
 log = logging.getLogger("pjinfer.server")
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
@@ -65,6 +66,11 @@ class ServerOptions:
     engine_stuck_timeout: float = DEFAULT_ENGINE_STUCK_TIMEOUT_S
     allowed_origins: tuple[str, ...] = ()  # CORS; empty: no CORS headers at all
     admission: AdmissionLimits = AdmissionLimits()
+    enable_auto_tool_choice: bool = False  # tool_choice "auto", read by tool_call_parser
+    tool_call_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        check_tool_options(self.enable_auto_tool_choice, self.tool_call_parser)
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -79,7 +85,9 @@ class OpenAIServer:
         self.options = options
         name = options.served_model_name or engine.served_model_name
         self.info = ModelInfo(name, engine.max_model_len, engine.tokenizer, engine.vocab_size,
-                              engine.config.max_logprobs, engine.check_structured_outputs)
+                              engine.config.max_logprobs, engine.check_structured_outputs,
+                              options.tool_call_parser if options.enable_auto_tool_choice
+                              else None)
         self.metrics = ServerMetrics(engine.stats, name)
         self.created = int(time.time())
         self.pool = ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="pjinfer-parse")

@@ -96,7 +96,9 @@ def start_server(engine: AsyncEngine, server_kwargs: dict | None = None, **app_k
 def live_server() -> Iterator[LiveServer]:
     engine = AsyncEngine(EngineConfig(warmup=False, num_kv_blocks=NUM_KV_BLOCKS,
                                       max_num_seqs=64, max_num_batched_tokens=512))
-    server, thread, base_url = start_server(engine, api_key=API_KEY, drain_timeout=5)
+    server, thread, base_url = start_server(engine, api_key=API_KEY, drain_timeout=5,
+                                            enable_auto_tool_choice=True,
+                                            tool_call_parser="hermes")
     yield LiveServer(base_url, engine)
     server.should_exit = True
     thread.join(timeout=30)
