@@ -1,4 +1,4 @@
-"""The one dispatch module for paged attention: cache layout, KV writes, attention.
+"""The one dispatch module for the kernels: cache layout, KV writes, attention, grouped matmul.
 
 The engine calls only these functions (and builds `AttentionParams`, re-exported here, so
 it needs no other kernel module); backends are swapped with `backend=`:
@@ -9,6 +9,7 @@ Triton; interpret mode when no GPU is present, which is how CI runs the kernels)
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from pjinfer.kernels.backends import BACKENDS
 from pjinfer.kernels.common import AttentionParams
@@ -17,6 +18,7 @@ from pjinfer.kernels.decode_attention import (
     decode_attention_reference,
     default_decode_block_sizes,
 )
+from pjinfer.kernels.grouped_matmul import grouped_matmul as pallas_grouped_matmul
 from pjinfer.kernels.metadata import AttentionMetadata
 from pjinfer.kernels.ragged_attention import ragged_attention, ragged_attention_reference
 
@@ -84,3 +86,20 @@ def paged_attention(
     if not pallas:
         return ragged_attention_reference(q, k_cache, v_cache, md, attn)
     return ragged_attention(q, k_cache, v_cache, md, attn, interpret=interpret)
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                   backend: str = "auto", out_dtype=None) -> jax.Array:
+    """lhs [M, K] (rows sorted by group) times rhs [G, K, N], group g taking the next
+    group_sizes[g] rows -> [M, N] in `out_dtype` (default lhs's), float32 sums.
+
+    Pallas on GPU: `jax.lax.ragged_dot` there runs ~100x below the matmul rate (71.6 ms for
+    Qwen3-30B-A3B's 8,192-token prefill on an H200). `ragged_dot` elsewhere (and for
+    "reference"); "pallas"/"triton" force the kernel (interpret mode without a GPU).
+    """
+    out_dtype = out_dtype or lhs.dtype
+    if not _use_pallas(backend):
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),
+                                  preferred_element_type=jnp.float32).astype(out_dtype)
+    return pallas_grouped_matmul(lhs, rhs, group_sizes, out_dtype=out_dtype,
+                                 interpret=jax.default_backend() != "gpu")
