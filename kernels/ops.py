@@ -102,4 +102,15 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),
                                   preferred_element_type=jnp.float32).astype(out_dtype)
     return pallas_grouped_matmul(lhs, rhs, group_sizes, out_dtype=out_dtype,
-                                 interpret=jax.default_backend() != "gpu")
+                                 interpret=jax.default_backend() != "gpu",
+                                 **default_grouped_block_sizes(lhs.shape[0], rhs.shape[0]))
+
+
+def default_grouped_block_sizes(rows: int, groups: int) -> dict[str, int]:
+    """Tiling by regime: decode (few rows per expert, each tile mostly one row: weight
+    streaming) takes the smallest row tile Triton's dot allows and long K steps; prefill
+    (hundreds of rows per expert) the compute tiling. Not yet tuned on the H200: see
+    `python -m pjinfer.benchmarks.moe --block-m ... --block-n ... --block-k ...`."""
+    if rows <= 4 * groups:
+        return dict(block_m=16, block_n=128, block_k=128)
+    return dict(block_m=64, block_n=128, block_k=64)

@@ -52,6 +52,15 @@ def test_tp_and_expert_parallel_match_one_device(moe_models):
         np.testing.assert_allclose(got_logits, logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("name, tp, ep", [("mixtral", 2, False), ("qwen2_moe", 4, True)])
+def test_mixtral_and_qwen2_moe_shard(moe_models, name, tp, ep):
+    """Mixtral split over tp 2; Qwen2-MoE (shared expert, dense layers) with EP at tp 4."""
+    tokens, logits = _prefill(moe_models[name], 1, False)
+    got_tokens, got_logits = _prefill(moe_models[name], tp, ep)
+    np.testing.assert_array_equal(got_tokens, tokens)
+    np.testing.assert_allclose(got_logits, logits, rtol=1e-4, atol=1e-4)
+
+
 def test_engine_with_expert_parallel_generates_tp1_tokens(moe_models):
     """End to end through LLM: --enable-expert-parallel at tp 4, prefill then decode steps."""
     path = str(moe_models["qwen3_moe"])
