@@ -27,7 +27,7 @@ from pjinfer.models.spec import ParamSpec, build_tree
 from pjinfer.sharding.checkpoint import is_orbax_checkpoint, restore_params
 from pjinfer.sharding.mesh import make_mesh
 from pjinfer.sharding.placement import Placer, shard_params
-from pjinfer.sharding.rules import with_expert_parallel
+from pjinfer.sharding.rules import expert_layout
 
 # auto = orbax when the folder holds a `pjinfer convert` checkpoint, else safetensors
 LOAD_FORMATS = ("auto", "safetensors", "dummy", "orbax")
@@ -179,8 +179,7 @@ def load_engine_model(model_dir: str | Path, *, tensor_parallel_size: int = 1,
     mesh = None
     if tensor_parallel_size > 1 or data_parallel_size > 1:
         mesh = make_mesh(tensor_parallel_size, data_parallel_size, cfg=cfg)
-    if enable_expert_parallel:
-        cfg = with_expert_parallel(cfg, tensor_parallel_size)
+    cfg = expert_layout(cfg, tensor_parallel_size, enable_expert_parallel)
     if params is not None:
         return cfg, (params if mesh is None else shard_params(params, cfg, mesh)), mesh
     return cfg, load_params(model_dir, cfg, dtype=dtype, load_format=load_format, seed=seed,

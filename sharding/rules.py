@@ -24,6 +24,8 @@ from pjinfer.config import ModelConfig
 from pjinfer.models.registry import get_model_spec
 from pjinfer.models.spec import Axes, ModelSpec, ParamPath, build_tree
 
+from .mesh import divisors
+
 # Logical axis -> mesh axis (None = replicated). MoE expert weights split over their
 # intermediate dim ("expert_mlp") like a dense MLP, or whole experts over tp ("experts") under
 # expert parallelism (`ModelConfig.option("expert_parallel")`: EXPERT_PARALLEL's overrides).
@@ -87,23 +89,32 @@ def param_sharding(spec: ModelSpec, path: ParamPath, shape: tuple[int, ...],
 
 
 def expert_parallel(cfg: ModelConfig) -> bool:
-    """Whether `cfg` places whole MoE experts on the tp axis (see `with_expert_parallel`)."""
+    """Whether `cfg` places whole MoE experts on the tp axis (see `expert_layout`)."""
     return bool(cfg.option("expert_parallel", False))
 
 
-def with_expert_parallel(cfg: ModelConfig, tp: int) -> ModelConfig:
-    """`cfg` with whole experts on the tp axis (vLLM's enable_expert_parallel); the experts
-    must divide evenly over the tp shards. A dense model is returned as it is."""
+def expert_layout(cfg: ModelConfig, tp: int, enable_expert_parallel: bool) -> ModelConfig:
+    """`cfg` with its MoE experts' placement checked against tp: whole experts per shard (vLLM's
+    enable_expert_parallel; recorded in the config) need tp to divide the expert count; split
+    experts need it to divide each expert's intermediate dim. A dense model is returned as is."""
     moe = cfg.option("moe")
     if moe is None:
         return cfg
-    if moe.num_experts % tp:
+    if enable_expert_parallel:
+        if moe.num_experts % tp:
+            raise ValueError(
+                f"enable_expert_parallel: tensor_parallel_size ({tp}) must divide the number "
+                f"of experts ({moe.num_experts}) of {cfg.architecture}; use a "
+                f"tensor_parallel_size among {divisors(moe.num_experts)}, or drop "
+                "enable_expert_parallel to split each expert instead")
+        return dataclasses.replace(cfg, options=(*cfg.options, ("expert_parallel", True)))
+    if moe.intermediate_size % tp:
         raise ValueError(
-            f"enable_expert_parallel: tensor_parallel_size ({tp}) must divide the number of "
-            f"experts ({moe.num_experts}) of {cfg.architecture}; use a tensor_parallel_size "
-            f"among {[d for d in range(1, moe.num_experts + 1) if moe.num_experts % d == 0]}, "
-            "or drop enable_expert_parallel to split each expert instead")
-    return dataclasses.replace(cfg, options=(*cfg.options, ("expert_parallel", True)))
+            f"tensor_parallel_size ({tp}) must divide the experts' intermediate size "
+            f"({moe.intermediate_size}) of {cfg.architecture} to split each expert; use one of "
+            f"{divisors(moe.intermediate_size)}, or enable_expert_parallel to keep whole "
+            "experts per device")
+    return cfg
 
 
 def param_shardings(cfg: ModelConfig, mesh: Mesh) -> Any:

@@ -16,7 +16,7 @@ from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.inputs import Chunk, build_step_inputs
 from pjinfer.engine.runner import ModelRunner
 from pjinfer.engine.step import StepOptions, init_kv_caches, model_step
-from pjinfer.sharding.rules import kv_cache_sharding, layout_config, with_expert_parallel
+from pjinfer.sharding.rules import expert_layout, kv_cache_sharding, layout_config
 from pjinfer.weights import load_engine_model
 
 PROMPT = [1, 5, 9, 13, 17, 21, 25, 29, 33, 99, 7, 64]
@@ -61,7 +61,7 @@ def test_mixtral_and_qwen2_moe_shard(moe_models, name, tp, ep):
     np.testing.assert_allclose(got_logits, logits, rtol=1e-4, atol=1e-4)
 
 
-def test_engine_with_expert_parallel_generates_tp1_tokens(moe_models):
+def test_engine_expert_layout_generates_tp1_tokens(moe_models):
     """End to end through LLM: --enable-expert-parallel at tp 4, prefill then decode steps."""
     path = str(moe_models["qwen3_moe"])
     runs = [pjinfer.LLM(path, tensor_parallel_size=tp, enable_expert_parallel=tp > 1,
@@ -93,13 +93,17 @@ def test_one_all_reduce_per_moe_layer(moe_models, ep):
         "all-reduce": 2 * layers + 1, "all-gather": 1, "reduce-scatter": 0, "all-to-all": 0}
 
 
-def test_expert_parallel_needs_tp_dividing_experts(moe_models):
+def test_tp_must_divide_experts_or_their_columns(moe_models):
     cfg = ModelConfig.from_pretrained(moe_models["mixtral"])
     six = dataclasses.replace(cfg.option("moe"), num_experts=6)
     cfg = dataclasses.replace(cfg, options=(("moe", six),))
     with pytest.raises(ValueError, match=r"tensor_parallel_size \(4\) must divide the number "
                                          r"of experts \(6\)"):
-        with_expert_parallel(cfg, 4)
+        expert_layout(cfg, 4, True)
+    assert expert_layout(cfg, 4, False) is cfg  # 4 divides each expert's 32 columns
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(3\) must divide the "
+                                         r"experts' intermediate size \(32\)"):
+        expert_layout(cfg, 3, False)
 
 
 def test_expert_parallel_places_whole_experts(moe_models):
