@@ -14,7 +14,7 @@ gate/up fused ([T*k, 2048] x [E, 2048, 1536]) and down ([T*k, 768] x [E, 768, 20
 Each kernel is timed pipelined (`calls` back to back, one sync), best and median of `samples`;
 ratios divide by the best ceilings. Both `backend=auto` (the Pallas kernel on a GPU, ragged_dot
 elsewhere) and plain `jax.lax.ragged_dot` are measured; `--block-m/-n/-k` sweep the kernel's
-tiling (each a list) on a GPU.
+tiling (each a list) on the prefill shapes, and on the decode ones with `--decode-sweep`.
 """
 
 from __future__ import annotations
@@ -127,7 +127,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
              itertools.product(args.block_m, args.block_n, args.block_k)]
     fns = _kernels(sweep)
     record["prefill"] = _prefill(fns, s, timing, ceilings.matmul_flops_per_s, args.seed)
-    record["decode"] = _decode(fns, s, timing, ceilings.hbm_bytes_per_s, args.seed)
+    decode_fns = fns if args.decode_sweep else {k: fns[k] for k in ("ragged_dot", "auto")}
+    record["decode"] = _decode(decode_fns, s, timing, ceilings.hbm_bytes_per_s, args.seed)
     _print(record)
     return record
 
@@ -196,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-m", type=int, nargs="+", default=[64])
     parser.add_argument("--block-n", type=int, nargs="+", default=[128])
     parser.add_argument("--block-k", type=int, nargs="+", default=[64])
+    parser.add_argument("--decode-sweep", action="store_true",
+                        help="time the block-size sweep on the decode shapes too (default: "
+                             "prefill only; decode times ragged_dot and auto)")
     args = parser.parse_args(argv)
     finish_record(run(args, argv), args.out)
     return 0

@@ -103,14 +103,23 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                                   preferred_element_type=jnp.float32).astype(out_dtype)
     return pallas_grouped_matmul(lhs, rhs, group_sizes, out_dtype=out_dtype,
                                  interpret=jax.default_backend() != "gpu",
-                                 **default_grouped_block_sizes(lhs.shape[0], rhs.shape[0]))
+                                 **default_grouped_block_sizes(lhs.shape[0], *rhs.shape))
 
 
-def default_grouped_block_sizes(rows: int, groups: int) -> dict[str, int]:
+def default_grouped_block_sizes(rows: int, groups: int, k: int, n: int) -> dict[str, int]:
     """Tiling by regime: decode (few rows per expert, each tile mostly one row: weight
     streaming) takes the smallest row tile Triton's dot allows and long K steps; prefill
-    (hundreds of rows per expert) the compute tiling. Not yet tuned on the H200: see
+    (hundreds of rows per expert) the compute tiling. K and N blocks shrink (down to 16) to
+    divide the weights, so a tp shard's slice (e.g. 768 / 8 = 96 columns) is never padded,
+    which would copy the weights every call. Not yet tuned on the H200: see
     `python -m pjinfer.benchmarks.moe --block-m ... --block-n ... --block-k ...`."""
-    if rows <= 4 * groups:
-        return dict(block_m=16, block_n=128, block_k=128)
-    return dict(block_m=64, block_n=128, block_k=64)
+    m, bn, bk = (16, 128, 128) if rows <= 4 * groups else (64, 128, 64)
+    return dict(block_m=m, block_n=_dividing(bn, n), block_k=_dividing(bk, k))
+
+
+def _dividing(block: int, dim: int) -> int:
+    """The largest power of two <= block (and >= 16) dividing dim, else block (padded)."""
+    b = block
+    while b > 16 and dim % b:
+        b //= 2
+    return b if dim % b == 0 else block

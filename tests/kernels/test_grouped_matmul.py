@@ -61,3 +61,12 @@ def test_bad_shapes_and_block_sizes_are_refused():
         grouped_matmul_reference(lhs, rhs[:, :8], sizes)
     with pytest.raises(ValueError, match="block_m must be a power of two"):
         grouped_matmul(lhs, rhs, sizes, block_m=24, interpret=True)
+
+
+def test_default_tiling_divides_a_tp_shards_weights():
+    """Decode rows take 16-row tiles; K and N blocks divide 96 / 192-wide tp slices, so the
+    kernel never pads (copies) the expert weights."""
+    decode = ops.default_grouped_block_sizes(64, 128, 2048, 192)
+    assert decode == dict(block_m=16, block_n=64, block_k=128)
+    prefill = ops.default_grouped_block_sizes(65536, 128, 96, 2048)
+    assert prefill == dict(block_m=64, block_n=128, block_k=32)
