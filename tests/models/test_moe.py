@@ -103,6 +103,9 @@ def test_block_equals_per_token_loop_and_expert_shards_sum_to_it():
             want[t] += w * ((gate / (1 + np.exp(-gate)) * up) @ down[e])
     got = expert_ffn(x, weights, ids, lp["experts_gate_up"], lp["experts_down"])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    pallas = expert_ffn(x, weights, ids, lp["experts_gate_up"], lp["experts_down"],
+                        backend="pallas")  # the GPU kernel, in interpret mode
+    np.testing.assert_allclose(pallas, want, rtol=1e-5, atol=1e-5)
     halves = [expert_ffn(x, weights, ids, lp["experts_gate_up"][s:s + 3],
                          lp["experts_down"][s:s + 3], s) for s in (0, 3)]
     np.testing.assert_allclose(halves[0] + halves[1], want, rtol=1e-5, atol=1e-5)
