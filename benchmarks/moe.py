@@ -87,7 +87,7 @@ def _kernels(backend_sizes: list[dict]) -> dict[str, Any]:
         "auto": jax.jit(ops.grouped_matmul)}
     interpret = jax.default_backend() != "gpu"
     for sizes in backend_sizes:
-        name = "pallas_m{block_m}_n{block_n}_k{block_k}".format(**sizes)
+        name = "pallas_m{block_m}_n{block_n}_k{block_k}_s{k_splits}".format(**sizes)
         fns[name] = jax.jit(functools.partial(grouped_matmul, interpret=interpret, **sizes))
     return fns
 
@@ -123,8 +123,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                                 tokens=s["prefill_tokens"] * s["top_k"], calls=args.calls,
                                 samples=args.samples)
     record["ceilings"] = ceilings_record(ceilings)
-    sweep = [dict(block_m=m_, block_n=n_, block_k=k_) for m_, n_, k_ in
-             itertools.product(args.block_m, args.block_n, args.block_k)]
+    sweep = [dict(block_m=m_, block_n=n_, block_k=k_, k_splits=s_) for m_, n_, k_, s_ in
+             itertools.product(args.block_m, args.block_n, args.block_k, args.k_splits)]
     fns = _kernels(sweep)
     record["prefill"] = _prefill(fns, s, timing, ceilings.matmul_flops_per_s, args.seed)
     decode_fns = fns if args.decode_sweep else {k: fns[k] for k in ("ragged_dot", "auto")}
@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-m", type=int, nargs="+", default=[64])
     parser.add_argument("--block-n", type=int, nargs="+", default=[128])
     parser.add_argument("--block-k", type=int, nargs="+", default=[64])
+    parser.add_argument("--k-splits", type=int, nargs="+", default=[1])
     parser.add_argument("--decode-sweep", action="store_true",
                         help="time the block-size sweep on the decode shapes too (default: "
                              "prefill only; decode times ragged_dot and auto)")

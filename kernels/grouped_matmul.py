@@ -22,6 +22,9 @@ from jax.experimental import pallas as pl
 
 from pjinfer.kernels import common
 
+# One fused compare ([NT, G] and [M, G]) instead of a bisection loop of small GPU kernels.
+_SEARCH = "compare_all"
+
 
 def _check(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> None:
     """Shapes are static: a mismatch fails while tracing, with the shapes in the message."""
@@ -43,13 +46,13 @@ def group_tiles(group_sizes: jax.Array, num_rows: int, block_m: int):
     tile_end = jnp.cumsum(per_group)  # [G]
     tile_begin = tile_end - per_group
     tile = jnp.arange(num_tiles, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(tile_end, tile, side="right"), g - 1)
+    group = jnp.minimum(jnp.searchsorted(tile_end, tile, side="right", method=_SEARCH), g - 1)
     local = tile - tile_begin[group]
     valid = jnp.where(tile < tile_end[-1], jnp.clip(sizes[group] - local * block_m, 0, block_m),
                       0)
     first = starts[group] + local * block_m
     row = jnp.arange(num_rows, dtype=jnp.int32)
-    row_group = jnp.minimum(jnp.searchsorted(ends, row, side="right"), g - 1)
+    row_group = jnp.minimum(jnp.searchsorted(ends, row, side="right", method=_SEARCH), g - 1)
     offset = row - starts[row_group]
     tiled_row = (tile_begin[row_group] + offset // block_m) * block_m + offset % block_m
     tiled_row = jnp.clip(tiled_row, 0, num_tiles * block_m - 1)
@@ -57,9 +60,11 @@ def group_tiles(group_sizes: jax.Array, num_rows: int, block_m: int):
             tiled_row)
 
 
-def _kernel(group_ref, first_ref, valid_ref, lhs_ref, rhs_ref, o_ref, *, block_k: int):
-    """One tile of `block_m` rows of one group times one [K, block_n] slice of its expert."""
-    tile, col = pl.program_id(0), pl.program_id(1)
+def _kernel(group_ref, first_ref, valid_ref, lhs_ref, rhs_ref, o_ref, *, block_k: int,
+            k_steps: int):
+    """One tile of `block_m` rows of one group times one [K / splits, block_n] slice of its
+    expert (split `pl.program_id(2)` of K)."""
+    tile, col, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     group, first, num_valid = group_ref[tile], first_ref[tile], valid_ref[tile]
     block_m, block_n = o_ref.shape
     offs = jnp.arange(block_m, dtype=jnp.int32)
@@ -68,12 +73,12 @@ def _kernel(group_ref, first_ref, valid_ref, lhs_ref, rhs_ref, o_ref, *, block_k
     cols = pl.ds(col * block_n, block_n)
 
     def body(kb, acc):
-        ks = pl.ds(kb * block_k, block_k)
+        ks = pl.ds((split * k_steps + kb) * block_k, block_k)
         x = lhs_ref[rows, ks]  # [bm, bk]
         w = rhs_ref[group, ks, cols]  # [bk, bn]
         return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
 
-    steps = jnp.where(num_valid > 0, lhs_ref.shape[1] // block_k, 0)  # empty tile: no reads
+    steps = jnp.where(num_valid > 0, k_steps, 0)  # an empty tile reads nothing
     acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_m, block_n), jnp.float32))
     o_ref[...] = jnp.where(row_ok[:, None], acc, 0.0).astype(o_ref.dtype)
 
@@ -88,39 +93,49 @@ def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
     return jnp.pad(x, widths)
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps",
-                                             "num_stages", "out_dtype", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "k_splits",
+                                             "num_warps", "num_stages", "out_dtype",
+                                             "interpret"))
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
-                   block_m: int = 64, block_n: int = 128, block_k: int = 64,
+                   block_m: int = 64, block_n: int = 128, block_k: int = 64, k_splits: int = 1,
                    num_warps: int = 4, num_stages: int = 3, out_dtype=None,
                    interpret: bool = False) -> jax.Array:
     """Pallas grouped matmul: lhs [M, K] (rows sorted by group), rhs [G, K, N], group_sizes
     [G] -> [M, N] in `out_dtype` (default lhs's), float32 sums. Block sizes are powers of two
-    (>= 16 on a GPU: Triton's dot); K and N are padded to them when they do not divide."""
+    (>= 16 on a GPU: Triton's dot); K and N are padded to them when they do not divide.
+
+    `k_splits` > 1 cuts K into that many ranges, each its own program writing a float32
+    partial sum, added afterwards: a decode step has few (tile, column) programs, too few to
+    keep every SM streaming weights, and splitting K multiplies them.
+    """
     _check(lhs, rhs, group_sizes)
-    for name, size in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+    for name, size in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k),
+                       ("k_splits", k_splits)):
         if size < 1 or size & (size - 1):
             raise ValueError(f"{name} must be a power of two, got {size}")
     num_rows, n = lhs.shape[0], rhs.shape[2]
-    lhs_p = _pad_to(lhs, 1, block_k)  # [M, K']
-    rhs_p = _pad_to(_pad_to(rhs, 1, block_k), 2, block_n)  # [G, K', N']
+    lhs_p = _pad_to(lhs, 1, block_k * k_splits)  # [M, K']
+    rhs_p = _pad_to(_pad_to(rhs, 1, block_k * k_splits), 2, block_n)  # [G, K', N']
     group, first, valid, tiled_row = group_tiles(group_sizes, num_rows, block_m)
-    num_tiles = group.shape[0]
+    num_tiles, width = group.shape[0], rhs_p.shape[2]
+    out_dtype = out_dtype or lhs.dtype
     whole = common.whole_spec
     tiled = pl.pallas_call(
-        functools.partial(_kernel, block_k=block_k),
-        grid=(num_tiles, rhs_p.shape[2] // block_n),
+        functools.partial(_kernel, block_k=block_k,
+                          k_steps=lhs_p.shape[1] // (block_k * k_splits)),
+        grid=(num_tiles, width // block_n, k_splits),
         in_specs=[whole((num_tiles,)), whole((num_tiles,)), whole((num_tiles,)),
                   whole(lhs_p.shape), whole(rhs_p.shape)],
-        out_specs=pl.BlockSpec((block_m, block_n), lambda t, c: (t, c)),
-        out_shape=jax.ShapeDtypeStruct((num_tiles * block_m, rhs_p.shape[2]),
-                                       out_dtype or lhs.dtype),
+        out_specs=pl.BlockSpec((None, block_m, block_n), lambda t, c, s: (s, t, c)),
+        out_shape=jax.ShapeDtypeStruct((k_splits, num_tiles * block_m, width),
+                                       out_dtype if k_splits == 1 else jnp.float32),
         compiler_params=common.triton_params(num_warps, num_stages),
         interpret=interpret,
         name="grouped_matmul",
     )(group, first, valid, lhs_p, rhs_p)
+    tiled = tiled[0] if k_splits == 1 else jnp.sum(tiled, axis=0)
     in_groups = jnp.arange(num_rows) < jnp.sum(group_sizes)
-    return jnp.where(in_groups[:, None], tiled[tiled_row, :n], 0)
+    return jnp.where(in_groups[:, None], tiled[tiled_row, :n], 0).astype(out_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype",))

@@ -109,12 +109,23 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
 def default_grouped_block_sizes(rows: int, groups: int, k: int, n: int) -> dict[str, int]:
     """Tiling by regime: decode (few rows per expert, each tile mostly one row: weight
     streaming) takes the smallest row tile Triton's dot allows and long K steps; prefill
-    (hundreds of rows per expert) the compute tiling. K and N blocks shrink (down to 16) to
+    (hundreds of rows per expert) the compute tiling; a decode step with few programs splits
+    K (float32 partial sums). K and N blocks shrink (down to 16) to
     divide the weights, so a tp shard's slice (e.g. 768 / 8 = 96 columns) is never padded,
     which would copy the weights every call. Not yet tuned on the H200: see
     `python -m pjinfer.benchmarks.moe --block-m ... --block-n ... --block-k ...`."""
-    m, bn, bk = (16, 128, 128) if rows <= 4 * groups else (64, 128, 64)
-    return dict(block_m=m, block_n=_dividing(bn, n), block_k=_dividing(bk, k))
+    if rows > 4 * groups:
+        return dict(block_m=64, block_n=_dividing(128, n), block_k=_dividing(64, k))
+    bn, bk = _dividing(128, n), _dividing(128, k)
+    programs = min(rows, groups) * -(-n // bn)  # (tile, column) programs when all are busy
+    splits = 1  # split K until ~512 programs stream weights, each keeping >= 4 K steps
+    while programs * splits < DECODE_PROGRAMS and k % (2 * splits * bk) == 0 \
+            and k // (2 * splits) >= 4 * bk:
+        splits *= 2
+    return dict(block_m=16, block_n=bn, block_k=bk, k_splits=splits)
+
+
+DECODE_PROGRAMS = 512  # ~4 per SM of an H100/H200
 
 
 def _dividing(block: int, dim: int) -> int:

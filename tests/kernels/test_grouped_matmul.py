@@ -22,15 +22,16 @@ def _inputs(seed: int, m: int, k: int, n: int, g: int, dtype=jnp.float32, tail: 
     return lhs, rhs, jnp.asarray(sizes, jnp.int32)
 
 
-@pytest.mark.parametrize("m, k, n, g, bm, bn, bk, tail", [
-    (37, 48, 40, 6, 16, 16, 16, 0),  # K and N not multiples of the blocks: padded
-    (64, 64, 128, 8, 8, 32, 32, 5),  # rows past the last group are 0
-    (5, 32, 16, 9, 16, 16, 16, 0),  # decode-like: more groups than rows, most empty
-    (50, 32, 64, 3, 32, 64, 16, 0),  # a group spanning several row tiles
+@pytest.mark.parametrize("m, k, n, g, bm, bn, bk, splits, tail", [
+    (37, 48, 40, 6, 16, 16, 16, 1, 0),  # K and N not multiples of the blocks: padded
+    (64, 64, 128, 8, 8, 32, 32, 1, 5),  # rows past the last group are 0
+    (5, 64, 16, 9, 16, 16, 16, 4, 0),  # decode-like: most groups empty; K split 4 ways
+    (50, 32, 64, 3, 32, 64, 16, 2, 0),  # a group spanning several row tiles; K split
 ])
-def test_kernel_matches_reference(m, k, n, g, bm, bn, bk, tail):
+def test_kernel_matches_reference(m, k, n, g, bm, bn, bk, splits, tail):
     lhs, rhs, sizes = _inputs(m + k + g, m, k, n, g, tail=tail)
-    out = grouped_matmul(lhs, rhs, sizes, block_m=bm, block_n=bn, block_k=bk, interpret=True)
+    out = grouped_matmul(lhs, rhs, sizes, block_m=bm, block_n=bn, block_k=bk, k_splits=splits,
+                         interpret=True)
     ref = grouped_matmul_reference(lhs, rhs, sizes)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(jax.lax.ragged_dot(lhs, rhs, sizes), ref, rtol=1e-5, atol=1e-5)
@@ -67,6 +68,8 @@ def test_default_tiling_divides_a_tp_shards_weights():
     """Decode rows take 16-row tiles; K and N blocks divide 96 / 192-wide tp slices, so the
     kernel never pads (copies) the expert weights."""
     decode = ops.default_grouped_block_sizes(64, 128, 2048, 192)
-    assert decode == dict(block_m=16, block_n=64, block_k=128)
+    assert decode == dict(block_m=16, block_n=64, block_k=128, k_splits=4)
+    # Mixtral's down projection at batch 1: 2 experts x 32 column blocks, K split 8 ways
+    assert ops.default_grouped_block_sizes(2, 8, 14336, 4096)["k_splits"] == 8
     prefill = ops.default_grouped_block_sizes(65536, 128, 96, 2048)
     assert prefill == dict(block_m=64, block_n=128, block_k=32)
