@@ -92,7 +92,8 @@ def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Ar
                            backend=backend)  # [T*k, 2I']
     h = jax.nn.silu(h[:, :inter]) * h[:, inter:]
     y = ops.grouped_matmul(h, down, group_sizes, backend=backend)  # [T*k, D] in x's dtype
-    y = y[jnp.argsort(order)].reshape(t, k, d).astype(jnp.float32)  # assignment order
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    y = y[inverse].reshape(t, k, d).astype(jnp.float32)  # back to assignment order
     w = jnp.where(mine, weights, 0.0)[..., None]  # [T, k, 1]
     return jnp.sum(jnp.where(w > 0, y * w, 0.0), axis=1)
 

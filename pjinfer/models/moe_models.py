@@ -13,7 +13,8 @@ The experts' fields have no defaults here: a checkpoint without them is not one 
 Checkpoints: the Hub's per-expert tensors (`block_sparse_moe.experts.{e}.w1/w3/w2`,
 `mlp.experts.{e}.gate_proj/up_proj/down_proj`) are stacked into [E, ...] at load; the fused
 3-D `mlp.experts.gate_up_proj` [E, 2I, D] / `down_proj` [E, D, I] that transformers 5 holds in
-memory (and some 5.x versions saved) are read when the per-expert names are absent.
+memory (and some 5.x versions saved), always under `mlp.` (Mixtral's router too: `mlp.gate`),
+are read when the per-expert names are absent.
 """
 
 from __future__ import annotations
@@ -93,19 +94,19 @@ QWEN_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
 def _expert_specs(cfg: ModelConfig, i: int, names: ExpertNames) -> list[ParamSpec]:
     moe, d = moe_config(cfg), cfg.hidden_size
     e, inter = moe.num_experts, moe.intermediate_size
-    block = f"model.layers.{i}.{names.block}"
+    block, fused = f"model.layers.{i}.{names.block}", f"model.layers.{i}.mlp"
     per = [f"{block}.experts.{x}" for x in range(e)]
     gate_up = tuple(n for p in per for n in (f"{p}.{names.gate}.weight", f"{p}.{names.up}.weight"))
     return [
         ParamSpec(("layers", i, "router"), (d, e), hf_names=(f"{block}.gate.weight",),
-                  transform=transpose),
+                  transform=transpose, fallback=((f"{fused}.gate.weight",), transpose)),
         ParamSpec(("layers", i, "experts_gate_up"), (e, d, 2, inter), hf_names=gate_up,
                   transform=_gate_up_per_expert, init_scale=d ** -0.5,
-                  fallback=((f"{block}.experts.gate_up_proj",), _gate_up_fused)),
+                  fallback=((f"{fused}.experts.gate_up_proj",), _gate_up_fused)),
         ParamSpec(("layers", i, "experts_down"), (e, inter, d),
                   hf_names=tuple(f"{p}.{names.down}.weight" for p in per),
                   transform=_down_per_expert, init_scale=inter ** -0.5,
-                  fallback=((f"{block}.experts.down_proj",), _down_fused)),
+                  fallback=((f"{fused}.experts.down_proj",), _down_fused)),
     ]
 
 

@@ -43,17 +43,19 @@ def test_config_fields_follow_transformers(moe_models):
                                                                               (True, True))
 
 
-def test_fused_transformers5_layout_loads_the_same(moe_models, tmp_path):
-    """The 3-D experts.gate_up_proj [E, 2I, D] / experts.down_proj [E, D, I] that
-    transformers 5 keeps in memory (its state_dict) load into the same params."""
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_fused_transformers5_layout_loads_the_same(moe_models, tmp_path, name):
+    """The 3-D mlp.experts.gate_up_proj [E, 2I, D] / mlp.experts.down_proj [E, D, I] (and
+    Mixtral's router as mlp.gate) that transformers 5 keeps in memory, its state_dict, load
+    into the same params."""
     import torch
     import transformers
     from safetensors.torch import save_file
 
-    src = moe_models["qwen3_moe"]
+    src = moe_models[name]
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    assert "model.layers.1.mlp.experts.gate_up_proj" in state
     shutil.copy(src / "config.json", tmp_path / "config.json")
     save_file(state, str(tmp_path / "model.safetensors"))
     _, want = load_model(src, dtype="float32")
