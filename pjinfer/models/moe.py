@@ -120,7 +120,7 @@ def _sharded_expert_ffn(x, weights, ids, gate_up, down, *, expert_parallel: bool
     def local(x, weights, ids, gate_up, down):
         first = jax.lax.axis_index("tp") * gate_up.shape[0] if expert_parallel else 0
         part = expert_ffn(x, weights, ids, gate_up, down, first, backend=backend)
-        return jax.lax.psum(part, "tp")
+        return jax.lax.psum(part.astype(x.dtype), "tp")  # summed in x's dtype, as dense MLPs
 
     return shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), *specs),
                      out_specs=P())(x, weights, ids, gate_up, down)
@@ -133,7 +133,8 @@ def moe_block(lp: dict, x: jax.Array, *, moe: MoeConfig, valid: jax.Array | None
     if valid is not None:
         weights = jnp.where(valid[:, None], weights, 0.0)
     out = _sharded_expert_ffn(x, weights, ids, lp["experts_gate_up"], lp["experts_down"],
-                              expert_parallel=expert_parallel, backend=backend)
+                              expert_parallel=expert_parallel, backend=backend
+                              ).astype(jnp.float32)
     if "shared_expert" in lp:
         gate = jax.nn.sigmoid(linear(x, lp["shared_expert_gate"], out_dtype=jnp.float32))
         out = out + gate * gated_mlp(lp["shared_expert"], x).astype(jnp.float32)
