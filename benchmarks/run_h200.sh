@@ -11,6 +11,8 @@
 #   bash benchmarks/run_h200.sh long      # W6: 64 x 8,192/512 and 8 x 32,768/256 (~6 min)
 #   bash benchmarks/run_h200.sh structured  # W4 with a JSON schema on every request vs
 #                                           # without, one process (needs llguidance) (~4 min)
+#   bash benchmarks/run_h200.sh moe       # issue 13: grouped matmul, Mixtral/Qwen3-MoE engine
+#                                         # runs (~25-35 min: one step per device command)
 #   bash benchmarks/run_h200.sh --smoke pjinfer hf serve   # the same plumbing, tiny, on CPU
 #
 # Each stage fits one 10-minute device command; every step has its own time limit, and a
@@ -141,6 +143,34 @@ stage_long() {
       --warmup-requests 0 --output-json "$JSON/w6_32k_throughput.json"
 }
 
+# Issue 13's MoE targets: grouped matmul vs the measured ceilings, then Mixtral-8x7B and
+# Qwen3-30B-A3B shapes (dummy bf16 weights) through the engine, rooflines counting the experts
+# actually read and the active parameters' FLOPs (benchmarks/roofline.py).
+stage_moe() {
+  local qwen=(--model configs/models/qwen3-30b-a3b --load-format dummy --dtype bfloat16)
+  local mixtral=(--model configs/models/mixtral-8x7b --load-format dummy --dtype bfloat16)
+  local smoke_gmm=() b1=(--input-len 512 --output-len 512) c10=(--input-len 2048 --output-len 1024)
+  local n=1000 tput=(--input-len 1024 --output-len 256)
+  if [ $SMOKE = 1 ]; then
+    qwen=(); mixtral=(); smoke_gmm=(--smoke); n=4; b1=(--input-len 16 --output-len 8)
+    c10=(--input-len 16 --output-len 8); tput=(--input-len 16 --output-len 4)
+  fi
+  local eng=(--max-num-seqs 256 --max-num-batched-tokens 8192 --compilation-cache-dir "$CACHE")
+  [ $SMOKE = 1 ] && eng=("${ENGINE[@]}" --compilation-cache-dir "$CACHE")
+  step moe_grouped_matmul 400 $PY -m pjinfer.benchmarks.moe "${smoke_gmm[@]}" \
+      --block-m 32 64 128 --block-n 64 128 --block-k 64 \
+      --out "$JSON/moe_grouped_matmul.json"
+  step moe_mixtral_b1 400 "${BENCH[@]}" latency "${mixtral[@]}" "${eng[@]}" --batch-size 1 \
+      "${b1[@]}" --num-iters 2 --num-iters-warmup 1 --output-json "$JSON/moe_mixtral_b1.json"
+  step moe_qwen3_b1 300 "${BENCH[@]}" latency "${qwen[@]}" "${eng[@]}" --batch-size 1 \
+      "${b1[@]}" --num-iters 3 --num-iters-warmup 1 --output-json "$JSON/moe_qwen3_b1.json"
+  step moe_qwen3_c10 400 "${BENCH[@]}" latency "${qwen[@]}" "${eng[@]}" --batch-size 10 \
+      "${c10[@]}" --num-iters 1 --num-iters-warmup 1 --output-json "$JSON/moe_qwen3_c10.json"
+  step moe_qwen3_throughput 500 "${BENCH[@]}" throughput "${qwen[@]}" "${eng[@]}" \
+      --num-prompts $n "${tput[@]}" --warmup-requests 8 \
+      --output-json "$JSON/moe_qwen3_throughput.json"
+}
+
 stage_hf() {
   step hf_w1_latency 120 "${HF[@]}" latency --model "$HF_MODEL" --batch-size 1 \
       --input-len $IN_W1 --output-len $OUT_W1 --num-iters 1 --num-iters-warmup 1 \
@@ -203,7 +233,8 @@ for stage in "${STAGES[@]}"; do
     profile) stage_profile ;;
     long) stage_long ;;
     structured) stage_structured ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured)" ;;
+    moe) stage_moe ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe)" ;;
   esac
 done
 pack

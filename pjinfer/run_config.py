@@ -62,6 +62,7 @@ class ParallelConfig:
     coordinator_address: str | None = None  # "host:port" of process 0, multi-host only
     num_processes: int = 1
     process_id: int = 0
+    enable_expert_parallel: bool = False  # engine argument too; MoE experts whole per tp shard
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size", "num_processes"):

@@ -31,6 +31,7 @@ from pjinfer.models.spec import ParamSpec, build_tree
 from pjinfer.sharding.checkpoint import is_orbax_checkpoint, restore_params
 from pjinfer.sharding.mesh import make_mesh
 from pjinfer.sharding.placement import Placer, shard_params
+from pjinfer.sharding.rules import expert_layout
 
 # auto = orbax when the folder holds a `pjinfer convert` checkpoint, else safetensors
 LOAD_FORMATS = ("auto", "safetensors", "dummy", "orbax")
@@ -127,14 +128,26 @@ def read_param(index: SafetensorsIndex, p: ParamSpec, cfg: ModelConfig, *,
     (unless its transform copies)."""
     if not p.hf_names:
         raise ModelLoadError(f"param {p.path} of {cfg.architecture} names no checkpoint tensor")
-    for name in p.hf_names:
-        if name not in index:
-            raise ModelLoadError(f"checkpoint in {index.model_dir} is missing tensor {name!r} "
-                                 f"(needed for {cfg.architecture} with this config.json)")
+    names, transform = p.hf_names, p.transform
+    missing = [name for name in names if name not in index]
+    if missing and p.fallback and all(name in index for name in p.fallback[0]):
+        (names, transform), missing = p.fallback, []
+    if missing:
+        other = f" (or {', '.join(map(repr, p.fallback[0]))})" if p.fallback else ""
+        raise ModelLoadError(f"checkpoint in {index.model_dir} is missing tensor {missing[0]!r}"
+                             f"{other} (needed for {cfg.architecture} with this config.json)")
     fetch = index.read if copy else index.get
-    host = p.from_checkpoint([fetch(name) for name in p.hf_names])
+    tensors = [fetch(name) for name in names]
+    try:
+        host = transform(*tensors) if transform else p.from_checkpoint(tensors)
+    except ValueError as e:  # e.g. experts of different shapes cannot be stacked
+        shapes = ", ".join(f"{n!r} {tuple(t.shape)}" for n, t in zip(names[:4], tensors[:4],
+                                                                  strict=True))
+        raise ModelLoadError(f"tensors {shapes} do not combine into {p.path} of shape "
+                             f"{p.shape}: {e}") from None
     if tuple(host.shape) != p.shape:
-        raise ModelLoadError(f"tensor {', '.join(map(repr, p.hf_names))} has shape "
+        shown = ", ".join(map(repr, names[:2])) + (" ..." if len(names) > 2 else "")
+        raise ModelLoadError(f"tensor {shown} has shape "
                              f"{tuple(host.shape)} (after its transform), expected {p.shape} "
                              "from config.json")
     return host
@@ -197,9 +210,12 @@ def _dummy(cfg: ModelConfig, placer: Placer, model_dtype: Any, seed: int) -> Par
 def load_engine_model(model_dir: str | Path, *, tensor_parallel_size: int = 1,
                       data_parallel_size: int = 1, dtype: str = "auto",
                       load_format: str = "auto", seed: int = 0, params: Params | None = None,
+                      enable_expert_parallel: bool = False,
                       ) -> tuple[ModelConfig, Params, Mesh | None]:
     """(config, params, mesh) for an engine: a ("dp", "tp") mesh when either size is > 1 (None
     otherwise), validated against the model before any weight is read.
+    `enable_expert_parallel` places a MoE model's whole experts on the tp axis (the returned
+    config says so), instead of splitting every expert.
 
     Given `params` (unsharded, checkpoint layout) only config.json is read; they are returned as
     they are without a mesh, else placed onto it.
@@ -209,6 +225,7 @@ def load_engine_model(model_dir: str | Path, *, tensor_parallel_size: int = 1,
     mesh = None
     if tensor_parallel_size > 1 or data_parallel_size > 1:
         mesh = make_mesh(tensor_parallel_size, data_parallel_size, cfg=cfg)
+    cfg = expert_layout(cfg, tensor_parallel_size, enable_expert_parallel)
     if params is not None:
         return cfg, (params if mesh is None else shard_params(params, cfg, mesh)), mesh
     return cfg, load_params(model_dir, cfg, dtype=dtype, load_format=load_format, seed=seed,

@@ -127,7 +127,7 @@ class LLMEngine:
         c = self.config
         return load_engine_model(model_dir, tensor_parallel_size=c.tensor_parallel_size,
                                  dtype=c.dtype, load_format=c.load_format, seed=c.seed,
-                                 params=params)
+                                 params=params, enable_expert_parallel=c.enable_expert_parallel)
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

@@ -164,6 +164,9 @@ class ModelRunner:
         c, t, s = self.cfg, self.ecfg.max_num_batched_tokens, self.ecfg.max_num_seqs
         width = 4 * c.hidden_size + 2 * c.intermediate_size + \
             (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+        moe = c.option("moe")
+        if moe is not None:  # top_k rows per token: sorted x, gate/up, h, f32 expert outputs
+            width += moe.top_k * (3 * c.hidden_size + 3 * moe.intermediate_size)
         per_token = width * np.dtype(self.kv_dtype).itemsize
         return 2 * (t * per_token + 3 * s * c.vocab_size * 4) + GiB
 
