@@ -1,0 +1,419 @@
+"""Several models in one server: named entries, each loaded, loading, unloaded or sleeping.
+
+Every request leases the version it was routed to and returns the lease when its response
+ends, so a version can be retired safely: `replace` loads the new version beside the old one,
+switches new requests to it at once (one assignment on the event loop: atomic), and shuts the
+old engine down only when its last lease is back. Unloading drains the same way. Models share
+the device by declared fractions (`memory_share`): a load that does not fit first unloads idle
+models, least recently used first, else it is refused (HTTP 409) and nothing changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pjinfer.engine.async_engine import AsyncEngine
+from pjinfer.engine.config import EngineConfig
+from pjinfer.engine.metrics import EngineStats
+from pjinfer.server import model_memory
+from pjinfer.server.model_repository import ModelNotInRepository, ModelRef, ModelRepository
+from pjinfer.server.protocol import APIError, ModelInfo
+
+log = logging.getLogger("pjinfer.server")
+REAP_INTERVAL_S = 1.0  # how often idle models are looked for (at most)
+EngineFactory = Callable[[EngineConfig], AsyncEngine]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """One `[[models]]` entry: where the model comes from and how it is served."""
+
+    name: str
+    path: str | None = None  # a model folder; None: the repository's `name`, else the demo
+    version: str | None = None  # with a repository: this version (default: the newest)
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    memory_share: float | None = None  # fraction of the device; None: an equal split
+    lazy: bool = False  # load on the first request for it
+    idle_unload_s: float | None = None  # unload after this long without a request
+
+    def __post_init__(self) -> None:
+        ModelRef.parse(self.name)
+        if "@" in self.name:
+            raise ValueError(f"model name {self.name!r} must not contain '@' (it separates "
+                             "a name from its version)")
+        if self.memory_share is not None and not 0 < self.memory_share <= 1:
+            raise ValueError(f"memory_share of {self.name!r} must be in (0, 1], got "
+                             f"{self.memory_share}")
+        if self.idle_unload_s is not None and not self.idle_unload_s > 0:
+            raise ValueError(f"idle_unload_s of {self.name!r} must be > 0, got "
+                             f"{self.idle_unload_s}")
+
+
+def model_info(engine: AsyncEngine, name: str) -> ModelInfo:
+    """What request validation needs of one engine, under the name clients use."""
+    return ModelInfo(name, engine.max_model_len, engine.tokenizer, engine.vocab_size,
+                     engine.config.max_logprobs, engine.check_structured_outputs)
+
+
+@dataclass(eq=False)
+class Version:
+    """One loaded engine of a model, with the leases of the requests it serves."""
+
+    version: str
+    path: str | None
+    engine: AsyncEngine
+    load_seconds: float = 0.0
+    leases: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    sleep_state: Any = None  # pjinfer.engine.sleep.SleepState while asleep
+
+
+@dataclass(eq=False)
+class ModelEntry:
+    key: str  # `name`, or `name@version` for a version loaded beside the model's own
+    spec: ModelSpec
+    share: float
+    state: str = "unloaded"  # loaded | loading | unloaded | sleeping
+    current: Version | None = None
+    loading: asyncio.Task | None = None
+    draining: list[Version] = field(default_factory=list)
+    last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass(eq=False)
+class Lease:
+    """A request's hold on the version serving it; `release()` once, when the response ends."""
+
+    entry: ModelEntry
+    version: Version
+    info: ModelInfo
+    _pool: ModelPool | None
+    handed_off: bool = False
+
+    @property
+    def engine(self) -> AsyncEngine:
+        return self.version.engine
+
+    def release(self) -> None:
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            pool._release(self)
+
+    def hand_off(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        """A streamed response outlives its handler: the lease goes back when the stream
+        ends, or when it is dropped unstarted."""
+        self.handed_off = True
+        guarded = self._guard(events)
+        weakref.finalize(guarded, self.release)
+        return guarded
+
+    async def _guard(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        finally:
+            self.release()
+
+
+class ModelPool:
+    """The models of one server; all methods run on the event loop."""
+
+    def __init__(self, specs: list[ModelSpec], *, repository: str | Path | None = None,
+                 memory_bytes: int | None = None, engine_factory: EngineFactory | None = None):
+        if not specs:
+            raise ValueError("a model pool needs at least one model")
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique, got {names}")
+        default_share = 1.0 / len(specs)
+        self.entries: dict[str, ModelEntry] = {
+            s.name: ModelEntry(s.name, s, s.memory_share or default_share) for s in specs}
+        self.repository = ModelRepository(repository) if repository is not None else None
+        self.memory_bytes = memory_bytes
+        self.engine_factory = engine_factory or AsyncEngine
+        self.leaked_kv_blocks = 0  # blocks still held when a retired engine shut down
+        self.num_loads: dict[str, int] = {}
+        self._reaper: asyncio.Task | None = None
+        self._retiring: set[asyncio.Task] = set()
+
+    @classmethod
+    def of_engine(cls, engine: AsyncEngine, name: str | None = None) -> ModelPool:
+        """A pool of one, around an engine built by the caller (`pjinfer serve MODEL`)."""
+        pool = cls([ModelSpec(name or engine.served_model_name, memory_share=1.0)])
+        entry = next(iter(pool.entries.values()))
+        entry.current, entry.state = Version("1", engine.config.model, engine), "loaded"
+        return pool
+
+    def add(self, spec: ModelSpec) -> ModelEntry:
+        """A new model entry, not loaded yet (default share: the smallest one held)."""
+        if spec.name in self.entries:
+            raise APIError(f"model {spec.name!r} is already in the pool", status=409,
+                           code="model_exists")
+        share = spec.memory_share or min(e.share for e in self.entries.values())
+        self.entries[spec.name] = ModelEntry(spec.name, spec, share)
+        return self.entries[spec.name]
+
+    @property
+    def default(self) -> ModelEntry:
+        return next(iter(self.entries.values()))
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    async def startup(self) -> None:
+        """Start pre-built engines, load every model that is not lazy, watch idle ones."""
+        for entry in self.entries.values():
+            if entry.current is not None:
+                entry.current.engine.start()
+            elif not entry.spec.lazy:
+                await self.ensure_loaded(entry)
+        if any(e.spec.idle_unload_s for e in self.entries.values()):
+            self._reaper = asyncio.create_task(self._reap_idle())
+
+    async def shutdown(self, drain_timeout: float) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for task in list(self._retiring):
+            task.cancel()
+        for engine in list(self.engines()):
+            await asyncio.to_thread(engine.shutdown, drain_timeout=drain_timeout)
+
+    def engines(self) -> Iterator[AsyncEngine]:
+        """Every live engine, draining ones included."""
+        for entry in self.entries.values():
+            if entry.current is not None:
+                yield entry.current.engine
+            yield from (v.engine for v in entry.draining)
+
+    # ---- routing ------------------------------------------------------------------------
+    async def acquire(self, model: str | None) -> Lease:
+        """Lease the version serving `model` (`name`, `name@version`, None: the first model),
+        loading it first when it is not loaded (a lazy model's first request waits for it)."""
+        entry = self.default if model is None else self._entry_for(ModelRef.parse(model))
+        await self.ensure_loaded(entry)
+        if entry.state == "sleeping":
+            raise APIError(f"model {entry.spec.name!r} is sleeping; POST /wake_up first",
+                           status=503, type="server_error", code="model_sleeping")
+        version = entry.current
+        version.leases += 1
+        version.idle.clear()
+        entry.last_used = time.monotonic()
+        name = model or entry.spec.name
+        return Lease(entry, version, model_info(version.engine, name), self)
+
+    def _release(self, lease: Lease) -> None:
+        version = lease.version
+        version.leases -= 1
+        lease.entry.last_used = time.monotonic()
+        if version.leases == 0:
+            version.idle.set()
+
+    def _entry_for(self, ref: ModelRef) -> ModelEntry:
+        entry = self.entries.get(ref.name)
+        if ref.version is None or (entry is not None and entry.current is not None
+                                   and entry.current.version == ref.version):
+            if entry is None:
+                raise self.not_found(str(ref))
+            return entry
+        key = str(ref)
+        if key not in self.entries:  # another version: an entry of its own, loaded on demand
+            self._repository_or_404(ref).resolve(ref)
+            base = entry.spec if entry is not None else ModelSpec(ref.name)
+            spec = dataclasses.replace(base, name=ref.name, version=ref.version, lazy=True)
+            share = entry.share if entry is not None else 1.0 / len(self.entries)
+            self.entries[key] = ModelEntry(key, spec, share)
+        return self.entries[key]
+
+    def _repository_or_404(self, ref: ModelRef) -> ModelRepository:
+        if self.repository is None:
+            raise self.not_found(str(ref), "this server has no model repository")
+        return self.repository
+
+    def not_found(self, model: str, why: str = "") -> APIError:
+        served = ", ".join(repr(k) for k in self.entries)
+        return APIError(f"The model `{model}` does not exist{'; ' + why if why else ''}; this "
+                        f"server serves {served}", status=404, param="model",
+                        code="model_not_found")
+
+    # ---- loading ------------------------------------------------------------------------
+    async def ensure_loaded(self, entry: ModelEntry) -> None:
+        if entry.state == "loading":
+            await asyncio.shield(entry.loading)
+        elif entry.state == "unloaded":
+            entry.state = "loading"
+            entry.loading = asyncio.create_task(self._load_into(entry))
+            await asyncio.shield(entry.loading)
+
+    async def _load_into(self, entry: ModelEntry) -> None:
+        try:
+            entry.current = await self.load_version(entry, entry.spec.version)
+            entry.state = "loaded"
+        except BaseException:
+            entry.state = "unloaded"
+            raise
+        finally:
+            entry.loading = None
+
+    async def load_version(self, entry: ModelEntry, version: str | None,
+                           path: str | None = None) -> Version:
+        """Build (in a thread) and start an engine for one version; APIError if it does not
+        fit or fails to load, with the pool unchanged."""
+        spec = entry.spec
+        version, path = self._locate(spec, version, path)
+        await self._make_room(entry)
+        try:
+            args = model_memory.check_fits(spec.name, path, dict(spec.engine_args),
+                                           entry.share, self.memory_bytes)
+        except ValueError as e:
+            raise APIError(str(e), status=409, code="insufficient_memory") from None
+        config_args = {**args, "model": path, "served_model_name": spec.name}
+        start = time.perf_counter()
+        try:
+            engine = await asyncio.to_thread(self._build, config_args)
+        except Exception as e:  # noqa: BLE001 - any load failure leaves the pool as it was
+            log.warning("loading %s@%s from %s failed: %s", spec.name, version, path, e)
+            raise APIError(f"loading model {spec.name!r} version {version!r} from {path} "
+                           f"failed: {type(e).__name__}: {e}", status=400,
+                           code="model_load_failed") from None
+        engine.start()
+        self.num_loads[spec.name] = self.num_loads.get(spec.name, 0) + 1
+        log.info("loaded %s version %s in %.1fs", spec.name, version,
+                 time.perf_counter() - start)
+        return Version(version, path, engine, time.perf_counter() - start)
+
+    def _build(self, config_args: dict[str, Any]) -> AsyncEngine:
+        return self.engine_factory(EngineConfig.from_kwargs(**config_args))
+
+    def _locate(self, spec: ModelSpec, version: str | None,
+                path: str | None) -> tuple[str, str | None]:
+        """(version, folder): an explicit folder, the spec's folder, or the repository's."""
+        if path is not None:
+            if not Path(path).exists():
+                raise APIError(f"model path {path!r} does not exist on the server",
+                               param="path", code="model_path_not_found")
+            return version or Path(path).name, path
+        if spec.path is not None and version is None:
+            return spec.version or "1", spec.path
+        if self.repository is None:
+            if version is None:
+                return "1", None  # the embedded demo model
+            raise self.not_found(f"{spec.name}@{version}", "this server has no model "
+                                 "repository")
+        try:
+            found, folder = self.repository.resolve(ModelRef(spec.name, version))
+        except ModelNotInRepository as e:
+            raise APIError(str(e), status=404, code="model_not_found") from None
+        return found, str(folder)
+
+    async def _make_room(self, entry: ModelEntry) -> None:
+        """Unload idle models, least recently used first, until `entry`'s share fits."""
+        while self._held_share(entry) + entry.share > 1.0 + 1e-9:
+            idle = [e for e in self.entries.values() if e is not entry and e.state == "loaded"
+                    and e.current.leases == 0 and not e.draining]
+            if not idle:
+                busy = ", ".join(f"{k} ({e.share:g}, {e.state})" for k, e in
+                                 self.entries.items() if e is not entry and self._holds(e))
+                raise APIError(
+                    f"model {entry.spec.name!r} needs memory_share {entry.share:g} but only "
+                    f"{max(0.0, 1 - self._held_share(entry)):g} of the device is free and no "
+                    f"idle model can be unloaded to make room (held: {busy}); unload a model "
+                    "(POST /v1/admin/models/unload) or lower memory_share",
+                    status=409, code="insufficient_memory")
+            victim = min(idle, key=lambda e: e.last_used)
+            log.info("unloading idle model %s to make room for %s", victim.spec.name,
+                     entry.spec.name)
+            await self.unload(victim)
+
+    def _holds(self, e: ModelEntry) -> bool:
+        return e.current is not None or bool(e.draining)
+
+    def _held_share(self, entry: ModelEntry) -> float:
+        """Shares of every model holding memory, besides `entry`'s current version (a replace
+        loads its new version beside the old one: that counts the share twice)."""
+        held = 0.0
+        for e in self.entries.values():
+            versions = len(e.draining) + (e.current is not None and e is not entry) + (
+                e.state == "loading" and e is not entry)
+            held += e.share * versions
+        return held
+
+    # ---- admin operations -----------------------------------------------------------------
+    async def unload(self, entry: ModelEntry) -> None:
+        """Stop routing to the model, let its requests finish, free its engine."""
+        if entry.state == "loading":
+            raise APIError(f"model {entry.spec.name!r} is still loading; unload it after",
+                           status=409, code="model_loading")
+        old, entry.current, entry.state = entry.current, None, "unloaded"
+        if old is not None:
+            entry.draining.append(old)
+            await self._retire(entry, old)
+
+    async def replace(self, entry: ModelEntry, version: str | None,
+                      path: str | None = None) -> Version:
+        """Load the new version beside the old, switch new requests to it, drain the old in
+        the background. A failed load leaves the old version serving."""
+        if entry.state != "loaded":
+            await self.ensure_loaded(entry)
+        new = await self.load_version(entry, version, path)
+        old, entry.current = entry.current, new  # the switch
+        entry.state = "loaded"
+        if old is not None:
+            entry.draining.append(old)
+            task = asyncio.create_task(self._retire(entry, old))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+        return new
+
+    async def _retire(self, entry: ModelEntry, version: Version) -> None:
+        if version.leases:
+            await version.idle.wait()
+        stats = await version.engine.call(lambda engine: engine.get_stats())
+        self.leaked_kv_blocks += stats.num_kv_blocks - stats.num_free_kv_blocks
+        await asyncio.to_thread(version.engine.shutdown)
+        entry.draining.remove(version)
+        log.info("retired %s version %s", entry.spec.name, version.version)
+
+    async def _reap_idle(self) -> None:
+        period = min(REAP_INTERVAL_S, *(e.spec.idle_unload_s / 4 for e in
+                                        self.entries.values() if e.spec.idle_unload_s))
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for entry in list(self.entries.values()):
+                limit = entry.spec.idle_unload_s
+                if (limit and entry.state == "loaded" and entry.current.leases == 0
+                        and now - entry.last_used > limit):
+                    log.info("unloading %s: idle for %.0f s", entry.spec.name, limit)
+                    await self.unload(entry)
+
+    # ---- reporting ----------------------------------------------------------------------
+    def stats_by_model(self) -> dict[str, EngineStats]:
+        """Engine stats under each model name; a draining version as `name@version`."""
+        stats = {}
+        for key, entry in self.entries.items():
+            if entry.current is not None:
+                stats[key] = entry.current.engine.stats()
+            for old in entry.draining:
+                stats[f"{entry.spec.name}@{old.version}"] = old.engine.stats()
+        return stats
+
+    def cards(self, created: int) -> list[dict[str, Any]]:
+        """`/v1/models` rows: OpenAI's fields plus state and version."""
+        cards = []
+        for key, entry in self.entries.items():
+            current = entry.current
+            card = {"id": key, "object": "model", "created": created, "owned_by": "pjinfer",
+                    "root": current.path if current is not None else entry.spec.path,
+                    "parent": None, "state": entry.state,
+                    "version": current.version if current is not None else entry.spec.version,
+                    "memory_share": entry.share}
+            if current is not None:
+                card["max_model_len"] = current.engine.max_model_len
+            cards.append(card)
+        return cards
