@@ -196,7 +196,8 @@ class ModelPool:
         """Lease the version serving `model` (`name`, `name@version`, None: the first model),
         loading it first when it is not loaded (a lazy model's first request waits for it)."""
         entry = self.default if model is None else self._entry_for(ModelRef.parse(model))
-        await self.ensure_loaded(entry)
+        while entry.current is None:  # an unload may come between the load and this lease
+            await self.ensure_loaded(entry)
         if entry.state == "sleeping":
             raise APIError(f"model {entry.spec.name!r} is sleeping; POST /wake_up first",
                            status=503, type="server_error", code="model_sleeping")
@@ -223,7 +224,11 @@ class ModelPool:
             return entry
         key = str(ref)
         if key not in self.entries:  # another version: an entry of its own, loaded on demand
-            self._repository_or_404(ref).resolve(ref)
+            try:
+                self._repository_or_404(ref).resolve(ref)
+            except ModelNotInRepository as e:
+                raise APIError(str(e), status=404, param="model",
+                               code="model_not_found") from None
             base = entry.spec if entry is not None else ModelSpec(ref.name)
             spec = dataclasses.replace(base, name=ref.name, version=ref.version, lazy=True)
             share = entry.share if entry is not None else 1.0 / len(self.entries)
@@ -252,8 +257,8 @@ class ModelPool:
 
     async def _load_into(self, entry: ModelEntry) -> None:
         try:
-            entry.current = await self.load_version(entry, entry.spec.version)
-            entry.state = "loaded"
+            entry.current = await self.load_version(entry, None)
+            entry.state, entry.last_used = "loaded", time.monotonic()
         except BaseException:
             entry.state = "unloaded"
             raise
@@ -292,14 +297,17 @@ class ModelPool:
 
     def _locate(self, spec: ModelSpec, version: str | None,
                 path: str | None) -> tuple[str, str | None]:
-        """(version, folder): an explicit folder, the spec's folder, or the repository's."""
+        """(version, folder): an explicit folder, the spec's folder, or the repository's (the
+        spec's version, else the newest)."""
         if path is not None:
             if not Path(path).exists():
                 raise APIError(f"model path {path!r} does not exist on the server",
                                param="path", code="model_path_not_found")
             return version or Path(path).name, path
-        if spec.path is not None and version is None:
-            return spec.version or "1", spec.path
+        if version is None or version == spec.version:
+            if spec.path is not None:
+                return spec.version or "1", spec.path
+            version = spec.version
         if self.repository is None:
             if version is None:
                 return "1", None  # the embedded demo model
@@ -312,20 +320,26 @@ class ModelPool:
         return found, str(folder)
 
     async def _make_room(self, entry: ModelEntry) -> None:
-        """Unload idle models, least recently used first, until `entry`'s share fits."""
-        while self._held_share(entry) + entry.share > 1.0 + 1e-9:
-            idle = [e for e in self.entries.values() if e is not entry and e.state == "loaded"
+        """Unload idle models, least recently used first, until `entry`'s share fits; when
+        even unloading every idle model would not do, refuse before unloading any."""
+        def idle() -> list[ModelEntry]:
+            return [e for e in self.entries.values() if e is not entry and e.state == "loaded"
                     and e.current.leases == 0 and not e.draining]
-            if not idle:
-                busy = ", ".join(f"{k} ({e.share:g}, {e.state})" for k, e in
-                                 self.entries.items() if e is not entry and self._holds(e))
-                raise APIError(
-                    f"model {entry.spec.name!r} needs memory_share {entry.share:g} but only "
-                    f"{max(0.0, 1 - self._held_share(entry)):g} of the device is free and no "
-                    f"idle model can be unloaded to make room (held: {busy}); unload a model "
-                    "(POST /v1/admin/models/unload) or lower memory_share",
-                    status=409, code="insufficient_memory")
-            victim = min(idle, key=lambda e: e.last_used)
+
+        def fits(freed: float = 0.0) -> bool:
+            return self._held_share(entry) - freed + entry.share <= 1.0 + 1e-9
+
+        if not fits(sum(e.share for e in idle())):
+            held = ", ".join(f"{k} ({e.share:g}, {e.state})" for k, e in
+                             self.entries.items() if self._holds(e))
+            raise APIError(
+                f"model {entry.spec.name!r} needs memory_share {entry.share:g} but only "
+                f"{max(0.0, 1 - self._held_share(entry)):g} of the device is free, and "
+                f"unloading the idle models would not free enough (held: {held}); unload a "
+                "model (POST /v1/admin/models/unload) or lower memory_share",
+                status=409, code="insufficient_memory")
+        while not fits():
+            victim = min(idle(), key=lambda e: e.last_used)
             log.info("unloading idle model %s to make room for %s", victim.spec.name,
                      entry.spec.name)
             await self.unload(victim)
@@ -334,11 +348,11 @@ class ModelPool:
         return e.current is not None or bool(e.draining)
 
     def _held_share(self, entry: ModelEntry) -> float:
-        """Shares of every model holding memory, besides `entry`'s current version (a replace
+        """Shares of every model holding memory, besides `entry` while it loads (a replace
         loads its new version beside the old one: that counts the share twice)."""
         held = 0.0
         for e in self.entries.values():
-            versions = len(e.draining) + (e.current is not None and e is not entry) + (
+            versions = len(e.draining) + (e.current is not None) + (
                 e.state == "loading" and e is not entry)
             held += e.share * versions
         return held
@@ -358,11 +372,21 @@ class ModelPool:
                       path: str | None = None) -> Version:
         """Load the new version beside the old, switch new requests to it, drain the old in
         the background. A failed load leaves the old version serving."""
+        if version is None and path is None:  # the repository's newest version
+            if self.repository is None:
+                raise APIError("replace needs the `path` of the new version (this server has "
+                               "no model repository)", param="path")
+            try:
+                version = self.repository.resolve(ModelRef(entry.spec.name))[0]
+            except ModelNotInRepository as e:
+                raise APIError(str(e), status=404, code="model_not_found") from None
         if entry.state != "loaded":
             await self.ensure_loaded(entry)
         new = await self.load_version(entry, version, path)
         old, entry.current = entry.current, new  # the switch
         entry.state = "loaded"
+        # a later reload (after an unload) brings back this version, not the first one
+        entry.spec = dataclasses.replace(entry.spec, version=new.version, path=new.path)
         if old is not None:
             entry.draining.append(old)
             task = asyncio.create_task(self._retire(entry, old))
@@ -415,5 +439,6 @@ class ModelPool:
                     "memory_share": entry.share}
             if current is not None:
                 card["max_model_len"] = current.engine.max_model_len
+                card["load_seconds"] = round(current.load_seconds, 3)
             cards.append(card)
         return cards
