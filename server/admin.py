@@ -79,10 +79,16 @@ class AdminAPI:
         ref = ModelRef.parse(model)
         fields = {k: get_field(body, k, kind) for k, kind in SPEC_FIELDS.items()
                   if body.get(k) is not None}
-        if model not in self.pool.entries and ref.version is None:
+        added = model not in self.pool.entries and ref.version is None
+        if added:
             self._add_entry(ref.name, fields)
         entry = self.pool._entry_for(ref)
-        await self.pool.ensure_loaded(entry)
+        try:
+            await self.pool.ensure_loaded(entry)
+        except Exception:
+            if added:  # a model that never loaded is not left behind
+                del self.pool.entries[ref.name]
+            raise
         return JSONResponse(self._card(entry))
 
     def _add_entry(self, name: str, fields: dict[str, Any]) -> None:

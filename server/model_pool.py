@@ -23,6 +23,7 @@ from typing import Any
 from pjinfer.engine.async_engine import AsyncEngine
 from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.metrics import EngineStats
+from pjinfer.errors import ModelLoadError
 from pjinfer.server import model_memory
 from pjinfer.server.model_repository import ModelNotInRepository, ModelRef, ModelRepository
 from pjinfer.server.protocol import APIError, ModelInfo
@@ -55,6 +56,13 @@ class ModelSpec:
         if self.idle_unload_s is not None and not self.idle_unload_s > 0:
             raise ValueError(f"idle_unload_s of {self.name!r} must be > 0, got "
                              f"{self.idle_unload_s}")
+
+
+def _existing(path: str) -> str:
+    if not Path(path).exists():
+        raise APIError(f"model path {path!r} does not exist on the server", param="path",
+                       code="model_path_not_found")
+    return path
 
 
 def model_info(engine: AsyncEngine, name: str) -> ModelInfo:
@@ -275,6 +283,8 @@ class ModelPool:
         try:
             args = model_memory.check_fits(spec.name, path, dict(spec.engine_args),
                                            entry.share, self.memory_bytes)
+        except ModelLoadError as e:
+            raise APIError(f"model {spec.name!r}: {e}", code="model_load_failed") from None
         except ValueError as e:
             raise APIError(str(e), status=409, code="insufficient_memory") from None
         config_args = {**args, "model": path, "served_model_name": spec.name}
@@ -300,13 +310,10 @@ class ModelPool:
         """(version, folder): an explicit folder, the spec's folder, or the repository's (the
         spec's version, else the newest)."""
         if path is not None:
-            if not Path(path).exists():
-                raise APIError(f"model path {path!r} does not exist on the server",
-                               param="path", code="model_path_not_found")
-            return version or Path(path).name, path
+            return version or Path(path).name, _existing(path)
         if version is None or version == spec.version:
             if spec.path is not None:
-                return spec.version or "1", spec.path
+                return spec.version or "1", _existing(spec.path)
             version = spec.version
         if self.repository is None:
             if version is None:
