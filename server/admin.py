@@ -150,7 +150,7 @@ class AdminAPI:
     async def wake_up(self, request: Request) -> Response:
         for entry in self._targets(request, "sleeping"):
             version = entry.current
-            await version.engine.call(lambda engine, v=version: wake_up(engine, v.sleep_state))
+            await _wake(version.engine, version.sleep_state)
             version.sleep_state, entry.state = None, "loaded"
         return Response(status_code=200)
 
@@ -161,6 +161,16 @@ class AdminAPI:
         if model is not None and model not in self.pool.entries:
             raise self.pool.not_found(model)
         return JSONResponse({"is_sleeping": any(e.state == "sleeping" for e in entries)})
+
+
+async def _wake(engine: Any, state: Any) -> None:
+    """Wake one engine, or each data-parallel replica with its own sleep state."""
+    replicas = getattr(engine, "replicas", None)
+    if replicas is None:
+        await engine.call(lambda e: wake_up(e, state))
+        return
+    for replica, replica_state in zip(replicas, state, strict=True):
+        await replica.engine.call(lambda e, s=replica_state: wake_up(e, s))
 
 
 def admin_routes(server: OpenAIServer, key: str | None) -> list[Route]:

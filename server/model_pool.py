@@ -22,6 +22,7 @@ from typing import Any
 
 from pjinfer.engine.async_engine import AsyncEngine
 from pjinfer.engine.config import EngineConfig
+from pjinfer.engine.data_parallel import merge_stats
 from pjinfer.engine.metrics import EngineStats
 from pjinfer.errors import ModelLoadError
 from pjinfer.server import model_memory
@@ -405,6 +406,7 @@ class ModelPool:
         if version.leases:
             await version.idle.wait()
         stats = await version.engine.call(lambda engine: engine.get_stats())
+        stats = merge_stats(stats) if isinstance(stats, list) else stats  # data parallel
         self.leaked_kv_blocks += stats.num_kv_blocks - stats.num_free_kv_blocks
         await asyncio.to_thread(version.engine.shutdown)
         entry.draining.remove(version)
