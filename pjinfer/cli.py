@@ -243,7 +243,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             admin_api_key=srv["admin_api_key"])
     if config.models:  # a model pool: engines load in the server's start-up
         try:
-            engine = build_pool(config, ecfg)
+            engine = build_pool(config)
         except ValueError as e:
             raise UsageError(str(e)) from None
     else:

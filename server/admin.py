@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pjinfer.engine.sleep import sleep, wake_up
-from pjinfer.server.model_pool import ModelEntry, ModelSpec
+from pjinfer.server.model_entry import ModelEntry, ModelSpec
 from pjinfer.server.model_repository import ModelRef
 from pjinfer.server.protocol import APIError
 from pjinfer.server.validation import get_field

@@ -39,7 +39,8 @@ from pjinfer.server import beam, body, protocol, streaming, validation
 from pjinfer.server.admin import admin_routes
 from pjinfer.server.admission import Admission, AdmissionLimits, Ticket, retry_after_header
 from pjinfer.server.metrics import CONTENT_TYPE, ServerMetrics
-from pjinfer.server.model_pool import Lease, ModelPool
+from pjinfer.server.model_entry import Lease
+from pjinfer.server.model_pool import ModelPool
 from pjinfer.server.openapi import openapi_schema
 from pjinfer.server.protocol import APIError, GenerationRequest
 

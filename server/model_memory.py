@@ -23,12 +23,12 @@ ACTIVATION_MARGIN = 0.1  # of a model's share, kept free for the step's temporar
 MiB = 1 << 20
 
 
-def device_budget(gpu_memory_utilization: float = 0.9) -> int | None:
-    """Bytes the pool may use on its first device, or None where the backend reports none
-    (CPU): then only the shares are accounted."""
+def device_budget() -> int | None:
+    """Bytes the pool may use on its first device: XLA's memory pool, which `pjinfer serve`
+    sizes from gpu_memory_utilization. None where the backend reports none (CPU): then only
+    the shares are accounted."""
     stats = jax.local_devices()[0].memory_stats() or {}
-    limit = stats.get("bytes_limit")
-    return int(limit * gpu_memory_utilization) if limit else None
+    return stats.get("bytes_limit") or None
 
 
 def weight_bytes(model_dir: str | None, dtype: str = "auto") -> int:

@@ -14,8 +14,9 @@ from pjinfer.engine.async_engine import AsyncEngine
 from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.data_parallel import DataParallelEngine
 from pjinfer.run_config import MODEL_ENTRY_KEYS, RunConfig
+from pjinfer.server.model_entry import ModelSpec
 from pjinfer.server.model_memory import device_budget
-from pjinfer.server.model_pool import ModelPool, ModelSpec
+from pjinfer.server.model_pool import ModelPool
 
 _PER_MODEL = ("model", "served_model_name", "tokenizer")  # never shared by the whole pool
 
@@ -42,10 +43,10 @@ def model_specs(config: RunConfig) -> list[ModelSpec]:
     return specs
 
 
-def build_pool(config: RunConfig, defaults: EngineConfig) -> ModelPool:
+def build_pool(config: RunConfig) -> ModelPool:
     pool_section: dict[str, Any] = config.sections.get("pool", {})
     dp = config.parallel.data_parallel_size
-    memory = pool_section.get("memory_bytes") or device_budget(defaults.gpu_memory_utilization)
+    memory = pool_section.get("memory_bytes") or device_budget()
     return ModelPool(model_specs(config), repository=pool_section.get("repository"),
                      memory_bytes=memory,
                      engine_factory=lambda c: build_engine(c, dp))

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from pjinfer.cli import build_parser, run_config_from_args, server_args
-from pjinfer.engine.config import EngineConfig
 from pjinfer.run_config import RunConfigError, load_run_config, parse_run_config
 from pjinfer.server.pool_config import build_pool, model_specs
 
@@ -23,7 +22,7 @@ def test_example_pool_config():
     assert lazy.lazy and lazy.idle_unload_s == 600.0
     assert lazy.engine_args["max_num_seqs"] == 8 and demo.engine_args["max_num_seqs"] == 32
     assert lazy.engine_args["max_num_batched_tokens"] == 512
-    pool = build_pool(config, EngineConfig())
+    pool = build_pool(config)
     assert [c["state"] for c in pool.cards(0)] == ["unloaded", "unloaded"]  # loads at start-up
 
 
