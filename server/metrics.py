@@ -89,14 +89,14 @@ class _PoolCollector(Collector):
                                   labels=[MODEL_LABEL, "state", "version"])
         loads = CounterMetricFamily(PREFIX + "model_loads", "Engines built for a model.",
                                     labels=[MODEL_LABEL])
+        leaked = CounterMetricFamily(PREFIX + "model_pool_leaked_kv_blocks", "KV blocks "
+                                     "still held when a retired model version shut down (0 is "
+                                     "right).", labels=[MODEL_LABEL])
         for card in pool.cards(0):
             state.add_metric([card["id"], card["state"], str(card["version"] or "")], 1)
             loads.add_metric([card["id"]], pool.num_loads.get(card["id"], 0))
-        yield state
-        yield loads
-        yield CounterMetricFamily(PREFIX + "model_pool_leaked_kv_blocks", "KV blocks still "
-                                  "held when a retired model version shut down (0 is right).",
-                                  value=pool.leaked_kv_blocks)
+            leaked.add_metric([card["id"]], pool.leaked_kv_blocks.get(card["id"], 0))
+        yield from (state, loads, leaked)
         yield from _replica_metrics(pool)
 
 

@@ -56,7 +56,8 @@ class ModelPool:
         self.repository = ModelRepository(repository) if repository is not None else None
         self.memory_bytes = memory_bytes
         self.engine_factory = engine_factory or AsyncEngine
-        self.leaked_kv_blocks = 0  # blocks still held when a retired engine shut down
+        # model -> blocks still held when a retired engine of it shut down (0 is right)
+        self.leaked_kv_blocks: dict[str, int] = {}
         self.num_loads: dict[str, int] = {}
         self._reaper: asyncio.Task | None = None
         self._retiring: set[asyncio.Task] = set()
@@ -315,7 +316,8 @@ class ModelPool:
             await version.idle.wait()
         stats = await version.engine.call(lambda engine: engine.get_stats())
         stats = merge_stats(stats) if isinstance(stats, list) else stats  # data parallel
-        self.leaked_kv_blocks += stats.num_kv_blocks - stats.num_free_kv_blocks
+        leaked = stats.num_kv_blocks - stats.num_free_kv_blocks
+        self.leaked_kv_blocks[entry.key] = self.leaked_kv_blocks.get(entry.key, 0) + leaked
         await asyncio.to_thread(version.engine.shutdown)
         entry.draining.remove(version)
         log.info("retired %s version %s", entry.spec.name, version.version)
