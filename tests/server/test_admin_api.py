@@ -86,6 +86,24 @@ def test_load_that_does_not_fit_beside_a_busy_model_is_refused(pool_server):
     assert complete(pool_server, MODEL)
 
 
+def test_a_load_that_does_not_fit_unloads_the_least_recently_used_idle_model(pool_server):
+    from pjinfer.demo import DEMO_MODEL_DIR
+
+    complete(pool_server, "tiny")
+    complete(pool_server, MODEL)  # tiny is now the least recently used
+    cards = pool_server.cards()
+    held = sum(c["memory_share"] for c in cards.values() if c["state"] == "loaded")
+    share = round(1 - held + 0.05, 3)  # needs one of them gone
+    r = pool_server.admin("/v1/admin/models/load", json={
+        "model": "evictor", "path": str(DEMO_MODEL_DIR), "memory_share": share})
+    assert r.status_code == 200 and r.json()["state"] == "loaded"
+    cards = pool_server.cards()
+    assert cards["tiny"]["state"] == "unloaded" and cards[MODEL]["state"] == "loaded"
+    assert pool_server.admin("/v1/admin/models/unload", json={"model": "evictor"}
+                             ).status_code == 200
+    assert complete(pool_server, "tiny")  # back on demand
+
+
 def _memory() -> int:
     stats = jax.local_devices()[0].memory_stats()
     return stats["bytes_in_use"] if stats and "bytes_in_use" in stats else device_bytes()

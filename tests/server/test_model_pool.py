@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -34,9 +35,10 @@ def wait_for(predicate, timeout: float = 20.0) -> None:
 
 
 def test_routes_by_name_and_loads_lazily(pool_server):
+    pool_server.admin("/v1/admin/models/unload", json={"model": "tiny"})  # as it started
+    loads = sample_value(pool_server, "pjinfer:model_loads_total", model_name="tiny")
     cards = pool_server.cards()
-    assert cards[MODEL]["state"] == "loaded"
-    assert cards["tiny"]["state"] == "unloaded" and cards["idle"]["state"] == "unloaded"
+    assert cards[MODEL]["state"] == "loaded" and cards["tiny"]["state"] == "unloaded"
     demo = complete(pool_server, MODEL)
     start = time.perf_counter()
     tiny = complete(pool_server, "tiny")  # waits for the load
@@ -47,8 +49,10 @@ def test_routes_by_name_and_loads_lazily(pool_server):
     start = time.perf_counter()
     assert complete(pool_server, "tiny") == tiny  # a later one does not
     assert time.perf_counter() - start < first
-    assert sample_value(pool_server, "pjinfer:model_loads_total", model_name="tiny") == 1
+    assert sample_value(pool_server, "pjinfer:model_loads_total", model_name="tiny") == \
+        loads + 1
     assert tiny != demo and demo == complete(pool_server, MODEL)
+    assert httpx.get(pool_server.base_url + "/health", timeout=10).status_code == 200
     assert sample_value(pool_server, "pjinfer:generation_tokens_total", model_name="tiny") >= 16
 
 
@@ -76,10 +80,12 @@ def test_unload_and_reload(pool_server):
     assert r.status_code == 200 and r.json()["state"] == "loaded"
     assert sample_value(pool_server, "pjinfer:model_loads_total", model_name="tiny") == loads + 2
     # idle_unload_s: unloaded after a second without requests, reloaded by the next one
+    idle_loads = sample_value(pool_server, "pjinfer:model_loads_total", model_name="idle")
     text = complete(pool_server, "idle")
     wait_for(lambda: pool_server.cards()["idle"]["state"] == "unloaded")
     assert complete(pool_server, "idle") == text
-    assert sample_value(pool_server, "pjinfer:model_loads_total", model_name="idle") == 2
+    assert sample_value(pool_server, "pjinfer:model_loads_total", model_name="idle") == \
+        idle_loads + 2
 
 
 async def _stream(client, first_token: asyncio.Event, counter: list[int]) -> str:

@@ -53,3 +53,20 @@ def test_serve_flags():
     config = run_config_from_args(args)
     assert config.parallel.data_parallel_size == 2
     assert server_args(config)["admin_api_key"] == "k"
+
+
+def test_repository_versions_and_references(tmp_path):
+    from pjinfer.server.model_repository import ModelRef, ModelRepository
+
+    for version in ("2", "10", "9", "beta"):
+        (tmp_path / "m" / version).mkdir(parents=True)
+    repo = ModelRepository(tmp_path)
+    assert repo.versions("m") == ["2", "9", "10", "beta"]  # numbers as numbers, tags last
+    assert repo.resolve("m@9") == ("9", tmp_path / "m" / "9")
+    assert repo.resolve(ModelRef("m", "beta"))[0] == "beta"
+    with pytest.raises(ValueError, match="no version '3'.*versions: 2, 9, 10, beta"):
+        repo.resolve("m@3")
+    with pytest.raises(ValueError, match="not in the repository"):
+        repo.resolve("other")
+    with pytest.raises(ValueError, match="'name' or 'name@version'"):
+        ModelRef.parse("@1")
