@@ -196,34 +196,42 @@ class OpenAIServer:
                      events: Callable[..., AsyncIterator[str]],
                      whole: Callable[..., dict[str, Any]],
                      beams: Callable[..., dict[str, Any]]) -> Response:
-        """Parse, admit, generate; then stream `events`, or answer `whole` (`beams` for a
-        beam search)."""
+        """Lease the model the request names, then `_serve_on` it; a stream keeps the lease
+        until it ends."""
         self.admission.precheck(request.state.api_key)
         raw = await self._json_body(request)
         lease = await self._lease(raw)
         try:
-            req = await self._off_loop(beam.with_beam(parse), raw, lease.info,
-                                       request.state.request_id)
-            tokenizer = lease.info.tokenizer
-            on_finished = functools.partial(self.metrics.observe_finished,
-                                            model_name=lease.entry.key)
-            with self._admit(request, req, lease.info.max_model_len) as ticket:
-                if req.beam is not None:
-                    results = await _unless_disconnected(request, beam.run(lease.engine, req))
-                    for summary in beam.summaries(req, results):
-                        on_finished(summary)
-                    return JSONResponse(beams(req, results, tokenizer))
-                streams = self._generate(lease.engine, req)
-                if req.stream:
-                    streams = await _unless_disconnected(request, streaming.prime(streams))
-                    return _sse(ticket.hand_off(lease.hand_off(
-                        events(req, streams, tokenizer, on_finished))))
-                outputs = await _unless_disconnected(request, streaming.collect(streams,
-                                                                                on_finished))
-                return JSONResponse(whole(req, outputs, tokenizer))
+            return await self._serve_on(lease, request, raw, parse, events, whole, beams)
         finally:
             if not lease.handed_off:
                 lease.release()
+
+    async def _serve_on(self, lease: Lease, request: Request, raw: dict[str, Any],
+                        parse: Callable[..., GenerationRequest],
+                        events: Callable[..., AsyncIterator[str]],
+                        whole: Callable[..., dict[str, Any]],
+                        beams: Callable[..., dict[str, Any]]) -> Response:
+        """Parse, admit, generate; then stream `events`, or answer `whole` (`beams` for a
+        beam search)."""
+        req = await self._off_loop(beam.with_beam(parse), raw, lease.info,
+                                   request.state.request_id)
+        tokenizer = lease.info.tokenizer
+        on_finished = functools.partial(self.metrics.observe_finished, model_name=lease.entry.key)
+        with self._admit(request, req, lease.info.max_model_len) as ticket:
+            if req.beam is not None:
+                results = await _unless_disconnected(request, beam.run(lease.engine, req))
+                for summary in beam.summaries(req, results):
+                    on_finished(summary)
+                return JSONResponse(beams(req, results, tokenizer))
+            streams = self._generate(lease.engine, req)
+            if req.stream:
+                streams = await _unless_disconnected(request, streaming.prime(streams))
+                return _sse(ticket.hand_off(lease.hand_off(
+                    events(req, streams, tokenizer, on_finished))))
+            outputs = await _unless_disconnected(request, streaming.collect(streams,
+                                                                            on_finished))
+            return JSONResponse(whole(req, outputs, tokenizer))
 
     def _admit(self, request: Request, req: GenerationRequest, limit: int) -> Ticket:
         """Rate limits and queue caps (server.admission); the cost counts every choice's
