@@ -210,10 +210,11 @@ def _dummy(cfg: ModelConfig, placer: Placer, model_dtype: Any, seed: int) -> Par
 def load_engine_model(model_dir: str | Path, *, tensor_parallel_size: int = 1,
                       data_parallel_size: int = 1, dtype: str = "auto",
                       load_format: str = "auto", seed: int = 0, params: Params | None = None,
-                      enable_expert_parallel: bool = False,
+                      enable_expert_parallel: bool = False, devices: list | None = None,
                       ) -> tuple[ModelConfig, Params, Mesh | None]:
     """(config, params, mesh) for an engine: a ("dp", "tp") mesh when either size is > 1 (None
-    otherwise), validated against the model before any weight is read.
+    otherwise, unless `devices` pins the engine to some: a data-parallel replica), validated
+    against the model before any weight is read.
     `enable_expert_parallel` places a MoE model's whole experts on the tp axis (the returned
     config says so), instead of splitting every expert.
 
@@ -223,8 +224,8 @@ def load_engine_model(model_dir: str | Path, *, tensor_parallel_size: int = 1,
     check_load_format(load_format)
     cfg = ModelConfig.from_pretrained(model_dir)
     mesh = None
-    if tensor_parallel_size > 1 or data_parallel_size > 1:
-        mesh = make_mesh(tensor_parallel_size, data_parallel_size, cfg=cfg)
+    if tensor_parallel_size > 1 or data_parallel_size > 1 or devices is not None:
+        mesh = make_mesh(tensor_parallel_size, data_parallel_size, cfg=cfg, devices=devices)
     cfg = expert_layout(cfg, tensor_parallel_size, enable_expert_parallel)
     if params is not None:
         return cfg, (params if mesh is None else shard_params(params, cfg, mesh)), mesh

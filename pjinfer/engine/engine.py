@@ -66,8 +66,10 @@ class _Launched:
 class LLMEngine:
     """Owns the runner (device state) and the scheduler (host state); `step()` joins them."""
 
-    def __init__(self, config: EngineConfig, *, policy=None, params=None):
+    def __init__(self, config: EngineConfig, *, policy=None, params=None, devices=None):
+        """`devices`: the devices of this engine alone (a data-parallel replica's)."""
         self.config = config
+        self._devices = devices
         if config.compilation_cache_dir:
             use_compilation_cache(config.compilation_cache_dir)
         model_dir = config.model or str(DEMO_MODEL_DIR)
@@ -127,7 +129,8 @@ class LLMEngine:
         c = self.config
         return load_engine_model(model_dir, tensor_parallel_size=c.tensor_parallel_size,
                                  dtype=c.dtype, load_format=c.load_format, seed=c.seed,
-                                 params=params, enable_expert_parallel=c.enable_expert_parallel)
+                                 params=params, enable_expert_parallel=c.enable_expert_parallel,
+                                 devices=self._devices)
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
