@@ -8,7 +8,8 @@ naming what was wrong and leaves every model as it was: the pool keeps serving.
 from __future__ import annotations
 
 import hmac
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -16,12 +17,23 @@ from starlette.routing import Route
 
 from pjinfer.engine.sleep import sleep, wake_up
 from pjinfer.server.model_entry import ModelEntry, ModelSpec
+from pjinfer.server.model_pool import ModelPool
 from pjinfer.server.model_repository import ModelRef
 from pjinfer.server.protocol import APIError
 from pjinfer.server.validation import get_field
 
-if TYPE_CHECKING:
-    from pjinfer.server.app import OpenAIServer
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class OpenAIServer(Protocol):
+    """What the admin routes use of the server (pjinfer.server.app.OpenAIServer)."""
+
+    models: ModelPool
+    created: int
+
+    def endpoint(self, route: str, handler: Handler, *, auth: bool) -> Handler: ...
+
+    async def json_body(self, request: Request) -> dict[str, Any]: ...
 
 SPEC_FIELDS = {"path": "str", "memory_share": "number", "engine_args": "dict",
                "lazy": "bool", "idle_unload_s": "number"}
@@ -53,7 +65,7 @@ class AdminAPI:
         return guarded
 
     async def _body(self, request: Request) -> dict[str, Any]:
-        return await self.server._json_body(request)
+        return await self.server.json_body(request)
 
     def _entry(self, body: dict[str, Any]) -> ModelEntry:
         model = get_field(body, "model", "str")

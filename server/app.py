@@ -142,7 +142,7 @@ class OpenAIServer:
     async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
-    async def _json_body(self, request: Request) -> dict[str, Any]:
+    async def json_body(self, request: Request) -> dict[str, Any]:
         raw = await body.read_body(request, self.options.max_request_bytes)
         return await self._off_loop(body.parse_json, raw)
 
@@ -205,7 +205,7 @@ class OpenAIServer:
         """Lease the model the request names, then `_serve_on` it; a stream keeps the lease
         until it ends."""
         self.admission.precheck(request.state.api_key)
-        raw = await self._json_body(request)
+        raw = await self.json_body(request)
         lease = await self._lease(raw)
         try:
             return await self._serve_on(lease, request, raw, parse, events, whole, beams)
@@ -270,7 +270,7 @@ class OpenAIServer:
 
     async def _with_model(self, request: Request, fn: Callable[..., Any]) -> tuple[Any, Any]:
         """fn(body, info) off the loop, for the model the body names; (result, info)."""
-        raw = await self._json_body(request)
+        raw = await self.json_body(request)
         lease = await self._lease(raw)
         try:
             return await self._off_loop(fn, raw, self._info(lease)), lease.info
