@@ -78,9 +78,16 @@ def _kernel(group_ref, first_ref, valid_ref, lhs_ref, rhs_ref, o_ref, *, block_k
         w = rhs_ref[group, ks, cols]  # [bk, bn]
         return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
 
-    steps = jnp.where(num_valid > 0, k_steps, 0)  # an empty tile reads nothing
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_m, block_n), jnp.float32))
-    o_ref[...] = jnp.where(row_ok[:, None], acc, 0.0).astype(o_ref.dtype)
+    # A static trip count under pl.when (Triton's scf.for rejected a traced bound whose type
+    # differed from the constant lower bound on the H200); an empty tile reads nothing.
+    @pl.when(num_valid > 0)
+    def _():
+        acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((block_m, block_n), jnp.float32))
+        o_ref[...] = jnp.where(row_ok[:, None], acc, 0.0).astype(o_ref.dtype)
+
+    @pl.when(num_valid == 0)
+    def _():
+        o_ref[...] = jnp.zeros((block_m, block_n), o_ref.dtype)
 
 
 def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
