@@ -24,6 +24,8 @@ from jax.sharding import Mesh
 from pjinfer.config import ModelConfig, resolve_dtype
 from pjinfer.errors import ModelLoadError
 from pjinfer.models.spec import ParamSpec, build_tree
+from pjinfer.quantization.config import QuantConfig
+from pjinfer.quantization.loader import load_quantized, quantizable, quantize_on_device
 from pjinfer.sharding.checkpoint import is_orbax_checkpoint, restore_params
 from pjinfer.sharding.mesh import make_mesh
 from pjinfer.sharding.placement import Placer, shard_params
@@ -118,39 +120,57 @@ def check_load_format(load_format: str) -> None:
 
 def load_params(model_dir: str | Path | None, cfg: ModelConfig, *, dtype: str = "auto",
                 load_format: str = "auto", seed: int = 0, mesh: Mesh | None = None,
-                canonical: bool = False) -> Params:
+                canonical: bool = False, quantization: QuantConfig | None = None) -> Params:
     """Every parameter of `cfg`, on the default device (mesh None) or in its shards of `mesh`.
 
     `canonical` keeps the checkpoint's kv-head layout on the mesh (for `pjinfer convert`);
-    `seed` picks the dummy weights, which need no `model_dir`.
+    `seed` picks the dummy weights, which need no `model_dir`; `quantization` makes the
+    layers' Linear weights `QuantizedWeight`s (pjinfer.quantization).
     """
     check_load_format(load_format)
     model_dtype = resolve_dtype(dtype, cfg)  # a bad dtype fails before any file is read
     placer = Placer(cfg, mesh, canonical=canonical)
     if load_format == "dummy":
-        return _dummy(cfg, placer, model_dtype, seed)
+        return _dummy(cfg, placer, model_dtype, seed, quantization)
     if load_format == "orbax" or (load_format == "auto" and is_orbax_checkpoint(model_dir)):
+        if quantization is not None:
+            raise ModelLoadError("quantization is not supported with orbax checkpoints; load "
+                                 "the safetensors checkpoint")
         return restore_params(model_dir, cfg, placer, dtype=dtype)
-    return _safetensors(SafetensorsIndex(model_dir), cfg, placer, model_dtype)
+    return _safetensors(SafetensorsIndex(model_dir), cfg, placer, model_dtype, quantization)
 
 
 def _safetensors(index: SafetensorsIndex, cfg: ModelConfig, placer: Placer,
-                 model_dtype: Any) -> Params:
-    return build_tree((p.path, placer.from_host(p, read_param(index, p, cfg))
-                       .astype(p.target_dtype(model_dtype))) for p in cfg.param_specs())
+                 model_dtype: Any, quantization: QuantConfig | None = None) -> Params:
+    def load_float(p: ParamSpec) -> jax.Array:
+        return placer.from_host(p, read_param(index, p, cfg)).astype(p.target_dtype(model_dtype))
+
+    def load(p: ParamSpec) -> Any:
+        if quantization is not None and quantizable(p):
+            return load_quantized(index.get, index.__contains__, p, quantization, placer,
+                                  load_float)
+        return load_float(p)
+    return build_tree((p.path, load(p)) for p in cfg.param_specs())
 
 
-def _dummy(cfg: ModelConfig, placer: Placer, model_dtype: Any, seed: int) -> Params:
-    """Random weights (see `ParamSpec.init`), one key per param in spec order."""
+def _dummy(cfg: ModelConfig, placer: Placer, model_dtype: Any, seed: int,
+           quantization: QuantConfig | None = None) -> Params:
+    """Random weights (see `ParamSpec.init`), one key per param in spec order; quantized
+    from those float draws when `quantization` is given."""
     key = jax.random.key(seed)
-    return build_tree((p.path, placer.generate(p, p.target_dtype(model_dtype),
-                                               jax.random.fold_in(key, n)))
-                      for n, p in enumerate(cfg.param_specs()))
+
+    def make(n: int, p: ParamSpec) -> Any:
+        w = placer.generate(p, p.target_dtype(model_dtype), jax.random.fold_in(key, n))
+        if quantization is not None and quantizable(p):
+            return quantize_on_device(w, p, quantization, placer)
+        return w
+    return build_tree((p.path, make(n, p)) for n, p in enumerate(cfg.param_specs()))
 
 
 def load_engine_model(model_dir: str | Path, *, tensor_parallel_size: int = 1,
                       data_parallel_size: int = 1, dtype: str = "auto",
                       load_format: str = "auto", seed: int = 0, params: Params | None = None,
+                      quantization: QuantConfig | None = None,
                       ) -> tuple[ModelConfig, Params, Mesh | None]:
     """(config, params, mesh) for an engine: a ("dp", "tp") mesh when either size is > 1 (None
     otherwise), validated against the model before any weight is read.
@@ -166,7 +186,7 @@ def load_engine_model(model_dir: str | Path, *, tensor_parallel_size: int = 1,
     if params is not None:
         return cfg, (params if mesh is None else shard_params(params, cfg, mesh)), mesh
     return cfg, load_params(model_dir, cfg, dtype=dtype, load_format=load_format, seed=seed,
-                            mesh=mesh), mesh
+                            mesh=mesh, quantization=quantization), mesh
 
 
 def load_model(model_dir: str | Path, *, dtype: str = "auto", load_format: str = "auto",

@@ -29,6 +29,7 @@ from pjinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pjinfer.engine.scheduling_policy import make_policy
 from pjinfer.errors import EngineOverloadedError, RequestFailedError
 from pjinfer.outputs import RequestOutput
+from pjinfer.quantization.config import resolve as resolve_quantization
 from pjinfer.sampling_params import SamplingParams
 from pjinfer.structured_output.manager import StructuredOutputManager
 from pjinfer.tokenizer import load_tokenizer
@@ -58,6 +59,7 @@ class LLMEngine:
             use_compilation_cache(config.compilation_cache_dir)
         model_dir = config.model or str(DEMO_MODEL_DIR)
         start = time.perf_counter()
+        self.quantization = resolve_quantization(model_dir, config.quantization)
         self.model_config, loaded, mesh = self._load(model_dir, params)
         self.tokenizer = load_tokenizer(model_dir, config.tokenizer)
         self.served_model_name = config.served_model_name or (
@@ -82,10 +84,11 @@ class LLMEngine:
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size,
             list(self.model_config.eos_token_ids) or None)
-        log.info("loaded %s (%s, %d layers) in %.1fs; KV cache: %d blocks of %d tokens",
-                 self.served_model_name, self.model_config.architecture,
-                 self.model_config.num_hidden_layers, time.perf_counter() - start,
-                 self.runner.num_blocks, config.block_size)
+        log.info("loaded %s (%s, %d layers, quantization %s) in %.1fs; KV cache: %d blocks of "
+                 "%d tokens (%s)", self.served_model_name, self.model_config.architecture,
+                 self.model_config.num_hidden_layers, self.quantization_method,
+                 time.perf_counter() - start, self.runner.num_blocks, config.block_size,
+                 self.runner.kv_dtype.name)
         if config.warmup:
             start = time.perf_counter()
             n = self.runner.warmup()
@@ -97,7 +100,12 @@ class LLMEngine:
         c = self.config
         return load_engine_model(model_dir, tensor_parallel_size=c.tensor_parallel_size,
                                  dtype=c.dtype, load_format=c.load_format, seed=c.seed,
-                                 params=params)
+                                 params=params, quantization=self.quantization)
+
+    @property
+    def quantization_method(self) -> str | None:
+        """The weights' quantization method (vLLM's names), None for float weights."""
+        return None if self.quantization is None else self.quantization.method
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pjinfer.config import ModelConfig, RopeScaling
+from pjinfer.quantization.weight import QuantizedWeight, quantized_linear
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -128,7 +129,10 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *,
     Weights are stored input-major, transposed from HF. Every matmul with a weight goes through
     here, so a quantized or adapter linear has one place to replace.
     """
-    y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype or x.dtype)
+    if isinstance(w, QuantizedWeight):
+        y = quantized_linear(x, w, out_dtype or x.dtype)
+    else:
+        y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype or x.dtype)
     return y if b is None else y + b
 
 
