@@ -9,6 +9,7 @@ Triton; interpret mode when no GPU is present, which is how CI runs the kernels)
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from pjinfer.kernels.backends import BACKENDS
 from pjinfer.kernels.common import AttentionParams
@@ -38,13 +39,27 @@ def write_kv(
     k: jax.Array,  # [T, KVH, D]
     v: jax.Array,
     slot_mapping: jax.Array,  # [T] int32 flat slots
+    attn: AttentionParams | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Scatters the step's new K/V into their slots; in place when the caches are donated."""
+    """Scatters the step's new K/V into their slots; in place when the caches are donated.
+
+    An fp8 cache stores K / attn.k_scale and V / attn.v_scale, saturated to the fp8 range.
+    """
     shape = k_cache.shape
     flat = (shape[0] * shape[1], *shape[2:])
-    k_cache = k_cache.reshape(flat).at[slot_mapping].set(k.astype(k_cache.dtype))
-    v_cache = v_cache.reshape(flat).at[slot_mapping].set(v.astype(v_cache.dtype))
+    ks, vs = (1.0, 1.0) if attn is None else (attn.k_scale, attn.v_scale)
+    k_cache = k_cache.reshape(flat).at[slot_mapping].set(to_cache(k, k_cache.dtype, ks))
+    v_cache = v_cache.reshape(flat).at[slot_mapping].set(to_cache(v, v_cache.dtype, vs))
     return k_cache.reshape(shape), v_cache.reshape(shape)
+
+
+def to_cache(x: jax.Array, dtype, scale: float = 1.0) -> jax.Array:
+    """K or V in the cache dtype: fp8 stores x / scale clipped to its finite range."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize != 1:
+        return x.astype(dtype)
+    top = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32) / scale, -top, top).astype(dtype)
 
 
 def _use_pallas(backend: str) -> bool:

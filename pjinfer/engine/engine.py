@@ -30,6 +30,7 @@ from pjinfer.engine.scheduling_policy import make_policy
 from pjinfer.errors import EngineOverloadedError, RequestFailedError
 from pjinfer.outputs import RequestOutput
 from pjinfer.quantization.config import resolve as resolve_quantization
+from pjinfer.quantization.kv_cache import kv_cache_scales
 from pjinfer.sampling_params import SamplingParams
 from pjinfer.structured_output.manager import StructuredOutputManager
 from pjinfer.tokenizer import load_tokenizer
@@ -65,8 +66,10 @@ class LLMEngine:
         self.served_model_name = config.served_model_name or (
             DEMO_MODEL_NAME if config.model is None else model_dir.rstrip("/").split("/")[-1])
         self.max_model_len = self._max_model_len()
+        kv_scales = kv_cache_scales(model_dir, self.model_config.num_hidden_layers,
+                                    config.load_format) if config.kv_cache_dtype != "auto" else ()
         self.runner = ModelRunner(self.model_config, config, loaded,
-                                  max_model_len=self.max_model_len, mesh=mesh)
+                                  max_model_len=self.max_model_len, mesh=mesh, kv_scales=kv_scales)
         self.kv = KVCacheManager(num_blocks=self.runner.num_blocks, block_size=config.block_size,
                                  enable_prefix_caching=config.enable_prefix_caching)
         sched_cfg = SchedulerConfig(

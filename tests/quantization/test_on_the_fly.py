@@ -6,15 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pjinfer import LLM, SamplingParams
+from pjinfer import LLM
 from pjinfer.config import ModelConfig
-from pjinfer.demo import DEMO_MODEL_DIR, zen_lines
-from pjinfer.demo.train import line_prompt
+from pjinfer.demo import DEMO_MODEL_DIR
 from pjinfer.quantization.config import QuantConfig
 from pjinfer.quantization.weight import QuantizedWeight, dequantize
 from pjinfer.weights import load_params
-
-GREEDY = SamplingParams(temperature=0, max_tokens=24)
+from tests.quantization.conftest import ZEN_GREEDY, ZEN_PROMPTS, first_lines
 
 
 @pytest.fixture(scope="module")
@@ -49,22 +47,11 @@ def test_per_layer_reconstruction_error_is_bounded(demo_float, method):
         assert rel < (0.01 if method == "int8" else 0.05), (name, rel)
 
 
-PROMPTS = [line_prompt(line, zen_lines()) for line in zen_lines()]
-
-
-@pytest.fixture(scope="module")
-def bf16_zen():
-    return LLM(dtype="bfloat16", warmup=False).generate(PROMPTS, GREEDY)
-
-
 @pytest.mark.parametrize("method", ["int8", "fp8"])
 def test_greedy_zen_lines_match_the_bf16_model(bf16_zen, method):
-    prompts, base = PROMPTS, bf16_zen
     llm = LLM(dtype="bfloat16", quantization=method, warmup=False)
     assert llm.engine.quantization_method == method
-    quant = llm.generate(prompts, GREEDY)
-    for prompt, b, q in zip(prompts, base, quant, strict=True):
-        assert q.outputs[0].text.split("\n")[0] == b.outputs[0].text.split("\n")[0], prompt
+    assert first_lines(llm.generate(ZEN_PROMPTS, ZEN_GREEDY)) == bf16_zen
 
 
 def test_quantized_weights_take_less_memory(demo_float):
