@@ -163,7 +163,8 @@ class OpenAIServer:
     def _card(self) -> dict[str, Any]:
         name = self.info.served_model_name
         return {"id": name, "object": "model", "created": self.created, "owned_by": "pjinfer",
-                "root": name, "parent": None, "max_model_len": self.info.max_model_len}
+                "root": name, "parent": None, "max_model_len": self.info.max_model_len,
+                "quantization": self.engine.quantization}
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._card()]})
