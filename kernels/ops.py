@@ -1,4 +1,5 @@
-"""The one dispatch module for paged attention: cache layout, KV writes, attention.
+"""The one dispatch module for the kernels: paged attention (cache layout, KV writes,
+attention) and the weight-only quantized matmul.
 
 The engine calls only these functions (and builds `AttentionParams`, re-exported here, so
 it needs no other kernel module); backends are swapped with `backend=`:
@@ -11,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pjinfer.kernels import quantized_matmul as qmm
 from pjinfer.kernels.backends import BACKENDS
 from pjinfer.kernels.common import AttentionParams
 from pjinfer.kernels.decode_attention import (
@@ -20,6 +22,7 @@ from pjinfer.kernels.decode_attention import (
 )
 from pjinfer.kernels.metadata import AttentionMetadata
 from pjinfer.kernels.ragged_attention import ragged_attention, ragged_attention_reference
+from pjinfer.quantization.weight import QuantizedWeight
 
 
 def get_kv_cache_shape(
@@ -99,3 +102,14 @@ def paged_attention(
     if not pallas:
         return ragged_attention_reference(q, k_cache, v_cache, md, attn)
     return ragged_attention(q, k_cache, v_cache, md, attn, interpret=interpret)
+
+
+def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None,
+                     backend: str = "auto") -> jax.Array:
+    """x [T, K] @ a quantized weight [K, N] -> [T, N]: the weight-only Pallas kernel (packed
+    bytes streamed, dequantized in registers) on GPU for an unsharded weight, else XLA's
+    dequantize-then-dot (`quantized_matmul_reference`)."""
+    if _use_pallas(backend) and w.kernel:
+        return qmm.quantized_matmul(x, w, out_dtype=out_dtype,
+                                    interpret=jax.default_backend() != "gpu")
+    return qmm.quantized_matmul_reference(x, w, out_dtype=out_dtype)

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pjinfer.config import ModelConfig, RopeScaling
-from pjinfer.quantization.weight import QuantizedWeight, quantized_linear
+from pjinfer.kernels import ops
+from pjinfer.quantization.weight import QuantizedWeight
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -130,7 +131,7 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *,
     here, so a quantized or adapter linear has one place to replace.
     """
     if isinstance(w, QuantizedWeight):
-        y = quantized_linear(x, w, out_dtype or x.dtype)
+        y = ops.quantized_matmul(x, w, out_dtype=out_dtype or x.dtype)
     else:
         y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype or x.dtype)
     return y if b is None else y + b

@@ -95,7 +95,8 @@ def place_host(host: HostQuant, p: ParamSpec, placer: Placer) -> QuantizedWeight
     for name, arr in host.parts().items():
         axes = component_axes(placer.axes(p), name, groups)
         parts[name] = placer.from_host(ParamSpec((*p.path, name), arr.shape, axes=axes), arr)
-    return QuantizedWeight(**parts, kind=host.kind, zero_point=host.zero_point)
+    return QuantizedWeight(**parts, kind=host.kind, zero_point=host.zero_point,
+                           kernel=placer.mesh is None)
 
 
 def quantize_on_device(w: jax.Array, p: ParamSpec, q: QuantConfig,
@@ -120,4 +121,4 @@ def quantize_on_device(w: jax.Array, p: ParamSpec, q: QuantConfig,
             moved[name] = jax.device_put(arr, NamedSharding(placer.mesh,
                                                             spec_for(axes, arr.shape,
                                                                      placer.mesh)))
-    return QuantizedWeight(**moved, kind=qw.kind, zero_point=qw.zero_point)
+    return QuantizedWeight(**moved, kind=qw.kind, zero_point=qw.zero_point, kernel=False)

@@ -29,7 +29,7 @@ FP8_MAX = 448.0
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["packed", "scales", "zeros", "g_idx"],
-         meta_fields=["kind", "zero_point"])
+         meta_fields=["kind", "zero_point", "kernel"])
 @dataclass(frozen=True)
 class QuantizedWeight:
     """A weight [in, out] stored as low-bit values, per-group scales and optional zeros."""
@@ -40,6 +40,9 @@ class QuantizedWeight:
     g_idx: jax.Array | None = None
     kind: str = "int4"
     zero_point: float = 0.0  # the zero of every group when `zeros` is None
+    # whether the Pallas kernel may read it (pjinfer.kernels.ops.quantized_matmul): weights
+    # sharded over a mesh take XLA's path, which partitions the dequantize-and-dot itself
+    kernel: bool = True
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -76,12 +79,6 @@ def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
     v = v.reshape(groups, rows // groups, cols)  # [G, gs, out]
     zero = w.zero_point if w.zeros is None else w.zeros[:, None, :]
     return ((v - zero) * w.scales[:, None, :]).reshape(rows, cols).astype(dtype)
-
-
-def quantized_linear(x: jax.Array, w: QuantizedWeight, out_dtype) -> jax.Array:
-    """x [T, in] @ dequantize(w) [in, out] -> [T, out], float32 sums."""
-    return jnp.dot(x, dequantize(w, x.dtype),
-                   preferred_element_type=jnp.float32).astype(out_dtype)
 
 
 # ---- on-the-fly quantization of a float weight (jitted; runs where the weight lives) -----------

@@ -1,0 +1,73 @@
+"""Weight-only Pallas matmul (interpret mode on CPU) against its dequantize-then-dot reference."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pjinfer.kernels import ops
+from pjinfer.kernels.quantized_matmul import (
+    QuantMatmulBlockSizes,
+    pick_block_sizes,
+    quantized_matmul,
+    quantized_matmul_reference,
+    supported,
+)
+from pjinfer.quantization.weight import QuantizedWeight, pack_int4_rows
+from tests.kernels.paged_inputs import TOL, rel_err
+
+
+def _weight(rng, kind: str, rows: int, cols: int, group: int, asym: bool) -> QuantizedWeight:
+    groups = rows // group
+    scales = jnp.asarray(rng.uniform(0.01, 0.05, (groups, cols)), jnp.float32)
+    if kind == "int4":
+        packed = pack_int4_rows(rng.integers(0, 16, (rows, cols)))
+        zeros, zero_point = rng.integers(1, 16, (groups, cols)), 8.0
+    elif kind == "int8":
+        packed = rng.integers(-128, 128, (rows, cols)).astype(np.int8)
+        zeros, zero_point = rng.integers(-20, 20, (groups, cols)), 0.0
+    else:
+        packed = jnp.asarray(rng.normal(0, 50, (rows, cols)), jnp.float8_e4m3fn)
+        zeros, zero_point = None, 0.0
+    zeros = jnp.asarray(zeros, jnp.float32) if asym and zeros is not None else None
+    return QuantizedWeight(jnp.asarray(packed), scales, zeros, kind=kind, zero_point=zero_point)
+
+
+@pytest.mark.parametrize("kind, asym, group", [("int4", False, 32), ("int4", True, 64),
+                                               ("int8", False, 128), ("int8", True, 32),
+                                               ("fp8", False, 128)])
+@pytest.mark.parametrize("tokens, sizes", [(1, (16, 32, 32)), (7, (16, 64, 16)),
+                                           (37, (32, 32, 32))])
+def test_matches_reference(kind, asym, group, tokens, sizes):
+    rng = np.random.default_rng(tokens + group)
+    w = _weight(rng, kind, 128, 192, group, asym)
+    x = jnp.asarray(rng.standard_normal((tokens, 128)), jnp.float32)
+    block = QuantMatmulBlockSizes(*sizes)
+    assert supported(x, w, block)
+    out = quantized_matmul(x, w, block_sizes=block, interpret=True)
+    ref = quantized_matmul_reference(x, w)
+    assert out.shape == (tokens, 192) and out.dtype == jnp.float32
+    assert rel_err(out, ref) < TOL[jnp.float32]
+
+
+def test_bfloat16_activations_per_channel_scales():
+    rng = np.random.default_rng(3)
+    w = _weight(rng, "int4", 256, 96, 256, asym=False)  # one group: per output channel
+    x = jnp.asarray(rng.standard_normal((3, 256)), jnp.bfloat16)
+    out = quantized_matmul(x, w, interpret=True)
+    assert out.dtype == jnp.bfloat16
+    assert rel_err(out, quantized_matmul_reference(x, w)) < TOL[jnp.bfloat16]
+
+
+def test_act_order_and_untiled_shapes_take_the_reference():
+    rng = np.random.default_rng(4)
+    w = _weight(rng, "int4", 64, 40, 32, asym=True)  # 40 columns: no tile divides them
+    x = jnp.asarray(rng.standard_normal((2, 64)), jnp.float32)
+    assert not supported(x, w, pick_block_sizes(2, w))
+    g_idx = jnp.asarray(rng.permutation(np.arange(64) // 32), jnp.int32)
+    act = QuantizedWeight(w.packed, w.scales, w.zeros, g_idx, kind="int4", zero_point=8.0)
+    assert not supported(x, act, QuantMatmulBlockSizes(block_n=8, block_k=32))
+    np.testing.assert_allclose(quantized_matmul(x, act, interpret=True),
+                               quantized_matmul_reference(x, act), rtol=1e-6)
+    assert ops.quantized_matmul(x, w, backend="pallas").shape == (2, 40)
