@@ -60,6 +60,10 @@ class ModelShape:
     layer_params: int  # all decoder layers together: projections and norms
     tied_embeddings: bool
     dtype_bytes: int
+    # as stored, where they differ from params x dtype_bytes: quantized layers (packed values,
+    # scales, zeros) and an fp8 KV cache (1 byte per element)
+    layer_bytes: int | None = None
+    kv_dtype_bytes: int | None = None
 
     @classmethod
     def from_model_config(cls, cfg: Any, dtype: str = "auto") -> ModelShape:
@@ -91,7 +95,13 @@ class ModelShape:
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V of one position across all layers (131,072 B for Llama-3-8B in bf16)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * (
+            self.kv_dtype_bytes or self.dtype_bytes)
+
+    @property
+    def layer_weight_bytes(self) -> int:
+        """Bytes a step reads for the decoder layers, packed where they are quantized."""
+        return self.layer_bytes or self.layer_params * self.dtype_bytes
 
     @property
     def attention_flops_per_pair(self) -> int:
@@ -152,7 +162,7 @@ class Work:
 def step_weights(shape: ModelShape) -> Work:
     """What every step reads once, whatever its batch: layers, final norm, lm_head."""
     b = shape.dtype_bytes
-    return Work(layer_weight_bytes=shape.layer_params * b, final_norm_bytes=shape.hidden_size * b,
+    return Work(layer_weight_bytes=shape.layer_weight_bytes, final_norm_bytes=shape.hidden_size * b,
                 lm_head_bytes=shape.lm_head_params * b)
 
 
