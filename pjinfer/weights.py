@@ -25,6 +25,7 @@ from pjinfer.config import ModelConfig, resolve_dtype
 from pjinfer.errors import ModelLoadError
 from pjinfer.models.spec import ParamSpec, build_tree
 from pjinfer.quantization.config import QuantConfig
+from pjinfer.quantization.gguf_file import GGUFIndex, gguf_path
 from pjinfer.quantization.loader import load_quantized, quantizable, quantize_on_device
 from pjinfer.sharding.checkpoint import is_orbax_checkpoint, restore_params
 from pjinfer.sharding.mesh import make_mesh
@@ -137,10 +138,12 @@ def load_params(model_dir: str | Path | None, cfg: ModelConfig, *, dtype: str = 
             raise ModelLoadError("quantization is not supported with orbax checkpoints; load "
                                  "the safetensors checkpoint")
         return restore_params(model_dir, cfg, placer, dtype=dtype)
-    return _safetensors(SafetensorsIndex(model_dir), cfg, placer, model_dtype, quantization)
+    gguf = gguf_path(model_dir)
+    index = GGUFIndex(gguf) if gguf is not None else SafetensorsIndex(model_dir)
+    return _safetensors(index, cfg, placer, model_dtype, quantization)
 
 
-def _safetensors(index: SafetensorsIndex, cfg: ModelConfig, placer: Placer,
+def _safetensors(index: SafetensorsIndex | GGUFIndex, cfg: ModelConfig, placer: Placer,
                  model_dtype: Any, quantization: QuantConfig | None = None) -> Params:
     def load_float(p: ParamSpec) -> jax.Array:
         return placer.from_host(p, read_param(index, p, cfg)).astype(p.target_dtype(model_dtype))
@@ -167,6 +170,17 @@ def _dummy(cfg: ModelConfig, placer: Placer, model_dtype: Any, seed: int,
     return build_tree((p.path, make(n, p)) for n, p in enumerate(cfg.param_specs()))
 
 
+def read_model_config(model_dir: str | Path) -> ModelConfig:
+    """config.json of a model folder, or the metadata of a GGUF file."""
+    gguf = gguf_path(model_dir)
+    if gguf is None:
+        return ModelConfig.from_pretrained(model_dir)
+    try:
+        return ModelConfig.from_hf_dict(GGUFIndex(gguf).hf_config())
+    except ValueError as e:
+        raise ModelLoadError(f"{gguf}: {e}") from None
+
+
 def load_engine_model(model_dir: str | Path, *, tensor_parallel_size: int = 1,
                       data_parallel_size: int = 1, dtype: str = "auto",
                       load_format: str = "auto", seed: int = 0, params: Params | None = None,
@@ -179,7 +193,7 @@ def load_engine_model(model_dir: str | Path, *, tensor_parallel_size: int = 1,
     they are without a mesh, else placed onto it.
     """
     check_load_format(load_format)
-    cfg = ModelConfig.from_pretrained(model_dir)
+    cfg = read_model_config(model_dir)
     mesh = None
     if tensor_parallel_size > 1 or data_parallel_size > 1:
         mesh = make_mesh(tensor_parallel_size, data_parallel_size, cfg=cfg)

@@ -17,7 +17,7 @@ from typing import Any
 # on-the-fly methods quantize a float checkpoint at load; the others read a quantized one
 ON_THE_FLY = ("fp8", "int8")
 CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
-QUANTIZATION_METHODS = ("awq", "compressed-tensors", "fp8", "gptq", "int8")
+QUANTIZATION_METHODS = ("awq", "compressed-tensors", "fp8", "gguf", "gptq", "int8")
 _ALIASES = {"compressed_tensors": "compressed-tensors", "gptq_marlin": "gptq",
             "awq_marlin": "awq"}
 
@@ -112,6 +112,13 @@ def _compressed_tensors(raw: dict[str, Any]) -> QuantConfig:
 def resolve(model_dir: str | Path | None, quantization: str | None) -> QuantConfig | None:
     """The model's quantization: the checkpoint's, which `quantization` may only confirm
     (an fp8 checkpoint with "fp8"), else the on-the-fly method `quantization` names."""
+    from pjinfer.quantization.gguf_file import gguf_path
+
+    if gguf_path(model_dir) is not None:  # per-tensor types; Q8_0 / Q4_0 stay packed
+        if quantization not in (None, "gguf"):
+            raise ValueError(f"quantization={quantization!r} does not match the checkpoint, "
+                             "a GGUF file; leave quantization unset")
+        return QuantConfig("gguf", 8, 32)
     raw = None
     path = Path(model_dir) / "config.json" if model_dir is not None else None
     if path is not None and path.is_file():

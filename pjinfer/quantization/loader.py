@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 
 from pjinfer.errors import ModelLoadError
 from pjinfer.models.spec import ParamSpec, transpose
-from pjinfer.quantization import awq, compressed_tensors, fp8, gptq
+from pjinfer.quantization import awq, compressed_tensors, fp8, gguf_blocks, gptq
 from pjinfer.quantization.config import QuantConfig
 from pjinfer.quantization.host import HostQuant
 from pjinfer.quantization.weight import (
@@ -32,7 +32,7 @@ from pjinfer.sharding.placement import Placer
 from pjinfer.sharding.rules import LOGICAL_TO_MESH, spec_for
 
 READERS: dict[str, ModuleType] = {"gptq": gptq, "awq": awq, "fp8": fp8,
-                                  "compressed-tensors": compressed_tensors}
+                                  "compressed-tensors": compressed_tensors, "gguf": gguf_blocks}
 
 
 def quantizable(p: ParamSpec) -> bool:
@@ -46,6 +46,8 @@ def _marker(q: QuantConfig) -> str:
     """The tensor whose presence says a layer is stored quantized."""
     if q.method in ("gptq", "awq"):
         return "qweight"
+    if q.method == "gguf":
+        return "gguf_blocks"
     if q.method == "compressed-tensors" and q.fmt == "pack-quantized":
         return "weight_packed"
     return "weight_scale"
