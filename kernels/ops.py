@@ -20,6 +20,7 @@ from pjinfer.kernels.decode_attention import (
     decode_attention_reference,
     default_decode_block_sizes,
 )
+from pjinfer.kernels.fp8_matmul import fp8_w8a8_applies, fp8_w8a8_matmul
 from pjinfer.kernels.metadata import AttentionMetadata
 from pjinfer.kernels.ragged_attention import ragged_attention, ragged_attention_reference
 from pjinfer.quantization.weight import QuantizedWeight
@@ -106,9 +107,12 @@ def paged_attention(
 
 def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None,
                      backend: str = "auto") -> jax.Array:
-    """x [T, K] @ a quantized weight [K, N] -> [T, N]: the weight-only Pallas kernel (packed
-    bytes streamed, dequantized in registers) on GPU for an unsharded weight, else XLA's
-    dequantize-then-dot (`quantized_matmul_reference`)."""
+    """x [T, K] @ a quantized weight [K, N] -> [T, N]. On GPU: fp8 weights at compute-bound
+    sizes take the fp8 W8A8 dot (activations quantized per token); else the weight-only Pallas
+    kernel (packed bytes streamed, dequantized in registers) for an unsharded weight. Elsewhere
+    (CPU included) XLA's dequantize-then-dot (`quantized_matmul_reference`)."""
+    if jax.default_backend() == "gpu" and backend != "reference" and fp8_w8a8_applies(x, w):
+        return fp8_w8a8_matmul(x, w, out_dtype=out_dtype)
     if _use_pallas(backend) and w.kernel:
         return qmm.quantized_matmul(x, w, out_dtype=out_dtype,
                                     interpret=jax.default_backend() != "gpu")

@@ -44,7 +44,7 @@ def _dequant(v, s, z):
 
 
 def _kernel(*refs, kind: str, zero_point: float, group_rows: int, block_k: int, block_n: int,
-            num_k: int, has_zeros: bool):
+            block_t: int, num_k: int, has_zeros: bool):
     """One (token tile, column tile): acc [bt, bn] += x_step @ dequant(w_step)."""
     if kind == "int4":
         xe_ref, xo_ref, p_ref, s_ref, *rest = refs
@@ -54,6 +54,7 @@ def _kernel(*refs, kind: str, zero_point: float, group_rows: int, block_k: int, 
     o_ref = rest[-1]
     col = pl.program_id(1) * block_n
     cols = pl.ds(col, block_n)
+    tok = pl.ds(pl.program_id(0) * block_t, block_t)
     dtype = o_ref.dtype
 
     def body(k, acc):
@@ -65,12 +66,12 @@ def _kernel(*refs, kind: str, zero_point: float, group_rows: int, block_k: int, 
             p = p_ref[pl.ds(k * half, half), cols].astype(jnp.int32)  # [bk/2, bn]
             w_even = _dequant(p & 0xF, s, z).astype(dtype)
             w_odd = _dequant(p >> 4, s, z).astype(dtype)
-            xe = xe_ref[:, pl.ds(k * half, half)]
-            xo = xo_ref[:, pl.ds(k * half, half)]
+            xe = xe_ref[tok, pl.ds(k * half, half)]
+            xo = xo_ref[tok, pl.ds(k * half, half)]
             return acc + jnp.dot(xe, w_even, preferred_element_type=jnp.float32) + \
                 jnp.dot(xo, w_odd, preferred_element_type=jnp.float32)
         w = _dequant(p_ref[pl.ds(k * block_k, block_k), cols], s, z).astype(dtype)
-        x = x_ref[:, pl.ds(k * block_k, block_k)]
+        x = x_ref[tok, pl.ds(k * block_k, block_k)]
         return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
 
     acc = jnp.zeros(o_ref.shape, jnp.float32)
@@ -116,13 +117,12 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None,
     parts = [w.packed, w.scales] + ([w.zeros] if w.zeros is not None else [])
     kernel = functools.partial(
         _kernel, kind=w.kind, zero_point=w.zero_point, group_rows=rows // w.scales.shape[0],
-        block_k=sizes.block_k, block_n=sizes.block_n, num_k=rows // sizes.block_k,
+        block_k=sizes.block_k, block_n=sizes.block_n, block_t=bt, num_k=rows // sizes.block_k,
         has_zeros=w.zeros is not None)
-    x_spec = [pl.BlockSpec((bt, a.shape[1]), lambda i, j: (i, 0)) for a in xs]
-    out = pl.pallas_call(
+    out = pl.pallas_call(  # every input whole: the kernel slices its own tiles (pow2 loads)
         kernel,
         grid=(tp // bt, cols // sizes.block_n),
-        in_specs=x_spec + [common.whole_spec(a.shape) for a in parts],
+        in_specs=[common.whole_spec(a.shape) for a in (*xs, *parts)],
         out_specs=pl.BlockSpec((bt, sizes.block_n), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((tp, cols), x.dtype),
         compiler_params=common.triton_params(sizes.num_warps, sizes.num_stages),

@@ -71,3 +71,16 @@ def test_act_order_and_untiled_shapes_take_the_reference():
     np.testing.assert_allclose(quantized_matmul(x, act, interpret=True),
                                quantized_matmul_reference(x, act), rtol=1e-6)
     assert ops.quantized_matmul(x, w, backend="pallas").shape == (2, 40)
+
+
+def test_fp8_w8a8_is_within_activation_rounding_of_the_reference():
+    from pjinfer.kernels.fp8_matmul import W8A8_MIN_TOKENS, fp8_w8a8_applies, fp8_w8a8_matmul
+    from pjinfer.quantization.weight import quantize_per_channel
+
+    rng = np.random.default_rng(5)
+    w = quantize_per_channel(jnp.asarray(rng.normal(0, 0.05, (128, 64)), jnp.float32), "fp8")
+    x = jnp.asarray(rng.standard_normal((W8A8_MIN_TOKENS, 128)), jnp.float32)
+    assert fp8_w8a8_applies(x, w) and not fp8_w8a8_applies(x[:4], w)
+    out = fp8_w8a8_matmul(x, w)
+    assert out.shape == (W8A8_MIN_TOKENS, 64)
+    assert rel_err(out, quantized_matmul_reference(x, w)) < 0.05  # e4m3 activations: 2^-4
