@@ -47,9 +47,9 @@ def test_per_layer_reconstruction_error_is_bounded(demo_float, method):
         assert rel < (0.01 if method == "int8" else 0.05), (name, rel)
 
 
-@pytest.mark.parametrize("method", ["int8", "fp8"])
-def test_greedy_zen_lines_match_the_bf16_model(bf16_zen, method):
-    llm = LLM(dtype="bfloat16", quantization=method, warmup=False)
+@pytest.mark.parametrize("method, tp", [("int8", 1), ("fp8", 2)])
+def test_greedy_zen_lines_match_the_bf16_model(bf16_zen, method, tp):
+    llm = LLM(dtype="bfloat16", quantization=method, tensor_parallel_size=tp, warmup=False)
     assert llm.engine.quantization_method == method
     assert first_lines(llm.generate(ZEN_PROMPTS, ZEN_GREEDY)) == bf16_zen
 
