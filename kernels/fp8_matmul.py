@@ -20,7 +20,7 @@ W8A8_MIN_TOKENS = 256
 
 def fp8_w8a8_applies(x: jax.Array, w: QuantizedWeight) -> bool:
     """An fp8 weight with one scale per output channel (or tensor), at a compute-bound size."""
-    return (w.kind == "fp8" and w.scales.shape[0] == 1 and w.zeros is None and w.g_idx is None
+    return (w.kind == "fp8" and w.scales.shape[0] == 1 and w.zeros is None and w.perm is None
             and x.shape[0] >= W8A8_MIN_TOKENS)
 
 

@@ -10,7 +10,8 @@ nibbles are the even input rows, the high ones the odd rows, so the tile's x is 
 even and odd columns once (host side, [T, K/2] each) and the step is two dots.
 
 Layout: pjinfer.quantization.weight (packed [K/2 or K, N], scales / zeros [G, N]).
-Act-order weights (g_idx) and shapes the tiles do not divide take the reference.
+Act-order weights are stored with their rows sorted by group (`perm`): x's columns are
+permuted the same way first. Shapes the tiles do not divide take the reference.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pjinfer.kernels import common
-from pjinfer.quantization.weight import QuantizedWeight, dequantize
+from pjinfer.quantization.weight import QuantizedWeight, dequantize_stored, permute_input
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -82,7 +83,7 @@ def supported(x: jax.Array, w: QuantizedWeight, sizes: QuantMatmulBlockSizes) ->
     """Whether the kernel tiles this weight (else the reference runs)."""
     rows, cols = w.shape
     group_rows = rows // w.scales.shape[0]
-    return (w.g_idx is None and x.shape[-1] == rows and cols % sizes.block_n == 0
+    return (x.shape[-1] == rows and cols % sizes.block_n == 0
             and group_rows % sizes.block_k == 0 and sizes.block_k % 2 == 0)
 
 
@@ -106,6 +107,7 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None,
     out_dtype = out_dtype or x.dtype
     if not supported(x, w, sizes):
         return quantized_matmul_reference(x, w, out_dtype=out_dtype)
+    x = permute_input(x, w)
     t, (rows, cols) = x.shape[0], w.shape
     bt = sizes.block_t
     tp = -(-t // bt) * bt
@@ -136,5 +138,6 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None,
 def quantized_matmul_reference(x: jax.Array, w: QuantizedWeight, *,
                                out_dtype=None) -> jax.Array:
     """Pure JAX: the whole weight dequantized to x's dtype, then one dot (XLA's path)."""
-    y = jnp.dot(x, dequantize(w, x.dtype), preferred_element_type=jnp.float32)
+    y = jnp.dot(permute_input(x, w), dequantize_stored(w, x.dtype),
+                preferred_element_type=jnp.float32)
     return y.astype(out_dtype or x.dtype)

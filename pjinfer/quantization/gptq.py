@@ -6,12 +6,15 @@
   scales  float16 [G, out]
   g_idx   int32 [in]                   group of each input row (act-order when not row // gs)
 Symmetric checkpoints use zero 2^(bits-1) whatever qzeros holds (as the GPTQ kernels do).
+Act-order rows are sorted by group at load (`perm`), so every group is contiguous as the
+kernel reads it; the activations are permuted the same way at run time.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from pjinfer.errors import ModelLoadError
 from pjinfer.quantization.config import QuantConfig
 from pjinfer.quantization.host import (
     Getter,
@@ -37,12 +40,15 @@ def read(get: Getter, prefix: str, shape: tuple[int, int], q: QuantConfig) -> Ho
     zeros = None
     if not q.sym:
         zeros = unpack_words(qzeros, q.bits, axis=1) + (0 if q.fmt == "gptq_v2" else 1)
-    g_idx = _act_order(get, prefix, rows, q.group_size if groups > 1 else rows)
-    return from_unsigned(values, scales, zeros, g_idx, q.bits)
+    perm = _act_order(get, prefix, rows, q.group_size if groups > 1 else rows)
+    if perm is not None:
+        values = values[perm]
+    return from_unsigned(values, scales, zeros, perm, q.bits)
 
 
 def _act_order(get: Getter, prefix: str, rows: int, group_size: int) -> np.ndarray | None:
-    """g_idx when it reorders rows; None when it is the plain row // group_size."""
+    """The rows sorted by group (stable) when g_idx reorders them; None when it is the plain
+    row // group_size. Every group must have group_size rows, as GPTQ writes them."""
     try:
         g_idx = get(f"{prefix}.g_idx")
     except KeyError:
@@ -50,4 +56,10 @@ def _act_order(get: Getter, prefix: str, rows: int, group_size: int) -> np.ndarr
     check_shape(f"{prefix}.g_idx", g_idx.shape, (rows,))
     g_idx = np.asarray(g_idx, np.int32)
     plain = np.arange(rows, dtype=np.int32) // group_size
-    return None if np.array_equal(g_idx, plain) else g_idx
+    if np.array_equal(g_idx, plain):
+        return None
+    perm = np.argsort(g_idx, kind="stable").astype(np.int32)
+    if not np.array_equal(g_idx[perm], plain):
+        raise ModelLoadError(f"tensor {prefix}.g_idx: its groups do not have {group_size} rows "
+                             "each; the checkpoint and its group_size disagree")
+    return perm

@@ -20,12 +20,12 @@ class HostQuant:
     packed: np.ndarray
     scales: np.ndarray
     zeros: np.ndarray | None
-    g_idx: np.ndarray | None
+    perm: np.ndarray | None
     kind: str
     zero_point: float
 
     def parts(self) -> dict[str, np.ndarray]:
-        named = dict(packed=self.packed, scales=self.scales, zeros=self.zeros, g_idx=self.g_idx)
+        named = dict(packed=self.packed, scales=self.scales, zeros=self.zeros, perm=self.perm)
         return {k: v for k, v in named.items() if v is not None}
 
 
@@ -44,16 +44,17 @@ def unpack_words(words: np.ndarray, bits: int, axis: int) -> np.ndarray:
 
 
 def from_unsigned(values: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None,
-                  g_idx: np.ndarray | None, bits: int) -> HostQuant:
+                  perm: np.ndarray | None, bits: int) -> HostQuant:
     """Unsigned values [in, out] with scales [G, out] and zeros [G, out] (None: symmetric,
-    zero 2^(bits-1)) -> the canonical parts; 8-bit values are stored signed (minus 128)."""
+    zero 2^(bits-1)), rows in stored order (`perm`) -> the canonical parts; 8-bit values are
+    stored signed (minus 128)."""
     half = 1 << (bits - 1)
     scales = np.asarray(scales, np.float32)
     zeros = None if zeros is None else np.asarray(zeros, np.float32)
     if bits == 4:
-        return HostQuant(pack_int4_rows(values), scales, zeros, g_idx, "int4", float(half))
+        return HostQuant(pack_int4_rows(values), scales, zeros, perm, "int4", float(half))
     packed = (values - 128).astype(np.int8)
-    return HostQuant(packed, scales, None if zeros is None else zeros - 128, g_idx, "int8", 0.0)
+    return HostQuant(packed, scales, None if zeros is None else zeros - 128, perm, "int8", 0.0)
 
 
 def group_count(name: str, rows: int, group_size: int) -> int:

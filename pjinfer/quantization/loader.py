@@ -91,7 +91,7 @@ def _check_whole_groups(p: ParamSpec, placer: Placer, groups: int) -> None:
 
 def place_host(host: HostQuant, p: ParamSpec, placer: Placer) -> QuantizedWeight:
     """Each canonical part onto the device(s), sharded along with its weight."""
-    groups = 1 if host.g_idx is not None else host.scales.shape[0]
+    groups = host.scales.shape[0]
     _check_whole_groups(p, placer, groups)
     parts = {}
     for name, arr in host.parts().items():

@@ -6,8 +6,9 @@ weight it replaces (`component_axes`):
           0..15); int8: int8 [in, out]; fp8: float8_e4m3fn [in, out]
   scales  float32 [G, out], G = in / group_size (1: per output channel)
   zeros   float32 [G, out] in units of the stored value, or None: `zero_point` for every group
-  g_idx   int32 [in] group of each input row (GPTQ act-order), or None: row // group_size
-  w[i, o] = (value[i, o] - zero[g(i), o]) * scale[g(i), o]
+  perm    int32 [in] the input row each stored row is (GPTQ act-order: rows sorted by group
+          at load, so groups are contiguous again), or None: stored in input order
+  w_stored[r, o] = (value[r, o] - zero[r // gs, o]) * scale[r // gs, o];  y = x[:, perm] @ w_stored
 Packing int4 along the input dim keeps the output dim whole, so column-parallel splits, kv-head
 duplication and row-parallel splits of whole groups all slice it like a plain [in, out] weight.
 """
@@ -28,7 +29,7 @@ FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["packed", "scales", "zeros", "g_idx"],
+@partial(jax.tree_util.register_dataclass, data_fields=["packed", "scales", "zeros", "perm"],
          meta_fields=["kind", "zero_point", "kernel"])
 @dataclass(frozen=True)
 class QuantizedWeight:
@@ -37,7 +38,7 @@ class QuantizedWeight:
     packed: jax.Array
     scales: jax.Array
     zeros: jax.Array | None = None
-    g_idx: jax.Array | None = None
+    perm: jax.Array | None = None
     kind: str = "int4"
     zero_point: float = 0.0  # the zero of every group when `zeros` is None
     # whether the Pallas kernel may read it (pjinfer.kernels.ops.quantized_matmul): weights
@@ -51,7 +52,7 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        parts = (self.packed, self.scales, self.zeros, self.g_idx)
+        parts = (self.packed, self.scales, self.zeros, self.perm)
         return sum(p.size * p.dtype.itemsize for p in parts if p is not None)
 
 
@@ -69,12 +70,20 @@ def values(w: QuantizedWeight) -> jax.Array:
 
 
 def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
-    """The float weight [in, out] in `dtype`; group arithmetic in float32."""
+    """The float weight [in, out] in `dtype`, rows in input order."""
+    stored = dequantize_stored(w, dtype)
+    return stored if w.perm is None else stored[jnp.argsort(w.perm)]
+
+
+def permute_input(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """x [T, in] with its columns in the weight's stored row order."""
+    return x if w.perm is None else x[:, w.perm]
+
+
+def dequantize_stored(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
+    """The float weight [in, out] in `dtype`, rows as stored; group arithmetic in float32."""
     v = values(w)
     rows, cols = v.shape
-    if w.g_idx is not None:  # act-order: any row may belong to any group
-        zero = w.zero_point if w.zeros is None else w.zeros[w.g_idx]
-        return ((v - zero) * w.scales[w.g_idx]).astype(dtype)
     groups = w.scales.shape[0]
     v = v.reshape(groups, rows // groups, cols)  # [G, gs, out]
     zero = w.zero_point if w.zeros is None else w.zeros[:, None, :]
@@ -117,10 +126,10 @@ def pack_int4_rows(v: np.ndarray) -> np.ndarray:
 
 def component_axes(weight_axes: Axes, part: str, groups: int) -> Axes:
     """Logical axes of one part, from the weight's (in_axis, out_axis): scales and zeros split
-    with their weight's rows only when they are per group (G > 1) and act-order is off."""
+    with their weight's rows when they are per group (G > 1)."""
     in_axis, out_axis = weight_axes
     if part == "packed":
         return weight_axes
-    if part == "g_idx":
+    if part == "perm":
         return (in_axis,)
     return (in_axis if groups > 1 else None, out_axis)

@@ -14,7 +14,7 @@ from pjinfer.kernels.quantized_matmul import (
     quantized_matmul_reference,
     supported,
 )
-from pjinfer.quantization.weight import QuantizedWeight, pack_int4_rows
+from pjinfer.quantization.weight import QuantizedWeight, dequantize, pack_int4_rows
 from tests.kernels.paged_inputs import TOL, rel_err
 
 
@@ -60,17 +60,26 @@ def test_bfloat16_activations_per_channel_scales():
     assert rel_err(out, quantized_matmul_reference(x, w)) < TOL[jnp.bfloat16]
 
 
-def test_act_order_and_untiled_shapes_take_the_reference():
+def test_act_order_permutes_the_input():
+    rng = np.random.default_rng(4)
+    w = _weight(rng, "int4", 64, 32, 32, asym=True)
+    perm = jnp.asarray(rng.permutation(64), jnp.int32)
+    act = QuantizedWeight(w.packed, w.scales, w.zeros, perm, kind="int4", zero_point=8.0)
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+    sizes = QuantMatmulBlockSizes(block_n=16, block_k=32)
+    assert supported(x, act, sizes)
+    out = quantized_matmul(x, act, block_sizes=sizes, interpret=True)
+    assert rel_err(out, quantized_matmul_reference(x, act)) < TOL[jnp.float32]
+    assert rel_err(out, x @ dequantize(act)) < TOL[jnp.float32]  # input-order weight
+
+
+def test_untiled_shapes_take_the_reference():
     rng = np.random.default_rng(4)
     w = _weight(rng, "int4", 64, 40, 32, asym=True)  # 40 columns: no tile divides them
     x = jnp.asarray(rng.standard_normal((2, 64)), jnp.float32)
     assert not supported(x, w, pick_block_sizes(2, w))
-    g_idx = jnp.asarray(rng.permutation(np.arange(64) // 32), jnp.int32)
-    act = QuantizedWeight(w.packed, w.scales, w.zeros, g_idx, kind="int4", zero_point=8.0)
-    assert not supported(x, act, QuantMatmulBlockSizes(block_n=8, block_k=32))
-    np.testing.assert_allclose(quantized_matmul(x, act, interpret=True),
-                               quantized_matmul_reference(x, act), rtol=1e-6)
-    assert ops.quantized_matmul(x, w, backend="pallas").shape == (2, 40)
+    np.testing.assert_allclose(ops.quantized_matmul(x, w, backend="pallas"),
+                               quantized_matmul_reference(x, w), rtol=1e-6)
 
 
 def test_fp8_w8a8_is_within_activation_rounding_of_the_reference():

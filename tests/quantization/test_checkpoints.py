@@ -98,8 +98,7 @@ def test_tensor_parallel_2(quantized, arch, name):
     llm = LLM(str(folder), tensor_parallel_size=2, **ENGINE)
     down = llm.engine.runner.params["layers"][0]["down_proj"]  # row-parallel: groups split
     assert len(down.packed.sharding.device_set) == 2
-    assert down.scales.sharding.shard_shape(down.scales.shape)[0] == down.scales.shape[0] // 2 \
-        or down.g_idx is not None
+    assert down.scales.sharding.shard_shape(down.scales.shape)[0] == down.scales.shape[0] // 2
     _check(llm, oracle)
 
 
