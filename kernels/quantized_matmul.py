@@ -87,14 +87,21 @@ def supported(x: jax.Array, w: QuantizedWeight, sizes: QuantMatmulBlockSizes) ->
             and group_rows % sizes.block_k == 0 and sizes.block_k % 2 == 0)
 
 
+MIN_PROGRAMS = 264  # two per SM of an H100 / H200 (132 SMs)
+
+
 def pick_block_sizes(num_tokens: int, w: QuantizedWeight) -> QuantMatmulBlockSizes:
-    """Decode (GEMV) shapes: 16 tokens x 128 columns; prefill: 64 x 128; `block_k` the
-    largest of 128, 64, 32, 16 that fits in a group."""
-    rows = w.shape[0]
+    """16 token rows at decode (GEMV), 64 at prefill; the widest column tile (<= 128) that
+    still gives `MIN_PROGRAMS` programs, so a small-batch GEMV keeps every SM streaming;
+    `block_k` the largest of 128, 64, 32, 16 inside one group."""
+    rows, cols = w.shape
     group_rows = rows // w.scales.shape[0]
     block_k = next((b for b in (128, 64, 32, 16) if group_rows % b == 0), 16)
     block_t = 16 if num_tokens <= 16 else 64
-    block_n = next((b for b in (128, 64, 32, 16) if w.shape[1] % b == 0), 128)
+    token_tiles = -(-num_tokens // block_t)
+    fits = [b for b in (128, 64, 32, 16) if cols % b == 0]
+    block_n = next((b for b in fits if token_tiles * cols // b >= MIN_PROGRAMS),
+                   fits[-1] if fits else 128)
     return QuantMatmulBlockSizes(block_t=block_t, block_n=block_n, block_k=block_k)
 
 

@@ -93,3 +93,10 @@ def test_fp8_w8a8_is_within_activation_rounding_of_the_reference():
     out = fp8_w8a8_matmul(x, w)
     assert out.shape == (W8A8_MIN_TOKENS, 64)
     assert rel_err(out, quantized_matmul_reference(x, w)) < 0.05  # e4m3 activations: 2^-4
+
+
+def test_block_sizes_fill_the_gpu_at_decode():
+    w = QuantizedWeight(jnp.zeros((2048, 4096), jnp.uint8), jnp.ones((32, 4096)), kind="int4")
+    decode, prefill = pick_block_sizes(1, w), pick_block_sizes(2048, w)
+    assert (decode.block_t, decode.block_n, decode.block_k) == (16, 16, 128)
+    assert (prefill.block_t, prefill.block_n) == (64, 128)
