@@ -1,11 +1,12 @@
 """Quantized weights into their place: read from a checkpoint, quantized at load, or dummy.
 
-Which params are quantized: the decoder layers' Linear weights (`*_proj`, one HF `.weight`
-each, transposed to input-major); embeddings, norms, biases and the head stay in the model
-dtype. A pre-quantized checkpoint may leave some of them float (an `ignore` list, a
-`modules_to_not_convert`): a layer is read as quantized when its format's marker tensor is
-there. Every part is placed with its weight's logical axes (`component_axes`), so a tp mesh
-splits scales and zeros with their weight; row-parallel splits must keep whole groups.
+Which params are quantized: the decoder layers' Linear weights (`*_proj`); embeddings, norms,
+biases and the head stay in the model dtype. Pre-quantized formats replace HF Linear weights
+(one `.weight`, transposed to input-major); a checkpoint may leave some of them float (an
+`ignore` list, `modules_to_not_convert`): a layer is read as quantized when its format's
+marker tensor is there. Every part is placed with its weight's logical axes
+(`component_axes`), so a tp mesh splits scales and zeros with their weight; row-parallel
+splits must keep whole groups.
 """
 
 from __future__ import annotations
@@ -36,9 +37,14 @@ READERS: dict[str, ModuleType] = {"gptq": gptq, "awq": awq, "fp8": fp8,
 
 
 def quantizable(p: ParamSpec) -> bool:
-    """A decoder layer's Linear weight, read from one HF `.weight` and transposed."""
-    return (p.path[0] == "layers" and str(p.path[-1]).endswith("_proj") and len(p.shape) == 2
-            and p.transform is transpose and len(p.hf_names) == 1
+    """A decoder layer's Linear weight (any architecture: on-the-fly methods quantize it)."""
+    return p.path[0] == "layers" and str(p.path[-1]).endswith("_proj") and len(p.shape) == 2
+
+
+def _stored_as_linear(p: ParamSpec) -> bool:
+    """Read from one HF Linear `.weight` and transposed: what pre-quantized formats replace
+    (fused or Conv1D checkpoint tensors, e.g. Phi-3's qkv_proj or GPT-2's, are read as float)."""
+    return (p.transform is transpose and len(p.hf_names) == 1
             and p.hf_names[0].endswith(".weight"))
 
 
@@ -63,10 +69,10 @@ def load_quantized(get: Callable[[str], Any], has: Callable[[str], bool], p: Par
                    load_float: Callable[[ParamSpec], jax.Array]) -> QuantizedWeight | jax.Array:
     """One quantizable param from a checkpoint: its quantized parts when stored so, else the
     float weight (quantized on the device for the on-the-fly methods)."""
-    prefix = p.hf_names[0].removesuffix(".weight")
     if not q.from_checkpoint:
         return quantize_on_device(load_float(p), p, q, placer)
-    if not has(f"{prefix}.{_marker(q)}"):
+    prefix = p.hf_names[0].removesuffix(".weight")
+    if not _stored_as_linear(p) or not has(f"{prefix}.{_marker(q)}"):
         return load_float(p)
     try:
         host = READERS[q.method].read(get, prefix, p.shape, q)

@@ -68,3 +68,12 @@ def test_unknown_or_mismatched_method_is_refused():
         LLM(quantization="int3")
     with pytest.raises(ValueError, match="needs a checkpoint quantized with it"):
         LLM(quantization="gptq")
+
+
+def test_every_architecture_quantizes_its_layers(hf_models):
+    """GPT-2 stores Conv1D weights (not transposed), Phi-3 fused ones: both are quantized too."""
+    for name in ("gpt2", "phi3"):
+        cfg = ModelConfig.from_pretrained(hf_models[name])
+        params = load_params(hf_models[name], cfg, quantization=QuantConfig.on_the_fly("int8"))
+        layer = params["layers"][0]
+        assert all(isinstance(layer[k], QuantizedWeight) for k in layer if k.endswith("_proj"))
