@@ -133,11 +133,19 @@ def planned_shape(engine_args: dict[str, Any]) -> ModelShape:
 
 
 def model_shape(engine: Any) -> ModelShape:
-    """The roofline's view of the loaded model, in the dtype the engine actually runs."""
+    """The roofline's view of the loaded model, in the dtype the engine actually runs, with
+    the bytes its layers and KV cache really take (quantized weights count packed)."""
+    import dataclasses
+
+    import jax
     import numpy as np
 
-    return ModelShape.from_model_config(engine.model_config,
-                                        dtype=np.dtype(engine.runner.kv_dtype).name)
+    runner = engine.runner
+    shape = ModelShape.from_model_config(engine.model_config,
+                                         dtype=np.dtype(runner.act_dtype).name)
+    layers = sum(a.nbytes for a in jax.tree.leaves(runner.params["layers"]))
+    return dataclasses.replace(shape, layer_bytes=layers,
+                               kv_dtype_bytes=np.dtype(runner.kv_dtype).itemsize)
 
 
 def model_record(engine: Any, shape: ModelShape) -> dict[str, Any]:
@@ -149,7 +157,10 @@ def model_record(engine: Any, shape: ModelShape) -> dict[str, Any]:
             "layer_params": shape.layer_params, "lm_head_params": shape.lm_head_params,
             "kv_bytes_per_token": shape.kv_bytes_per_token, "num_layers": cfg.num_hidden_layers,
             "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
-            "dtype": np.dtype(engine.runner.kv_dtype).name,
+            "dtype": np.dtype(engine.runner.act_dtype).name,
+            "kv_cache_dtype": np.dtype(engine.runner.kv_dtype).name,
+            "quantization": engine.quantization_method,
+            "layer_weight_bytes": shape.layer_weight_bytes,
             "max_model_len": engine.max_model_len,
             "num_kv_blocks": int(getattr(engine.runner, "num_blocks", 0))}
 

@@ -73,6 +73,10 @@ class ModelShape:
     num_experts: int = 0  # routed experts per MoE layer
     experts_per_token: int = 0  # top-k
     expert_params: int = 0  # one expert of one layer: gate, up and down
+    # as stored, where they differ from params x dtype_bytes: quantized layers (packed values,
+    # scales, zeros) and an fp8 KV cache (1 byte per element)
+    layer_bytes: int | None = None
+    kv_dtype_bytes: int | None = None
 
     @classmethod
     def from_model_config(cls, cfg: Any, dtype: str = "auto") -> ModelShape:
@@ -126,7 +130,13 @@ class ModelShape:
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V of one position across all layers (131,072 B for Llama-3-8B in bf16)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * (
+            self.kv_dtype_bytes or self.dtype_bytes)
+
+    @property
+    def layer_weight_bytes(self) -> int:
+        """Bytes a step reads for the decoder layers, packed where they are quantized."""
+        return self.layer_bytes or self.layer_params * self.dtype_bytes
 
     @property
     def attention_flops_per_pair(self) -> int:
@@ -190,7 +200,7 @@ def step_weights(shape: ModelShape, tokens: int = 1) -> Work:
     lm_head, and (MoE) the experts those tokens chose."""
     b = shape.dtype_bytes
     experts = shape.moe_layers * shape.experts_read(tokens) * shape.expert_params * b
-    return Work(layer_weight_bytes=shape.layer_params * b, expert_weight_bytes=round(experts),
+    return Work(layer_weight_bytes=shape.layer_weight_bytes, expert_weight_bytes=round(experts),
                 final_norm_bytes=shape.hidden_size * b, lm_head_bytes=shape.lm_head_params * b)
 
 

@@ -26,6 +26,15 @@ class AttentionParams:
     scale: float  # multiplies q . k before capping, usually head_dim ** -0.5
     sliding_window: int | None = None  # a query sees keys at most window - 1 positions back
     soft_cap: float | None = None  # Gemma-style c * tanh(s / c) on the scaled scores
+    # An fp8 cache stores K / k_scale and V / v_scale: scores are multiplied by k_scale and
+    # outputs by v_scale (attention is linear in V), so no dequantized page is materialised.
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    @property
+    def score_scale(self) -> float:
+        """What q . k_stored is multiplied by."""
+        return self.scale * self.k_scale
 
     def __post_init__(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -52,6 +61,11 @@ class BlockSizes:
 def next_pow2(x: int) -> int:
     """Smallest power of two >= x (Triton tiles must be powers of two)."""
     return 1 << max(0, (x - 1).bit_length())
+
+
+def load_kv(x: jax.Array, dtype) -> jax.Array:
+    """Cached K/V rows in the compute dtype (an fp8 cache is widened in registers)."""
+    return x if x.dtype == dtype else x.astype(dtype)
 
 
 def cap_scores(s: jax.Array, soft_cap: float | None) -> jax.Array:
@@ -120,8 +134,9 @@ def attend_one_seq(
     attention over unpaged K/V in the tests.
     """
     k_pos = jnp.arange(k.shape[0], dtype=jnp.int32)  # [C]
+    k, v = load_kv(k, q.dtype), load_kv(v, q.dtype)
     s = jnp.einsum("qkgd,ckd->kgqc", q, k, preferred_element_type=jnp.float32)
-    s = cap_scores(s * attn.scale, attn.soft_cap)  # [KVH, G, Q, C]
+    s = cap_scores(s * attn.score_scale, attn.soft_cap)  # [KVH, G, Q, C]
     mask = key_mask(q_pos, k_pos, attn.sliding_window)[None, None]  # [1, 1, Q, C]
     s = jnp.where(mask, s, MASK_VALUE)
     p = jnp.exp(s - s.max(axis=-1, keepdims=True))
@@ -129,7 +144,7 @@ def attend_one_seq(
     denom = jnp.maximum(p.sum(axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
     v = jnp.where((k_pos < seq_len)[:, None, None], v, jnp.zeros_like(v))  # 0 * NaN = NaN
     out = jnp.einsum("kgqc,ckd->qkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out / jnp.moveaxis(denom, 2, 0)  # [Q, KVH, G, D]
+    return out * attn.v_scale / jnp.moveaxis(denom, 2, 0)  # [Q, KVH, G, D]
 
 
 def kv_group(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> int:

@@ -63,13 +63,13 @@ def _decode_kernel(
     def body(c, state):
         pos, rows = common.block_rows(tables_ref, seq, c, pages=pages, block_size=block_size)
         valid = (pos < seq_len) & (pos >= lo_key)  # [N]
-        k = k_ref[rows, head, :]  # [N, D]
-        v = jnp.where(valid[:, None], v_ref[rows, head, :], 0)  # [N, D]
-        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * attn.scale  # [Gp, N]
+        k = common.load_kv(k_ref[rows, head, :], q.dtype)  # [N, D]
+        v = jnp.where(valid[:, None], common.load_kv(v_ref[rows, head, :], q.dtype), 0)
+        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * attn.score_scale  # [Gp, N]
         return common.softmax_step(state, common.cap_scores(s, attn.soft_cap), valid[None, :], v)
 
     acc, m, l_sum = jax.lax.fori_loop(start, end, body, common.softmax_init(*q.shape))
-    o_ref[...] = acc
+    o_ref[...] = acc * attn.v_scale
     m_ref[...] = m
     l_ref[...] = l_sum
 

@@ -1,4 +1,5 @@
-"""The one dispatch module for the kernels: cache layout, KV writes, attention, grouped matmul.
+"""The one dispatch module for the kernels: paged attention (cache layout, KV writes,
+attention), the grouped matmul (MoE experts) and the weight-only quantized matmul.
 
 The engine calls only these functions (and builds `AttentionParams`, re-exported here, so
 it needs no other kernel module); backends are swapped with `backend=`:
@@ -11,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pjinfer.kernels import quantized_matmul as qmm
 from pjinfer.kernels.backends import BACKENDS
 from pjinfer.kernels.common import AttentionParams
 from pjinfer.kernels.decode_attention import (
@@ -18,9 +20,11 @@ from pjinfer.kernels.decode_attention import (
     decode_attention_reference,
     default_decode_block_sizes,
 )
+from pjinfer.kernels.fp8_matmul import fp8_w8a8_applies, fp8_w8a8_matmul
 from pjinfer.kernels.grouped_matmul import grouped_matmul as pallas_grouped_matmul
 from pjinfer.kernels.metadata import AttentionMetadata
 from pjinfer.kernels.ragged_attention import ragged_attention, ragged_attention_reference
+from pjinfer.quantization.weight import QuantizedWeight
 
 
 def get_kv_cache_shape(
@@ -40,13 +44,27 @@ def write_kv(
     k: jax.Array,  # [T, KVH, D]
     v: jax.Array,
     slot_mapping: jax.Array,  # [T] int32 flat slots
+    attn: AttentionParams | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Scatters the step's new K/V into their slots; in place when the caches are donated."""
+    """Scatters the step's new K/V into their slots; in place when the caches are donated.
+
+    An fp8 cache stores K / attn.k_scale and V / attn.v_scale, saturated to the fp8 range.
+    """
     shape = k_cache.shape
     flat = (shape[0] * shape[1], *shape[2:])
-    k_cache = k_cache.reshape(flat).at[slot_mapping].set(k.astype(k_cache.dtype))
-    v_cache = v_cache.reshape(flat).at[slot_mapping].set(v.astype(v_cache.dtype))
+    ks, vs = (1.0, 1.0) if attn is None else (attn.k_scale, attn.v_scale)
+    k_cache = k_cache.reshape(flat).at[slot_mapping].set(to_cache(k, k_cache.dtype, ks))
+    v_cache = v_cache.reshape(flat).at[slot_mapping].set(to_cache(v, v_cache.dtype, vs))
     return k_cache.reshape(shape), v_cache.reshape(shape)
+
+
+def to_cache(x: jax.Array, dtype, scale: float = 1.0) -> jax.Array:
+    """K or V in the cache dtype: fp8 stores x / scale clipped to its finite range."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize != 1:
+        return x.astype(dtype)
+    top = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32) / scale, -top, top).astype(dtype)
 
 
 def _use_pallas(backend: str) -> bool:
@@ -134,3 +152,17 @@ def _dividing(block: int, dim: int) -> int:
     while b > 16 and dim % b:
         b //= 2
     return b if dim % b == 0 else block
+
+
+def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None,
+                     backend: str = "auto") -> jax.Array:
+    """x [T, K] @ a quantized weight [K, N] -> [T, N]. On GPU: fp8 weights at compute-bound
+    sizes take the fp8 W8A8 dot (activations quantized per token); else the weight-only Pallas
+    kernel (packed bytes streamed, dequantized in registers) for an unsharded weight. Elsewhere
+    (CPU included) XLA's dequantize-then-dot (`quantized_matmul_reference`)."""
+    if jax.default_backend() == "gpu" and backend != "reference" and fp8_w8a8_applies(x, w):
+        return fp8_w8a8_matmul(x, w, out_dtype=out_dtype)
+    if _use_pallas(backend) and w.kernel:
+        return qmm.quantized_matmul(x, w, out_dtype=out_dtype,
+                                    interpret=jax.default_backend() != "gpu")
+    return qmm.quantized_matmul_reference(x, w, out_dtype=out_dtype)

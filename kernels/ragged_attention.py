@@ -73,15 +73,16 @@ def _ragged_kernel(
     def body(c, state):
         k_pos, slots = common.block_rows(tables_ref, seq, c, pages=pages, block_size=block_size)
         mask = common.key_mask(q_pos, k_pos, window) & row_valid[:, None]  # [M, N]
-        k = k_ref[slots, head, :]  # [N, D]
-        v = jnp.where((k_pos < key_end)[:, None], v_ref[slots, head, :], 0)  # [N, D]
-        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * attn.scale  # [M, N]
+        k = common.load_kv(k_ref[slots, head, :], q.dtype)  # [N, D]
+        v = jnp.where((k_pos < key_end)[:, None], common.load_kv(v_ref[slots, head, :], q.dtype),
+                      0)  # [N, D]
+        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * attn.score_scale  # [M, N]
         return common.softmax_step(state, common.cap_scores(s, attn.soft_cap), mask, v)
 
     lo, hi = lo_key // block_k, (key_end + block_k - 1) // block_k
     acc, _, l_sum = jax.lax.fori_loop(lo, hi, body, common.softmax_init(*q.shape))
     denom = jnp.maximum(l_sum, jnp.finfo(jnp.float32).tiny)
-    o_ref[...] = (acc / denom[:, None]).astype(o_ref.dtype)
+    o_ref[...] = (acc * attn.v_scale / denom[:, None]).astype(o_ref.dtype)
 
 
 def _ragged_call(tiles: QueryTiles, tables, qt, k_flat, v_flat, *, group: int, block_size: int,

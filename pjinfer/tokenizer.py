@@ -16,6 +16,11 @@ def load_tokenizer(model_dir: str | Path, tokenizer: str | Path | None = None) -
     A model folder without any tokenizer file (random-weight benchmark shapes, test models)
     gives None: the engine then takes token-id prompts only and returns no text.
     """
+    from pjinfer.quantization.gguf_file import gguf_path
+
+    gguf = gguf_path(model_dir) if tokenizer is None else None
+    if gguf is not None:
+        return _gguf_tokenizer(gguf)
     path = Path(tokenizer or model_dir)
     if not path.is_dir():
         raise ModelLoadError(f"tokenizer folder {str(path)!r} does not exist")
@@ -29,6 +34,23 @@ def load_tokenizer(model_dir: str | Path, tokenizer: str | Path | None = None) -
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load a tokenizer from {path}: it needs tokenizer.json "
                              f"or tokenizer.model with tokenizer_config.json ({e})") from None
+
+
+def _gguf_tokenizer(gguf: Path) -> Any | None:
+    """The tokenizer a GGUF file describes in its metadata (None when it has none), built by
+    transformers' GGUF converter."""
+    from transformers import AutoTokenizer
+
+    from pjinfer.quantization.gguf_file import GGUFIndex
+
+    if "tokenizer.ggml.tokens" not in GGUFIndex(gguf).metadata:
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                             local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot build a tokenizer from the metadata of {gguf}: {e}; "
+                             "pass a tokenizer folder (tokenizer=...)") from None
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], *,

@@ -28,6 +28,9 @@ from jax.sharding import Mesh
 from pjinfer.config import ModelConfig, resolve_dtype
 from pjinfer.errors import ModelLoadError
 from pjinfer.models.spec import ParamSpec, build_tree
+from pjinfer.quantization.config import QuantConfig
+from pjinfer.quantization.gguf_file import GGUFIndex, gguf_path
+from pjinfer.quantization.loader import load_quantized, quantizable, quantize_on_device
 from pjinfer.sharding.checkpoint import is_orbax_checkpoint, restore_params
 from pjinfer.sharding.mesh import make_mesh
 from pjinfer.sharding.placement import Placer, shard_params
@@ -161,56 +164,92 @@ def check_load_format(load_format: str) -> None:
 
 def load_params(model_dir: str | Path | None, cfg: ModelConfig, *, dtype: str = "auto",
                 load_format: str = "auto", seed: int = 0, mesh: Mesh | None = None,
-                canonical: bool = False) -> Params:
+                canonical: bool = False, quantization: QuantConfig | None = None) -> Params:
     """Every parameter of `cfg`, on the default device (mesh None) or in its shards of `mesh`.
 
     `canonical` keeps the checkpoint's kv-head layout on the mesh (for `pjinfer convert`);
-    `seed` picks the dummy weights, which need no `model_dir`.
+    `seed` picks the dummy weights, which need no `model_dir`; `quantization` makes the
+    layers' Linear weights `QuantizedWeight`s (pjinfer.quantization).
     """
     check_load_format(load_format)
     model_dtype = resolve_dtype(dtype, cfg)  # a bad dtype fails before any file is read
     placer = Placer(cfg, mesh, canonical=canonical)
     if load_format == "dummy":
-        return _dummy(cfg, placer, model_dtype, seed)
+        return _dummy(cfg, placer, model_dtype, seed, quantization)
     if load_format == "orbax" or (load_format == "auto" and is_orbax_checkpoint(model_dir)):
+        if quantization is not None:
+            raise ModelLoadError("quantization is not supported with orbax checkpoints; load "
+                                 "the safetensors checkpoint")
         return restore_params(model_dir, cfg, placer, dtype=dtype)
-    return _safetensors(SafetensorsIndex(model_dir), cfg, placer, model_dtype)
+    gguf = gguf_path(model_dir)
+    index = GGUFIndex(gguf) if gguf is not None else SafetensorsIndex(model_dir)
+    return _safetensors(index, cfg, placer, model_dtype, quantization)
 
 
-def _safetensors(index: SafetensorsIndex, cfg: ModelConfig, placer: Placer,
-                 model_dtype: Any) -> Params:
+def _safetensors(index: SafetensorsIndex | GGUFIndex, cfg: ModelConfig, placer: Placer,
+                 model_dtype: Any, quantization: QuantConfig | None = None) -> Params:
     specs = cfg.param_specs()
-    return build_tree((p.path, placer.from_host(p, host).astype(p.target_dtype(model_dtype)))
-                      for p, host in zip(specs, _read_ahead(index, specs, cfg), strict=True))
+    quantized = {p.path for p in specs if quantization is not None and quantizable(p)}
+    floats = _read_ahead(index, [p for p in specs if p.path not in quantized], cfg)
+
+    def load_float(p: ParamSpec, host: np.ndarray | None = None) -> jax.Array:
+        host = read_param(index, p, cfg) if host is None else host
+        return placer.from_host(p, host).astype(p.target_dtype(model_dtype))
+
+    def load(p: ParamSpec) -> Any:
+        if p.path in quantized:
+            return load_quantized(index.get, index.__contains__, p, quantization, placer,
+                                  load_float)
+        return load_float(p, next(floats))
+    return build_tree((p.path, load(p)) for p in specs)
 
 
-def _read_ahead(index: SafetensorsIndex, specs: list[ParamSpec],
+def _read_ahead(index: SafetensorsIndex | GGUFIndex, specs: list[ParamSpec],
                 cfg: ModelConfig) -> Iterator[np.ndarray]:
     """Host tensors in spec order; the next `_READ_AHEAD` are read by a thread pool while the
     current one goes to the device, so disk reads overlap each other and the transfers. Host
-    memory holds at most that many tensors."""
+    memory holds at most that many tensors. (A GGUF file is memory-mapped: views, no copies.)"""
+    copy = isinstance(index, SafetensorsIndex)
     with ThreadPoolExecutor(_READ_AHEAD) as pool:
         pending: deque[Future] = deque()
         for p in specs:
-            pending.append(pool.submit(read_param, index, p, cfg, copy=True))
+            pending.append(pool.submit(read_param, index, p, cfg, copy=copy))
             if len(pending) > _READ_AHEAD:
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
 
 
-def _dummy(cfg: ModelConfig, placer: Placer, model_dtype: Any, seed: int) -> Params:
-    """Random weights (see `ParamSpec.init`), one key per param in spec order."""
+def _dummy(cfg: ModelConfig, placer: Placer, model_dtype: Any, seed: int,
+           quantization: QuantConfig | None = None) -> Params:
+    """Random weights (see `ParamSpec.init`), one key per param in spec order; quantized
+    from those float draws when `quantization` is given."""
     key = jax.random.key(seed)
-    return build_tree((p.path, placer.generate(p, p.target_dtype(model_dtype),
-                                               jax.random.fold_in(key, n)))
-                      for n, p in enumerate(cfg.param_specs()))
+
+    def make(n: int, p: ParamSpec) -> Any:
+        w = placer.generate(p, p.target_dtype(model_dtype), jax.random.fold_in(key, n))
+        if quantization is not None and quantizable(p):
+            return quantize_on_device(w, p, quantization, placer)
+        return w
+    return build_tree((p.path, make(n, p)) for n, p in enumerate(cfg.param_specs()))
+
+
+def read_model_config(model_dir: str | Path) -> ModelConfig:
+    """config.json of a model folder, or the metadata of a GGUF file."""
+    gguf = gguf_path(model_dir)
+    if gguf is None:
+        return ModelConfig.from_pretrained(model_dir)
+    try:
+        return ModelConfig.from_hf_dict(GGUFIndex(gguf).hf_config())
+    except ValueError as e:
+        raise ModelLoadError(f"{gguf}: {e}") from None
 
 
 def load_engine_model(model_dir: str | Path, *, tensor_parallel_size: int = 1,
                       data_parallel_size: int = 1, dtype: str = "auto",
                       load_format: str = "auto", seed: int = 0, params: Params | None = None,
                       enable_expert_parallel: bool = False, devices: list | None = None,
+                      quantization: QuantConfig | None = None,
                       ) -> tuple[ModelConfig, Params, Mesh | None]:
     """(config, params, mesh) for an engine: a ("dp", "tp") mesh when either size is > 1 (None
     otherwise, unless `devices` pins the engine to some: a data-parallel replica), validated
@@ -222,7 +261,7 @@ def load_engine_model(model_dir: str | Path, *, tensor_parallel_size: int = 1,
     they are without a mesh, else placed onto it.
     """
     check_load_format(load_format)
-    cfg = ModelConfig.from_pretrained(model_dir)
+    cfg = read_model_config(model_dir)
     mesh = None
     if tensor_parallel_size > 1 or data_parallel_size > 1 or devices is not None:
         mesh = make_mesh(tensor_parallel_size, data_parallel_size, cfg=cfg, devices=devices)
@@ -230,7 +269,7 @@ def load_engine_model(model_dir: str | Path, *, tensor_parallel_size: int = 1,
     if params is not None:
         return cfg, (params if mesh is None else shard_params(params, cfg, mesh)), mesh
     return cfg, load_params(model_dir, cfg, dtype=dtype, load_format=load_format, seed=seed,
-                            mesh=mesh), mesh
+                            mesh=mesh, quantization=quantization), mesh
 
 
 def load_model(model_dir: str | Path, *, dtype: str = "auto", load_format: str = "auto",

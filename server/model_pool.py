@@ -358,6 +358,7 @@ class ModelPool:
                     "memory_share": entry.share}
             if current is not None:
                 card["max_model_len"] = current.engine.max_model_len
+                card["quantization"] = current.engine.quantization
                 card["load_seconds"] = round(current.load_seconds, 3)
             cards.append(card)
         return cards

@@ -26,9 +26,9 @@ from .mesh import tp_size
 from .rules import (
     canonical_sharding,
     expert_parallel,
-    holds_kv_heads,
     kv_head_replicas,
-    param_sharding,
+    logical_axes,
+    spec_for,
 )
 
 
@@ -102,9 +102,13 @@ class Placer:
         self.spec = get_model_spec(cfg.architecture)
         self.reps = 1 if mesh is None or canonical else kv_head_replicas(cfg, tp_size(mesh))
 
+    def axes(self, p: ParamSpec) -> tuple[str | None, ...]:
+        """Logical axes of `p`: its own, else the architecture's partition rules'."""
+        return p.axes if p.axes is not None else logical_axes(self.spec, p.path)
+
     def copies(self, p: ParamSpec) -> int:
         """Copies of each kv head of `p` in the layout (1 for every other param)."""
-        return self.reps if self.reps > 1 and holds_kv_heads(self.spec, p.path) else 1
+        return self.reps if self.reps > 1 and self.axes(p)[-1] == "kv_heads" else 1
 
     def shape(self, p: ParamSpec) -> tuple[int, ...]:
         reps = self.copies(p)
@@ -116,8 +120,8 @@ class Placer:
             return None
         if self.canonical:
             return self.stored_sharding(p)
-        return param_sharding(self.spec, p.path, self.shape(p), self.mesh,
-                              expert_parallel=expert_parallel(self.cfg))
+        return NamedSharding(self.mesh, spec_for(self.axes(p), self.shape(p), self.mesh,
+                                                 expert_parallel=expert_parallel(self.cfg)))
 
     def stored_sharding(self, p: ParamSpec) -> Sharding:
         """Where a checkpoint-layout tensor lands before its kv heads are duplicated."""

@@ -94,6 +94,12 @@ class AsyncEngine:
         return self.engine.model_config.vocab_size
 
     @property
+    def quantization(self) -> dict[str, str | None]:
+        """The weights' quantization method (None: float) and the KV cache dtype."""
+        return {"method": self.engine.quantization_method,
+                "kv_cache_dtype": self.engine.runner.kv_dtype.name}
+
+    @property
     def eos_token_id(self) -> int | None:
         return self.engine.eos_token_id
 

@@ -19,9 +19,11 @@ from typing import Any
 from pjinfer.config import DTYPES
 from pjinfer.engine.scheduling_policy import scheduling_policies
 from pjinfer.kernels.backends import BACKENDS
+from pjinfer.quantization.config import QUANTIZATION_METHODS
 
 # auto = orbax when the folder holds a `pjinfer convert` checkpoint, else safetensors
 LOAD_FORMATS = ("auto", "safetensors", "dummy", "orbax")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 SECTIONS = ("model", "parallel", "cache", "scheduler", "compilation")  # TOML tables
 
 
@@ -48,6 +50,10 @@ class EngineConfig:
     load_format: str = arg("auto", "dummy = random weights (config.json alone is enough); auto "
                            "= orbax for a `pjinfer convert` folder, else safetensors", "model",
                            choices=LOAD_FORMATS)
+    quantization: str | None = arg(None, "weight quantization: default = the checkpoint's "
+                                   "(config.json quantization_config); fp8 or int8 quantize a "
+                                   "float checkpoint at load", "model",
+                                   choices=QUANTIZATION_METHODS)
     seed: int = arg(0, "seed of the engine's random state", "model")
     max_model_len: int | None = arg(None, "longest prompt + completion, in tokens (default: the "
                                     "model's max_position_embeddings)", "model")
@@ -60,6 +66,8 @@ class EngineConfig:
                                     "cache")
     kv_cache_memory: int | None = arg(None, "bytes for the KV cache (default: what "
                                       "--gpu-memory-utilization leaves; 256 MiB on CPU)", "cache")
+    kv_cache_dtype: str = arg("auto", "KV cache dtype: auto = the model dtype; fp8 (e4m3) "
+                              "holds twice the tokens", "cache", choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = arg(False, "reuse KV blocks of shared prompt prefixes",
                                       "cache")
     enable_chunked_prefill: bool = arg(True, "split long prompts over steps", "scheduler")
@@ -160,7 +168,7 @@ def _check_types_and_choices(cfg: EngineConfig) -> None:
         value = getattr(cfg, a.name)
         if a.type is bool and not isinstance(value, bool):
             raise ValueError(f"{a.name} must be true or false, got {value!r}")
-        if a.choices is not None and value not in a.choices:
+        if a.choices is not None and value not in a.choices and value is not None:
             raise ValueError(f"{a.name} must be one of {', '.join(a.choices)}, got {value!r}")
 
 

@@ -31,6 +31,8 @@ from pjinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pjinfer.engine.scheduling_policy import make_policy
 from pjinfer.errors import EngineOverloadedError, RequestFailedError
 from pjinfer.outputs import RequestOutput
+from pjinfer.quantization.config import resolve as resolve_quantization
+from pjinfer.quantization.kv_cache import kv_cache_scales
 from pjinfer.sampling_params import SamplingParams
 from pjinfer.structured_output.manager import StructuredOutputManager
 from pjinfer.tokenizer import load_tokenizer
@@ -90,21 +92,25 @@ class LLMEngine:
             self.structured_output = StructuredOutputManager(
                 self.tokenizer, self.model_config.vocab_size,
                 list(self.model_config.eos_token_ids) or None)
-        log.info("%s (%s, %d layers) ready in %.1fs; KV cache: %d blocks of %d tokens",
-                 self.served_model_name, self.model_config.architecture,
-                 self.model_config.num_hidden_layers, time.perf_counter() - start,
-                 self.runner.num_blocks, config.block_size)
+        log.info("%s (%s, %d layers, quantization %s) ready in %.1fs; KV cache: %d blocks of "
+                 "%d tokens (%s)", self.served_model_name, self.model_config.architecture,
+                 self.model_config.num_hidden_layers, self.quantization_method,
+                 time.perf_counter() - start, self.runner.num_blocks, config.block_size,
+                 self.runner.kv_dtype.name)
 
     def _build_device_state(self, model_dir: str, params, policy) -> None:
         """Weights, KV cache and compiled steps (the runner), and the scheduler over them."""
         config = self.config
+        self.quantization = resolve_quantization(model_dir, config.quantization)
         with _timed(self.startup_phases, "weights"):
             self.model_config, loaded, mesh = self._load(model_dir, params)
         self.served_model_name = config.served_model_name or (
             DEMO_MODEL_NAME if config.model is None else model_dir.rstrip("/").split("/")[-1])
         self.max_model_len = self._max_model_len()
+        kv_scales = kv_cache_scales(model_dir, self.model_config.num_hidden_layers,
+                                    config.load_format) if config.kv_cache_dtype != "auto" else ()
         with _timed(self.startup_phases, "kv_cache"):
-            self.runner = ModelRunner(self.model_config, config, loaded,
+            self.runner = ModelRunner(self.model_config, config, loaded, kv_scales=kv_scales,
                                       max_model_len=self.max_model_len, mesh=mesh)
         self.kv = KVCacheManager(num_blocks=self.runner.num_blocks, block_size=config.block_size,
                                  enable_prefix_caching=config.enable_prefix_caching)
@@ -130,7 +136,12 @@ class LLMEngine:
         return load_engine_model(model_dir, tensor_parallel_size=c.tensor_parallel_size,
                                  dtype=c.dtype, load_format=c.load_format, seed=c.seed,
                                  params=params, enable_expert_parallel=c.enable_expert_parallel,
-                                 devices=self._devices)
+                                 devices=self._devices, quantization=self.quantization)
+
+    @property
+    def quantization_method(self) -> str | None:
+        """The weights' quantization method (vLLM's names), None for float weights."""
+        return None if self.quantization is None else self.quantization.method
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

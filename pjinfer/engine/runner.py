@@ -38,6 +38,7 @@ from pjinfer.engine.step import (
     model_step,
 )
 from pjinfer.kernels.metadata import AttentionMetadata
+from pjinfer.quantization.kv_cache import kv_cache_dtype
 from pjinfer.sampling_params import SamplingParams
 from pjinfer.sharding.mesh import tp_size
 from pjinfer.sharding.rules import kv_cache_sharding, layout_config, replicated
@@ -90,21 +91,24 @@ class ModelRunner:
     """Builds padded batches, runs the compiled step, samples on device, copies back once."""
 
     def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, params, *, max_model_len: int,
-                 mesh: Mesh | None = None):
-        """`mesh` (tensor parallel): params are already in its device layout; cfg is canonical."""
+                 mesh: Mesh | None = None, kv_scales: tuple[tuple[float, float], ...] = ()):
+        """`mesh` (tensor parallel): params are already in its device layout; cfg is canonical.
+        `kv_scales`: per layer (k_scale, v_scale) of an fp8 KV cache (default 1.0)."""
         self.mesh = mesh
         self.cfg = cfg if mesh is None else layout_config(cfg, tp_size(mesh))
         self.ecfg, self.params = ecfg, params
         self.max_model_len = max_model_len
         self.block_size = ecfg.block_size
         self.max_blocks_per_seq = -(-max_model_len // ecfg.block_size)
-        self.kv_dtype = params["embed"].dtype
+        self.act_dtype = params["embed"].dtype
+        self.kv_dtype = kv_cache_dtype(ecfg.kv_cache_dtype, self.act_dtype)
         self.num_blocks = self._num_blocks()
         kv_sharding = None if mesh is None else kv_cache_sharding(self.cfg, mesh)
         self.kv_caches = init_kv_caches(self.cfg, self.num_blocks, self.block_size,
                                         self.kv_dtype, kv_sharding)
         self._base_opts = StepOptions(cfg=self.cfg, max_model_len=max_model_len,
-                                      backend=ecfg.attention_backend, mesh=mesh)
+                                      backend=ecfg.attention_backend, mesh=mesh,
+                                      kv_scales=kv_scales if self.kv_dtype.itemsize == 1 else ())
         self._compiled: dict[tuple, object] = {}
         width = max_padded_seqs(ecfg.max_num_seqs)
         self._sample = jax.jit(partial(_sample_padded, width=width),
@@ -167,7 +171,7 @@ class ModelRunner:
         moe = c.option("moe")
         if moe is not None:  # top_k rows per token: sorted x, gate/up, h, f32 expert outputs
             width += moe.top_k * (3 * c.hidden_size + 3 * moe.intermediate_size)
-        per_token = width * np.dtype(self.kv_dtype).itemsize
+        per_token = width * np.dtype(self.act_dtype).itemsize
         return 2 * (t * per_token + 3 * s * c.vocab_size * 4) + GiB
 
     # ---- compiled steps -----------------------------------------------------------------

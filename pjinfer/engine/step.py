@@ -35,6 +35,8 @@ class StepOptions:
     # Tensor parallelism: attention runs per "tp" shard under shard_map; None = one device.
     # With a mesh, `cfg` is the device layout (`pjinfer.sharding.rules.layout_config`).
     mesh: Mesh | None = None
+    # fp8 KV cache: per layer (k_scale, v_scale) the cache stores K and V divided by; () = 1.0
+    kv_scales: tuple[tuple[float, float], ...] = ()
 
 
 def init_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype,
@@ -73,11 +75,13 @@ def _paged_attention(opts: StepOptions):
     cfg = opts.cfg
 
     def attention(layer, q, k, v, cache, md):
+        k_scale, v_scale = opts.kv_scales[layer] if opts.kv_scales else (1.0, 1.0)
         attn = ops.AttentionParams(cfg.attention_scale(layer),
-                                   sliding_window=cfg.sliding_window(layer))
+                                   sliding_window=cfg.sliding_window(layer),
+                                   k_scale=k_scale, v_scale=v_scale)
 
         def local(q, k, v, k_cache, v_cache, md):
-            k_cache, v_cache = ops.write_kv(k_cache, v_cache, k, v, md.slot_mapping)
+            k_cache, v_cache = ops.write_kv(k_cache, v_cache, k, v, md.slot_mapping, attn)
             out = ops.paged_attention(q, k_cache, v_cache, md, attn,
                                       decode_only=opts.decode_only, backend=opts.backend)
             return out, k_cache, v_cache

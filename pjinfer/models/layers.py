@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pjinfer.config import ModelConfig, RopeScaling
+from pjinfer.kernels import ops
+from pjinfer.quantization.weight import QuantizedWeight
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -128,7 +130,10 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *,
     Weights are stored input-major, transposed from HF. Every matmul with a weight goes through
     here, so a quantized or adapter linear has one place to replace.
     """
-    y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype or x.dtype)
+    if isinstance(w, QuantizedWeight):
+        y = ops.quantized_matmul(x, w, out_dtype=out_dtype or x.dtype)
+    else:
+        y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype or x.dtype)
     return y if b is None else y + b
 
 

@@ -32,6 +32,8 @@ class ParamSpec:
     `init`/`init_scale` say how `load_format="dummy"` draws it (scale None: 1/sqrt(shape[0])).
     `fallback` (hf_names, transform) is a second checkpoint layout, read when the first's
     tensors are absent (per-expert MoE weights, or the fused 3-D ones of transformers 5).
+    `axes` overrides the architecture's partition rules (a quantized weight's scales and zeros
+    follow their weight's axes: pjinfer.quantization).
     """
 
     path: ParamPath
@@ -42,6 +44,7 @@ class ParamSpec:
     init: str = "normal"
     init_scale: float | None = None
     fallback: tuple[tuple[str, ...], Callable[..., np.ndarray]] | None = None
+    axes: Axes | None = None
 
     def __post_init__(self) -> None:
         if self.init not in INITS:

@@ -12,7 +12,7 @@ from pjinfer.kernels.decode_attention import (
     decode_attention,
     decode_attention_reference,
 )
-from tests.kernels.paged_inputs import TOL, make_batch, rel_err
+from tests.kernels.paged_inputs import TOL, make_batch, rel_err, to_fp8
 
 SEQ_LENS = [1, 23, 64, 50]  # single token, unaligned, aligned, unaligned
 
@@ -57,3 +57,18 @@ def test_decode_bfloat16_with_padding_seq():
     assert out.dtype == jnp.bfloat16
     assert rel_err(out[:3], ref[:3]) < TOL[jnp.bfloat16]
     assert np.isfinite(np.asarray(out[3], np.float32)).all()  # padding seq: 0, not NaN
+
+
+@pytest.mark.parametrize("k_scale, v_scale", [(1.0, 1.0), (0.05, 2.0)])
+def test_decode_reads_fp8_caches(k_scale, v_scale):
+    rng = np.random.default_rng(21)
+    b = make_batch(rng, [1] * 4, SEQ_LENS, num_kv_heads=2, group=4, head_dim=64, block_size=16)
+    b8, meant = to_fp8(b, k_scale, v_scale)
+    attn = AttentionParams(scale=0.125, k_scale=k_scale, v_scale=v_scale)
+    sizes = DecodeBlockSizes(pages_per_compute_block=2, num_splits=2)
+    _check(b8, jnp.float32, sizes, attn)  # kernel vs reference, both on the fp8 cache
+    args = (b8.md.block_tables, b8.md.seq_lens)
+    ref8 = decode_attention_reference(b8.q, b8.k_cache, b8.v_cache, *args, attn)
+    ref = decode_attention_reference(meant.q, meant.k_cache, meant.v_cache, *args,
+                                     AttentionParams(scale=0.125))
+    assert rel_err(ref8, ref) < 1e-5  # the scales undo the division

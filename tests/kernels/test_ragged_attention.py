@@ -12,7 +12,7 @@ from pjinfer.kernels.ragged_attention import (
     ragged_attention,
     ragged_attention_reference,
 )
-from tests.kernels.paged_inputs import TOL, make_batch, rel_err
+from tests.kernels.paged_inputs import TOL, make_batch, rel_err, to_fp8
 
 # First chunk (no prefix), decode on a single-token context, decode on an unaligned
 # context, chunk after an unaligned prefix, padding sequence; plus padding tokens.
@@ -54,3 +54,18 @@ def test_ragged_bfloat16_prefill_only():
                    block_size=32, dtype=jnp.bfloat16)
     _check(b, jnp.bfloat16, RaggedBlockSizes(block_q=16, pages_per_compute_block=1),
            AttentionParams(scale=0.1))
+
+
+@pytest.mark.parametrize("k_scale, v_scale", [(1.0, 1.0), (0.05, 2.0)])
+def test_ragged_reads_fp8_caches(k_scale, v_scale):
+    rng = np.random.default_rng(23)
+    b = make_batch(rng, *MIXED, num_kv_heads=2, group=4, head_dim=64, block_size=16,
+                   pad_tokens=2)
+    b8, meant = to_fp8(b, k_scale, v_scale)
+    attn = AttentionParams(scale=0.125, k_scale=k_scale, v_scale=v_scale)
+    _check(b8, jnp.float32, RaggedBlockSizes(block_q=8, pages_per_compute_block=2), attn)
+    n = b.num_real_tokens
+    ref8 = ragged_attention_reference(b8.q, b8.k_cache, b8.v_cache, b8.md, attn)
+    ref = ragged_attention_reference(meant.q, meant.k_cache, meant.v_cache, meant.md,
+                                     AttentionParams(scale=0.125))
+    assert rel_err(ref8[:n], ref[:n]) < 1e-5

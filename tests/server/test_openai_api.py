@@ -18,6 +18,7 @@ def test_models_lists_the_served_model(live_server):
     models = live_server.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert models.data[0].max_model_len == live_server.engine.max_model_len
+    assert models.data[0].quantization == {"method": None, "kv_cache_dtype": "float32"}
 
 
 def test_completion_greedy(live_server):

@@ -1,0 +1,139 @@
+"""Which quantization a model uses: config.json's `quantization_config`, or the engine argument.
+
+Kept free of JAX (the engine-argument table imports `QUANTIZATION_METHODS`). Field meanings
+follow the producers: GPTQ (AutoGPTQ / GPTQModel: bits, group_size, desc_act, sym,
+checkpoint_format), AWQ (AutoAWQ: bits, group_size, zero_point, version), compressed-tensors
+(llm-compressor: format, config_groups[*].weights, ignore) and fp8 (vLLM / transformers:
+activation_scheme, weight_block_size).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# on-the-fly methods quantize a float checkpoint at load; the others read a quantized one
+ON_THE_FLY = ("fp8", "int8")
+CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
+QUANTIZATION_METHODS = ("awq", "compressed-tensors", "fp8", "gguf", "gptq", "int8")
+_ALIASES = {"compressed_tensors": "compressed-tensors", "gptq_marlin": "gptq",
+            "awq_marlin": "awq"}
+
+
+@dataclass(frozen=True, slots=True)
+class QuantConfig:
+    """One model's quantization. `from_checkpoint` False: quantize float weights at load."""
+
+    method: str
+    bits: int = 8
+    group_size: int = -1  # -1: one group per output channel (the whole input dim)
+    sym: bool = True
+    desc_act: bool = False
+    kind: str = "int"  # "int" or "float" (fp8) values
+    fmt: str = ""  # compressed-tensors format; "gptq_v2" for GPTQ v2 zeros
+    from_checkpoint: bool = True
+    ignore: tuple[str, ...] = field(default=("lm_head",))
+
+    def __post_init__(self) -> None:
+        if self.method not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization method {self.method!r} is not supported; "
+                             f"supported: {', '.join(QUANTIZATION_METHODS)}")
+        supported = (8,) if self.kind == "float" or self.method == "int8" else (4, 8)
+        if self.method == "awq":
+            supported = (4,)
+        if self.bits not in supported:
+            raise ValueError(f"{self.method}: {self.bits}-bit weights are not supported; "
+                             f"supported: {', '.join(map(str, supported))} bits")
+        if self.group_size != -1 and (self.group_size <= 0 or self.group_size % 2):
+            raise ValueError(f"{self.method}: group_size must be -1 or a positive even number, "
+                             f"got {self.group_size}")
+
+    @property
+    def weight_kind(self) -> str:
+        """The canonical `QuantizedWeight.kind` its weights load as."""
+        return "fp8" if self.kind == "float" else f"int{self.bits}"
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any]) -> QuantConfig:
+        """Parse a config.json `quantization_config`."""
+        method = _ALIASES.get(raw.get("quant_method", ""), raw.get("quant_method", ""))
+        if method == "gptq":
+            fmt = raw.get("checkpoint_format", "gptq")
+            return cls("gptq", int(raw.get("bits", 4)), int(raw.get("group_size", 128)),
+                       bool(raw.get("sym", True)), bool(raw.get("desc_act", False)),
+                       fmt=fmt)
+        if method == "awq":
+            if str(raw.get("version", "gemm")).lower() != "gemm":
+                raise ValueError(f"awq: version {raw.get('version')!r} is not supported; "
+                                 "pjinfer reads AWQ GEMM checkpoints")
+            return cls("awq", int(raw.get("bits", raw.get("w_bit", 4))),
+                       int(raw.get("group_size", raw.get("q_group_size", 128))),
+                       sym=not raw.get("zero_point", True))
+        if method == "compressed-tensors":
+            return _compressed_tensors(raw)
+        if method == "fp8":
+            if raw.get("weight_block_size"):
+                raise ValueError("fp8: block-wise weight scales (weight_block_size) are not "
+                                 "supported; use a per-tensor or per-channel fp8 checkpoint")
+            return cls("fp8", 8, kind="float")
+        raise ValueError(f"config.json quantization_config: quant_method {method!r} is not "
+                         f"supported; supported: {', '.join(CHECKPOINT_METHODS)}")
+
+    @classmethod
+    def on_the_fly(cls, method: str) -> QuantConfig:
+        return cls(method, 8, kind="float" if method == "fp8" else "int",
+                   from_checkpoint=False)
+
+
+def _compressed_tensors(raw: dict[str, Any]) -> QuantConfig:
+    """One weights scheme for every Linear (the W4A16 / W8A16 / FP8 presets)."""
+    fmt = raw.get("format", "")
+    groups = list((raw.get("config_groups") or {}).values())
+    if len(groups) != 1 or not groups[0].get("weights"):
+        raise ValueError("compressed-tensors: exactly one config group with a weights scheme "
+                         f"is supported, got {len(groups)}")
+    w = groups[0]["weights"]
+    strategy = w.get("strategy", "tensor")
+    if fmt not in ("pack-quantized", "float-quantized", "naive-quantized"):
+        raise ValueError(f"compressed-tensors: format {fmt!r} is not supported; supported: "
+                         "pack-quantized, float-quantized, naive-quantized")
+    if strategy not in ("group", "channel", "tensor"):
+        raise ValueError(f"compressed-tensors: weight strategy {strategy!r} is not supported")
+    if w.get("actorder") not in (None, False, "static"):
+        raise ValueError(f"compressed-tensors: actorder {w.get('actorder')!r} is not supported")
+    group = int(w["group_size"]) if strategy == "group" else -1
+    return QuantConfig("compressed-tensors", int(w.get("num_bits", 8)), group,
+                       bool(w.get("symmetric", True)), kind=w.get("type", "int"), fmt=fmt,
+                       ignore=tuple(raw.get("ignore") or ("lm_head",)))
+
+
+def resolve(model_dir: str | Path | None, quantization: str | None) -> QuantConfig | None:
+    """The model's quantization: the checkpoint's, which `quantization` may only confirm
+    (an fp8 checkpoint with "fp8"), else the on-the-fly method `quantization` names."""
+    from pjinfer.quantization.gguf_file import gguf_path
+
+    if gguf_path(model_dir) is not None:  # per-tensor types; Q8_0 / Q4_0 stay packed
+        if quantization not in (None, "gguf"):
+            raise ValueError(f"quantization={quantization!r} does not match the checkpoint, "
+                             "a GGUF file; leave quantization unset")
+        return QuantConfig("gguf", 8, 32)
+    raw = None
+    path = Path(model_dir) / "config.json" if model_dir is not None else None
+    if path is not None and path.is_file():
+        raw = json.loads(path.read_text()).get("quantization_config")
+    if raw:
+        qcfg = QuantConfig.from_hf(raw)
+        if quantization not in (None, qcfg.method):
+            raise ValueError(f"quantization={quantization!r} does not match the checkpoint, "
+                             f"which is quantized with {qcfg.method!r} (config.json "
+                             "quantization_config); leave quantization unset")
+        return qcfg
+    if quantization is None:
+        return None
+    if quantization not in ON_THE_FLY:
+        raise ValueError(f"quantization={quantization!r} needs a checkpoint quantized with it "
+                         f"(config.json has no quantization_config); a float checkpoint can be "
+                         f"quantized at load with {' or '.join(ON_THE_FLY)}")
+    return QuantConfig.on_the_fly(quantization)

@@ -1,0 +1,180 @@
+"""GGUF files (llama.cpp): the model config from the metadata, the tensors under HF names.
+
+`LLM("model.gguf")`, or a folder holding one `.gguf`. The `gguf` package reads the file
+(memory-mapped). Tensors are exposed by `GGUFIndex` with the names the architecture's
+`ParamSpec`s ask for (transformers' names), so the one loader reads them:
+  - F32 / F16 / BF16, and the K-quants Q4_K / Q6_K (dequantized at load, as transformers
+    does), under `<name>.weight`;
+  - Q8_0 / Q4_0 decoder Linear weights additionally under `<prefix>.gguf_blocks` (raw blocks)
+    and `<prefix>.gguf_type`, which `gguf_blocks.read` turns into the canonical packed int8 /
+    int4 form (blocks of 32 along the input dim: group size 32) that the kernel streams.
+llama.cpp stores Llama's q and k projections with their rows permuted for its rotary layout;
+they are permuted back here (whole rows, so packed blocks move unchanged).
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pjinfer.errors import ModelLoadError
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
+PACKED_TYPES = ("Q8_0", "Q4_0")  # kept packed for the kernel
+_LAYER = {"input_layernorm.weight": "attn_norm.weight",
+          "post_attention_layernorm.weight": "ffn_norm.weight",
+          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+        "output_norm.weight", "lm_head.weight": "output.weight"}
+
+
+def gguf_path(model: str | Path | None) -> Path | None:
+    """The .gguf file `model` names (the file, or a folder with exactly one), else None."""
+    if model is None:
+        return None
+    path = Path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").is_file():
+        files = sorted(path.glob("*.gguf"))
+        if len(files) > 1:
+            raise ModelLoadError(f"{path} holds {len(files)} .gguf files; pass the one to load")
+        return files[0] if files else None
+    return None
+
+
+def gguf_name(hf_name: str) -> str | None:
+    """transformers' tensor name -> llama.cpp's (None when it has no counterpart)."""
+    if hf_name in _TOP:
+        return _TOP[hf_name]
+    parts = hf_name.split(".")
+    if len(parts) < 4 or parts[:2] != ["model", "layers"]:
+        return None
+    rest = ".".join(parts[3:])
+    for hf, gg in _LAYER.items():
+        if rest == hf or rest.startswith(hf + "."):
+            return f"blk.{parts[2]}.{gg}{rest[len(hf):]}"
+    return None
+
+
+def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (per head: pairs interleaved -> halves)."""
+    out = rows.shape[0]
+    return rows.reshape(heads, out // heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(
+        rows.shape)
+
+
+class GGUFIndex:
+    """HF tensor name -> host array, read from one GGUF file (the SafetensorsIndex interface)."""
+
+    def __init__(self, path: str | Path):
+        try:
+            import gguf
+        except ImportError:
+            raise ModelLoadError("reading GGUF files needs the gguf package: "
+                                 "pip install gguf") from None
+        self.model_dir = Path(path)
+        try:
+            self._reader = gguf.GGUFReader(str(path))
+        except (ValueError, OSError) as e:
+            raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from None
+        self._tensors = {t.name: t for t in self._reader.tensors}
+
+    @cached_property
+    def metadata(self) -> dict[str, Any]:
+        out = {}
+        for name, field in self._reader.fields.items():
+            try:
+                out[name] = field.contents()
+            except (ValueError, IndexError, TypeError):
+                continue
+        return out
+
+    @property
+    def arch(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+    def _tensor(self, hf_name: str) -> tuple[str, Any, str]:
+        """(gguf name, tensor, base) where base strips the .gguf_* suffix; KeyError if none."""
+        base = hf_name
+        for suffix in (".gguf_blocks", ".gguf_type"):
+            if hf_name.endswith(suffix):
+                base = hf_name.removesuffix(suffix) + ".weight"
+        name = gguf_name(base)
+        if name is None or name not in self._tensors:
+            raise KeyError(hf_name)
+        return name, self._tensors[name], base
+
+    def __contains__(self, hf_name: str) -> bool:
+        try:
+            name, t, base = self._tensor(hf_name)
+        except KeyError:
+            return False
+        return base == hf_name or t.tensor_type.name in PACKED_TYPES
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def _rows(self, base: str, rows: np.ndarray) -> np.ndarray:
+        """Rows of q / k back in transformers' order (Llama only)."""
+        if self.arch != "llama":
+            return rows
+        m = self.metadata
+        if base.endswith("self_attn.q_proj.weight"):
+            return _unpermute(rows, int(m["llama.attention.head_count"]))
+        if base.endswith("self_attn.k_proj.weight"):
+            heads = m.get("llama.attention.head_count_kv", m["llama.attention.head_count"])
+            return _unpermute(rows, int(heads))
+        return rows
+
+    def get(self, hf_name: str) -> np.ndarray:
+        import gguf
+
+        name, t, base = self._tensor(hf_name)
+        kind = t.tensor_type.name
+        if kind not in SUPPORTED_TYPES:
+            raise ModelLoadError(f"tensor {name!r} has GGUF type {kind}, which pjinfer does not "
+                                 f"read; supported: {', '.join(SUPPORTED_TYPES)}")
+        if hf_name.endswith(".gguf_type"):
+            return np.array(kind)
+        if hf_name.endswith(".gguf_blocks"):
+            return self._rows(base, np.asarray(t.data))  # [out, row bytes]
+        data = np.asarray(t.data)
+        if kind not in ("F32", "F16"):
+            data = gguf.quants.dequantize(data, t.tensor_type)
+        shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists the fastest dim first
+        return self._rows(base, data.reshape(shape).astype(np.float32, copy=False))
+
+    def hf_config(self) -> dict[str, Any]:
+        """config.json's fields from the GGUF metadata (transformers' meaning)."""
+        arch, m = self.arch, self.metadata
+        if arch not in ARCHITECTURES:
+            raise ModelLoadError(f"{self.model_dir}: GGUF architecture {arch!r} is not "
+                                 f"supported; supported: {', '.join(ARCHITECTURES)}")
+
+        def key(name: str, default: Any = None) -> Any:
+            return m.get(f"{arch}.{name}", default)
+        tokens = m.get("tokenizer.ggml.tokens")
+        heads = int(key("attention.head_count"))
+        raw = dict(architectures=[ARCHITECTURES[arch]],
+                   vocab_size=int(key("vocab_size", len(tokens) if tokens else 0)),
+                   hidden_size=int(key("embedding_length")),
+                   intermediate_size=int(key("feed_forward_length")),
+                   num_hidden_layers=int(key("block_count")),
+                   num_attention_heads=heads,
+                   num_key_value_heads=int(key("attention.head_count_kv", heads)),
+                   max_position_embeddings=int(key("context_length", 2048)),
+                   rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+                   rope_theta=float(key("rope.freq_base", 10000.0)),
+                   tie_word_embeddings="output.weight" not in self._tensors,
+                   bos_token_id=m.get("tokenizer.ggml.bos_token_id"),
+                   eos_token_id=m.get("tokenizer.ggml.eos_token_id"), dtype="float32")
+        if key("attention.key_length") is not None:
+            raw["head_dim"] = int(key("attention.key_length"))
+        return raw

@@ -1,0 +1,135 @@
+"""The canonical quantized weight and its dequantization (the XLA path of `layers.linear`).
+
+Layout, input-major like every pjinfer weight, so tensor parallelism shards it like the float
+weight it replaces (`component_axes`):
+  packed  int4: uint8 [in / 2, out], row 2r in the low nibble, 2r + 1 in the high one (values
+          0..15); int8: int8 [in, out]; fp8: float8_e4m3fn [in, out]
+  scales  float32 [G, out], G = in / group_size (1: per output channel)
+  zeros   float32 [G, out] in units of the stored value, or None: `zero_point` for every group
+  perm    int32 [in] the input row each stored row is (GPTQ act-order: rows sorted by group
+          at load, so groups are contiguous again), or None: stored in input order
+  w_stored[r, o] = (value[r, o] - zero[r // gs, o]) * scale[r // gs, o];  y = x[:, perm] @ w_stored
+Packing int4 along the input dim keeps the output dim whole, so column-parallel splits, kv-head
+duplication and row-parallel splits of whole groups all slice it like a plain [in, out] weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pjinfer.models.spec import Axes
+
+KINDS = ("int4", "int8", "fp8")
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["packed", "scales", "zeros", "perm"],
+         meta_fields=["kind", "zero_point", "kernel"])
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A weight [in, out] stored as low-bit values, per-group scales and optional zeros."""
+
+    packed: jax.Array
+    scales: jax.Array
+    zeros: jax.Array | None = None
+    perm: jax.Array | None = None
+    kind: str = "int4"
+    zero_point: float = 0.0  # the zero of every group when `zeros` is None
+    # whether the Pallas kernel may read it (pjinfer.kernels.ops.quantized_matmul): weights
+    # sharded over a mesh take XLA's path, which partitions the dequantize-and-dot itself
+    kernel: bool = True
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows = self.packed.shape[0] * (2 if self.kind == "int4" else 1)
+        return rows, self.packed.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.packed, self.scales, self.zeros, self.perm)
+        return sum(p.size * p.dtype.itemsize for p in parts if p is not None)
+
+
+def unpack_int4(packed: jax.Array) -> jax.Array:
+    """uint8 [in / 2, out] -> int32 values [in, out] (low nibble first)."""
+    p = packed.astype(jnp.int32)
+    both = jnp.stack([p & 0xF, p >> 4], axis=1)  # [in / 2, 2, out]
+    return both.reshape(-1, packed.shape[-1])
+
+
+def values(w: QuantizedWeight) -> jax.Array:
+    """The stored values as float32 [in, out], before zeros and scales."""
+    v = unpack_int4(w.packed) if w.kind == "int4" else w.packed
+    return v.astype(jnp.float32)
+
+
+def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
+    """The float weight [in, out] in `dtype`, rows in input order."""
+    stored = dequantize_stored(w, dtype)
+    return stored if w.perm is None else stored[jnp.argsort(w.perm)]
+
+
+def permute_input(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """x [T, in] with its columns in the weight's stored row order."""
+    return x if w.perm is None else x[:, w.perm]
+
+
+def dequantize_stored(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
+    """The float weight [in, out] in `dtype`, rows as stored; group arithmetic in float32."""
+    v = values(w)
+    rows, cols = v.shape
+    groups = w.scales.shape[0]
+    v = v.reshape(groups, rows // groups, cols)  # [G, gs, out]
+    zero = w.zero_point if w.zeros is None else w.zeros[:, None, :]
+    return ((v - zero) * w.scales[:, None, :]).reshape(rows, cols).astype(dtype)
+
+
+# ---- on-the-fly quantization of a float weight (jitted; runs where the weight lives) -----------
+@partial(jax.jit, static_argnames=("kind",))
+def quantize_per_channel(w: jax.Array, kind: str) -> QuantizedWeight:
+    """w [in, out] -> per-output-channel symmetric int8 or fp8 e4m3 (scale = absmax / max)."""
+    absmax = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=0, keepdims=True)  # [1, out]
+    top = FP8_MAX if kind == "fp8" else 127.0
+    scales = jnp.where(absmax > 0, absmax / top, 1.0)
+    scaled = w.astype(jnp.float32) / scales
+    if kind == "fp8":
+        packed = scaled.astype(FP8)
+    else:
+        packed = jnp.clip(jnp.round(scaled), -127, 127).astype(jnp.int8)
+    return QuantizedWeight(packed, scales, kind=kind)
+
+
+@partial(jax.jit, static_argnames=("group_size",))
+def quantize_int4(w: jax.Array, group_size: int) -> QuantizedWeight:
+    """w [in, out] -> symmetric int4 with zero 8 in groups along `in` (for dummy GPTQ/AWQ
+    weights of the right bytes and numerics, when no checkpoint is read)."""
+    rows, cols = w.shape
+    g = w.astype(jnp.float32).reshape(rows // group_size, group_size, cols)
+    scales = jnp.maximum(jnp.max(jnp.abs(g), axis=1), 1e-8) / 7.0  # [G, out]
+    v = jnp.clip(jnp.round(g / scales[:, None, :]) + 8, 0, 15).astype(jnp.uint8)
+    v = v.reshape(rows // 2, 2, cols)
+    return QuantizedWeight(v[:, 0] | (v[:, 1] << 4), scales, kind="int4", zero_point=8.0)
+
+
+# ---- host side: checkpoint formats build this with NumPy --------------------------------------
+def pack_int4_rows(v: np.ndarray) -> np.ndarray:
+    """Values 0..15 [in, out] -> uint8 [in / 2, out] in the canonical order."""
+    v = v.astype(np.uint8)
+    return v[0::2] | (v[1::2] << 4)
+
+
+def component_axes(weight_axes: Axes, part: str, groups: int) -> Axes:
+    """Logical axes of one part, from the weight's (in_axis, out_axis): scales and zeros split
+    with their weight's rows when they are per group (G > 1)."""
+    in_axis, out_axis = weight_axes
+    if part == "packed":
+        return weight_axes
+    if part == "perm":
+        return (in_axis,)
+    return (in_axis if groups > 1 else None, out_axis)
