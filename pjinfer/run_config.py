@@ -27,7 +27,8 @@ _OTHER_KEYS: dict[str, dict[str, type]] = {
                "engine_stuck_timeout": float, "allowed_origins": list, "ssl_keyfile": str,
                "ssl_certfile": str, "rate_limit_requests": float, "rate_limit_burst": float,
                "rate_limit_tokens": float, "max_num_queued_requests": int,
-               "max_num_queued_tokens": int},
+               "max_num_queued_tokens": int, "lora_modules": list,
+               "allow_runtime_lora_updating": bool},
 }
 
 

@@ -36,6 +36,7 @@ from pjinfer.outputs import RequestOutput
 from pjinfer.sampling_params import RequestOutputKind
 from pjinfer.server import beam, body, protocol, streaming, validation
 from pjinfer.server.admission import Admission, AdmissionLimits, Ticket, retry_after_header
+from pjinfer.server.lora import LoRARoutes
 from pjinfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from pjinfer.server.openapi import openapi_schema
 from pjinfer.server.protocol import APIError, GenerationRequest, ModelInfo
@@ -65,6 +66,8 @@ class ServerOptions:
     engine_stuck_timeout: float = DEFAULT_ENGINE_STUCK_TIMEOUT_S
     allowed_origins: tuple[str, ...] = ()  # CORS; empty: no CORS headers at all
     admission: AdmissionLimits = AdmissionLimits()
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) served at start
+    allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and unload (server.lora)
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -79,8 +82,11 @@ class OpenAIServer:
         self.options = options
         name = options.served_model_name or engine.served_model_name
         self.info = ModelInfo(name, engine.max_model_len, engine.tokenizer, engine.vocab_size,
-                              engine.config.max_logprobs, engine.check_structured_outputs)
-        self.metrics = ServerMetrics(engine.stats, name)
+                              engine.config.max_logprobs, engine.check_structured_outputs,
+                              lambda: self.lora.adapters.names())
+        self.lora = LoRARoutes(self, options.lora_modules, options.allow_runtime_lora_updating)
+        self.metrics = ServerMetrics(engine.stats, name, engine.config.max_loras
+                                     if engine.config.enable_lora else None)
         self.created = int(time.time())
         self.pool = ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="pjinfer-parse")
         self.admission = Admission(options.admission)
@@ -145,8 +151,9 @@ class OpenAIServer:
         A stream gets DELTA outputs (sent as they are), a whole response one final output."""
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         params = dataclasses.replace(req.params, output_kind=kind)
+        lora = self.lora.lora_for(req.model)
         streams = [self.engine.generate(ids, params, request_id=f"{req.id}-{i}",
-                                        priority=req.priority)
+                                        priority=req.priority, lora_request=lora)
                    for i, ids in enumerate(req.prompts)]
         return [streaming.hide_generated(s) for s in streams] if req.prompt_only else streams
 
@@ -166,13 +173,16 @@ class OpenAIServer:
                 "root": name, "parent": None, "max_model_len": self.info.max_model_len}
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._card()]})
+        return JSONResponse({"object": "list",
+                             "data": [self._card(), *self.lora.cards(self.created)]})
 
     async def model(self, request: Request) -> Response:
         model_id = request.path_params["model_id"]
-        if model_id != self.info.served_model_name:
+        card = next((c for c in [self._card(), *self.lora.cards(self.created)]
+                     if c["id"] == model_id), None)
+        if card is None:
             raise validation.model_not_found(model_id, self.info)
-        return JSONResponse(self._card())
+        return JSONResponse(card)
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, validation.parse_completion,
@@ -197,6 +207,9 @@ class OpenAIServer:
         tokenizer, on_finished = self.info.tokenizer, self.metrics.observe_finished
         with self._admit(request, req) as ticket:
             if req.beam is not None:
+                if req.model != self.info.served_model_name:
+                    raise APIError("beam search with a LoRA adapter is not supported",
+                                   param="use_beam_search")
                 results = await _unless_disconnected(request, beam.run(self.engine, req))
                 for summary in beam.summaries(req, results):
                     on_finished(summary)
@@ -258,6 +271,8 @@ def build_app(engine: AsyncEngine, options: ServerOptions | None = None,
         ("/v1/models/{model_id:path}", server.model, ["GET"], True),
         ("/v1/completions", server.completions, ["POST"], True),
         ("/v1/chat/completions", server.chat, ["POST"], True),
+        ("/v1/load_lora_adapter", server.lora.load, ["POST"], True),
+        ("/v1/unload_lora_adapter", server.lora.unload, ["POST"], True),
         ("/health", server.health, ["GET"], False),
         ("/version", server.version, ["GET"], False),
         ("/metrics", server.prometheus, ["GET"], False),

@@ -9,6 +9,7 @@ engine keeps only a rolling window of samples, which cannot back a monotonic his
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -32,9 +33,11 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.0
 class _EngineCollector(Collector):
     """Turns the latest EngineStats into gauges and counters at each scrape."""
 
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str):
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str,
+                 max_lora: int | None = None):
         self._stats = stats
         self._model_name = model_name
+        self._max_lora = max_lora  # None: LoRA off, no lora_requests_info
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -62,6 +65,19 @@ class _EngineCollector(Collector):
                                          s.num_rejected),
         }
         yield from self._families(CounterMetricFamily, counters)
+        if self._max_lora is not None:
+            yield self._lora_info(s)
+
+    def _lora_info(self, s: EngineStats) -> Metric:
+        """vLLM's lora_requests_info: one sample whose labels list the adapters of running
+        and waiting requests (comma-separated), its value the scrape time."""
+        metric = GaugeMetricFamily(
+            PREFIX + "lora_requests_info", "Running stats on LoRA requests.",
+            labels=[MODEL_LABEL, "max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        metric.add_metric([self._model_name, str(self._max_lora),
+                           ",".join(s.waiting_lora_adapters), ",".join(s.running_lora_adapters)],
+                          time.time())
+        return metric
 
     def _families(self, family: type, table: dict[str, tuple[str, float]]) -> Iterator[Metric]:
         """One metric family per (name: (doc, value)), labelled with the model name."""
@@ -82,10 +98,11 @@ class _PluginCollectors(Collector):
 class ServerMetrics:
     """The metrics of one app; `render()` is the /metrics body."""
 
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str):
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str,
+                 max_lora: int | None = None):
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineCollector(stats, model_name))
+        self.registry.register(_EngineCollector(stats, model_name, max_lora))
         self.registry.register(_PluginCollectors())
         self.http_requests = Counter(
             PREFIX + "http_requests", "HTTP requests by route and status code.",

@@ -8,7 +8,7 @@ engine outputs into whole responses.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +84,7 @@ class ModelInfo:
     max_logprobs: int = 20  # the engine's; beam search needs 2 x width of them per step
     # compiles a StructuredOutputsParams (cached by the engine); ValueError if it is invalid
     check_structured: Callable[[Any], None] | None = None
+    lora_names: Callable[[], Collection[str]] = tuple  # adapters servable now, by name
 
 
 @dataclass(frozen=True, slots=True)
