@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,7 +121,7 @@ def _read_tensors(folder: Path, name: str) -> dict[tuple[int, str, str], np.ndar
                                     "bias adapters are not supported)")
             layer, module, ab = int(match[1]), match[2], match[3]
             tensors[layer, module, ab] = np.asarray(index.get(tensor_name), np.float32)
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, KeyError, struct.error) as e:
         if isinstance(e, LoRALoadError):
             raise
         raise LoRALoadError(f"LoRA {name!r}: adapter_model.safetensors in {folder} cannot be "

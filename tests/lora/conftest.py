@@ -3,6 +3,7 @@ the `peft` oracle: greedy tokens and their logprobs from each adapter's own Peft
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,13 +69,19 @@ def make_models(root: Path, base_name: str) -> LoRAModels:
 def peft_greedy(models: LoRAModels, adapter: str | None, prompt: list[int],
                 max_tokens: int) -> tuple[list[int], list[float]]:
     """Greedy tokens and their logprobs from the base model with `adapter` (None: none)."""
+    return _peft_greedy(models.base, models.adapters.get(adapter), tuple(prompt), max_tokens)
+
+
+@functools.cache
+def _peft_greedy(base: Path, adapter: Path | None, prompt: tuple[int, ...],
+                 max_tokens: int) -> tuple[list[int], list[float]]:
     import peft
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(models.base, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     if adapter is not None:
-        model = peft.PeftModel.from_pretrained(model, models.adapters[adapter])
+        model = peft.PeftModel.from_pretrained(model, adapter)
     model.eval()
     ids, tokens, logprobs = list(prompt), [], []
     with torch.no_grad():
