@@ -163,3 +163,24 @@ def test_lora_requests_info_metric(lora_server):
     text = httpx.get(live.base_url + "/metrics", timeout=10).text
     line = next(s for s in text.splitlines() if s.startswith("pjinfer:lora_requests_info{"))
     assert 'max_lora="2"' in line and "running_lora_adapters=" in line
+
+
+def test_serve_flags_reach_the_server(monkeypatch):
+    """`pjinfer serve --enable-lora --lora-modules a=/x b=/y --max-loras 3 --max-lora-rank 8
+    --allow-runtime-lora-updating`, with the engine and uvicorn replaced."""
+    from pjinfer import cli
+
+    seen = {}
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    monkeypatch.setattr("pjinfer.engine.async_engine.AsyncEngine",
+                        lambda config: seen.update(config=config) or "engine")
+    monkeypatch.setattr("pjinfer.server.serve.serve",
+                        lambda engine, options, **kw: seen.update(options=options))
+    assert cli.main(["serve", "--enable-lora", "--lora-modules", "a=/x", "b=/y",
+                     "--max-loras", "3", "--max-lora-rank", "8",
+                     "--allow-runtime-lora-updating"]) == 0
+    assert seen["options"].lora_modules == (("a", "/x"), ("b", "/y"))
+    assert seen["options"].allow_runtime_lora_updating
+    c = seen["config"]
+    assert (c.enable_lora, c.max_loras, c.max_lora_rank) == (True, 3, 8)
+    assert cli.main(["serve", "--lora-modules", "no-equals-sign"]) == 2
