@@ -130,7 +130,7 @@ def microbenchmark(cfg: Any, slots: int, rank: int, token_counts: list[int], cei
         if (d_in, d_out) in seen:
             continue
         seen.add((d_in, d_out))
-        a = (jax.random.normal(key, (slots, d_in, rank)) * 0.02).astype(dtype)
+        a = (jax.random.normal(key, (d_in, slots, rank)) * 0.02).astype(dtype)
         b = (jax.random.normal(key, (slots, rank, d_out)) * 0.02).astype(dtype)
         for t in token_counts:
             x = jax.random.normal(key, (t, d_in)).astype(dtype)

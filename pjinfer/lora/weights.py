@@ -1,4 +1,4 @@
-"""The adapter slots on the device: per layer and target module, A [L, in, R], B [L, R, out].
+"""The adapter slots on the device: per layer and target module, A [in, L, R], B [L, R, out].
 
 Fixed shapes (L = max_loras, R = max_lora_rank) whatever is loaded, so writing a slot is a
 jitted in-place update and the step, which takes these arrays as an argument, never
@@ -28,9 +28,9 @@ LoRAWeights = list[dict[str, tuple[jax.Array, jax.Array]]]  # per layer: module 
 
 
 def lora_layout(cfg: ModelConfig, max_loras: int, max_rank: int) -> list[dict[str, tuple]]:
-    """Per layer: module -> (A shape [L, in, R], B shape [L, R, out]) for `cfg`'s layout."""
+    """Per layer: module -> (A shape [in, L, R], B shape [L, R, out]) for `cfg`'s layout."""
     shapes = module_shapes(cfg)
-    return [{m: ((max_loras, i, max_rank), (max_loras, max_rank, o))
+    return [{m: ((i, max_loras, max_rank), (max_loras, max_rank, o))
              for m, (i, o) in shapes.items()} for _ in range(cfg.num_hidden_layers)]
 
 
@@ -42,7 +42,7 @@ def lora_shardings(cfg: ModelConfig, mesh: Mesh, max_loras: int, max_rank: int) 
         row = {}
         for m, (a_shape, b_shape) in modules.items():
             in_axis, out_axis = logical_axes(spec, ("layers", layer, m))
-            row[m] = (NamedSharding(mesh, spec_for((None, in_axis, None), a_shape, mesh)),
+            row[m] = (NamedSharding(mesh, spec_for((in_axis, None, None), a_shape, mesh)),
                       NamedSharding(mesh, spec_for((None, None, out_axis), b_shape, mesh)))
         out.append(row)
     return out
@@ -82,7 +82,8 @@ def slot_contents(adapter: LoRAAdapter | None, canonical: ModelConfig, layout: M
     for layer, modules in enumerate(lora_layout(layout, 1, max_rank)):
         row = {}
         for m, (a_shape, b_shape) in modules.items():
-            a_full, b_full = np.zeros(a_shape[1:], np.float32), np.zeros(b_shape[1:], np.float32)
+            a_full = np.zeros((a_shape[0], a_shape[2]), np.float32)
+            b_full = np.zeros(b_shape[1:], np.float32)
             found = None if adapter is None else adapter.weights.get((layer, m))
             if found is not None:
                 a, b = found
@@ -96,7 +97,7 @@ def slot_contents(adapter: LoRAAdapter | None, canonical: ModelConfig, layout: M
 
 
 def _write(weights: LoRAWeights, index: jax.Array, contents: Any) -> LoRAWeights:
-    return [{m: (a.at[index].set(contents[i][m][0].astype(a.dtype)),
+    return [{m: (a.at[:, index].set(contents[i][m][0].astype(a.dtype)),
                  b.at[index].set(contents[i][m][1].astype(b.dtype)))
              for m, (a, b) in modules.items()} for i, modules in enumerate(weights)]
 

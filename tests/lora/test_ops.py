@@ -16,7 +16,7 @@ from pjinfer.models.layers import linear
 def test_delta_matches_reference(t, d_in, d_out, slots, rank):
     k = jax.random.split(jax.random.key(t * d_in + rank), 4)
     x = jax.random.normal(k[0], (t, d_in))
-    a = jax.random.normal(k[1], (slots, d_in, rank))
+    a = jax.random.normal(k[1], (d_in, slots, rank))
     b = jax.random.normal(k[2], (slots, rank, d_out))
     token_slots = jax.random.randint(k[3], (t,), 0, slots + 1)
     got = jax.jit(lora_delta)(x, a, b, token_slots)
@@ -29,7 +29,7 @@ def test_delta_matches_reference(t, d_in, d_out, slots, rank):
 def test_bfloat16_close_to_float32_reference():
     k = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(k[0], (16, 64))
-    a = jax.random.normal(k[1], (4, 64, 8)) * 0.1
+    a = jax.random.normal(k[1], (64, 4, 8)) * 0.1
     b = jax.random.normal(k[2], (4, 8, 32)) * 0.1
     slots = jnp.arange(16) % 5
     got = lora_delta(x.astype(jnp.bfloat16), a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
@@ -41,7 +41,7 @@ def test_linear_dispatches_to_adapted_weight():
     k = jax.random.split(jax.random.key(1), 5)
     x, w = jax.random.normal(k[0], (5, 12)), jax.random.normal(k[1], (12, 6))
     bias = jax.random.normal(k[2], (6,))
-    a, b = jax.random.normal(k[3], (2, 12, 3)), jax.random.normal(k[4], (2, 3, 6))
+    a, b = jax.random.normal(k[3], (12, 2, 3)), jax.random.normal(k[4], (2, 3, 6))
     slots = jnp.array([0, 1, 2, 1, 0])
     got = jax.jit(linear)(x, AdaptedWeight(w, a, b, slots), bias)
     want = x @ w + bias + lora_delta_reference(x, a, b, slots)

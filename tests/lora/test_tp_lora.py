@@ -20,7 +20,7 @@ def test_mixed_batch_matches_peft_sharded(llama_lora, tp):
     assert layer["q_proj"][0].sharding.spec == P(None, None, None)
     assert layer["q_proj"][1].sharding.spec == P(None, None, "tp")
     assert layer["k_proj"][1].shape[-1] == 2 * 16 * max(1, tp // 2)  # duplicated kv heads
-    assert layer["o_proj"][0].sharding.spec == P(None, "tp", None)
+    assert layer["o_proj"][0].sharding.spec == P("tp", None, None)
     assert layer["down_proj"][1].sharding.spec == P(None, None, None)
     reqs = _requests(llama_lora)
     outs = llm.generate(PROMPTS, GREEDY, lora_request=[reqs.get(n) for n in ORDER])
