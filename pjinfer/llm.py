@@ -75,11 +75,12 @@ class LLM:
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             *, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
              ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [apply_chat_template(self.tokenizer, c) for c in conversations]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, lora_request=lora_request)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:

@@ -18,7 +18,8 @@ ADAPTERS = {
     "qv_rs": (4, 8, True, ["q_proj", "v_proj"]),
     "mlp16": (16, 8, False, ["o_proj", "gate_proj", "up_proj", "down_proj"]),
 }
-BASES = {"llama": ("LlamaConfig", {}), "qwen2": ("Qwen2Config", {"use_sliding_window": False})}
+BASES = {"llama": ("LlamaConfig", {}), "qwen2": ("Qwen2Config", {"use_sliding_window": False}),
+         "phi3": ("Phi3Config", {})}  # Phi-3: fused qkv_proj and gate_up_proj
 
 
 @dataclass

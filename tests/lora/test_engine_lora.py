@@ -92,3 +92,19 @@ def test_qwen2_max_loras_one(qwen2_lora):
     check_against_peft(qwen2_lora, outs)
     assert max(len(s) for s in per_step) == 1
     assert len({r for s in per_step for r in s}) == 3
+
+
+def test_phi3_fused_projections_match_peft(tmp_path_factory):
+    """PEFT on Phi-3 adapts the fused qkv_proj and gate_up_proj Linears; pjinfer splits them."""
+    from tests.lora.conftest import LoRAModels, build_adapter, build_base
+
+    root = tmp_path_factory.mktemp("lora_phi3")
+    base = build_base(root, "phi3")
+    models = LoRAModels(base, {"fused": build_adapter(
+        base, root, "fused", 8, 16, False, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+        seed=3)})
+    llm = LLM(str(base), enable_lora=True, max_lora_rank=8, max_model_len=128,
+              max_num_seqs=8, max_num_batched_tokens=256, dtype="float32")
+    lora = LoRARequest("fused", 1, str(models.adapters["fused"]))
+    outs = llm.generate(PROMPTS[2:4], GREEDY, lora_request=[lora, None])
+    check_against_peft(models, outs, PROMPTS[2:4], ["fused", None])
