@@ -5,6 +5,8 @@
 #   bash benchmarks/run_h200.sh hf        # transformers W1, W2, W3, W4           (~5-7 min)
 #   bash benchmarks/run_h200.sh serve     # W5 at 4 and 16 req/s (needs starlette + uvicorn,
 #                                         # e.g. carried as wheels in .whl/)     (~4 min)
+#   bash benchmarks/run_h200.sh lora      # multi-LoRA: W3 and W1 with/without 8-of-16
+#                                         # adapters, shrink/expand vs roofline (~8 min)
 #   bash benchmarks/run_h200.sh --smoke pjinfer hf serve   # the same plumbing, tiny, on CPU
 #
 # Each stage fits one 10-minute device command; every step has its own time limit, and a
@@ -94,6 +96,13 @@ stage_pjinfer() {
       --output-json "$JSON/w2_latency.json"
 }
 
+stage_lora() {
+  local smoke=()
+  [ $SMOKE = 1 ] && smoke=(--smoke)
+  step lora 580 $PY -m pjinfer.benchmarks.lora "${smoke[@]}" --compilation-cache-dir "$CACHE" \
+      --out "$JSON/lora.json"
+}
+
 stage_hf() {
   step hf_w1_latency 120 "${HF[@]}" latency --model "$HF_MODEL" --batch-size 1 \
       --input-len $IN_W1 --output-len $OUT_W1 --num-iters 1 --num-iters-warmup 1 \
@@ -146,7 +155,8 @@ for stage in "${STAGES[@]}"; do
     pjinfer) stage_pjinfer ;;
     hf) stage_hf ;;
     serve) stage_serve ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve)" ;;
+    lora) stage_lora ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | lora)" ;;
   esac
 done
 pack
