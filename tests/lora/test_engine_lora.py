@@ -108,3 +108,14 @@ def test_phi3_fused_projections_match_peft(tmp_path_factory):
     lora = LoRARequest("fused", 1, str(models.adapters["fused"]))
     outs = llm.generate(PROMPTS[2:4], GREEDY, lora_request=[lora, None])
     check_against_peft(models, outs, PROMPTS[2:4], ["fused", None])
+
+
+def test_lora_engine_arguments_are_checked():
+    from pjinfer.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="max_cpu_loras must be an integer >= max_loras"):
+        EngineConfig(enable_lora=True, max_loras=4, max_cpu_loras=2)
+    with pytest.raises(ValueError, match="max_lora_rank must be a positive integer"):
+        EngineConfig(enable_lora=True, max_lora_rank=0)
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("a", 0, "/x")
