@@ -290,8 +290,7 @@ class LLMEngine:
         wants_lp = any(row.params.logprobs is not None for row in sched.rows)
         wants_prompt_lp = any(c.next_token_ids is not None for c in sched.chunks)
         prev = self._in_flight.step if self._in_flight is not None else None
-        lora_slots = None if self.lora is None else self.lora.activate(
-            [c.request.lora_request for c in sched.scheduled])
+        lora_slots = self._lora_slots(sched)
         forward = self.runner.forward(
             sched.chunks, sched.rows, max_logprobs=self.config.max_logprobs if wants_lp else 0,
             prompt_logprobs=self.config.max_logprobs if wants_prompt_lp else None, prev=prev,
@@ -299,6 +298,23 @@ class LLMEngine:
         if self.structured_output.constrained(sched):
             return _Launched(sched, forward, None, start)
         return _Launched(sched, None, self.runner.sample(forward), start)
+
+    def _lora_slots(self, sched: SchedulerOutput) -> list[int] | None:
+        """Each chunk's adapter slot. An adapter that can no longer be read (evicted from the
+        host cache, its folder gone since its requests arrived) fails those requests alone:
+        their chunks run on the base model this step and their tokens are dropped."""
+        if self.lora is None:
+            return None
+        loras = [c.request.lora_request for c in sched.scheduled]
+        for lora in dict.fromkeys(r for r in loras if r is not None):
+            try:
+                self.lora.load(lora)  # a host-cache hit unless it was evicted
+            except ValueError as e:
+                for group_id in {c.request.group_id for c in sched.scheduled
+                                 if c.request.lora_request == lora}:
+                    self._fail(group_id, e)
+                loras = [None if r == lora else r for r in loras]
+        return self.lora.activate(loras)
 
     def _sample(self, launched: _Launched) -> None:
         """Launch a constrained step's sampler with its token mask. Called once the step

@@ -119,3 +119,25 @@ def test_lora_engine_arguments_are_checked():
         EngineConfig(enable_lora=True, max_lora_rank=0)
     with pytest.raises(ValueError, match="lora_int_id"):
         LoRARequest("a", 0, "/x")
+
+
+def test_adapter_gone_from_disk_fails_only_its_requests(llama_lora, llama_llm, tmp_path):
+    """Evicted from the host cache and deleted before its first step: its request fails with
+    the reason, the base request of the same step finishes, no block stays held."""
+    import shutil
+
+    folder = tmp_path / "doomed"
+    shutil.copytree(llama_lora.adapters["qv_rs"], folder)
+    doomed = LoRARequest("doomed", 500, str(folder))
+    engine = llama_llm.engine
+    engine.add_request("doomed-req", PROMPTS[3], GREEDY, lora_request=doomed)
+    engine.add_request("base-req", PROMPTS[5], GREEDY)
+    engine.remove_lora(doomed)
+    shutil.rmtree(folder)
+    outputs, failures = {}, {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+        failures.update(engine.take_failures())
+    assert "not a local folder" in str(failures["doomed-req"])
+    check_against_peft(llama_lora, [outputs["base-req"]], PROMPTS[5:], [None])
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks - 1
