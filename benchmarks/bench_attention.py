@@ -201,15 +201,33 @@ def make_prefill_inputs(q_lens: list[int], seq_lens: list[int], seed: int = 0):
 RAGGED_LAYOUTS = (
     ("prefill_1x2048", [2048], [2048]),
     ("prefill_8x512", [512] * 8, [512] * 8),
+    ("prefill_1x8192", [8192], [8192]),  # issue 12's prefill-attention target shape
     # W3's steady state: 255 decodes at 1k context beside one 1,792-token prompt chunk
     ("mixed_255dec1k+1792", [1] * 255 + [1792], [1025] * 255 + [1792]),
 )
 
 
-def prefill_rows(quick: bool) -> list[dict]:
+def cudnn_row(name: str, q_len: int, flops: int) -> dict:
+    """cuDNN flash attention on the same causal single-sequence shape (contiguous K/V, no
+    pages): the bar a paged kernel is measured against."""
+    kq, kk, kv = jax.random.split(jax.random.PRNGKey(5), 3)
+    q = jax.random.normal(kq, (1, q_len, HEADS, HEAD_DIM), DTYPE)
+    k, v = (jax.random.normal(key, (1, q_len, KV_HEADS, HEAD_DIM), DTYPE) for key in (kk, kv))
+    fn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                              implementation="cudnn"))
+    try:
+        t = bench(fn, q, k, v, reps=5, repeats=5)
+    except Exception as e:
+        return dict(layout=name, cudnn_error=f"{type(e).__name__}: {str(e)[:200]}")
+    return dict(layout=name, cudnn_s=t, tflops=flops / t / 1e12)
+
+
+def prefill_rows(quick: bool, layouts: list[str] | None = None) -> list[dict]:
     """Ragged kernel over every tiling in the sweep, per layout; FLOPs count causal pairs."""
     rows = []
     for name, q_lens, seq_lens in RAGGED_LAYOUTS:
+        if layouts and name not in layouts:
+            continue
         args = make_prefill_inputs(q_lens, seq_lens)
         pairs = sum(q * (2 * c - q + 1) // 2 for q, c in zip(q_lens, seq_lens, strict=True))
         flops = 4 * pairs * HEADS * HEAD_DIM
@@ -227,6 +245,8 @@ def prefill_rows(quick: bool) -> list[dict]:
                             continue
                         rows.append(dict(layout=name, block_sizes=dataclasses.asdict(sizes),
                                          pallas_s=t, tflops=flops / t / 1e12))
+        if len(q_lens) == 1 and q_lens == seq_lens:
+            rows.append(cudnn_row(name, q_lens[0], flops))
         xla = jax.jit(lambda *a: ragged_attention_reference(*a, ATTN))
         tx = bench(xla, *args, reps=3, repeats=3)
         rows.append(dict(layout=name, xla_s=tx, tflops=flops / tx / 1e12))
@@ -241,6 +261,8 @@ def main() -> None:
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--skip-decode", action="store_true", help="no decode grid")
     parser.add_argument("--quick", action="store_true", help="smaller tuning sweeps")
+    parser.add_argument("--layouts", nargs="+", choices=[n for n, _, _ in RAGGED_LAYOUTS],
+                        help="ragged layouts to time (default: all)")
     opts = parser.parse_args()
     result = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                   settings=dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
@@ -262,7 +284,7 @@ def main() -> None:
     result["decode"] = [] if opts.skip_decode else decode_grid(best, hbm)
     save()
     if not opts.skip_prefill:
-        result["prefill"] = prefill_rows(opts.quick)
+        result["prefill"] = prefill_rows(opts.quick, opts.layouts)
         save()
     print_table(result)
 
@@ -277,9 +299,10 @@ def print_table(result: dict) -> None:
               f"{r['pallas_bw'] / 1e12:5.2f} {100 * r['pallas_frac_hbm']:5.1f} {xla}")
     rows = result.get("prefill", [])
     for r in rows:
-        if "xla_s" in r:
-            print(f"ragged {r['layout']} xla {r['xla_s'] * 1e3:.2f} ms "
-                  f"{r['tflops']:.1f} TFLOP/s")
+        for impl in ("xla", "cudnn"):
+            if f"{impl}_s" in r:
+                print(f"ragged {r['layout']} {impl} {r[f'{impl}_s'] * 1e3:.2f} ms "
+                      f"{r['tflops']:.1f} TFLOP/s")
     best = {}
     for r in rows:
         if "pallas_s" in r and (r["layout"] not in best

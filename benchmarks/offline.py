@@ -7,9 +7,13 @@ the run can show progress and read the engine's counters before and after the ti
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from pjinfer import engine_flags
 from pjinfer.benchmarks.common import Progress
@@ -37,22 +41,44 @@ def start_run(command: str, args: Any, argv: list[str]) -> tuple[dict, Any, Any]
     tokens = engine_args.get("max_num_batched_tokens",
                              ENGINE_ARGS["max_num_batched_tokens"].default)
     ceilings = ceilings_from_args(args, lambda: planned_shape(engine_args), tokens)
+    before = seconds_since_process_start()
     start = time.perf_counter()
+    import pjinfer.llm  # noqa: F401  the engine's imports (transformers among them), timed apart
+
+    imports = time.perf_counter() - start
     llm, record["engine_args"] = build_llm(args, warmup=args.engine_warmup)
     record["startup_s"] = time.perf_counter() - start
+    # the process before this (interpreter, CLI, ceilings), imports, then the engine's phases
+    record["startup_phases"] = {"process_before_engine": before, "imports": imports,
+                                **llm.engine.startup_phases}
+    start = time.perf_counter()
+    run_requests(llm.engine, [SampleRequest([1, 2, 3], 3, 1)], progress=False)
+    record["startup_phases"]["first_token"] = time.perf_counter() - start
+    record["process_to_first_token_s"] = seconds_since_process_start()
     return record, ceilings, llm
 
 
+def seconds_since_process_start() -> float | None:
+    """Wall time since this process started (Linux /proc), None where that is not readable."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - ticks / os.sysconf("SC_CLK_TCK")
+
+
 def run_requests(engine: Any, reqs: Sequence[SampleRequest], *, desc: str = "requests",
-                 progress: bool = True) -> list[Any]:
-    """Submit all requests at once (offline), step until done; finished outputs in input order."""
+                 progress: bool = True, extra: dict[str, Any] | None = None) -> list[Any]:
+    """Submit all requests at once (offline), step until done; finished outputs in input order.
+    `extra`: more SamplingParams fields (e.g. structured_outputs) for every request."""
     from pjinfer import RequestOutputKind, SamplingParams
 
     ids = []
     for r in reqs:
         ids.append(f"bench-{next(_ids)}")
         params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=1.0,
-                                output_kind=RequestOutputKind.FINAL_ONLY)
+                                output_kind=RequestOutputKind.FINAL_ONLY, **(extra or {}))
         engine.add_request(ids[-1], r.prompt, params)
     done: dict[str, Any] = {}
     bar = Progress(len(ids), desc, enabled=progress)
@@ -63,6 +89,26 @@ def run_requests(engine: Any, reqs: Sequence[SampleRequest], *, desc: str = "req
                 bar.update()
     bar.close()
     return [done[i] for i in ids]
+
+
+def request_latencies(outs: Sequence[Any]) -> dict[str, float]:
+    """TTFT (arrival to first token: offline, all arrive at once, so queueing counts) and TPOT
+    (first token to finish over the tokens after the first), median and p99, in ms."""
+    ttft, tpot = [], []
+    for o in outs:
+        m = o.metrics
+        if m is None or m.first_token_time is None:
+            continue
+        ttft.append(m.time_to_first_token)
+        n = output_tokens(o)
+        if m.finished_time is not None and n > 1:
+            tpot.append((m.finished_time - m.first_token_time) / (n - 1))
+    out = {}
+    for name, values in (("ttft", ttft), ("tpot", tpot)):
+        if values:
+            out[f"median_{name}_ms"] = float(np.median(values)) * 1e3
+            out[f"p99_{name}_ms"] = float(np.percentile(values, 99)) * 1e3
+    return out
 
 
 def engine_counters(engine: Any) -> dict[str, int]:

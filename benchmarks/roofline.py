@@ -27,6 +27,15 @@ FLOPs (a multiply-add is 2):
   a workload needs one per generated token.
   The embedding lookup does no arithmetic.
 
+Mixture of experts (Mixtral, Qwen-MoE): `layer_params` holds everything but the routed experts
+(attention, norms, routers, shared experts, dense MLP layers), read every step as above. Each
+MoE layer then reads the experts its step's tokens chose: exactly top_k for one token, and
+E(1 - (1 - k/E)^T) on average for T tokens routed independently and uniformly (random weights
+route near-uniformly; a trained model's skew only lowers the count), `expert_weight_bytes`.
+FLOPs count the active parameters: 2 x (layer_params + MoE layers x k x one expert's
+params) per token (active, with the embeddings: Qwen3-30B-A3B 3.3 of 30.5 G params,
+Mixtral-8x7B 12.9 of 46.7).
+
 Time: a step takes at least max(bytes / bandwidth, FLOPs / matmul rate), with the ceilings of
 `pjinfer.benchmarks.ceilings` (measured in the same process, by the same kind of work). A latency
 run is the sum of its steps' bounds; an offline workload is bounded by its total work, with the
@@ -57,21 +66,46 @@ class ModelShape:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    layer_params: int  # all decoder layers together: projections and norms
+    layer_params: int  # all decoder layers together: projections and norms (no routed expert)
     tied_embeddings: bool
     dtype_bytes: int
+    moe_layers: int = 0  # layers with routed experts
+    num_experts: int = 0  # routed experts per MoE layer
+    experts_per_token: int = 0  # top-k
+    expert_params: int = 0  # one expert of one layer: gate, up and down
 
     @classmethod
     def from_model_config(cls, cfg: Any, dtype: str = "auto") -> ModelShape:
         """From a pjinfer ModelConfig; `dtype` is the engine's (auto = the checkpoint's)."""
         name = cfg.dtype if dtype == "auto" else dtype
         tables = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+        moe = cfg.option("moe")
+        experts = {}
+        if moe is not None:
+            experts = dict(moe_layers=sum(moe.sparse_layers), num_experts=moe.num_experts,
+                           experts_per_token=moe.top_k,
+                           expert_params=3 * cfg.hidden_size * moe.intermediate_size)
+        routed = experts.get("moe_layers", 0) * experts.get("num_experts", 0) \
+            * experts.get("expert_params", 0)
         return cls(num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
                    intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
                    num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
                    head_dim=cfg.head_dim,
-                   layer_params=cfg.num_params() - tables - cfg.hidden_size,
-                   tied_embeddings=cfg.tie_word_embeddings, dtype_bytes=_DTYPE_BYTES[name])
+                   layer_params=cfg.num_params() - tables - cfg.hidden_size - routed,
+                   tied_embeddings=cfg.tie_word_embeddings, dtype_bytes=_DTYPE_BYTES[name],
+                   **experts)
+
+    @property
+    def active_expert_params(self) -> int:
+        """Routed-expert params one token runs through, all layers (0 for a dense model)."""
+        return self.moe_layers * self.experts_per_token * self.expert_params
+
+    def experts_read(self, tokens: int) -> float:
+        """Expected distinct experts a MoE layer reads for a step of `tokens` tokens."""
+        if not self.num_experts or tokens <= 0:
+            return 0.0
+        e, k = self.num_experts, self.experts_per_token
+        return e * (1.0 - (1.0 - k / e) ** tokens)
 
     @property
     def lm_head_params(self) -> int:
@@ -81,7 +115,8 @@ class ModelShape:
     @property
     def num_params(self) -> int:
         tables = self.lm_head_params * (1 if self.tied_embeddings else 2)
-        return self.layer_params + tables + self.hidden_size
+        routed = self.moe_layers * self.num_experts * self.expert_params
+        return self.layer_params + routed + tables + self.hidden_size
 
     @property
     def weight_bytes(self) -> int:
@@ -110,6 +145,7 @@ class Work:
     """Bytes moved and FLOPs done, one field per term of the module docstring."""
 
     layer_weight_bytes: int = 0
+    expert_weight_bytes: int = 0
     final_norm_bytes: int = 0
     lm_head_bytes: int = 0
     embedding_row_bytes: int = 0
@@ -149,11 +185,13 @@ class Work:
 
 
 # ---- the work of steps and requests -------------------------------------------------------
-def step_weights(shape: ModelShape) -> Work:
-    """What every step reads once, whatever its batch: layers, final norm, lm_head."""
+def step_weights(shape: ModelShape, tokens: int = 1) -> Work:
+    """What a step of `tokens` tokens reads once, whatever its batch: layers, final norm,
+    lm_head, and (MoE) the experts those tokens chose."""
     b = shape.dtype_bytes
-    return Work(layer_weight_bytes=shape.layer_params * b, final_norm_bytes=shape.hidden_size * b,
-                lm_head_bytes=shape.lm_head_params * b)
+    experts = shape.moe_layers * shape.experts_read(tokens) * shape.expert_params * b
+    return Work(layer_weight_bytes=shape.layer_params * b, expert_weight_bytes=round(experts),
+                final_norm_bytes=shape.hidden_size * b, lm_head_bytes=shape.lm_head_params * b)
 
 
 def sequence_work(shape: ModelShape, cached: int, new: int, logit_rows: int) -> Work:
@@ -162,7 +200,7 @@ def sequence_work(shape: ModelShape, cached: int, new: int, logit_rows: int) -> 
     return Work(embedding_row_bytes=new * shape.hidden_size * shape.dtype_bytes,
                 kv_read_bytes=cached * shape.kv_bytes_per_token,
                 kv_write_bytes=new * shape.kv_bytes_per_token,
-                layer_flops=2 * shape.layer_params * new,
+                layer_flops=2 * (shape.layer_params + shape.active_expert_params) * new,
                 attention_flops=shape.attention_flops_per_pair * pairs,
                 lm_head_flops=2 * shape.lm_head_params * logit_rows)
 
@@ -189,8 +227,9 @@ def request_work(shape: ModelShape, prompt_len: int, output_len: int) -> Work:
 def latency_roofline(shape: ModelShape, c: Ceilings, batch: int, input_len: int,
                      output_len: int) -> dict[str, Any]:
     """Best TTFT, TPOT and end-to-end time for one static batch (W1, W2), step by step."""
-    weights = step_weights(shape)
-    prefill = weights + sequence_work(shape, 0, input_len, logit_rows=1).scaled(batch)
+    weights = step_weights(shape, batch)
+    prefill = step_weights(shape, batch * input_len) \
+        + sequence_work(shape, 0, input_len, logit_rows=1).scaled(batch)
     decodes = [weights + sequence_work(shape, input_len + j, 1, logit_rows=1).scaled(batch)
                for j in range(output_len - 1)]
     step_s = [w.seconds(c) for w in decodes]
@@ -220,7 +259,8 @@ def throughput_roofline(shape: ModelShape, c: Ceilings, prompt_lens: Sequence[in
     times. A step yields at most `max_num_seqs` output tokens and reads the weights once."""
     out_total = sum(output_lens)
     min_steps = -(-out_total // max_num_seqs)
-    work = step_weights(shape).scaled(min_steps)
+    per_step = -(-(sum(prompt_lens) + out_total) // min_steps)  # tokens of an average step
+    work = step_weights(shape, per_step).scaled(min_steps)
     for p, o in zip(prompt_lens, output_lens, strict=True):
         work += request_work(shape, p, o)
     elapsed = work.seconds(c)

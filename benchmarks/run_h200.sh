@@ -5,6 +5,14 @@
 #   bash benchmarks/run_h200.sh hf        # transformers W1, W2, W3, W4           (~5-7 min)
 #   bash benchmarks/run_h200.sh serve     # W5 at 4 and 16 req/s (needs starlette + uvicorn,
 #                                         # e.g. carried as wheels in .whl/)     (~4 min)
+#   bash benchmarks/run_h200.sh startup   # cold start, then a warm restart, phases  (~2 min)
+#   bash benchmarks/run_h200.sh profile   # 16 GB checkpoint load vs disk, W1 step profile
+#                                         # (and without command buffers), prefill attention
+#   bash benchmarks/run_h200.sh long      # W6: 64 x 8,192/512 and 8 x 32,768/256 (~6 min)
+#   bash benchmarks/run_h200.sh structured  # W4 with a JSON schema on every request vs
+#                                           # without, one process (needs llguidance) (~4 min)
+#   bash benchmarks/run_h200.sh moe       # issue 13: grouped matmul, Mixtral/Qwen3-MoE engine
+#                                         # runs (~25-35 min: one step per device command)
 #   bash benchmarks/run_h200.sh lora      # multi-LoRA: W3 and W1 with/without 8-of-16
 #                                         # adapters, shrink/expand vs roofline (~8 min)
 #   bash benchmarks/run_h200.sh --smoke pjinfer hf serve   # the same plumbing, tiny, on CPU
@@ -39,6 +47,8 @@ if [ $SMOKE = 1 ]; then
   $PY -c "import shutil, pjinfer.demo as d; shutil.copy(d.DEMO_MODEL_DIR / 'config.json', '$HF_MODEL')"
   N_W3=4; N_W4=4; IN_W1=16; OUT_W1=8; ITERS=2; HF_N=4; HF_B=4; W3_IN=16; W3_OUT=4
   W2=(--batch-size 2 --input-len 8 --output-len 6); W5_N=6; RATES=(4 16); T=120
+  LONG=(--max-model-len 512); W6A=(--num-prompts 4 --input-len 64 --output-len 8)
+  W6B=(--num-prompts 2 --input-len 200 --output-len 8)
 else
   MODEL=(--model configs/models/llama3-8b --load-format dummy --dtype bfloat16)
   # 512 sequences per step: W3/W4 steps then carry ~4x as many decodes per prefill token
@@ -46,6 +56,11 @@ else
   HF_MODEL=configs/models/llama3-8b
   N_W3=${N_W3:-1000}; N_W4=${N_W4:-1000}; IN_W1=512; OUT_W1=512; ITERS=3; HF_N=256; HF_B=256; W3_IN=1024; W3_OUT=256
   W2=(--batch-size 8 --input-len 32 --output-len 128); W5_N=200; RATES=(4 16); T=1
+  # W6 needs Llama-3.1's 131k positions; one max_model_len for both parts shares compiles
+  LONG=(--model configs/models/llama3.1-8b --load-format dummy --dtype bfloat16
+        --max-model-len 33024)
+  W6A=(--num-prompts 64 --input-len 8192 --output-len 512)
+  W6B=(--num-prompts 8 --input-len 32768 --output-len 256)
 fi
 CACHE=/tmp/pjinfer-jax-cache
 BENCH=($PY -m pjinfer.benchmarks.cli)
@@ -96,6 +111,68 @@ stage_pjinfer() {
       --output-json "$JSON/w2_latency.json"
 }
 
+stage_startup() {
+  rm -rf "$CACHE"
+  # Empty compilation cache: startup_s and startup_phases are the cold start; then a new
+  # process on the same cache is the warm restart. process_to_first_token_s includes imports.
+  for kind in cold warm; do
+    step startup_$kind 240 "${BENCH[@]}" throughput "${MODEL[@]}" "${ENGINE[@]}" \
+        --compilation-cache-dir "$CACHE" --num-prompts 8 --input-len 128 --output-len 16 \
+        --warmup-requests 0 --no-roofline --output-json "$JSON/startup_$kind.json"
+  done
+}
+
+stage_profile() {
+  if [ $SMOKE = 1 ]; then log "SKIP profile in smoke mode (Llama-3-8B shapes only)"; return 0; fi
+  step load_rate 240 $PY -m pjinfer.benchmarks.load_rate configs/models/llama3-8b \
+      --dir /tmp/pjinfer-ckpt-8b --output-json "$JSON/load_rate.json"
+  rm -rf /tmp/pjinfer-ckpt-8b
+  step w1_profile 240 $PY benchmarks/step_probe.py --layouts decode_1x768 decode_8x160 \
+      --backends auto --profile /tmp/pjinfer-prof --out "$JSON/w1_profile.json"
+  step w1_no_command_buffer 150 env XLA_FLAGS=--xla_gpu_enable_command_buffer= \
+      $PY benchmarks/step_probe.py --layouts decode_1x768 --backends auto \
+      --out "$JSON/w1_probe_no_command_buffer.json"
+  step prefill_attention 200 $PY benchmarks/bench_attention.py --skip-tune --skip-decode \
+      --quick --layouts prefill_1x2048 prefill_1x8192 --out "$JSON/prefill_attention.json"
+}
+
+stage_long() {
+  step w6_8k 300 "${BENCH[@]}" throughput "${LONG[@]}" --max-num-seqs 64 \
+      --max-num-batched-tokens 2048 --compilation-cache-dir "$CACHE" "${W6A[@]}" \
+      --warmup-requests 0 --output-json "$JSON/w6_8k_throughput.json"
+  step w6_32k 240 "${BENCH[@]}" throughput "${LONG[@]}" --max-num-seqs 64 \
+      --max-num-batched-tokens 2048 --compilation-cache-dir "$CACHE" "${W6B[@]}" \
+      --warmup-requests 0 --output-json "$JSON/w6_32k_throughput.json"
+}
+
+# Issue 13's MoE targets: grouped matmul vs the measured ceilings, then Mixtral-8x7B and
+# Qwen3-30B-A3B shapes (dummy bf16 weights) through the engine, rooflines counting the experts
+# actually read and the active parameters' FLOPs (benchmarks/roofline.py).
+stage_moe() {
+  local qwen=(--model configs/models/qwen3-30b-a3b --load-format dummy --dtype bfloat16)
+  local mixtral=(--model configs/models/mixtral-8x7b --load-format dummy --dtype bfloat16)
+  local smoke_gmm=() b1=(--input-len 512 --output-len 512) c10=(--input-len 2048 --output-len 1024)
+  local n=1000 tput=(--input-len 1024 --output-len 256)
+  if [ $SMOKE = 1 ]; then
+    qwen=(); mixtral=(); smoke_gmm=(--smoke); n=4; b1=(--input-len 16 --output-len 8)
+    c10=(--input-len 16 --output-len 8); tput=(--input-len 16 --output-len 4)
+  fi
+  local eng=(--max-num-seqs 256 --max-num-batched-tokens 8192 --compilation-cache-dir "$CACHE")
+  [ $SMOKE = 1 ] && eng=("${ENGINE[@]}" --compilation-cache-dir "$CACHE")
+  step moe_grouped_matmul 400 $PY -m pjinfer.benchmarks.moe "${smoke_gmm[@]}" \
+      --block-m 32 64 128 --block-n 64 128 --block-k 64 \
+      --out "$JSON/moe_grouped_matmul.json"
+  step moe_mixtral_b1 400 "${BENCH[@]}" latency "${mixtral[@]}" "${eng[@]}" --batch-size 1 \
+      "${b1[@]}" --num-iters 2 --num-iters-warmup 1 --output-json "$JSON/moe_mixtral_b1.json"
+  step moe_qwen3_b1 300 "${BENCH[@]}" latency "${qwen[@]}" "${eng[@]}" --batch-size 1 \
+      "${b1[@]}" --num-iters 3 --num-iters-warmup 1 --output-json "$JSON/moe_qwen3_b1.json"
+  step moe_qwen3_c10 400 "${BENCH[@]}" latency "${qwen[@]}" "${eng[@]}" --batch-size 10 \
+      "${c10[@]}" --num-iters 1 --num-iters-warmup 1 --output-json "$JSON/moe_qwen3_c10.json"
+  step moe_qwen3_throughput 500 "${BENCH[@]}" throughput "${qwen[@]}" "${eng[@]}" \
+      --num-prompts $n "${tput[@]}" --warmup-requests 8 \
+      --output-json "$JSON/moe_qwen3_throughput.json"
+}
+
 stage_lora() {
   local smoke=()
   [ $SMOKE = 1 ] && smoke=(--smoke)
@@ -115,6 +192,12 @@ stage_hf() {
   step hf_w4_throughput 150 "${HF[@]}" throughput --model "$HF_MODEL" \
       --dataset synthetic-sharegpt --num-prompts $HF_N --batch-size $HF_B \
       --output-json "$JSON/hf_w4_throughput.json"
+}
+
+stage_structured() {
+  step w4_structured 420 $PY -m pjinfer.benchmarks.structured "${MODEL[@]}" "${ENGINE[@]}" \
+      --compilation-cache-dir "$CACHE" --dataset synthetic-sharegpt --num-prompts $N_W4 \
+      --no-progress --out "$JSON/w4_structured.json"
 }
 
 stage_serve() {
@@ -156,7 +239,12 @@ for stage in "${STAGES[@]}"; do
     hf) stage_hf ;;
     serve) stage_serve ;;
     lora) stage_lora ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | lora)" ;;
+    startup) stage_startup ;;
+    profile) stage_profile ;;
+    long) stage_long ;;
+    structured) stage_structured ;;
+    moe) stage_moe ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora)" ;;
   esac
 done
 pack

@@ -7,6 +7,10 @@ asynchronous engine's device sees). The difference is host time per step.
 Run from the repo root on the device (the repo maps itself as `pjinfer`):
 
     python3 benchmarks/step_probe.py --out $OUT/prefill_probe.json
+    python3 benchmarks/step_probe.py --layouts decode_1x768 --backends auto --profile /tmp/prof
+
+`--profile DIR` also traces the pipelined launches (`jax.profiler`) and records per layout the
+device's kernels per step, busy and idle time, and heaviest kernels (`trace_summary.py`).
 """
 
 from __future__ import annotations
@@ -56,18 +60,18 @@ def _chunks(kind: str, rng: np.random.Generator) -> list:
     return chunks
 
 
-def probe(backend: str) -> dict[str, float]:
+def probe(backend: str, model: str, layouts: list[str], profile: str | None) -> dict:
     from pjinfer.engine.config import EngineConfig
     from pjinfer.engine.engine import LLMEngine
     from pjinfer.engine.sampling_metadata import SamplingRow
     from pjinfer.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(
-        model=MODEL, load_format="dummy", dtype="bfloat16", max_model_len=2048,
+        model=model, load_format="dummy", dtype="bfloat16", max_model_len=2048,
         max_num_seqs=256, max_num_batched_tokens=2048, num_kv_blocks=40000, warmup=False,
         attention_backend=backend))
     params, rng, out = SamplingParams(temperature=0, max_tokens=4), np.random.default_rng(0), {}
-    for kind in LAYOUTS:
+    for kind in layouts:
         chunks = _chunks(kind, rng)
         rows = [SamplingRow(params, c.new_token_ids, [], 0, None) for c in chunks]
         runner = engine.runner
@@ -83,23 +87,42 @@ def probe(backend: str) -> dict[str, float]:
         runner.fetch(launched[-1])
         out[f"{backend}/{kind}"] = float(np.median(times)) * 1e3
         out[f"{backend}/{kind}/pipelined"] = (time.perf_counter() - start) / PIPELINED * 1e3
+        if profile:
+            out[f"{backend}/{kind}/profile"] = _profiled(runner, chunks, rows,
+                                                         f"{profile}/{backend}-{kind}")
         runner.free_rows([c.request_id for c in chunks])
         print(f"{backend} {kind} {out[f'{backend}/{kind}']:.1f} ms synchronous, "
               f"{out[f'{backend}/{kind}/pipelined']:.1f} ms pipelined", flush=True)
     return out
 
 
+def _profiled(runner, chunks: list, rows: list, log_dir: str) -> dict:
+    """The pipelined launches again under the profiler, summarised per step."""
+    import jax
+
+    from pjinfer.benchmarks.trace_summary import summarize_dir
+
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        launched = [runner.launch(chunks, rows) for _ in range(PIPELINED)]
+        runner.fetch(launched[-1])
+    return summarize_dir(log_dir, PIPELINED)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="prefill_probe.json")
     parser.add_argument("--backends", nargs="+", default=["auto", "reference"])
+    parser.add_argument("--model", default=MODEL)
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    parser.add_argument("--profile", default=None, help="trace folder (see module docstring)")
     args = parser.parse_args()
     _import_repo()
     results = {}
     for backend in args.backends:
-        results.update(probe(backend))
+        results.update(probe(backend, args.model, args.layouts, args.profile))
     with open(args.out, "w") as f:
-        json.dump({"unit": "ms per step (median of 5)", "model": MODEL, **results}, f, indent=1)
+        json.dump({"unit": "ms per step (median of 5)", "model": args.model,
+                   "xla_flags": os.environ.get("XLA_FLAGS", ""), **results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -22,13 +22,12 @@ def has_tokenizer(folder: str | Path) -> bool:
 
 def synthetic_tokenizer_dir(vocab_size: int, root: str | Path | None = None) -> Path:
     """Folder with a word-level tokenizer of `vocab_size` ids; built once, then reused."""
-    root = Path(root or os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) \
-        / "pjinfer-bench" / f"tokenizer-vocab{vocab_size}"
+    root = cache_root(root) / f"tokenizer-vocab{vocab_size}"
     if (root / "tokenizer.json").is_file():
         return root
     root.mkdir(parents=True, exist_ok=True)
-    _write_atomic(root / "tokenizer.json", json.dumps(_tokenizer_json(vocab_size)))
-    _write_atomic(root / "tokenizer_config.json", json.dumps(
+    write_atomic(root / "tokenizer.json", json.dumps(_tokenizer_json(vocab_size)))
+    write_atomic(root / "tokenizer_config.json", json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<0>",
          "model_max_length": 1 << 30, "clean_up_tokenization_spaces": False}))
     return root
@@ -44,7 +43,13 @@ def _tokenizer_json(vocab_size: int) -> dict:
     }
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def cache_root(root: str | Path | None = None) -> Path:
+    """Where stand-in tokenizers are kept (built once per vocabulary size)."""
+    return Path(root or os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) \
+        / "pjinfer-bench"
+
+
+def write_atomic(path: Path, text: str) -> None:
     """Concurrent runs (server + client) may build the same folder; never expose half a file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent)
     with os.fdopen(fd, "w") as f:

@@ -36,9 +36,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     reqs, record["dataset"] = get_requests(args, engine.model_config.vocab_size,
                                            engine.tokenizer, engine.max_model_len)
     if args.warmup_requests:
-        warm = [_altered(r, engine.model_config.vocab_size) for r in reqs[:args.warmup_requests]]
+        warm = [altered(r, engine.model_config.vocab_size) for r in reqs[:args.warmup_requests]]
         offline.run_requests(engine, warm, desc="warm-up", progress=not args.no_progress)
-    timed = _timed_pass(engine, reqs, progress=not args.no_progress)
+    timed = timed_pass(engine, reqs, progress=not args.no_progress)
     record.update(device=jax_device_info(), timed=timed["counters"], results=timed["results"])
     shape = offline.model_shape(engine)
     record["model"] = offline.model_record(engine, shape)
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     return record
 
 
-def _altered(req: SampleRequest, vocab_size: int) -> SampleRequest:
+def altered(req: SampleRequest, vocab_size: int) -> SampleRequest:
     """Same lengths, different tokens: warm-up must not seed the prefix cache for the timed pass."""
     if isinstance(req.prompt, str):
         return SampleRequest("warm-up " + req.prompt, req.prompt_len, req.output_len)
@@ -60,10 +60,13 @@ def _altered(req: SampleRequest, vocab_size: int) -> SampleRequest:
                          req.output_len)
 
 
-def _timed_pass(engine: Any, reqs: list, *, progress: bool) -> dict[str, Any]:
+def timed_pass(engine: Any, reqs: list, *, progress: bool,
+               extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Results and counters of one timed run of `reqs`; `extra`: more SamplingParams."""
     before = offline.engine_counters(engine)
     start = time.perf_counter()
-    outs = offline.run_requests(engine, reqs, desc="throughput", progress=progress)
+    outs = offline.run_requests(engine, reqs, desc="throughput", progress=progress,
+                                extra=extra)
     elapsed = time.perf_counter() - start
     counters = offline.counters_delta(before, offline.engine_counters(engine))
     n_in = sum(len(o.prompt_token_ids) for o in outs)
@@ -72,7 +75,8 @@ def _timed_pass(engine: Any, reqs: list, *, progress: bool) -> dict[str, Any]:
                "output_tokens": n_out, "requests_per_s": len(outs) / elapsed,
                "input_tokens_per_s": n_in / elapsed, "output_tokens_per_s": n_out / elapsed,
                "total_tokens_per_s": (n_in + n_out) / elapsed,
-               "num_steps": counters["num_steps"], "num_preemptions": counters["num_preemptions"]}
+               "num_steps": counters["num_steps"], "num_preemptions": counters["num_preemptions"],
+               **offline.request_latencies(outs)}
     return {"results": results, "counters": counters}
 
 

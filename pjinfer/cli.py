@@ -64,6 +64,14 @@ SERVER_FLAGS: dict[str, tuple[str, Any, str]] = {
                           "e.g. '[\"*\"]' (default: no CORS headers)"),
     "--ssl-keyfile": ("ssl_keyfile", str, "serve HTTPS with this private key file"),
     "--ssl-certfile": ("ssl_certfile", str, "serve HTTPS with this certificate file"),
+    "--enable-auto-tool-choice": ("enable_auto_tool_choice", bool, "let the model decide "
+                                  "when to call tools (tool_choice \"auto\", the default with "
+                                  "tools); needs --tool-call-parser"),
+    "--tool-call-parser": ("tool_call_parser", str, "how tool calls are read from the model's "
+                           "output: hermes, llama3_json or mistral (the model's format)"),
+    "--admin-api-key": ("admin_api_key", str, "enable the admin routes (/v1/admin/models/load, "
+                        "unload, replace; /sleep, /wake_up, /is_sleeping), which need "
+                        "'Authorization: Bearer KEY'"),
     "--lora-modules": ("lora_modules", str, "LoRA adapters to serve (with --enable-lora), as "
                        "name=path ...: each name is a model in /v1/models"),
     "--allow-runtime-lora-updating": ("allow_runtime_lora_updating", bool, "allow POST "
@@ -86,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
                            argument_default=argparse.SUPPRESS)
     add_engine_args(serve, positional_model=True)
+    serve.add_argument("--data-parallel-size", "-dp", dest="data_parallel_size", type=int,
+                       metavar="N", help="engine replicas in this server, each on its own "
+                       "tensor-parallel-size devices (default 1)")
     _add_server_flags(serve)
     gen = sub.add_parser("generate", help="complete one prompt and print the result",
                          argument_default=argparse.SUPPRESS)
@@ -133,7 +144,11 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
     config = run_config_from_flags(args)
     given = vars(args)
     server = {dest: given[dest] for _, (dest, _, _) in SERVER_FLAGS.items() if dest in given}
-    return config.with_overrides("server", server) if server else config
+    config = config.with_overrides("server", server) if server else config
+    if given.get("data_parallel_size") is not None:
+        config = config.with_overrides("parallel",
+                                       {"data_parallel_size": given["data_parallel_size"]})
+    return config
 
 
 def with_default_cache(config: RunConfig) -> RunConfig:
@@ -231,6 +246,12 @@ def _check_server_options(args: dict[str, Any]) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {args[name]}")
     if (args["ssl_keyfile"] is None) != (args["ssl_certfile"] is None):
         raise UsageError("--ssl-keyfile and --ssl-certfile go together: give both or neither")
+    from pjinfer.tool_parsers import check_tool_options
+
+    try:
+        check_tool_options(bool(args["enable_auto_tool_choice"]), args["tool_call_parser"])
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def set_memory_fraction(gpu_memory_utilization: float) -> None:
@@ -248,19 +269,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ecfg = engine_config(config)
     set_memory_fraction(ecfg.gpu_memory_utilization)
     check_devices(config)
-    from pjinfer.engine.async_engine import AsyncEngine
     from pjinfer.server.app import ServerOptions
+    from pjinfer.server.pool_config import build_engine, build_pool
     from pjinfer.server.serve import serve
 
-    log.info("loading %s (dtype %s, load_format %s)%s", ecfg.model or "the demo model",
-             ecfg.dtype, ecfg.load_format, "; then compiling step shapes" if ecfg.warmup else "")
-    engine = _build(AsyncEngine, ecfg)
     given = {k: srv[k] for k in ("drain_timeout", "max_request_bytes",
                                  "engine_stuck_timeout") if srv[k] is not None}
     options = ServerOptions(**given, allowed_origins=tuple(srv["allowed_origins"] or ()),
                             api_keys=tuple(srv["api_keys"]), admission=srv["admission"],
-                            lora_modules=srv["lora_modules"],
+                            enable_auto_tool_choice=bool(srv["enable_auto_tool_choice"]),
+                            tool_call_parser=srv["tool_call_parser"],
+                            admin_api_key=srv["admin_api_key"], lora_modules=srv["lora_modules"],
                             allow_runtime_lora_updating=bool(srv["allow_runtime_lora_updating"]))
+    if config.models:  # a model pool: engines load in the server's start-up
+        try:
+            engine = build_pool(config)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    else:
+        log.info("loading %s (dtype %s, load_format %s)%s", ecfg.model or "the demo model",
+                 ecfg.dtype, ecfg.load_format,
+                 "; then compiling step shapes" if ecfg.warmup else "")
+        engine = _build(lambda c: build_engine(c, config.parallel.data_parallel_size), ecfg)
     serve(engine, options, host=srv["host"], port=srv["port"], log_level=srv["log_level"],
           ssl_keyfile=srv["ssl_keyfile"], ssl_certfile=srv["ssl_certfile"])
     return 0
@@ -277,9 +307,6 @@ def check_devices(config: RunConfig) -> None:
     initialize(parallel.coordinator_address,
                parallel.num_processes if parallel.num_processes > 1 else None,
                parallel.process_id if parallel.num_processes > 1 else None)
-    if parallel.data_parallel_size > 1:
-        raise UsageError("data_parallel_size > 1: `pjinfer serve` runs one engine replica; "
-                         "start one server per replica behind a load balancer")
     available = jax.device_count()
     if parallel.world_size > available:
         raise UsageError(

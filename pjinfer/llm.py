@@ -73,13 +73,15 @@ class LLM:
             raise
         return self._run(ids, prompts)
 
-    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             tools: list[dict[str, Any]] | None = None,
              *, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
              ) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template, then generate."""
+        """Render each conversation with the model's chat template (and `tools`, OpenAI
+        function definitions, for templates that show them), then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [apply_chat_template(self.tokenizer, c) for c in conversations]
+        prompts = [apply_chat_template(self.tokenizer, c, tools=tools) for c in conversations]
         return self.generate(prompts, sampling_params, lora_request=lora_request)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt],

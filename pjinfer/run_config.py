@@ -27,9 +27,14 @@ _OTHER_KEYS: dict[str, dict[str, type]] = {
                "engine_stuck_timeout": float, "allowed_origins": list, "ssl_keyfile": str,
                "ssl_certfile": str, "rate_limit_requests": float, "rate_limit_burst": float,
                "rate_limit_tokens": float, "max_num_queued_requests": int,
-               "max_num_queued_tokens": int, "lora_modules": list,
+               "max_num_queued_tokens": int, "enable_auto_tool_choice": bool,
+               "tool_call_parser": str, "admin_api_key": str, "lora_modules": list,
                "allow_runtime_lora_updating": bool},
+    "pool": {"repository": str, "memory_bytes": int},
 }
+# keys of one [[models]] entry besides engine arguments (pjinfer.server.model_pool.ModelSpec)
+MODEL_ENTRY_KEYS: dict[str, type] = {"name": str, "path": str, "version": str, "lazy": bool,
+                                     "idle_unload_s": float, "memory_share": float}
 
 
 def _schema() -> dict[str, dict[str, tuple[str | None, Any]]]:
@@ -62,6 +67,7 @@ class ParallelConfig:
     coordinator_address: str | None = None  # "host:port" of process 0, multi-host only
     num_processes: int = 1
     process_id: int = 0
+    enable_expert_parallel: bool = False  # engine argument too; MoE experts whole per tp shard
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size", "num_processes"):
@@ -86,6 +92,7 @@ class RunConfig:
 
     path: str | None = None
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)
+    models: tuple[dict[str, Any], ...] = ()  # [[models]]: a model pool (keys as written)
 
     def engine_args(self) -> dict[str, Any]:
         """EngineConfig keyword arguments for every engine key the file set."""
@@ -114,7 +121,7 @@ class RunConfig:
             _check_value(self.path, section, key, value)
         merged = {s: dict(v) for s, v in self.sections.items()}
         merged.setdefault(section, {}).update(values)
-        return RunConfig(self.path, merged)
+        return RunConfig(self.path, merged, self.models)
 
     def with_engine_args(self, kwargs: dict[str, Any]) -> RunConfig:
         """A copy where EngineConfig keyword arguments replace the file's keys for them."""
@@ -135,7 +142,9 @@ def load_run_config(path: str | Path) -> RunConfig:
     except tomllib.TOMLDecodeError as e:
         raise RunConfigError(f"{path}: not valid TOML: {e}") from None
     config = parse_run_config(raw, source=str(path))
-    _resolve_paths(config.sections.get("model", {}), path.parent)
+    for values in (config.sections.get("model", {}), config.sections.get("pool", {}),
+                   *config.models):
+        _resolve_paths(values, path.parent)
     config.parallel  # noqa: B018 - checks the [parallel] combination now, not at first use
     return config
 
@@ -143,7 +152,7 @@ def load_run_config(path: str | Path) -> RunConfig:
 def _resolve_paths(model: dict[str, Any], base: Path) -> None:
     """A relative model/tokenizer path means relative to the config file, if it exists there,
     so `configs/x.toml` can name `models/x` wherever pjinfer is started from."""
-    for key in ("path", "tokenizer"):
+    for key in ("path", "tokenizer", "repository"):
         value = model.get(key)
         if value and not Path(value).is_absolute() and (base / value).exists():
             model[key] = str(base / value)
@@ -152,6 +161,7 @@ def _resolve_paths(model: dict[str, Any], base: Path) -> None:
 def parse_run_config(raw: dict[str, Any], *, source: str = "<config>") -> RunConfig:
     """Check a decoded TOML document against SCHEMA."""
     sections: dict[str, dict[str, Any]] = {}
+    models = _parse_models(raw.pop("models", None), source) if "models" in raw else ()
     for section, values in raw.items():
         if section not in SCHEMA:
             raise RunConfigError(f"{source}: unknown section [{section}]; valid sections: "
@@ -161,7 +171,28 @@ def parse_run_config(raw: dict[str, Any], *, source: str = "<config>") -> RunCon
         for key, value in values.items():
             _check_value(source, section, key, value)
         sections[section] = dict(values)
-    return RunConfig(source, sections)
+    return RunConfig(source, sections, models)
+
+
+def _parse_models(entries: Any, source: str) -> tuple[dict[str, Any], ...]:
+    """`[[models]]` tables: MODEL_ENTRY_KEYS plus engine arguments by their field names."""
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise RunConfigError(f"{source}: models must be an array of tables ([[models]])")
+    for n, entry in enumerate(entries):
+        if not isinstance(entry.get("name"), str):
+            raise RunConfigError(f"{source}: [[models]] entry {n} needs name = \"...\"")
+        for key, value in entry.items():
+            kind = MODEL_ENTRY_KEYS.get(key) or (ENGINE_ARGS[key].type if key in ENGINE_ARGS
+                                                  else None)
+            if kind is None:
+                raise RunConfigError(
+                    f"{source}: unknown key {key!r} in [[models]] {entry['name']!r}; valid "
+                    f"keys: {', '.join(MODEL_ENTRY_KEYS)} and the engine arguments "
+                    f"{', '.join(ENGINE_ARGS)}")
+            if not _has_type(value, kind):
+                raise RunConfigError(f"{source}: [[models]] {entry['name']!r} {key} must be "
+                                     f"{_TYPE_WORDS[kind]}, got {value!r}")
+    return tuple(dict(e) for e in entries)
 
 
 def _check_value(source: str | None, section: str, key: str, value: Any) -> None:

@@ -12,7 +12,11 @@ dtype casts happen on the device. Each param gets its spec's dtype when it decla
 from __future__ import annotations
 
 import json
+import os
 import struct
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,7 @@ from pjinfer.models.spec import ParamSpec, build_tree
 from pjinfer.sharding.checkpoint import is_orbax_checkpoint, restore_params
 from pjinfer.sharding.mesh import make_mesh
 from pjinfer.sharding.placement import Placer, shard_params
+from pjinfer.sharding.rules import expert_layout
 
 # auto = orbax when the folder holds a `pjinfer convert` checkpoint, else safetensors
 LOAD_FORMATS = ("auto", "safetensors", "dummy", "orbax")
@@ -35,6 +40,7 @@ _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
               "U8": np.uint8, "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn,
               "F8_E5M2": ml_dtypes.float8_e5m2}
 Params = dict[str, Any]
+_READ_AHEAD = 8  # tensors read in parallel ahead of the one being placed
 
 
 class SafetensorsIndex:
@@ -83,28 +89,65 @@ class SafetensorsIndex:
     def names(self) -> list[str]:
         return list(self._entries)
 
-    def get(self, name: str) -> np.ndarray:
+    def _entry(self, name: str) -> tuple[Path, dict[str, Any], int, int]:
         path, info, data_start = self._entries[self._key(name)]
         if info["dtype"] not in _ST_DTYPES:
             raise ModelLoadError(f"tensor {name!r} has unsupported dtype {info['dtype']}")
+        begin, end = info["data_offsets"]
+        return path, info, data_start + begin, data_start + end
+
+    def get(self, name: str) -> np.ndarray:
+        """A zero-copy memmap view: pages are read when first touched."""
+        path, info, begin, end = self._entry(name)
         if path not in self._maps:
             self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
-        begin, end = info["data_offsets"]
-        raw = self._maps[path][data_start + begin:data_start + end]
-        return raw.view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
+        return self._maps[path][begin:end].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor copied into host memory with large `preadv` calls, which release the GIL
+        (a memmap copy faults pages in one at a time): parallel reads keep the disk busy."""
+        path, info, begin, end = self._entry(name)
+        out = np.empty(end - begin, np.uint8)
+        view, done = memoryview(out), 0
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while done < len(out):
+                n = os.preadv(fd, [view[done:]], begin + done)
+                if n == 0:
+                    raise ModelLoadError(f"checkpoint shard {path} is truncated at tensor "
+                                         f"{name!r}; re-download it")
+                done += n
+        finally:
+            os.close(fd)
+        return out.view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
-def read_param(index: SafetensorsIndex, p: ParamSpec, cfg: ModelConfig) -> np.ndarray:
-    """The host tensor of `p` (a memmap view unless its transform copies), shape-checked."""
+def read_param(index: SafetensorsIndex, p: ParamSpec, cfg: ModelConfig, *,
+               copy: bool = False) -> np.ndarray:
+    """The host tensor of `p`, shape-checked: read into memory (`copy`) or a memmap view
+    (unless its transform copies)."""
     if not p.hf_names:
         raise ModelLoadError(f"param {p.path} of {cfg.architecture} names no checkpoint tensor")
-    for name in p.hf_names:
-        if name not in index:
-            raise ModelLoadError(f"checkpoint in {index.model_dir} is missing tensor {name!r} "
-                                 f"(needed for {cfg.architecture} with this config.json)")
-    host = p.from_checkpoint([index.get(name) for name in p.hf_names])
+    names, transform = p.hf_names, p.transform
+    missing = [name for name in names if name not in index]
+    if missing and p.fallback and all(name in index for name in p.fallback[0]):
+        (names, transform), missing = p.fallback, []
+    if missing:
+        other = f" (or {', '.join(map(repr, p.fallback[0]))})" if p.fallback else ""
+        raise ModelLoadError(f"checkpoint in {index.model_dir} is missing tensor {missing[0]!r}"
+                             f"{other} (needed for {cfg.architecture} with this config.json)")
+    fetch = index.read if copy else index.get
+    tensors = [fetch(name) for name in names]
+    try:
+        host = transform(*tensors) if transform else p.from_checkpoint(tensors)
+    except ValueError as e:  # e.g. experts of different shapes cannot be stacked
+        shapes = ", ".join(f"{n!r} {tuple(t.shape)}" for n, t in zip(names[:4], tensors[:4],
+                                                                  strict=True))
+        raise ModelLoadError(f"tensors {shapes} do not combine into {p.path} of shape "
+                             f"{p.shape}: {e}") from None
     if tuple(host.shape) != p.shape:
-        raise ModelLoadError(f"tensor {', '.join(map(repr, p.hf_names))} has shape "
+        shown = ", ".join(map(repr, names[:2])) + (" ..." if len(names) > 2 else "")
+        raise ModelLoadError(f"tensor {shown} has shape "
                              f"{tuple(host.shape)} (after its transform), expected {p.shape} "
                              "from config.json")
     return host
@@ -136,8 +179,24 @@ def load_params(model_dir: str | Path | None, cfg: ModelConfig, *, dtype: str = 
 
 def _safetensors(index: SafetensorsIndex, cfg: ModelConfig, placer: Placer,
                  model_dtype: Any) -> Params:
-    return build_tree((p.path, placer.from_host(p, read_param(index, p, cfg))
-                       .astype(p.target_dtype(model_dtype))) for p in cfg.param_specs())
+    specs = cfg.param_specs()
+    return build_tree((p.path, placer.from_host(p, host).astype(p.target_dtype(model_dtype)))
+                      for p, host in zip(specs, _read_ahead(index, specs, cfg), strict=True))
+
+
+def _read_ahead(index: SafetensorsIndex, specs: list[ParamSpec],
+                cfg: ModelConfig) -> Iterator[np.ndarray]:
+    """Host tensors in spec order; the next `_READ_AHEAD` are read by a thread pool while the
+    current one goes to the device, so disk reads overlap each other and the transfers. Host
+    memory holds at most that many tensors."""
+    with ThreadPoolExecutor(_READ_AHEAD) as pool:
+        pending: deque[Future] = deque()
+        for p in specs:
+            pending.append(pool.submit(read_param, index, p, cfg, copy=True))
+            if len(pending) > _READ_AHEAD:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 def _dummy(cfg: ModelConfig, placer: Placer, model_dtype: Any, seed: int) -> Params:
@@ -151,9 +210,13 @@ def _dummy(cfg: ModelConfig, placer: Placer, model_dtype: Any, seed: int) -> Par
 def load_engine_model(model_dir: str | Path, *, tensor_parallel_size: int = 1,
                       data_parallel_size: int = 1, dtype: str = "auto",
                       load_format: str = "auto", seed: int = 0, params: Params | None = None,
+                      enable_expert_parallel: bool = False, devices: list | None = None,
                       ) -> tuple[ModelConfig, Params, Mesh | None]:
     """(config, params, mesh) for an engine: a ("dp", "tp") mesh when either size is > 1 (None
-    otherwise), validated against the model before any weight is read.
+    otherwise, unless `devices` pins the engine to some: a data-parallel replica), validated
+    against the model before any weight is read.
+    `enable_expert_parallel` places a MoE model's whole experts on the tp axis (the returned
+    config says so), instead of splitting every expert.
 
     Given `params` (unsharded, checkpoint layout) only config.json is read; they are returned as
     they are without a mesh, else placed onto it.
@@ -161,8 +224,9 @@ def load_engine_model(model_dir: str | Path, *, tensor_parallel_size: int = 1,
     check_load_format(load_format)
     cfg = ModelConfig.from_pretrained(model_dir)
     mesh = None
-    if tensor_parallel_size > 1 or data_parallel_size > 1:
-        mesh = make_mesh(tensor_parallel_size, data_parallel_size, cfg=cfg)
+    if tensor_parallel_size > 1 or data_parallel_size > 1 or devices is not None:
+        mesh = make_mesh(tensor_parallel_size, data_parallel_size, cfg=cfg, devices=devices)
+    cfg = expert_layout(cfg, tensor_parallel_size, enable_expert_parallel)
     if params is not None:
         return cfg, (params if mesh is None else shard_params(params, cfg, mesh)), mesh
     return cfg, load_params(model_dir, cfg, dtype=dtype, load_format=load_format, seed=seed,

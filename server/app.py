@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -35,11 +36,15 @@ from pjinfer.errors import ServerShuttingDownError
 from pjinfer.outputs import RequestOutput
 from pjinfer.sampling_params import RequestOutputKind
 from pjinfer.server import beam, body, protocol, streaming, validation
+from pjinfer.server.admin import admin_routes
 from pjinfer.server.admission import Admission, AdmissionLimits, Ticket, retry_after_header
 from pjinfer.server.lora import LoRARoutes
 from pjinfer.server.metrics import CONTENT_TYPE, ServerMetrics
+from pjinfer.server.model_entry import Lease
+from pjinfer.server.model_pool import ModelPool
 from pjinfer.server.openapi import openapi_schema
 from pjinfer.server.protocol import APIError, GenerationRequest, ModelInfo
+from pjinfer.tool_parsers import check_tool_options
 
 log = logging.getLogger("pjinfer.server")
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
@@ -66,8 +71,14 @@ class ServerOptions:
     engine_stuck_timeout: float = DEFAULT_ENGINE_STUCK_TIMEOUT_S
     allowed_origins: tuple[str, ...] = ()  # CORS; empty: no CORS headers at all
     admission: AdmissionLimits = AdmissionLimits()
+    enable_auto_tool_choice: bool = False  # tool_choice "auto", read by tool_call_parser
+    tool_call_parser: str | None = None
+    admin_api_key: str | None = None  # enables the admin routes (server.admin)
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) served at start
     allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and unload (server.lora)
+
+    def __post_init__(self) -> None:
+        check_tool_options(self.enable_auto_tool_choice, self.tool_call_parser)
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -75,18 +86,17 @@ class ServerOptions:
 
 
 class OpenAIServer:
-    """Request handlers bound to one engine; built once per app."""
+    """Request handlers bound to one model pool (one engine: a pool of one); built once per
+    app. Each request leases the model its `model` field names (server.model_pool)."""
 
-    def __init__(self, engine: AsyncEngine, options: ServerOptions):
-        self.engine = engine
+    def __init__(self, models: AsyncEngine | ModelPool, options: ServerOptions):
+        self.models = models if isinstance(models, ModelPool) else ModelPool.of_engine(
+            models, options.served_model_name)
         self.options = options
-        name = options.served_model_name or engine.served_model_name
-        self.info = ModelInfo(name, engine.max_model_len, engine.tokenizer, engine.vocab_size,
-                              engine.config.max_logprobs, engine.check_structured_outputs,
-                              lambda: self.lora.adapters.names())
         self.lora = LoRARoutes(self, options.lora_modules, options.allow_runtime_lora_updating)
-        self.metrics = ServerMetrics(engine.stats, name, engine.config.max_loras
-                                     if engine.config.enable_lora else None)
+        self.metrics = ServerMetrics(self.models.stats_by_model, self.models.default.key,
+                                     self.models.max_loras_by_model)
+        self.metrics.watch_pool(self.models)
         self.created = int(time.time())
         self.pool = ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="pjinfer-parse")
         self.admission = Admission(options.admission)
@@ -137,23 +147,30 @@ class OpenAIServer:
     async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
-    async def _json_body(self, request: Request) -> dict[str, Any]:
+    async def json_body(self, request: Request) -> dict[str, Any]:
         raw = await body.read_body(request, self.options.max_request_bytes)
         return await self._off_loop(body.parse_json, raw)
 
-    async def _parse(self, request: Request, parse: Callable[..., GenerationRequest]
-                     ) -> GenerationRequest:
-        return await self._off_loop(parse, await self._json_body(request), self.info,
-                                    request.state.request_id)
+    async def _lease(self, raw: dict[str, Any]) -> Lease:
+        """The model the body's `model` names (a missing or non-text one: the first model,
+        whose validation then says what is wrong)."""
+        model = raw.get("model")
+        try:  # a LoRA adapter's name leases the model serving it (server.lora)
+            return await self.models.acquire(
+                self.lora.lease_name(model if isinstance(model, str) else None))
+        except APIError as e:
+            raise self.lora.not_found(e) from None
 
-    def _generate(self, req: GenerationRequest) -> list[AsyncIterator[RequestOutput]]:
+    def _generate(self, lease: Lease, req: GenerationRequest
+                  ) -> list[AsyncIterator[RequestOutput]]:
         """Engine streams, one per prompt; nothing reaches the engine until one is iterated.
-        A stream gets DELTA outputs (sent as they are), a whole response one final output."""
+        A stream gets DELTA outputs (sent as they are), a whole response one final output;
+        a request naming a LoRA adapter runs with it."""
+        lora = self.lora.lora_for(req.model, lease.info.served_model_name)
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         params = dataclasses.replace(req.params, output_kind=kind)
-        lora = self.lora.lora_for(req.model)
-        streams = [self.engine.generate(ids, params, request_id=f"{req.id}-{i}",
-                                        priority=req.priority, lora_request=lora)
+        streams = [lease.engine.generate(ids, params, request_id=f"{req.id}-{i}",
+                                         priority=req.priority, lora_request=lora)
                    for i, ids in enumerate(req.prompts)]
         return [streaming.hide_generated(s) for s in streams] if req.prompt_only else streams
 
@@ -161,27 +178,27 @@ class OpenAIServer:
         """Shutdown started (no new connections): requests still running when the drain
         timeout is over end with a 503, or an error event then [DONE] on a stream, instead
         of being cut off by the ASGI server."""
-        asyncio.get_running_loop().call_later(
-            self.options.drain_timeout, self.engine.fail_all, ServerShuttingDownError(
-                f"the server is shutting down and this request ran past its drain timeout "
-                f"({self.options.drain_timeout:g} s); retry on another replica"))
+        error = ServerShuttingDownError(
+            f"the server is shutting down and this request ran past its drain timeout "
+            f"({self.options.drain_timeout:g} s); retry on another replica")
+        for engine in self.models.engines():
+            asyncio.get_running_loop().call_later(self.options.drain_timeout, engine.fail_all,
+                                                  error)
 
     # ---- OpenAI routes ------------------------------------------------------------------
-    def _card(self) -> dict[str, Any]:
-        name = self.info.served_model_name
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "pjinfer",
-                "root": name, "parent": None, "max_model_len": self.info.max_model_len}
+    def _cards(self) -> list[dict[str, Any]]:
+        """The pool's models, then the default model's LoRA adapters (parent: that model)."""
+        return self.models.cards(self.created) + self.lora.cards(self.created)
 
-    async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list",
-                             "data": [self._card(), *self.lora.cards(self.created)]})
+    async def list_models(self, request: Request) -> Response:
+        """Every model of the pool, with its state (loaded, loading, unloaded, sleeping)."""
+        return JSONResponse({"object": "list", "data": self._cards()})
 
     async def model(self, request: Request) -> Response:
         model_id = request.path_params["model_id"]
-        card = next((c for c in [self._card(), *self.lora.cards(self.created)]
-                     if c["id"] == model_id), None)
+        card = next((c for c in self._cards() if c["id"] == model_id), None)
         if card is None:
-            raise validation.model_not_found(model_id, self.info)
+            raise self.lora.not_found(self.models.not_found(model_id))
         return JSONResponse(card)
 
     async def completions(self, request: Request) -> Response:
@@ -200,32 +217,49 @@ class OpenAIServer:
                      events: Callable[..., AsyncIterator[str]],
                      whole: Callable[..., dict[str, Any]],
                      beams: Callable[..., dict[str, Any]]) -> Response:
+        """Lease the model the request names, then `_serve_on` it; a stream keeps the lease
+        until it ends."""
+        self.admission.precheck(request.state.api_key)
+        raw = await self.json_body(request)
+        lease = await self._lease(raw)
+        try:
+            return await self._serve_on(lease, request, raw, parse, events, whole, beams)
+        finally:
+            if not lease.handed_off:
+                lease.release()
+
+    async def _serve_on(self, lease: Lease, request: Request, raw: dict[str, Any],
+                        parse: Callable[..., GenerationRequest],
+                        events: Callable[..., AsyncIterator[str]],
+                        whole: Callable[..., dict[str, Any]],
+                        beams: Callable[..., dict[str, Any]]) -> Response:
         """Parse, admit, generate; then stream `events`, or answer `whole` (`beams` for a
         beam search)."""
-        self.admission.precheck(request.state.api_key)
-        req = await self._parse(request, beam.with_beam(parse))
-        tokenizer, on_finished = self.info.tokenizer, self.metrics.observe_finished
-        with self._admit(request, req) as ticket:
+        req = await self._off_loop(beam.with_beam(parse), raw, self._info(lease),
+                                   request.state.request_id)
+        tokenizer = lease.info.tokenizer
+        on_finished = functools.partial(self.metrics.observe_finished, model_name=lease.entry.key)
+        with self._admit(request, req, lease.info.max_model_len) as ticket:
             if req.beam is not None:
-                if req.model != self.info.served_model_name:
+                if req.model != lease.info.served_model_name:
                     raise APIError("beam search with a LoRA adapter is not supported",
                                    param="use_beam_search")
-                results = await _unless_disconnected(request, beam.run(self.engine, req))
+                results = await _unless_disconnected(request, beam.run(lease.engine, req))
                 for summary in beam.summaries(req, results):
                     on_finished(summary)
                 return JSONResponse(beams(req, results, tokenizer))
-            streams = self._generate(req)
+            streams = self._generate(lease, req)
             if req.stream:
                 streams = await _unless_disconnected(request, streaming.prime(streams))
-                return _sse(ticket.hand_off(events(req, streams, tokenizer, on_finished)))
+                return _sse(ticket.hand_off(lease.hand_off(
+                    events(req, streams, tokenizer, on_finished))))
             outputs = await _unless_disconnected(request, streaming.collect(streams,
                                                                             on_finished))
             return JSONResponse(whole(req, outputs, tokenizer))
 
-    def _admit(self, request: Request, req: GenerationRequest) -> Ticket:
+    def _admit(self, request: Request, req: GenerationRequest, limit: int) -> Ticket:
         """Rate limits and queue caps (server.admission); the cost counts every choice's
         max_tokens (up to the context length when unset)."""
-        limit = self.info.max_model_len
         new_tokens = sum(req.params.n * (req.params.max_tokens or limit - len(p))
                          for p in req.prompts)
         return self.admission.admit(request.state.api_key, sum(map(len, req.prompts)),
@@ -233,9 +267,11 @@ class OpenAIServer:
 
     # ---- operations routes --------------------------------------------------------------
     async def health(self, request: Request) -> Response:
-        """503 once the engine thread is gone, or stuck: work waiting, no step finished."""
-        stuck = self.engine.stalled_for() > self.options.engine_stuck_timeout
-        return Response(status_code=200 if self.engine.is_running and not stuck else 503)
+        """503 once an engine thread is gone, or stuck: work waiting, no step finished (a
+        liveness probe restarts the pod then)."""
+        limit = self.options.engine_stuck_timeout
+        ok = all(e.is_running and e.stalled_for() <= limit for e in self.models.engines())
+        return Response(status_code=200 if ok else 503)
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": pjinfer.__version__})
@@ -244,30 +280,48 @@ class OpenAIServer:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     async def openapi(self, request: Request) -> Response:
-        info = self.info
+        lease = await self.models.acquire(None)
+        lease.release()
+        info = lease.info
         return JSONResponse(openapi_schema(info.served_model_name, info.max_model_len,
-                                           info.vocab_size, self.engine.config.max_logprobs))
+                                           info.vocab_size, info.max_logprobs))
+
+    async def _with_model(self, request: Request, fn: Callable[..., Any]) -> tuple[Any, Any]:
+        """fn(body, info) off the loop, for the model the body names; (result, info)."""
+        raw = await self.json_body(request)
+        lease = await self._lease(raw)
+        try:
+            return await self._off_loop(fn, raw, self._info(lease)), lease.info
+        finally:
+            lease.release()
+
+    def _info(self, lease: Lease) -> ModelInfo:
+        """The leased model's ModelInfo with the server's tool-call parser (a server option,
+        used only with --enable-auto-tool-choice) and the LoRA adapters it serves."""
+        opts = self.options
+        return dataclasses.replace(
+            lease.info, tool_parser=opts.tool_call_parser if opts.enable_auto_tool_choice else None,
+            lora_names=self.lora.names_for(lease.entry))
 
     async def tokenize(self, request: Request) -> Response:
-        tokens = await self._off_loop(validation.tokenize, await self._json_body(request),
-                                      self.info)
-        return JSONResponse({"count": len(tokens), "max_model_len": self.info.max_model_len,
+        tokens, info = await self._with_model(request, validation.tokenize)
+        return JSONResponse({"count": len(tokens), "max_model_len": info.max_model_len,
                              "tokens": tokens, "token_strs": None})
 
     async def detokenize(self, request: Request) -> Response:
-        text = await self._off_loop(validation.detokenize, await self._json_body(request),
-                                    self.info)
+        text, _ = await self._with_model(request, validation.detokenize)
         return JSONResponse({"prompt": text})
 
 
-def build_app(engine: AsyncEngine, options: ServerOptions | None = None,
+def build_app(engine: AsyncEngine | ModelPool, options: ServerOptions | None = None,
               **kwargs: Any) -> Starlette:
-    """The ASGI app; its lifespan starts the engine and, on shutdown, drains then stops it.
-    `kwargs` are ServerOptions fields, for callers without an options object."""
+    """The ASGI app around one engine or a model pool; its lifespan starts (or loads) the
+    engines and, on shutdown, drains then stops them. `kwargs` are ServerOptions fields, for
+    callers without an options object."""
     options = options or ServerOptions(**kwargs)
     server = OpenAIServer(engine, options)
     table = [
-        ("/v1/models", server.models, ["GET"], True),
+        ("/v1/models", server.list_models, ["GET"], True),
         ("/v1/models/{model_id:path}", server.model, ["GET"], True),
         ("/v1/completions", server.completions, ["POST"], True),
         ("/v1/chat/completions", server.chat, ["POST"], True),
@@ -282,12 +336,14 @@ def build_app(engine: AsyncEngine, options: ServerOptions | None = None,
     ]
     routes = [Route(path, server.endpoint(path, handler, auth=auth), methods=methods)
               for path, handler, methods, auth in table]
+    routes += admin_routes(server, options.admin_api_key)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        engine.start()
+        await server.models.startup()
+        await server.lora.startup()
         yield
-        await asyncio.to_thread(engine.shutdown, drain_timeout=options.drain_timeout)
+        await server.models.shutdown(options.drain_timeout)
         server.pool.shutdown(wait=False, cancel_futures=True)
 
     middleware = [Middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),

@@ -27,7 +27,7 @@ Parse = Callable[[dict[str, Any], ModelInfo, str], GenerationRequest]
 _DEFAULTS = SamplingParams()
 INCOMPATIBLE = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                 "repetition_penalty", "stop", "stop_token_ids", "min_tokens", "logprobs",
-                "prompt_logprobs", "logit_bias")
+                "prompt_logprobs", "logit_bias", "structured_outputs")
 
 
 def with_beam(parse: Parse) -> Parse:
@@ -36,6 +36,9 @@ def with_beam(parse: Parse) -> Parse:
     def parse_with_beam(body: dict[str, Any], info: ModelInfo, request_id: str
                         ) -> GenerationRequest:
         req = parse(body, info, request_id)
+        if req.tools is not None and get_field(body, "use_beam_search", "bool", False):
+            raise APIError("tool calls are not supported with use_beam_search; leave tools "
+                           "out or set tool_choice to \"none\"", param="tools")
         beam = parse_beam(body, req.params, req.prompts, info)
         return req if beam is None else dataclasses.replace(req, beam=beam)
 

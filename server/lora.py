@@ -1,6 +1,8 @@
 """LoRA adapters over HTTP: served names, `/v1/models` cards, run-time load and unload.
 
-Names map to `LoRARequest`s; a request whose `model` is an adapter's name runs with it. Every
+Adapters belong to the pool's default model (`pjinfer serve MODEL --enable-lora`: the one
+model). Names map to `LoRARequest`s; a request whose `model` is an adapter's name leases the
+default model and runs with the adapter. Every
 load gets a new `lora_int_id`, so an adapter reloaded under the same name (another folder, or
 new files) never shares prefix-cache blocks or a device slot with its old self.
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+from collections.abc import Callable, Collection
 from typing import Any
 
 from starlette.requests import Request
@@ -38,8 +41,7 @@ def parse_lora_module(text: str) -> tuple[str, str]:
 class ServedAdapters:
     """name -> LoRARequest, checked through the engine before a name becomes servable."""
 
-    def __init__(self, engine: Any, base_name: str):
-        self.engine, self.base_name = engine, base_name
+    def __init__(self) -> None:
         self._by_name: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -53,15 +55,16 @@ class ServedAdapters:
     def requests(self) -> list[LoRARequest]:
         return list(self._by_name.values())
 
-    def load(self, name: str, path: str) -> LoRARequest:
-        """Read and check the folder (ValueError with the reason), then serve it as `name`."""
-        if name == self.base_name:
-            raise ValueError(f"lora_name {name!r} is the base model's name; pick another")
+    def load(self, engine: Any, name: str, path: str, models: Collection[str]) -> LoRARequest:
+        """Read and check the folder through `engine` (ValueError with the reason), then serve
+        it as `name`, which must not be one of the pool's `models`."""
+        if name in models:
+            raise ValueError(f"lora_name {name!r} is a served model's name; pick another")
         with self._lock:
             if name in self._by_name:
                 raise ValueError(f"LoRA adapter {name!r} is already loaded; unload it first")
             request = LoRARequest(name, next(self._ids), path)
-        self.engine.add_lora(request)
+        engine.add_lora(request)
         with self._lock:
             if name in self._by_name:  # loaded concurrently under the same name
                 raise ValueError(f"LoRA adapter {name!r} is already loaded; unload it first")
@@ -74,33 +77,62 @@ class ServedAdapters:
         if request is None:
             raise APIError(f"LoRA adapter {name!r} is not loaded", status=404,
                            param="lora_name", code="not_found")
-        self.engine.remove_lora(request)
         return request
 
 
 class LoRARoutes:
-    """The handlers of /v1/load_lora_adapter and /v1/unload_lora_adapter, and the adapters'
-    /v1/models cards."""
+    """The handlers of /v1/load_lora_adapter and /v1/unload_lora_adapter, the adapters'
+    /v1/models cards, and which pool model a request naming an adapter leases."""
 
     def __init__(self, server: Any, modules: tuple[tuple[str, str], ...], allow_updates: bool):
-        self.server = server
-        self.adapters = ServedAdapters(server.engine, server.info.served_model_name)
+        self.server, self.models = server, server.models
+        self.adapters = ServedAdapters()
+        self.modules = modules
         self.allow_updates = allow_updates or os.environ.get(RUNTIME_UPDATING_ENV) in (
             "1", "true", "True")
-        for name, path in modules:  # at start-up: a bad folder stops the server with why
-            self.adapters.load(name, path)
+
+    async def startup(self) -> None:
+        """--lora-modules, once the pool has started: a bad folder stops the server with why."""
+        if not self.modules:
+            return
+        lease = await self.models.acquire(None)
+        try:
+            for name, path in self.modules:
+                self.adapters.load(lease.engine, name, path, self.models.entries)
+        finally:
+            lease.release()
+
+    def lease_name(self, model: str | None) -> str | None:
+        """The pool model to lease for a request's `model`: an adapter's name (that is no
+        pool model's) leases the default model (None); any other name is itself."""
+        if model is not None and model not in self.models.entries and self.adapters.get(model):
+            return None
+        return model
+
+    def not_found(self, error: APIError) -> APIError:
+        """The pool's 404 for an unknown model, listing the adapters too."""
+        names = self.adapters.names()
+        if error.code == "model_not_found" and names:
+            error.message += "; LoRA adapters: " + ", ".join(repr(n) for n in names)
+        return error
+
+    def names_for(self, entry: Any) -> Callable[[], Collection[str]]:
+        """ModelInfo.lora_names of a leased pool entry: the adapters of the default model."""
+        return self.adapters.names if entry is self.models.default else tuple
 
     def cards(self, created: int) -> list[dict[str, Any]]:
-        parent = self.server.info.served_model_name
-        return [{"id": r.lora_name, "object": "model", "created": created,
-                 "owned_by": "pjinfer", "root": r.lora_path, "parent": parent,
-                 "max_model_len": self.server.info.max_model_len}
+        base = self.models.default
+        card = {"object": "model", "created": created, "owned_by": "pjinfer",
+                "parent": base.key}
+        if base.current is not None:
+            card["max_model_len"] = base.current.engine.max_model_len
+        return [{"id": r.lora_name, **card, "root": r.lora_path}
                 for r in self.adapters.requests()]
 
-    def lora_for(self, model: str) -> LoRARequest | None:
-        """The adapter a request's `model` names (None: the base model); 404 if unloaded
-        since the request was parsed."""
-        if model == self.server.info.served_model_name:
+    def lora_for(self, model: str, base_name: str) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the leased model `base_name`); 404 if
+        unloaded since the request was parsed."""
+        if model == base_name:
             return None
         request = self.adapters.get(model)
         if request is None:
@@ -116,20 +148,28 @@ class LoRARoutes:
 
     async def load(self, request: Request) -> Response:
         self._check_allowed()
-        body = await self.server._json_body(request)
+        body = await self.server.json_body(request)
         name = get_field(body, "lora_name", "str")
         path = get_field(body, "lora_path", "str")
         if not name or not path:
             raise APIError("load_lora_adapter needs lora_name and lora_path",
                            param="lora_name" if not name else "lora_path")
-        await self.server._off_loop(self.adapters.load, name, path)
+        lease = await self.models.acquire(None)  # the default model's engine checks it
+        try:
+            await self.server._off_loop(self.adapters.load, lease.engine, name, path,
+                                        tuple(self.models.entries))
+        finally:
+            lease.release()
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload(self, request: Request) -> Response:
         self._check_allowed()
-        body = await self.server._json_body(request)
+        body = await self.server.json_body(request)
         name = get_field(body, "lora_name", "str")
         if not name:
             raise APIError("unload_lora_adapter needs lora_name", param="lora_name")
-        self.adapters.unload(name)
+        lora = self.adapters.unload(name)
+        base = self.models.default.current
+        if base is not None:
+            base.engine.remove_lora(lora)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

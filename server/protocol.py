@@ -27,6 +27,7 @@ from pjinfer.outputs import (
     RequestOutput,
 )
 from pjinfer.sampling_params import SamplingParams
+from pjinfer.tool_parsers.choice import ToolChoice
 
 # Names a SamplingParams message may start with; besides the fields, the body keys they
 # come from under another name.
@@ -84,6 +85,7 @@ class ModelInfo:
     max_logprobs: int = 20  # the engine's; beam search needs 2 x width of them per step
     # compiles a StructuredOutputsParams (cached by the engine); ValueError if it is invalid
     check_structured: Callable[[Any], None] | None = None
+    tool_parser: str | None = None  # --tool-call-parser, with --enable-auto-tool-choice only
     lora_names: Callable[[], Collection[str]] = tuple  # adapters servable now, by name
 
 
@@ -103,6 +105,7 @@ class GenerationRequest:
     # echo with max_tokens=0 (prompt scoring): the engine generates one token, never shown
     prompt_only: bool = False
     beam: BeamSearchParams | None = None  # use_beam_search: n is the width (server.beam)
+    tools: ToolChoice | None = None  # chat: read the output as tool calls
 
 # ---- responses ----------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
@@ -144,11 +147,14 @@ def completion_response(req: GenerationRequest, outputs: list[RequestOutput],
 
 
 def chat_response(req: GenerationRequest, out: RequestOutput, tokenizer: Any) -> dict[str, Any]:
-    choices = [{
-        "index": c.index, "message": {"role": "assistant", "content": c.text},
-        "logprobs": chat_logprobs(c.logprobs, tokenizer, req.params.logprobs),
-        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-    } for c in out.outputs]
+    choices = []
+    for c in out.outputs:
+        message, finish_reason = ({"role": "assistant", "content": c.text}, c.finish_reason) \
+            if req.tools is None else req.tools.message(c.text, c.finish_reason)
+        choices.append({
+            "index": c.index, "message": message,
+            "logprobs": chat_logprobs(c.logprobs, tokenizer, req.params.logprobs),
+            "finish_reason": finish_reason, "stop_reason": c.stop_reason})
     return {"id": req.id, "object": "chat.completion", "created": req.created,
             "model": req.model, "choices": choices, "usage": usage([Summary.of(out)])}
 

@@ -10,6 +10,7 @@ from starlette.applications import Starlette
 
 from pjinfer.engine.async_engine import AsyncEngine
 from pjinfer.server.app import ServerOptions, build_app
+from pjinfer.server.model_pool import ModelPool
 
 log = logging.getLogger("pjinfer.server")
 SHUTDOWN_GRACE_S = 5  # after the drain timeout, for the app to send its 503s and [DONE]s
@@ -31,7 +32,7 @@ class DrainingServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def serve(engine: AsyncEngine, options: ServerOptions, *, host: str = "127.0.0.1",
+def serve(engine: AsyncEngine | ModelPool, options: ServerOptions, *, host: str = "127.0.0.1",
           port: int = 8000, log_level: str = "info", ssl_keyfile: str | None = None,
           ssl_certfile: str | None = None) -> None:
     """Serve until SIGINT/SIGTERM: uvicorn stops accepting, open requests run for up to the
@@ -41,9 +42,9 @@ def serve(engine: AsyncEngine, options: ServerOptions, *, host: str = "127.0.0.1
     server = DrainingServer(app, host=host, port=port, log_level=log_level.lower(),
                             log_config=None,  # keep the CLI's logging setup
                             ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)
-    info = app.state.server.info
     scheme = "https" if ssl_certfile else "http"
-    log.info("serving %r (max_model_len %d, %d KV blocks) on %s://%s:%d%s",
-             info.served_model_name, info.max_model_len, engine.stats().num_kv_blocks,
-             scheme, host, port, " (API key required)" if options.api_key else "")
+    models = ", ".join(f"{c['id']} ({c['state']})" for c in app.state.server.models.cards(0))
+    log.info("serving %s on %s://%s:%d%s%s", models, scheme, host, port,
+             " (API key required)" if options.keys else "",
+             "; admin routes on" if options.admin_api_key else "")
     server.run()

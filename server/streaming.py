@@ -26,6 +26,7 @@ from pjinfer.server.protocol import (
     error_for,
     usage,
 )
+from pjinfer.tool_parsers.base import ToolCallStream
 
 log = logging.getLogger("pjinfer.server")
 DONE = "data: [DONE]\n\n"
@@ -137,6 +138,7 @@ class _Sent:
     tokens: int = 0
     started: bool = False
     finish_reason: str | None = None
+    tools: ToolCallStream | None = None  # a chat choice read as tool calls
 
 
 class _Tally:
@@ -240,12 +242,18 @@ async def chat_events(req: GenerationRequest, stream: AsyncIterator[RequestOutpu
 def _chat_choice(req: GenerationRequest, c: CompletionOutput, sent: _Sent,
                  tokenizer: Any) -> dict[str, Any] | None:
     _advance(sent, c)
-    if not (c.text or c.finished):
+    delta, finish_reason = ({"content": c.text} if c.text else {}), c.finish_reason
+    held = False  # text the tool parser holds back: its tokens' logprobs still go out
+    if req.tools is not None:  # content and tool call deltas, from the text so far
+        sent.tools = sent.tools or req.tools.stream()
+        delta = sent.tools.feed(c.text, c.finished)
+        finish_reason = req.tools.finish_reason(c.finish_reason, sent.tools.called)
+        held = req.params.logprobs is not None and bool(c.logprobs)
+    if not (delta or c.finished or held):
         return None
     logprobs = chat_logprobs(c.logprobs, tokenizer, req.params.logprobs)
-    return {"index": c.index, "delta": {"content": c.text} if c.text else {},
-            "logprobs": logprobs, "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason}
+    return {"index": c.index, "delta": delta, "logprobs": logprobs,
+            "finish_reason": finish_reason, "stop_reason": c.stop_reason}
 
 
 def _no_usage(req: GenerationRequest) -> dict[str, Any]:

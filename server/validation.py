@@ -16,12 +16,13 @@ from typing import Any
 from pjinfer.sampling_params import MAX_N, SamplingParams
 from pjinfer.server.protocol import APIError, GenerationRequest, ModelInfo, param_of
 from pjinfer.server.structured_outputs import parse_structured_outputs
+from pjinfer.server.tools import message_tool_fields, parse_tools, template_tools
 from pjinfer.tokenizer import apply_chat_template
 
 MAX_PROMPTS = 1024  # prompts in one batched completions request
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI fields this server does not implement: refused rather than silently ignored
-UNSUPPORTED = ("suffix", "tools")
+UNSUPPORTED = ("suffix",)
 
 # body key -> SamplingParams field, shared by both endpoints (OpenAI names, then vLLM's extras)
 _SAMPLING_FIELDS = {
@@ -106,21 +107,32 @@ def parse_completion(body: dict[str, Any], info: ModelInfo, request_id: str
 def parse_chat(body: dict[str, Any], info: ModelInfo, request_id: str) -> GenerationRequest:
     model = check_model(body, info)
     _refuse_unsupported(body)
-    prompt = chat_prompt(body, info)
+    tools = parse_tools(body, info)
+    prompt = chat_prompt(body, info, tools.template_tools)
     max_tokens = get_field(body, "max_completion_tokens", "int")
     if max_tokens is None:
         max_tokens = get_field(body, "max_tokens", "int")
     params = _sampling_params(body, max_tokens, _chat_logprobs(body), info)
+    if tools.constraint is not None:  # tool_choice required or named: a grammar forces it
+        if params.structured_outputs is not None:
+            raise APIError("tool_choice (required or a named function) and the structured "
+                           "output fields both constrain the output; pass only one",
+                           param="tool_choice")
+        params = _with(params, structured_outputs=tools.constraint)
+    if tools.choice is not None and not tools.choice.skip_special_tokens:
+        params = _with(params, skip_special_tokens=False)  # the parser reads their markers
     _check_lengths([prompt], params, info, "messages")
-    return _request(f"chatcmpl-{request_id}", model, [prompt], params, body)
+    return _request(f"chatcmpl-{request_id}", model, [prompt], params, body,
+                    tools=tools.choice)
 
 
-def chat_prompt(body: dict[str, Any], info: ModelInfo) -> list[int]:
-    """Token ids of body's messages through the chat template."""
+def chat_prompt(body: dict[str, Any], info: ModelInfo,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids of body's messages (and tools) through the chat template."""
     messages = parse_messages(body.get("messages"))
     add_generation_prompt = get_field(body, "add_generation_prompt", "bool", True)
     try:
-        return apply_chat_template(info.tokenizer, messages,
+        return apply_chat_template(info.tokenizer, messages, tools=tools,
                                    add_generation_prompt=add_generation_prompt)
     except ValueError as e:
         raise APIError(str(e), param="messages") from None
@@ -130,7 +142,7 @@ def tokenize(body: dict[str, Any], info: ModelInfo) -> list[int]:
     """/tokenize: token ids of `messages` (chat template) or of `prompt`."""
     check_model(body, info, required=False)
     if "messages" in body:
-        return chat_prompt(body, info)
+        return chat_prompt(body, info, template_tools(body))
     prompt = get_field(body, "prompt", "str")
     if prompt is None:
         raise APIError("pass prompt (a string) or messages", param="prompt")
@@ -155,15 +167,16 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
                            param=name)
 
 
-def parse_messages(messages: Any) -> list[dict[str, str]]:
-    """Chat messages with string content; text parts are joined, other parts rejected."""
+def parse_messages(messages: Any) -> list[dict[str, Any]]:
+    """Chat messages with string content; text parts are joined, other parts rejected; an
+    assistant's tool calls and a tool result's call id are kept (server.tools)."""
     if not isinstance(messages, list) or not messages:
         raise APIError("messages must be a non-empty array of {role, content} objects",
                        param="messages")
     return [_message(m, i) for i, m in enumerate(messages)]
 
 
-def _message(message: Any, i: int) -> dict[str, str]:
+def _message(message: Any, i: int) -> dict[str, Any]:
     param = f"messages[{i}]"
     if not isinstance(message, dict):
         raise APIError(f"{param} must be an object with role and content", param=param)
@@ -171,12 +184,15 @@ def _message(message: Any, i: int) -> dict[str, str]:
     if role not in CHAT_ROLES:
         raise APIError(f"{param}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
                        param=f"{param}.role")
+    tool_fields = message_tool_fields(message, param)
+    if content is None and "tool_calls" in tool_fields:
+        content = ""  # an assistant turn that only called tools
     if isinstance(content, list):
         content = "".join(_text_part(p, f"{param}.content[{j}]") for j, p in enumerate(content))
     if not isinstance(content, str):
         raise APIError(f"{param}.content must be a string or an array of text parts, got "
                        f"{content!r}", param=f"{param}.content")
-    return {"role": role, "content": check_text(content, f"{param}.content")}
+    return {"role": role, "content": check_text(content, f"{param}.content"), **tool_fields}
 
 
 def _text_part(part: Any, param: str) -> str:

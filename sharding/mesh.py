@@ -17,7 +17,7 @@ from pjinfer.config import ModelConfig
 AXES = ("dp", "tp")
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -37,12 +37,12 @@ def check_parallelism(cfg: ModelConfig, tensor_parallel_size: int,
     if heads % tp:
         raise ValueError(
             f"tensor_parallel_size ({tp}) must divide num_attention_heads ({heads}) of "
-            f"{cfg.architecture}; use one of {_divisors(heads)}")
+            f"{cfg.architecture}; use one of {divisors(heads)}")
     if kv_heads % tp and tp % kv_heads:
         raise ValueError(
             f"tensor_parallel_size ({tp}) and num_key_value_heads ({kv_heads}) must divide one "
             f"another (kv heads are split, or duplicated when tp is larger); use one of "
-            f"{[d for d in _divisors(heads) if kv_heads % d == 0 or d % kv_heads == 0]}")
+            f"{[d for d in divisors(heads) if kv_heads % d == 0 or d % kv_heads == 0]}")
 
 
 def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, *,

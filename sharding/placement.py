@@ -23,7 +23,13 @@ from pjinfer.models.registry import get_model_spec
 from pjinfer.models.spec import ParamSpec, build_tree, get_path
 
 from .mesh import tp_size
-from .rules import canonical_sharding, holds_kv_heads, kv_head_replicas, param_sharding
+from .rules import (
+    canonical_sharding,
+    expert_parallel,
+    holds_kv_heads,
+    kv_head_replicas,
+    param_sharding,
+)
 
 
 def _duplicated_columns(cols: np.ndarray, reps: int, head_dim: int) -> np.ndarray:
@@ -110,7 +116,8 @@ class Placer:
             return None
         if self.canonical:
             return self.stored_sharding(p)
-        return param_sharding(self.spec, p.path, self.shape(p), self.mesh)
+        return param_sharding(self.spec, p.path, self.shape(p), self.mesh,
+                              expert_parallel=expert_parallel(self.cfg))
 
     def stored_sharding(self, p: ParamSpec) -> Sharding:
         """Where a checkpoint-layout tensor lands before its kv heads are duplicated."""

@@ -24,11 +24,17 @@ from pjinfer.config import ModelConfig
 from pjinfer.models.registry import get_model_spec
 from pjinfer.models.spec import Axes, ModelSpec, ParamPath, build_tree
 
-# Logical axis -> mesh axis (None = replicated).
+from .mesh import divisors
+
+# Logical axis -> mesh axis (None = replicated). MoE expert weights split over their
+# intermediate dim ("expert_mlp") like a dense MLP, or whole experts over tp ("experts") under
+# expert parallelism (`ModelConfig.option("expert_parallel")`: EXPERT_PARALLEL's overrides).
 LOGICAL_TO_MESH: dict[str, str | None] = {
     "vocab": "tp", "heads": "tp", "kv_heads": "tp", "mlp": "tp",
     "embed": None, "head_dim": None, "blocks": None, "block": None,
+    "experts": None, "expert_mlp": "tp",
 }
+EXPERT_PARALLEL: dict[str, str | None] = {"experts": "tp", "expert_mlp": None}
 KV_CACHE_AXES = ("blocks", "block", "kv_heads", "head_dim")  # [NB, bs, KVH, hd]
 
 
@@ -51,11 +57,13 @@ def holds_kv_heads(spec: ModelSpec, path: ParamPath) -> bool:
     return logical_axes(spec, path)[-1] == "kv_heads"
 
 
-def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, *,
+             expert_parallel: bool = False) -> PartitionSpec:
     """Mesh axes of each dim; a dim the mesh axis does not divide stays replicated."""
+    table = {**LOGICAL_TO_MESH, **EXPERT_PARALLEL} if expert_parallel else LOGICAL_TO_MESH
     out = []
     for axis, size in zip(axes, shape, strict=True):
-        mesh_axis = LOGICAL_TO_MESH.get(axis) if axis else None
+        mesh_axis = table.get(axis) if axis else None
         out.append(mesh_axis if mesh_axis and size % mesh.shape[mesh_axis] == 0 else None)
     return PartitionSpec(*out)
 
@@ -74,15 +82,46 @@ def layout_config(cfg: ModelConfig, tp: int) -> ModelConfig:
 
 
 def param_sharding(spec: ModelSpec, path: ParamPath, shape: tuple[int, ...],
-                   mesh: Mesh) -> NamedSharding:
+                   mesh: Mesh, *, expert_parallel: bool = False) -> NamedSharding:
     """Sharding of one param of shape `shape` (the device layout's, or the checkpoint's)."""
-    return NamedSharding(mesh, spec_for(logical_axes(spec, path), shape, mesh))
+    return NamedSharding(mesh, spec_for(logical_axes(spec, path), shape, mesh,
+                                        expert_parallel=expert_parallel))
+
+
+def expert_parallel(cfg: ModelConfig) -> bool:
+    """Whether `cfg` places whole MoE experts on the tp axis (see `expert_layout`)."""
+    return bool(cfg.option("expert_parallel", False))
+
+
+def expert_layout(cfg: ModelConfig, tp: int, enable_expert_parallel: bool) -> ModelConfig:
+    """`cfg` with its MoE experts' placement checked against tp: whole experts per shard (vLLM's
+    enable_expert_parallel; recorded in the config) need tp to divide the expert count; split
+    experts need it to divide each expert's intermediate dim. A dense model is returned as is."""
+    moe = cfg.option("moe")
+    if moe is None:
+        return cfg
+    if enable_expert_parallel:
+        if moe.num_experts % tp:
+            raise ValueError(
+                f"enable_expert_parallel: tensor_parallel_size ({tp}) must divide the number "
+                f"of experts ({moe.num_experts}) of {cfg.architecture}; use a "
+                f"tensor_parallel_size among {divisors(moe.num_experts)}, or drop "
+                "enable_expert_parallel to split each expert instead")
+        return dataclasses.replace(cfg, options=(*cfg.options, ("expert_parallel", True)))
+    if moe.intermediate_size % tp:
+        raise ValueError(
+            f"tensor_parallel_size ({tp}) must divide the experts' intermediate size "
+            f"({moe.intermediate_size}) of {cfg.architecture} to split each expert; use one of "
+            f"{divisors(moe.intermediate_size)}, or enable_expert_parallel to keep whole "
+            "experts per device")
+    return cfg
 
 
 def param_shardings(cfg: ModelConfig, mesh: Mesh) -> Any:
     """NamedSharding of every param of `cfg`'s layout (pass `layout_config` for the devices)."""
     spec = get_model_spec(cfg.architecture)
-    return build_tree((p.path, param_sharding(spec, p.path, p.shape, mesh))
+    ep = expert_parallel(cfg)
+    return build_tree((p.path, param_sharding(spec, p.path, p.shape, mesh, expert_parallel=ep))
                       for p in cfg.param_specs())
 
 
@@ -92,7 +131,7 @@ def canonical_sharding(spec: ModelSpec, path: ParamPath, shape: tuple[int, ...],
     duplicates are replicated, so no device holds a partial head."""
     if holds_kv_heads(spec, path) and kv_head_replicas(cfg, mesh.shape["tp"]) > 1:
         return NamedSharding(mesh, PartitionSpec())
-    return param_sharding(spec, path, shape, mesh)
+    return param_sharding(spec, path, shape, mesh, expert_parallel=expert_parallel(cfg))
 
 
 def kv_cache_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:

@@ -57,6 +57,22 @@ MODEL_VARIANTS = {
     "phi3": ("Phi3Config", PHI3_LONGROPE, {}),  # GQA, partial rotary, longrope (short here)
     "phi3_sw": ("Phi3Config", dict(sliding_window=6, tie_word_embeddings=True), {}),
 }
+# Mixture of experts (fixture `moe_models`, built only where used): enough experts that top-k
+# matters, routers re-drawn wider so routing is far from uniform. Qwen2-MoE: a shared expert,
+# decoder_sparse_step 2 and mlp_only_layers leave layer 1 sparse and layers 0, 2, 3 dense;
+# Qwen3-MoE has 8 q heads and 16 experts so it shards over tp 1/2/4/8 with or without EP.
+MOE_VARIANTS = {
+    "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2,
+                                      intermediate_size=32), {}),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_hidden_layers=4, num_experts=8, num_experts_per_tok=3,
+                                         moe_intermediate_size=32, decoder_sparse_step=2,
+                                         mlp_only_layers=[3], shared_expert_intermediate_size=48),
+                  {}),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_attention_heads=8, head_dim=16, num_experts=16,
+                                         num_experts_per_tok=4, moe_intermediate_size=32,
+                                         norm_topk_prob=True), {}),
+}
+ROUTER_STD = 0.3  # logits std ~ 0.3 * sqrt(hidden 64): a few experts clearly preferred
 
 
 def build_hf_model(root: Path, name: str) -> Path:
@@ -64,7 +80,7 @@ def build_hf_model(root: Path, name: str) -> Path:
     import torch
     import transformers
 
-    cls_name, overrides, save_kwargs = MODEL_VARIANTS[name]
+    cls_name, overrides, save_kwargs = {**MODEL_VARIANTS, **MOE_VARIANTS}[name]
     config = getattr(transformers, cls_name)(**{**BASES.get(cls_name, TINY), **overrides})
     torch.manual_seed(sum(map(ord, name)))
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -72,6 +88,8 @@ def build_hf_model(root: Path, name: str) -> Path:
         for pname, p in model.named_parameters():
             if "norm" in pname or ".ln_" in pname or pname.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+            elif pname.endswith("mlp.gate.weight"):  # a MoE router
+                p.normal_(0.0, ROUTER_STD)
     path = root / name
     model.save_pretrained(path, safe_serialization=True, **save_kwargs)
     return path
@@ -81,6 +99,12 @@ def build_hf_model(root: Path, name: str) -> Path:
 def hf_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf_models")
     return {name: build_hf_model(root, name) for name in MODEL_VARIANTS}
+
+
+@pytest.fixture(scope="session")
+def moe_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("moe_models")
+    return {name: build_hf_model(root, name) for name in MOE_VARIANTS}
 
 
 @pytest.fixture

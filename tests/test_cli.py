@@ -29,7 +29,8 @@ def test_help_lists_commands():
     serve = pjinfer_cli("serve", "--help")
     for flag in ("--max-model-len", "--api-key", "--no-enable-chunked-prefill", "--config",
                  "--max-request-bytes", "--engine-stuck-timeout", "--allowed-origins",
-                 "--ssl-keyfile", "--ssl-certfile"):
+                 "--ssl-keyfile", "--ssl-certfile", "--enable-auto-tool-choice",
+                 "--tool-call-parser"):
         assert flag in serve.stdout
 
 
@@ -43,6 +44,9 @@ def test_help_lists_commands():
     (["serve", "--ssl-keyfile", "key.pem"], "--ssl-keyfile and --ssl-certfile"),
     (["serve", "--allowed-origins", '{"a": 1}'], "--allowed-origins"),
     (["serve", "--max-request-bytes", "0"], "--max-request-bytes"),
+    (["serve", "--enable-auto-tool-choice"], "--enable-auto-tool-choice needs "
+                                             "--tool-call-parser"),
+    (["serve", "--tool-call-parser", "pythonic"], "--tool-call-parser must be one of"),
     (["generate", "hi", "--temperature", "-1"], "--temperature"),
 ])
 def test_bad_flags_exit_2_with_one_line(args, words):
@@ -90,9 +94,12 @@ def test_serve_hands_the_server_flags_to_the_server(monkeypatch):
                         lambda engine, options, **kw: seen.update(options=options, **kw))
     assert cli.main(["serve", "--allowed-origins", '["*"]', "--max-request-bytes", "100",
                      "--engine-stuck-timeout", "5", "--ssl-keyfile", "k.pem",
-                     "--ssl-certfile", "c.pem", "--api-key", "s", "--port", "8123"]) == 0
+                     "--ssl-certfile", "c.pem", "--api-key", "s", "--port", "8123",
+                     "--enable-auto-tool-choice", "--tool-call-parser", "mistral"]) == 0
     assert seen["options"] == ServerOptions(api_keys=("s",), max_request_bytes=100,
-                                            engine_stuck_timeout=5.0, allowed_origins=("*",))
+                                            engine_stuck_timeout=5.0, allowed_origins=("*",),
+                                            enable_auto_tool_choice=True,
+                                            tool_call_parser="mistral")
     assert (seen["ssl_keyfile"], seen["ssl_certfile"], seen["port"]) == ("k.pem", "c.pem", 8123)
 
 

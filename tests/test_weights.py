@@ -48,6 +48,14 @@ def test_missing_and_misshaped_tensors_are_named(tmp_path, hf_models):
         load_model(path)
 
 
+def test_truncated_shard_is_named(tmp_path, hf_models):
+    path = _copy(hf_models["qwen2"], tmp_path / "m")
+    shard = path / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1000])
+    with pytest.raises(ModelLoadError, match="model.safetensors is truncated"):
+        load_model(path)
+
+
 def test_unknown_dtype(hf_models):
     with pytest.raises(ValueError, match="unknown dtype 'int3'"):
         load_model(hf_models["qwen2"], dtype="int3")

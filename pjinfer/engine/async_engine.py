@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TypeVar
 
 from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.engine import LLMEngine
@@ -24,6 +25,7 @@ from pjinfer.sampling_params import SamplingParams
 
 log = logging.getLogger("pjinfer")
 _IDLE_WAIT_S = 0.05
+T = TypeVar("T")
 
 
 class _Stream:
@@ -164,6 +166,25 @@ class AsyncEngine:
             raise error
         return stream
 
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` on the engine thread between steps (the one safe place to touch
+        the engine's state: sleep, wake up, a fresh stats snapshot) and return its result."""
+        if not self.is_running:
+            raise EngineDeadError("the engine loop is not running")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(self.engine)
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                loop.call_soon_threadsafe(_settle, done, None, e)
+            else:
+                loop.call_soon_threadsafe(_settle, done, result, None)
+
+        self._inbox.put(run)
+        return await done
+
     def abort(self, request_id: str) -> None:
         """Thread-safe: the engine drops the request and frees its blocks before its next step."""
         self._inbox.put(lambda: self._abort_now(request_id))
@@ -231,6 +252,14 @@ class AsyncEngine:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
                 stream.put(error)
+
+
+def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
+    if not future.done():
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:

@@ -64,6 +64,9 @@ class EngineConfig:
                                       "cache")
     enable_chunked_prefill: bool = arg(True, "split long prompts over steps", "scheduler")
     tensor_parallel_size: int = arg(1, "devices each replica spans", "parallel")
+    enable_expert_parallel: bool = arg(False, "MoE models: place whole experts on the tensor-"
+                                       "parallel devices (one all-reduce per MoE layer) "
+                                       "instead of splitting each expert", "parallel")
     scheduling_policy: str = arg("fcfs", "order of the waiting queue (and, reversed, of "
                                  "preemption): fcfs, priority (lower value first) or sjf "
                                  "(shortest prompt first, with aging); plugins add more",

@@ -11,10 +11,12 @@ its tokens), then fills its token mask and launches its sampler (`_sample`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from pjinfer.cache.kv_cache_manager import KVCacheManager
@@ -39,6 +41,18 @@ from pjinfer.weights import load_engine_model
 log = logging.getLogger("pjinfer")
 
 
+@contextlib.contextmanager
+def _timed(phases: dict[str, float], name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    phases[name] = time.perf_counter() - start
+
+
+def _timed_call(phases: dict[str, float], name: str, fn, *args):
+    with _timed(phases, name):
+        return fn(*args)
+
+
 @dataclass(slots=True)
 class _Launched:
     """A step on the device, with the schedule that produced it. A step with structured-output
@@ -54,19 +68,46 @@ class _Launched:
 class LLMEngine:
     """Owns the runner (device state) and the scheduler (host state); `step()` joins them."""
 
-    def __init__(self, config: EngineConfig, *, policy=None, params=None):
+    def __init__(self, config: EngineConfig, *, policy=None, params=None, devices=None):
+        """`devices`: the devices of this engine alone (a data-parallel replica's)."""
         self.config = config
+        self._devices = devices
         if config.compilation_cache_dir:
             use_compilation_cache(config.compilation_cache_dir)
         model_dir = config.model or str(DEMO_MODEL_DIR)
+        # seconds per start-up phase (a restart's cost, reported by the benchmarks); the
+        # tokenizer loads in a thread beside the others (importing transformers takes seconds),
+        # so `tokenizer` overlaps them and `tokenizer_wait` is what it added
+        self.startup_phases: dict[str, float] = {}
         start = time.perf_counter()
-        self.model_config, loaded, mesh = self._load(model_dir, params)
-        self.tokenizer = load_tokenizer(model_dir, config.tokenizer)
+        with ThreadPoolExecutor(1, thread_name_prefix="pjinfer-tokenizer") as pool:
+            tokenizer = pool.submit(_timed_call, self.startup_phases, "tokenizer",
+                                    load_tokenizer, model_dir, config.tokenizer)
+            self._build_device_state(model_dir, params, policy)
+            with _timed(self.startup_phases, "tokenizer_wait"):
+                self.tokenizer = tokenizer.result()
+        self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
+        self.eos_token_id = self._eos_token_id()
+        with _timed(self.startup_phases, "structured_output"):
+            self.structured_output = StructuredOutputManager(
+                self.tokenizer, self.model_config.vocab_size,
+                list(self.model_config.eos_token_ids) or None)
+        log.info("%s (%s, %d layers) ready in %.1fs; KV cache: %d blocks of %d tokens",
+                 self.served_model_name, self.model_config.architecture,
+                 self.model_config.num_hidden_layers, time.perf_counter() - start,
+                 self.runner.num_blocks, config.block_size)
+
+    def _build_device_state(self, model_dir: str, params, policy) -> None:
+        """Weights, KV cache and compiled steps (the runner), and the scheduler over them."""
+        config = self.config
+        with _timed(self.startup_phases, "weights"):
+            self.model_config, loaded, mesh = self._load(model_dir, params)
         self.served_model_name = config.served_model_name or (
             DEMO_MODEL_NAME if config.model is None else model_dir.rstrip("/").split("/")[-1])
         self.max_model_len = self._max_model_len()
-        self.runner = ModelRunner(self.model_config, config, loaded,
-                                  max_model_len=self.max_model_len, mesh=mesh)
+        with _timed(self.startup_phases, "kv_cache"):
+            self.runner = ModelRunner(self.model_config, config, loaded,
+                                      max_model_len=self.max_model_len, mesh=mesh)
         self.kv = KVCacheManager(num_blocks=self.runner.num_blocks, block_size=config.block_size,
                                  enable_prefix_caching=config.enable_prefix_caching)
         sched_cfg = SchedulerConfig(
@@ -81,22 +122,13 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_cfg, self.kv,
                                    policy or make_policy(config.scheduling_policy))
         self.metrics = EngineMetrics()
-        self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         self._rng = random.Random(config.seed)
         self._in_flight: _Launched | None = None
         self._failures: dict[str, RequestFailedError] = {}
-        self.eos_token_id = self._eos_token_id()
-        self.structured_output = StructuredOutputManager(
-            self.tokenizer, self.model_config.vocab_size,
-            list(self.model_config.eos_token_ids) or None)
-        log.info("loaded %s (%s, %d layers) in %.1fs; KV cache: %d blocks of %d tokens",
-                 self.served_model_name, self.model_config.architecture,
-                 self.model_config.num_hidden_layers, time.perf_counter() - start,
-                 self.runner.num_blocks, config.block_size)
         if config.warmup:
-            start = time.perf_counter()
-            n = self.runner.warmup()
-            log.info("compiled %d step shapes in %.1fs", n, time.perf_counter() - start)
+            n = self.runner.warmup(self.startup_phases)
+            log.info("%d step shapes ready in %.1fs", n,
+                     self.startup_phases["step_load"] + self.startup_phases["compile"])
 
     def _load(self, model_dir: str, params) -> tuple:
         """(model config, params, mesh): one loader for every format, one device or sharded
@@ -104,7 +136,8 @@ class LLMEngine:
         c = self.config
         return load_engine_model(model_dir, tensor_parallel_size=c.tensor_parallel_size,
                                  dtype=c.dtype, load_format=c.load_format, seed=c.seed,
-                                 params=params)
+                                 params=params, enable_expert_parallel=c.enable_expert_parallel,
+                                 devices=self._devices)
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

@@ -146,6 +146,8 @@ class OutputProcessor:
         detok, r = seq.detokenizer, seq.request
         if detok is None:
             return False
+        if r.stopped_by_token and not r.params.include_stop_str_in_output:
+            token_ids = token_ids[:-1]  # vLLM's rule: the EOS or stop token's text is not shown
         detok.add_tokens(token_ids)
         if detok.finished and r.status in (RequestStatus.RUNNING,
                                            RequestStatus.FINISHED_LENGTH):

@@ -91,6 +91,7 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     stop_reason: int | str | None = None
+    stopped_by_token: bool = False  # EOS or a stop token id ended it: not part of the text
     # Structured outputs: this sequence's llguidance matcher, set once its grammar compiled
     grammar: Any = None
     lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)

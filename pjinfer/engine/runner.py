@@ -172,6 +172,9 @@ class ModelRunner:
         c, t, s = self.cfg, self.ecfg.max_num_batched_tokens, self.ecfg.max_num_seqs
         width = 4 * c.hidden_size + 2 * c.intermediate_size + \
             (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+        moe = c.option("moe")
+        if moe is not None:  # top_k rows per token: sorted x, gate/up, h, f32 expert outputs
+            width += moe.top_k * (3 * c.hidden_size + 3 * moe.intermediate_size)
         per_token = width * np.dtype(self.kv_dtype).itemsize
         return 2 * (t * per_token + 3 * s * c.vocab_size * 4) + GiB
 
@@ -239,16 +242,27 @@ class ModelRunner:
         return dict(in_shardings=(params, self._cache_shardings(), rep, *lora),
                     out_shardings=(rep, self._cache_shardings(), *extra))
 
-    def warmup(self) -> int:
+    def warmup(self, phases: dict[str, float] | None = None) -> int:
         """Load the warm-up shapes from the executable cache (serially: threads do not speed
-        up loading), compile the rest in parallel; returns how many shapes are ready."""
+        up loading), then compile the missing ones and the sampler's variants together in a
+        thread pool (XLA compiles release the GIL); returns how many step shapes are ready.
+        Seconds per phase go to `phases` (step_load, compile)."""
+        phases = {} if phases is None else phases
+        start = time.perf_counter()
         shapes = self.warmup_shapes()
         missing = [shape for shape in shapes
                    if self._compiled_step(*self._dummy(*shape), compile=False) is None]
-        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            list(pool.map(lambda shape: self._compiled_step(*self._dummy(*shape), load=False),
-                          missing))
-        self._warm_sampler(sorted({seqs for _, seqs, _ in shapes}))
+        phases["step_load"] = time.perf_counter() - start
+        start = time.perf_counter()
+        samplers = [(seqs, t) for seqs in sorted({seqs for _, seqs, _ in shapes})
+                    for t in (0.0, 1.0)]
+        with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+            jobs = [pool.submit(self._compiled_step, *self._dummy(*shape), load=False)
+                    for shape in missing]
+            jobs += [pool.submit(self._warm_sampler, *variant) for variant in samplers]
+            for job in jobs:
+                job.result()
+        phases["compile"] = time.perf_counter() - start
         return len(shapes)
 
     def warmup_shapes(self) -> list[tuple[int, int, bool]]:
@@ -261,17 +275,15 @@ class ModelRunner:
         return [(s, s, True) for s in seqs] + [(t, s, False) for t in tokens for s in seqs
                                                if s <= t]
 
-    def _warm_sampler(self, seq_sizes: list[int]) -> None:
-        """Compile the sampler's common variants (greedy; plain temperature sampling, the
-        OpenAI default) for the warmed sequence buckets, so a first such request never waits."""
-        for seqs in seq_sizes:
-            # a device array, like the step's logits: host arrays would key another trace
-            logits = jax.device_put(np.zeros((seqs, self.cfg.vocab_size), np.float32))
-            for temperature in (0.0, 1.0):
-                row = SamplingRow(SamplingParams(temperature=temperature), [0], [], 0)
-                md = SamplingMetadata.build([row], seqs)
-                jax.block_until_ready(self._sample(logits, md, self._no_prev_tokens, None,
-                                                   max_logprobs=0))
+    def _warm_sampler(self, seqs: int, temperature: float) -> None:
+        """Compile one of the sampler's common variants (greedy; plain temperature sampling, the
+        OpenAI default) for a warmed sequence bucket, so a first such request never waits."""
+        # a device array, like the step's logits: host arrays would key another trace
+        logits = jax.device_put(np.zeros((seqs, self.cfg.vocab_size), np.float32))
+        row = SamplingRow(SamplingParams(temperature=temperature), [0], [], 0)
+        md = SamplingMetadata.build([row], seqs)
+        jax.block_until_ready(self._sample(logits, md, self._no_prev_tokens, None,
+                                           max_logprobs=0))
 
     def _dummy(self, tokens: int, seqs: int, decode_only: bool):
         """An empty batch of exactly these bucket shapes: only shapes matter to the compile."""

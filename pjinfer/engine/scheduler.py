@@ -330,6 +330,7 @@ class Scheduler:
             status, reason = self._stop_check(r, int(token))
             if status is not None:
                 r.finish(status, reason)
+                r.stopped_by_token = status is RequestStatus.FINISHED_STOPPED
                 break
         return accepted
 

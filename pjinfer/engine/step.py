@@ -56,9 +56,13 @@ def model_step(params, kv_caches: KVCaches, inputs: StepInputs, lora=None, *,
         params = attach_lora(params, lora, inputs.lora_slots)
     spec = get_model_spec(cfg.architecture)
     attention = _paged_attention(opts)
-    hidden, kv_caches = spec.forward(params, cfg, inputs.resolved_token_ids(), inputs.positions,
-                                     kv_caches, inputs.attn, attention=attention,
-                                     rotary=spec.rotary(cfg, opts.max_model_len))
+    # Model code that must place work per shard (the MoE experts) reads the abstract mesh.
+    mesh = jax.sharding.AbstractMesh((), ()) if opts.mesh is None else opts.mesh.abstract_mesh
+    with jax.sharding.use_abstract_mesh(mesh):
+        hidden, kv_caches = spec.forward(params, cfg, inputs.resolved_token_ids(),
+                                         inputs.positions, kv_caches, inputs.attn,
+                                         attention=attention,
+                                         rotary=spec.rotary(cfg, opts.max_model_len))
     logits = spec.compute_logits(params, hidden[inputs.logits_indices])  # [S, V]
     if opts.prompt_logprobs is None:
         return logits, kv_caches

@@ -20,6 +20,9 @@ _BUILTIN: dict[str, str] = {  # architecture -> "module:attribute" of its ModelS
     "Qwen3ForCausalLM": "pjinfer.models.llama:QWEN3",
     "GPT2LMHeadModel": "pjinfer.models.gpt2:GPT2",
     "Phi3ForCausalLM": "pjinfer.models.phi3:PHI3",
+    "MixtralForCausalLM": "pjinfer.models.moe_models:MIXTRAL",
+    "Qwen2MoeForCausalLM": "pjinfer.models.moe_models:QWEN2_MOE",
+    "Qwen3MoeForCausalLM": "pjinfer.models.moe_models:QWEN3_MOE",
 }
 _REGISTRY: Registry[ModelSpec] = Registry("architecture",
                                           "pjinfer.models.registry.register_model", {})

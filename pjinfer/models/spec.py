@@ -30,6 +30,8 @@ class ParamSpec:
     named by `hf_names` (in that order) into this parameter: a transpose, a fuse, a stack. It
     runs on host arrays; a transpose is a free view of the memory map, a fuse or stack copies.
     `init`/`init_scale` say how `load_format="dummy"` draws it (scale None: 1/sqrt(shape[0])).
+    `fallback` (hf_names, transform) is a second checkpoint layout, read when the first's
+    tensors are absent (per-expert MoE weights, or the fused 3-D ones of transformers 5).
     """
 
     path: ParamPath
@@ -39,6 +41,7 @@ class ParamSpec:
     transform: Callable[..., np.ndarray] | None = None
     init: str = "normal"
     init_scale: float | None = None
+    fallback: tuple[tuple[str, ...], Callable[..., np.ndarray]] | None = None
 
     def __post_init__(self) -> None:
         if self.init not in INITS:

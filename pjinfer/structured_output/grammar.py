@@ -16,7 +16,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import llguidance
-import llguidance.hf
 
 from pjinfer.structured_output.params import StructuredOutputsParams
 
@@ -101,6 +100,8 @@ class GrammarCompiler:
 
     def tokenizer(self) -> llguidance.LLTokenizer:
         """llguidance's view of the vocabulary, built once (about 1 s for a 128k vocabulary)."""
+        import llguidance.hf  # imports transformers (and PyTorch where installed): seconds
+
         with self._tokenizer_lock:
             if self._ll_tokenizer is None:
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(

@@ -35,6 +35,7 @@ class StructuredOutputManager:
         self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
         self.vocab_size = vocab_size
         self._parked: list[tuple[list[Request], Future]] = []
+        self._live: list[Request] = []  # admitted with a matcher, maybe finished since
         self._executor: llguidance.LLExecutor | None = None  # parallel mask fills
 
     def check(self, spec: StructuredOutputsParams) -> None:
@@ -79,6 +80,7 @@ class StructuredOutputManager:
             else:
                 for r in group:
                     r.grammar = future.result().deep_copy()
+                self._live.extend(group)
                 scheduler.add(group)
         self._parked = parked
         if parked and not scheduler.has_unfinished():
@@ -87,10 +89,18 @@ class StructuredOutputManager:
         return set(failed)
 
     # ---- the step -------------------------------------------------------------------------
-    @staticmethod
-    def constrained(sched: SchedulerOutput) -> bool:
-        """Does any row of the step sample under a grammar?"""
-        return any(c.samples and c.request.grammar is not None for c in sched.scheduled)
+    @property
+    def num_live(self) -> int:
+        """Unfinished requests with a matcher (finished ones are forgotten here)."""
+        if self._live:
+            self._live = [r for r in self._live if not r.is_finished]
+        return len(self._live)
+
+    def constrained(self, sched: SchedulerOutput) -> bool:
+        """Does any row of the step sample under a grammar? Without a live constrained
+        request (the usual case) this looks at no row."""
+        return self.num_live > 0 and any(c.samples and c.request.grammar is not None
+                                         for c in sched.scheduled)
 
     def bitmask(self, sched: SchedulerOutput, num_rows: int) -> np.ndarray | None:
         """[num_rows, ceil(V/32)] i32 allowed tokens of every row (all ones for rows without
@@ -109,6 +119,8 @@ class StructuredOutputManager:
     def advance(self, new_tokens: Iterable[NewTokens]) -> list[Request]:
         """Feed each live constrained request its accepted tokens; returns those whose grammar
         is now complete (or broken: a token it rejected), which the caller ends."""
+        if not self._live:  # nothing constrained was admitted since the last prune
+            return []
         done = []
         for nt in new_tokens:
             r, matcher = nt.request, nt.request.grammar

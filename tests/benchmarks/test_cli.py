@@ -36,7 +36,16 @@ def test_throughput_random(tmp_path):
     assert res["output_tokens"] == 20  # ignore_eos forces every length
     assert res["output_tokens_per_s"] == pytest.approx(20 / res["elapsed_s"])
     assert res["num_steps"] >= 4 and res["num_preemptions"] == 0
+    assert 0 < res["median_ttft_ms"] <= res["p99_ttft_ms"] < res["elapsed_s"] * 1e3
+    assert 0 < res["median_tpot_ms"] <= res["p99_tpot_ms"]
     assert rec["device"]["device_kind"] and rec["startup_s"] > 0
+    phases = rec["startup_phases"]  # --no-engine-warmup: no step_load / compile phase
+    assert {"imports", "weights", "tokenizer", "kv_cache", "first_token"} <= set(phases)
+    # the tokenizer loads beside the other phases: tokenizer_wait is what it added
+    engine = sum(v for k, v in phases.items() if k not in ("process_before_engine",
+                                                           "first_token", "tokenizer"))
+    assert engine == pytest.approx(rec["startup_s"], rel=0.05)
+    assert rec["process_to_first_token_s"] > rec["startup_s"]
     assert rec["engine_args"]["max_num_seqs"] == 8
     assert rec["ceilings"]["source"] == "given"
     assert 0 < rec["ratios"]["output_tokens_per_s_vs_roofline"]

@@ -186,3 +186,23 @@ def test_ceilings_are_measured_on_cpu(tmp_path):
     again = load_ceilings(str(path))
     assert again.hbm_bytes_per_s == c.hbm_bytes_per_s and again.source.startswith("from ")
     assert again.matmul_flops_per_s_median == c.matmul_flops_per_s_median
+
+
+def test_moe_roofline_counts_experts_read_and_active_flops():
+    """Qwen3-30B-A3B: 30.5 G params of which 3.3 G are active per token; one token reads its top-8
+    experts per layer, a large step nearly all 128."""
+    from pjinfer.config import ModelConfig
+
+    shape = ModelShape.from_model_config(
+        ModelConfig.from_pretrained("configs/models/qwen3-30b-a3b"), dtype="bfloat16")
+    assert shape.num_params == ModelConfig.from_pretrained(
+        "configs/models/qwen3-30b-a3b").num_params()
+    assert shape.experts_read(1) == pytest.approx(8)
+    assert 127 < shape.experts_read(8192) <= 128
+    expert = 3 * 2048 * 768
+    active = shape.layer_params + 48 * 8 * expert + 2 * shape.lm_head_params  # + embeddings
+    assert 3.3e9 < active < 3.4e9  # the model card's "3.3B activated"
+    one = step_weights(shape, 1)
+    assert one.expert_weight_bytes == 48 * 8 * expert * 2
+    assert sequence_work(shape, 0, 1, 0).layer_flops == 2 * (shape.layer_params
+                                                             + 48 * 8 * expert)

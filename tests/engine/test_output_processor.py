@@ -99,3 +99,19 @@ def test_abort_reports_a_final_delta(engine):
     stats = engine.get_stats()
     assert stats.num_running == stats.num_waiting == 0
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_the_stopping_token_is_not_in_the_text(engine):
+    """EOS (kept with skip_special_tokens=False) and a stop token id end the text without
+    their own text, as in vLLM; include_stop_str_in_output keeps it."""
+    eos = SamplingParams(temperature=0, max_tokens=400, skip_special_tokens=False)
+    (out,) = _run(engine, eos, RequestOutputKind.FINAL_ONLY)[-1].outputs
+    assert out.finish_reason == "stop" and out.token_ids[-1] == engine.eos_token_id
+    assert out.text.endswith("those!")
+    kept = dataclasses.replace(eos, include_stop_str_in_output=True)
+    assert _run(engine, kept, RequestOutputKind.FINAL_ONLY)[-1].outputs[0].text == \
+        out.text + "</s>"
+    dot = engine.tokenizer.convert_tokens_to_ids(".")
+    by_id = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[dot])
+    (out,) = _run(engine, by_id, RequestOutputKind.FINAL_ONLY)[-1].outputs
+    assert (out.text, out.stop_reason, out.token_ids[-1]) == (" ugly", dot, dot)

@@ -229,3 +229,25 @@ def test_constrained_steps_stay_asynchronous(llm, monkeypatch):
     steady = " ".join(events[2:])
     assert steady == " ".join(["forward fetch sample"] * (len(events[2:]) // 3)), events
     assert len(out.outputs[0].token_ids) >= 10 and steady.count("forward") >= 10
+
+
+class _Untouchable:
+    """A step whose rows must not be looked at."""
+
+    @property
+    def scheduled(self):
+        raise AssertionError("the manager scanned an unconstrained step's rows")
+
+    def __iter__(self):
+        raise AssertionError("the manager scanned an unconstrained step's tokens")
+
+
+def test_steps_without_constrained_requests_cost_the_manager_nothing(llm):
+    manager = llm.engine.structured_output
+    spec = StructuredOutputsParams(regex=r"[a-z]{2}\.")
+    llm.generate(["Beautiful is"], SamplingParams(max_tokens=4, structured_outputs=spec))
+    llm.generate(["Beautiful is"], SamplingParams(max_tokens=2))
+    assert manager.num_live == 0  # the finished request is forgotten
+    assert manager.constrained(_Untouchable()) is False
+    assert manager.advance(_Untouchable()) == []
+    _kv_clean(llm)

@@ -64,8 +64,8 @@ def test_models_lists_adapters_with_parent(lora_server):
 
 
 def test_concurrent_completions_and_chat_match_peft(lora_server, demo_lora):
-    live, app = lora_server
-    tok = app.info.tokenizer
+    live, _ = lora_server
+    tok = live.engine.tokenizer
     prompt = "Beautiful is better than"
     ids = tok.encode(prompt)
     messages = [{"role": "user", "content": "Errors should never pass"}]
@@ -98,8 +98,8 @@ def test_unknown_adapter_is_404(lora_server):
 
 
 def test_load_serve_unload_reload_while_streaming(lora_server, demo_lora):
-    live, app = lora_server
-    tok = app.info.tokenizer
+    live, _ = lora_server
+    tok = live.engine.tokenizer
     prompt = "Now is better than"
     ids = tok.encode(prompt)
     long_n = 40
@@ -172,8 +172,8 @@ def test_serve_flags_reach_the_server(monkeypatch):
 
     seen = {}
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
-    monkeypatch.setattr("pjinfer.engine.async_engine.AsyncEngine",
-                        lambda config: seen.update(config=config) or "engine")
+    monkeypatch.setattr("pjinfer.server.pool_config.build_engine",
+                        lambda config, dp=1: seen.update(config=config) or "engine")
     monkeypatch.setattr("pjinfer.server.serve.serve",
                         lambda engine, options, **kw: seen.update(options=options))
     assert cli.main(["serve", "--enable-lora", "--lora-modules", "a=/x", "b=/y",

@@ -45,8 +45,6 @@ REFUSED = [
     ("/v1/completions", {**COMPLETION, "best_of": 2}, "best_of"),
     ("/v1/completions", {**COMPLETION, "n": 2, "best_of": 3}, "best_of"),
     ("/v1/completions", {**COMPLETION, "suffix": "!"}, "suffix"),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {
-        "name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, "response_format"),
     ("/v1/completions", {**COMPLETION, "max_tokens": 0}, "max_tokens"),  # without echo
 ]

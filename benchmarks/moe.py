@@ -1,0 +1,210 @@
+"""Grouped matmul (the MoE expert GEMMs) against the device's own ceilings, as JSON.
+
+  python -m pjinfer.benchmarks.moe --out moe_gmm.json            # H200: Qwen3-30B-A3B shapes
+  python -m pjinfer.benchmarks.moe --smoke --out /tmp/moe.json   # CPU: tiny shapes, plumbing
+
+Shapes: Qwen3-30B-A3B's experts (hidden 2048, expert intermediate 768, 128 experts, top-8),
+gate/up fused ([T*k, 2048] x [E, 2048, 1536]) and down ([T*k, 768] x [E, 768, 2048]).
+- prefill: 8,192 tokens, routed uniformly at random (every expert gets ~512 rows). Rate =
+  2 x rows x K x N FLOPs / time, over the bf16 matmul rate measured here the way
+  `pjinfer.benchmarks.ceilings` measures it (the step's own projection shapes, pipelined).
+- decode: 1-64 tokens. Bytes = the experts the routing actually touched (distinct experts x
+  K x N x 2 B) + activations in and out, over the weight-streaming GEMV bandwidth measured
+  here (16 GB stream, pipelined).
+Each kernel is timed pipelined (`calls` back to back, one sync), best and median of `samples`;
+ratios divide by the best ceilings. Both `backend=auto` (the Pallas kernel on a GPU, ragged_dot
+elsewhere) and plain `jax.lax.ragged_dot` are measured; `--block-m/-n/-k` sweep the kernel's
+tiling (each a list) on the prefill shapes, and on the decode ones with `--decode-sweep`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from typing import Any
+
+import numpy as np
+
+from pjinfer.benchmarks.ceilings import (
+    _filled,
+    ceilings_record,
+    measure_ceilings,
+    pipelined_seconds,
+    timing_plan,
+)
+from pjinfer.benchmarks.common import finish_record, jax_device_info, new_record, print_table
+
+QWEN3_30B = dict(hidden=2048, inter=768, experts=128, top_k=8, prefill_tokens=8192,
+                 decode_tokens=(1, 2, 4, 8, 16, 32, 64))
+SMOKE = dict(hidden=64, inter=32, experts=8, top_k=2, prefill_tokens=64, decode_tokens=(1, 4))
+
+
+def routed_group_sizes(tokens: int, experts: int, top_k: int, seed: int) -> np.ndarray:
+    """Rows per expert when each token picks top_k distinct experts uniformly at random."""
+    rng = np.random.default_rng(seed)
+    picks = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k]
+    return np.bincount(picks.reshape(-1), minlength=experts).astype(np.int32)
+
+
+class _Shape:
+    """What `ceilings.measure_ceilings` reads: the GEMV streams [hidden, 2 x inter] matrices
+    (one expert's gate/up), the matmul rate is taken on both expert GEMMs as dense matmuls."""
+
+    def __init__(self, hidden: int, inter: int):
+        self.hidden_size, self.intermediate_size, self._inter = hidden, 2 * inter, inter
+
+    def matmul_shapes(self, tokens: int) -> list[tuple[int, int, int]]:
+        d, i = self.hidden_size, self._inter
+        return [(tokens, d, 2 * i), (tokens, i, d)]
+
+
+def _gemms(s: dict) -> list[tuple[str, int, int]]:
+    """(name, K, N) of the two grouped GEMMs of one MoE layer."""
+    return [("gate_up", s["hidden"], 2 * s["inter"]), ("down", s["inter"], s["hidden"])]
+
+
+def _time(fn, args: tuple, timing: dict) -> dict[str, float]:
+    import jax
+
+    seconds = pipelined_seconds(fn, args, sync=jax.block_until_ready, **timing)
+    return {"median_s": float(np.median(seconds)), "best_s": float(min(seconds))}
+
+
+def _kernels(backend_sizes: list[dict]) -> dict[str, Any]:
+    """name -> jitted f(lhs, rhs, group_sizes) for ragged_dot, ops' auto dispatch, and every
+    block-size triple asked for (the Pallas kernel)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from pjinfer.kernels import ops
+    from pjinfer.kernels.grouped_matmul import grouped_matmul
+
+    fns = {"ragged_dot": jax.jit(lambda a, b, g: jax.lax.ragged_dot(
+        a, b, g, preferred_element_type=jnp.float32).astype(a.dtype)),
+        "auto": jax.jit(ops.grouped_matmul)}
+    interpret = jax.default_backend() != "gpu"
+    for sizes in backend_sizes:
+        name = "pallas_m{block_m}_n{block_n}_k{block_k}_s{k_splits}".format(**sizes)
+        fns[name] = jax.jit(functools.partial(grouped_matmul, interpret=interpret, **sizes))
+    return fns
+
+
+def run_case(fns: dict, m: int, k: int, n: int, sizes: np.ndarray, timing: dict,
+             check: bool) -> dict[str, Any]:
+    """Every kernel on one shape; `check` compares each with ragged_dot first."""
+    import jax.numpy as jnp
+
+    lhs, rhs = _filled((m, k), 3), _filled((len(sizes), k, n), 4)
+    g = jnp.asarray(sizes)
+    out: dict[str, Any] = {}
+    ref = fns["ragged_dot"](lhs, rhs, g) if check else None
+    for name, fn in fns.items():
+        if check:
+            err = float(jnp.max(jnp.abs(fn(lhs, rhs, g).astype(jnp.float32)
+                                        - ref.astype(jnp.float32))))
+            out.setdefault("max_abs_diff_vs_ragged_dot", {})[name] = err
+        out[name] = _time(fn, (lhs, rhs, g), timing)
+    return out
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    import jax
+
+    s = SMOKE if args.smoke else QWEN3_30B
+    on_cpu = jax.default_backend() == "cpu"
+    timing = timing_plan(args.calls, args.samples, 2, on_cpu=on_cpu)
+    record = new_record("moe_grouped_matmul", argv, vars(args))
+    record.update(device=jax_device_info(), shapes=s)
+    # Ceilings, measured here on the experts' own shapes (CPU: 16 rows, a small stream).
+    ceilings = measure_ceilings(_Shape(s["hidden"], s["inter"]),
+                                tokens=s["prefill_tokens"] * s["top_k"], calls=args.calls,
+                                samples=args.samples)
+    record["ceilings"] = ceilings_record(ceilings)
+    sweep = [dict(block_m=m_, block_n=n_, block_k=k_, k_splits=s_) for m_, n_, k_, s_ in
+             itertools.product(args.block_m, args.block_n, args.block_k, args.k_splits)]
+    fns = _kernels(sweep)
+    record["prefill"] = _prefill(fns, s, timing, ceilings.matmul_flops_per_s, args.seed)
+    decode_fns = fns if args.decode_sweep else {k: fns[k] for k in ("ragged_dot", "auto")}
+    record["decode"] = _decode(decode_fns, s, timing, ceilings.hbm_bytes_per_s, args.seed)
+    _print(record)
+    return record
+
+
+def _prefill(fns, s, timing, matmul_rate, seed) -> dict[str, Any]:
+    tokens, top_k = s["prefill_tokens"], s["top_k"]
+    sizes = routed_group_sizes(tokens, s["experts"], top_k, seed)
+    out = {"tokens": tokens, "rows": int(sizes.sum()), "rows_per_expert_max": int(sizes.max())}
+    for name, k, n in _gemms(s):
+        res = run_case(fns, tokens * top_k, k, n, sizes, timing, check=True)
+        flops = 2 * tokens * top_k * k * n
+        for kernel, t in res.items():
+            if kernel.startswith("max_abs"):
+                continue
+            t["tflops_best"] = flops / t["best_s"] / 1e12
+            t["vs_matmul_rate"] = flops / t["best_s"] / matmul_rate
+        out[name] = {"k": k, "n": n, "flops": flops, **res}
+    return out
+
+
+def _decode(fns, s, timing, bandwidth, seed) -> list[dict[str, Any]]:
+    rows = []
+    for tokens in s["decode_tokens"]:
+        sizes = routed_group_sizes(tokens, s["experts"], s["top_k"], seed + tokens)
+        touched = int((sizes > 0).sum())
+        entry: dict[str, Any] = {"tokens": tokens, "experts_touched": touched}
+        for name, k, n in _gemms(s):
+            m = tokens * s["top_k"]
+            res = run_case(fns, m, k, n, sizes, timing, check=tokens == s["decode_tokens"][-1])
+            moved = 2 * (touched * k * n + m * k + m * n)  # experts read, x read, out written
+            for kernel, t in res.items():
+                if kernel.startswith("max_abs"):
+                    continue
+                t["tb_per_s_best"] = moved / t["best_s"] / 1e12
+                t["vs_bandwidth"] = moved / t["best_s"] / bandwidth
+            entry[name] = {"bytes": moved, **res}
+        rows.append(entry)
+    return rows
+
+
+def _print(record: dict[str, Any]) -> None:
+    c = record["ceilings"]
+    rows = [("bf16 matmul, best (TFLOP/s)", c["matmul_tflops"]),
+            ("GEMV stream, best (TB/s)", c["hbm_tb_per_s"])]
+    for name in ("gate_up", "down"):
+        for kernel in ("auto", "ragged_dot"):
+            r = record["prefill"][name][kernel]
+            rows.append((f"prefill {name} {kernel} (ms, x matmul rate)",
+                         f"{r['best_s'] * 1e3:.3f}, {r['vs_matmul_rate']:.2f}"))
+    for d in record["decode"]:
+        for name in ("gate_up", "down"):
+            r = d[name]["auto"]
+            rows.append((f"decode {d['tokens']} tok {name} auto (ms, x bandwidth)",
+                         f"{r['best_s'] * 1e3:.4f}, {r['vs_bandwidth']:.2f}"))
+    print_table("Grouped matmul", rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=None, help="write the JSON record here")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check)")
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--samples", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--block-m", type=int, nargs="+", default=[64])
+    parser.add_argument("--block-n", type=int, nargs="+", default=[128])
+    parser.add_argument("--block-k", type=int, nargs="+", default=[64])
+    parser.add_argument("--k-splits", type=int, nargs="+", default=[1])
+    parser.add_argument("--decode-sweep", action="store_true",
+                        help="time the block-size sweep on the decode shapes too (default: "
+                             "prefill only; decode times ragged_dot and auto)")
+    args = parser.parse_args(argv)
+    finish_record(run(args, argv), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

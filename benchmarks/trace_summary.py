@@ -1,0 +1,77 @@
+"""What the device did during a profiled stretch of steps: kernels per step, busy time, gaps.
+
+Reads the Perfetto trace JSON that `jax.profiler.trace(dir, create_perfetto_trace=True)` writes
+(`dir/plugins/profile/*/perfetto_trace.json.gz`). Device activity is every complete ("X") event
+on a process whose name mentions the device (`/device:GPU:0` and its streams); on a CPU-only
+run there is none, and the summary says so.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+
+def find_trace(log_dir: str | Path) -> Path | None:
+    """The newest Perfetto trace under a `jax.profiler.trace` log folder."""
+    traces = sorted(Path(log_dir).glob("plugins/profile/*/perfetto_trace.json.gz"))
+    return traces[-1] if traces else None
+
+
+def load_events(path: str | Path) -> list[dict[str, Any]]:
+    with gzip.open(path, "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def device_kernels(events: list[dict[str, Any]], device: str = "GPU") -> list[dict[str, Any]]:
+    """Complete events on the device's processes (name metadata mentioning `device`)."""
+    pids = {e["pid"] for e in events
+            if e.get("ph") == "M" and e.get("name") == "process_name"
+            and device in str(e.get("args", {}).get("name", ""))}
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e]
+
+
+def summarize(kernels: list[dict[str, Any]], steps: int, top: int = 12) -> dict[str, Any]:
+    """Per step: kernel count, busy microseconds (the union of kernel intervals over all
+    streams), the window from first start to last end, and idle time inside it; the kernels
+    that take the most time."""
+    if not kernels:
+        return {"steps": steps, "device_events": 0}
+    intervals = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels)
+    busy, cur_start, cur_end = 0.0, *intervals[0]
+    for start, end in intervals[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    window = max(end for _, end in intervals) - intervals[0][0]
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for e in kernels:
+        by_name[e["name"]].append(float(e["dur"]))
+    heaviest = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {
+        "steps": steps, "device_events": len(kernels),
+        "kernels_per_step": len(kernels) / steps,
+        "busy_us_per_step": busy / steps, "window_us_per_step": window / steps,
+        "idle_us_per_step": (window - busy) / steps,
+        "top_kernels": [{"name": name[:120], "calls_per_step": len(d) / steps,
+                         "us_per_step": sum(d) / steps} for name, d in heaviest],
+    }
+
+
+def summarize_dir(log_dir: str | Path, steps: int) -> dict[str, Any]:
+    path = find_trace(log_dir)
+    if path is None:
+        return {"steps": steps, "error": f"no perfetto_trace.json.gz under {log_dir}"}
+    events = load_events(path)
+    summary = summarize(device_kernels(events), steps)
+    if not summary["device_events"]:  # say what the trace did hold
+        summary["processes"] = sorted({str(e.get("args", {}).get("name")) for e in events
+                                       if e.get("name") == "process_name"})
+    return summary

@@ -1,0 +1,151 @@
+"""Grouped matmul (the MoE expert GEMM) in Pallas, with its pure-JAX reference.
+
+`out[r] = lhs[r] @ rhs[g(r)]` where the rows of lhs are sorted by group and group g owns the
+next `group_sizes[g]` rows; rows past the last group are 0 (what `jax.lax.ragged_dot` does).
+
+The rows of each group are cut into tiles of `block_m` rows that never straddle two groups
+(`group_tiles`, the same scheme as the ragged attention's query tiles), so a program
+multiplies one tile by one expert's weights: grid (tile, column block), each program walks
+K in `block_k` steps, gathering its rows of lhs and reading only its expert's [K, block_n]
+slice. Empty groups get no tile, so a decode step reads the weights of the experts its tokens
+chose and no others. The result is written in the tiled layout and gathered back to row
+order. The number of tiles is static: at most cdiv(M, block_m) + min(G, M).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pjinfer.kernels import common
+
+# One fused compare ([NT, G] and [M, G]) instead of a bisection loop of small GPU kernels.
+_SEARCH = "compare_all"
+
+
+def _check(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> None:
+    """Shapes are static: a mismatch fails while tracing, with the shapes in the message."""
+    if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.shape != (rhs.shape[0],) \
+            or lhs.shape[1] != rhs.shape[1]:
+        raise ValueError(f"grouped matmul needs lhs [M, K], rhs [G, K, N], group_sizes [G]; got "
+                         f"{lhs.shape}, {rhs.shape}, {group_sizes.shape}")
+
+
+def group_tiles(group_sizes: jax.Array, num_rows: int, block_m: int):
+    """Tiles of one group each: (group [NT], first row [NT], valid rows [NT]) and, for every
+    row of lhs, its row in the tiled layout [M] (rows past the groups: clipped, unused)."""
+    g = group_sizes.shape[0]
+    num_tiles = -(-num_rows // block_m) + min(g, num_rows)
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)  # [G]
+    starts = ends - sizes
+    per_group = (sizes + block_m - 1) // block_m
+    tile_end = jnp.cumsum(per_group)  # [G]
+    tile_begin = tile_end - per_group
+    tile = jnp.arange(num_tiles, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(tile_end, tile, side="right", method=_SEARCH), g - 1)
+    local = tile - tile_begin[group]
+    valid = jnp.where(tile < tile_end[-1], jnp.clip(sizes[group] - local * block_m, 0, block_m),
+                      0)
+    first = starts[group] + local * block_m
+    row = jnp.arange(num_rows, dtype=jnp.int32)
+    row_group = jnp.minimum(jnp.searchsorted(ends, row, side="right", method=_SEARCH), g - 1)
+    offset = row - starts[row_group]
+    tiled_row = (tile_begin[row_group] + offset // block_m) * block_m + offset % block_m
+    tiled_row = jnp.clip(tiled_row, 0, num_tiles * block_m - 1)
+    return (group.astype(jnp.int32), first.astype(jnp.int32), valid.astype(jnp.int32),
+            tiled_row)
+
+
+def _kernel(group_ref, first_ref, valid_ref, lhs_ref, rhs_ref, o_ref, *, block_k: int,
+            k_steps: int):
+    """One tile of `block_m` rows of one group times one [K / splits, block_n] slice of its
+    expert (split `pl.program_id(2)` of K)."""
+    tile, col, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    group, first, num_valid = group_ref[tile], first_ref[tile], valid_ref[tile]
+    block_m, block_n = o_ref.shape
+    offs = jnp.arange(block_m, dtype=jnp.int32)
+    row_ok = offs < num_valid
+    rows = jnp.where(row_ok, first + offs, 0)  # [bm] rows of lhs (padding reads row 0)
+    cols = pl.ds(col * block_n, block_n)
+
+    def body(kb, acc):
+        ks = pl.ds((split * k_steps + kb) * block_k, block_k)
+        x = lhs_ref[rows, ks]  # [bm, bk]
+        w = rhs_ref[group, ks, cols]  # [bk, bn]
+        return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+    steps = jnp.where(num_valid > 0, k_steps, 0)  # an empty tile reads nothing
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_m, block_n), jnp.float32))
+    o_ref[...] = jnp.where(row_ok[:, None], acc, 0.0).astype(o_ref.dtype)
+
+
+def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+    """Zero-pad one axis up to a multiple (real model shapes divide, so this is a no-op)."""
+    extra = -x.shape[axis] % multiple
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "k_splits",
+                                             "num_warps", "num_stages", "out_dtype",
+                                             "interpret"))
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                   block_m: int = 64, block_n: int = 128, block_k: int = 64, k_splits: int = 1,
+                   num_warps: int = 4, num_stages: int = 3, out_dtype=None,
+                   interpret: bool = False) -> jax.Array:
+    """Pallas grouped matmul: lhs [M, K] (rows sorted by group), rhs [G, K, N], group_sizes
+    [G] -> [M, N] in `out_dtype` (default lhs's), float32 sums. Block sizes are powers of two
+    (>= 16 on a GPU: Triton's dot); K and N are padded to them when they do not divide.
+
+    `k_splits` > 1 cuts K into that many ranges, each its own program writing a float32
+    partial sum, added afterwards: a decode step has few (tile, column) programs, too few to
+    keep every SM streaming weights, and splitting K multiplies them.
+    """
+    _check(lhs, rhs, group_sizes)
+    for name, size in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k),
+                       ("k_splits", k_splits)):
+        if size < 1 or size & (size - 1):
+            raise ValueError(f"{name} must be a power of two, got {size}")
+    num_rows, n = lhs.shape[0], rhs.shape[2]
+    lhs_p = _pad_to(lhs, 1, block_k * k_splits)  # [M, K']
+    rhs_p = _pad_to(_pad_to(rhs, 1, block_k * k_splits), 2, block_n)  # [G, K', N']
+    group, first, valid, tiled_row = group_tiles(group_sizes, num_rows, block_m)
+    num_tiles, width = group.shape[0], rhs_p.shape[2]
+    out_dtype = out_dtype or lhs.dtype
+    whole = common.whole_spec
+    tiled = pl.pallas_call(
+        functools.partial(_kernel, block_k=block_k,
+                          k_steps=lhs_p.shape[1] // (block_k * k_splits)),
+        grid=(num_tiles, width // block_n, k_splits),
+        in_specs=[whole((num_tiles,)), whole((num_tiles,)), whole((num_tiles,)),
+                  whole(lhs_p.shape), whole(rhs_p.shape)],
+        out_specs=pl.BlockSpec((None, block_m, block_n), lambda t, c, s: (s, t, c)),
+        out_shape=jax.ShapeDtypeStruct((k_splits, num_tiles * block_m, width),
+                                       out_dtype if k_splits == 1 else jnp.float32),
+        compiler_params=common.triton_params(num_warps, num_stages),
+        interpret=interpret,
+        name="grouped_matmul",
+    )(group, first, valid, lhs_p, rhs_p)
+    tiled = tiled[0] if k_splits == 1 else jnp.sum(tiled, axis=0)
+    in_groups = jnp.arange(num_rows) < jnp.sum(group_sizes)
+    return jnp.where(in_groups[:, None], tiled[tiled_row, :n], 0).astype(out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                             out_dtype=None) -> jax.Array:
+    """Pure JAX, obviously right: each row times its group's matrix, gathered per row
+    ([M, K, N] memory: for tests)."""
+    _check(lhs, rhs, group_sizes)
+    ends = jnp.cumsum(group_sizes)
+    row = jnp.arange(lhs.shape[0])
+    group = jnp.minimum(jnp.searchsorted(ends, row, side="right"), rhs.shape[0] - 1)
+    out = jnp.einsum("mk,mkn->mn", lhs, rhs[group], preferred_element_type=jnp.float32)
+    return jnp.where((row < ends[-1])[:, None], out, 0).astype(out_dtype or lhs.dtype)

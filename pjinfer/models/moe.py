@@ -1,0 +1,157 @@
+"""The mixture-of-experts block: router softmax -> top-k -> grouped expert GEMMs, dropless.
+
+Params of a MoE layer (weights input-major, like every pjinfer linear):
+  router [D, E]; experts_gate_up [E, D, 2, I] (gate then up of each expert); experts_down
+  [E, I, D]; optional shared expert (Qwen2-MoE) `shared_expert` {gate_proj, up_proj,
+  down_proj} and `shared_expert_gate` [D, 1].
+gate and up sit on their own axis of size 2 so that splitting I over tensor-parallel shards
+keeps each shard's gate and up columns together: a shard's [E, D, 2, I/tp] block reshapes for
+free to the [E, D, 2I/tp] of one fused grouped GEMM.
+
+Every (token, expert) assignment is computed (dropless: no capacity, nothing dropped);
+assignments are sorted by expert, the gate/up and the down projections run as one grouped
+matmul each (`kernels.ops.grouped_matmul`), then each token sums its k outputs times its
+routing weights. Padding tokens of a step (past `metadata.query_start_loc[-1]`) and, under
+expert parallelism, assignments to another shard's experts are sorted past the last group,
+so no GEMM reads their rows and they carry weight 0.
+
+Tensor parallelism runs the experts under `shard_map` over "tp" with one all-reduce per MoE
+layer: without expert parallelism each shard holds every expert's slice of I (a row-parallel
+down projection, like the dense MLP); with it (`ModelConfig.option("expert_parallel")`) each
+shard holds E/tp whole experts and computes only the assignments routed to them. The mesh is
+the abstract mesh the step traces under (`jax.sharding.use_abstract_mesh`, set by
+pjinfer.engine.step); without one (one device, the dense oracle) the block runs as is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from pjinfer.kernels import ops
+from pjinfer.models.layers import gated_mlp, linear
+from pjinfer.sharding.attention import shard_map
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """What a MoE architecture's config.json says about its experts (hashable: it rides in
+    `ModelConfig.options` under "moe", a static jit argument)."""
+
+    num_experts: int
+    top_k: int  # num_experts_per_tok
+    intermediate_size: int  # of one expert (Mixtral: intermediate_size; Qwen: moe_...)
+    norm_topk_prob: bool  # renormalise the top-k probabilities to sum to 1
+    sparse_layers: tuple[bool, ...]  # per layer: MoE block (True) or dense MLP (False)
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"config.json: the MoE field for {name} must be a positive "
+                                 f"integer, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"config.json: num_experts_per_tok ({self.top_k}) exceeds the "
+                             f"number of experts ({self.num_experts}); it must be at most "
+                             f"{self.num_experts}")
+
+
+def route(logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
+    """Router logits [T, E] -> (weights [T, k] float32, expert ids [T, k]): softmax in float32,
+    the k largest, optionally renormalised to sum to 1 (as transformers' routers do)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, top_k)
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, ids.astype(jnp.int32)
+
+
+def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Array,
+               down: jax.Array, first_expert: jax.Array | int = 0, *,
+               backend: str = "auto") -> jax.Array:
+    """Sum over each token's k experts of weight * down(silu(gate(x)) * up(x)), float32 [T, D].
+
+    x [T, D]; weights/ids [T, k] (weight 0: skipped); gate_up [E', D, 2, I']; down [E', I', D]
+    hold experts first_expert .. first_expert + E' - 1 (all of them, or one EP shard's), each
+    over I' columns (all of I, or one TP shard's: then the result is a partial sum).
+    """
+    t, k = ids.shape
+    num_local, d, _, inter = gate_up.shape
+    local = ids - first_expert
+    mine = (local >= 0) & (local < num_local) & (weights > 0)  # [T, k]
+    key = jnp.where(mine, local, num_local).reshape(-1)  # [T*k]; others sort past the groups
+    order = jnp.argsort(key, stable=True)  # [T*k] sorted position -> assignment
+    group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
+    xs = x[order // k]  # [T*k, D] rows sorted by expert
+    h = ops.grouped_matmul(xs, gate_up.reshape(num_local, d, 2 * inter), group_sizes,
+                           backend=backend)  # [T*k, 2I']
+    h = jax.nn.silu(h[:, :inter]) * h[:, inter:]
+    y = ops.grouped_matmul(h, down, group_sizes, backend=backend)  # [T*k, D] in x's dtype
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    y = y[inverse].reshape(t, k, d).astype(jnp.float32)  # back to assignment order
+    w = jnp.where(mine, weights, 0.0)[..., None]  # [T, k, 1]
+    return jnp.sum(jnp.where(w > 0, y * w, 0.0), axis=1)
+
+
+def _tp_mesh() -> Any:
+    """The abstract mesh the step is traced under when it splits over "tp" (else None)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or "tp" not in mesh.axis_names or mesh.shape["tp"] == 1:
+        return None
+    return mesh
+
+
+def _sharded_expert_ffn(x, weights, ids, gate_up, down, *, expert_parallel: bool,
+                        backend: str) -> jax.Array:
+    """`expert_ffn` on every tp shard, then the layer's one all-reduce."""
+    mesh = _tp_mesh()
+    if mesh is None:
+        return expert_ffn(x, weights, ids, gate_up, down, backend=backend)
+    if expert_parallel:
+        specs = (P("tp", None, None, None), P("tp", None, None))
+    else:
+        specs = (P(None, None, None, "tp"), P(None, "tp", None))
+
+    def local(x, weights, ids, gate_up, down):
+        first = jax.lax.axis_index("tp") * gate_up.shape[0] if expert_parallel else 0
+        part = expert_ffn(x, weights, ids, gate_up, down, first, backend=backend)
+        return jax.lax.psum(part.astype(x.dtype), "tp")  # summed in x's dtype, as dense MLPs
+
+    return shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), *specs),
+                     out_specs=P())(x, weights, ids, gate_up, down)
+
+
+def moe_block(lp: dict, x: jax.Array, *, moe: MoeConfig, valid: jax.Array | None = None,
+              expert_parallel: bool = False, backend: str = "auto") -> jax.Array:
+    """The sparse MLP of one layer: x [T, D] -> [T, D]; `valid` [T] marks real tokens."""
+    weights, ids = route(linear(x, lp["router"]), moe.top_k, moe.norm_topk_prob)  # [T, k]
+    if valid is not None:
+        weights = jnp.where(valid[:, None], weights, 0.0)
+    out = _sharded_expert_ffn(x, weights, ids, lp["experts_gate_up"], lp["experts_down"],
+                              expert_parallel=expert_parallel, backend=backend
+                              ).astype(jnp.float32)
+    if "shared_expert" in lp:
+        gate = jax.nn.sigmoid(linear(x, lp["shared_expert_gate"], out_dtype=jnp.float32))
+        out = out + gate * gated_mlp(lp["shared_expert"], x).astype(jnp.float32)
+    return out.astype(x.dtype)
+
+
+def moe_or_dense_mlp(lp: dict, x: jax.Array, **kwargs: Any) -> jax.Array:
+    """A layer's MLP as its params say: the MoE block when it has a router, else SwiGLU
+    (Qwen2-MoE's `mlp_only_layers` and the layers `decoder_sparse_step` skips)."""
+    if "router" in lp:
+        return moe_block(lp, x, **kwargs)
+    return gated_mlp(lp, x)
+
+
+def real_tokens(metadata: Any, num_tokens: int) -> jax.Array | None:
+    """[T] bool: tokens of real sequences in a padded engine step (None: all are real)."""
+    qsl = getattr(metadata, "query_start_loc", None)
+    if qsl is None:
+        return None
+    return jnp.arange(num_tokens) < qsl[-1]

@@ -1,0 +1,29 @@
+"""`python -m pjinfer.benchmarks.moe --smoke`: the grouped-matmul benchmark's plumbing on CPU."""
+
+from __future__ import annotations
+
+import json
+
+from pjinfer.benchmarks.moe import main, routed_group_sizes
+
+
+def test_routing_gives_each_token_top_k_distinct_experts():
+    sizes = routed_group_sizes(10, 8, 3, seed=0)
+    assert sizes.sum() == 30 and sizes.max() <= 10
+
+
+def test_smoke_record(tmp_path):
+    out = tmp_path / "moe.json"
+    assert main(["--smoke", "--calls", "1", "--samples", "1", "--block-m", "16",
+                 "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["ceilings"]["matmul_flops_per_s"] > 0
+    for name in ("gate_up", "down"):
+        prefill = rec["prefill"][name]
+        diffs = prefill["max_abs_diff_vs_ragged_dot"]
+        assert set(diffs) == {"ragged_dot", "auto", "pallas_m16_n128_k64_s1"}
+        assert max(diffs.values()) < 0.05  # bf16 sums in another order
+        assert prefill["auto"]["vs_matmul_rate"] > 0
+        assert all(d[name]["auto"]["vs_bandwidth"] > 0 for d in rec["decode"])
+    assert [d["tokens"] for d in rec["decode"]] == [1, 4]
+    assert rec["decode"][0]["experts_touched"] == 2

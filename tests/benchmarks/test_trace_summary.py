@@ -1,0 +1,44 @@
+"""Trace summary arithmetic on a hand-made Perfetto trace: two steps, two streams, one gap."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from pjinfer.benchmarks.trace_summary import summarize_dir
+
+
+def _write(tmp_path, events):
+    folder = tmp_path / "plugins" / "profile" / "2026_12_01"
+    folder.mkdir(parents=True)
+    with gzip.open(folder / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+
+def test_busy_idle_and_heaviest_kernels(tmp_path):
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]
+    gpu = [("gemv", 0, 10), ("gemv", 5, 10), ("attn", 20, 5),  # overlap on two streams
+           ("gemv", 100, 10), ("attn", 115, 10)]
+    events = meta + [{"ph": "X", "pid": 1, "tid": i % 2, "name": n, "ts": ts, "dur": d}
+                     for i, (n, ts, d) in enumerate(gpu)]
+    events.append({"ph": "X", "pid": 2, "tid": 0, "name": "python", "ts": 0, "dur": 500})
+    _write(tmp_path, events)
+    s = summarize_dir(tmp_path, steps=2)
+    assert s["device_events"] == 5 and s["kernels_per_step"] == 2.5
+    # busy: [0, 15] + [20, 25] + [100, 110] + [115, 125] = 40 us; window 125 us
+    assert s["busy_us_per_step"] == pytest.approx(20)
+    assert s["window_us_per_step"] == pytest.approx(62.5)
+    assert s["idle_us_per_step"] == pytest.approx(42.5)
+    assert [k["name"] for k in s["top_kernels"]] == ["gemv", "attn"]
+    assert s["top_kernels"][0] == {"name": "gemv", "calls_per_step": 1.5, "us_per_step": 15}
+
+
+def test_no_trace_or_no_device_is_said(tmp_path):
+    assert "error" in summarize_dir(tmp_path, steps=3)
+    _write(tmp_path, [{"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host"}},
+                      {"ph": "X", "pid": 2, "name": "python", "ts": 0, "dur": 5}])
+    assert summarize_dir(tmp_path, steps=3) == {"steps": 3, "device_events": 0,
+                                                "processes": ["/host"]}
