@@ -13,6 +13,8 @@
 #                                           # without, one process (needs llguidance) (~4 min)
 #   bash benchmarks/run_h200.sh moe       # issue 13: grouped matmul, Mixtral/Qwen3-MoE engine
 #                                         # runs (~25-35 min: one step per device command)
+#   bash benchmarks/run_h200.sh lora      # multi-LoRA: W3 and W1 with/without 8-of-16
+#                                         # adapters, shrink/expand vs roofline (~8 min)
 #   bash benchmarks/run_h200.sh --smoke pjinfer hf serve   # the same plumbing, tiny, on CPU
 #
 # Each stage fits one 10-minute device command; every step has its own time limit, and a
@@ -171,6 +173,13 @@ stage_moe() {
       --output-json "$JSON/moe_qwen3_throughput.json"
 }
 
+stage_lora() {
+  local smoke=()
+  [ $SMOKE = 1 ] && smoke=(--smoke)
+  step lora 580 $PY -m pjinfer.benchmarks.lora "${smoke[@]}" --compilation-cache-dir "$CACHE" \
+      --out "$JSON/lora.json"
+}
+
 stage_hf() {
   step hf_w1_latency 120 "${HF[@]}" latency --model "$HF_MODEL" --batch-size 1 \
       --input-len $IN_W1 --output-len $OUT_W1 --num-iters 1 --num-iters-warmup 1 \
@@ -229,12 +238,13 @@ for stage in "${STAGES[@]}"; do
     pjinfer) stage_pjinfer ;;
     hf) stage_hf ;;
     serve) stage_serve ;;
+    lora) stage_lora ;;
     startup) stage_startup ;;
     profile) stage_profile ;;
     long) stage_long ;;
     structured) stage_structured ;;
     moe) stage_moe ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe)" ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora)" ;;
   esac
 done
 pack

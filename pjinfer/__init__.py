@@ -17,6 +17,7 @@ _EXPORTS = {
     "CompletionOutput": "pjinfer.outputs",
     "BeamSearchParams": "pjinfer.beam_search",
     "BeamSearchOutput": "pjinfer.beam_search",
+    "LoRARequest": "pjinfer.lora.request",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -72,6 +72,11 @@ SERVER_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--admin-api-key": ("admin_api_key", str, "enable the admin routes (/v1/admin/models/load, "
                         "unload, replace; /sleep, /wake_up, /is_sleeping), which need "
                         "'Authorization: Bearer KEY'"),
+    "--lora-modules": ("lora_modules", str, "LoRA adapters to serve (with --enable-lora), as "
+                       "name=path ...: each name is a model in /v1/models"),
+    "--allow-runtime-lora-updating": ("allow_runtime_lora_updating", bool, "allow POST "
+                                      "/v1/load_lora_adapter and /v1/unload_lora_adapter "
+                                      "(also env PJINFER_ALLOW_RUNTIME_LORA_UPDATING=1)"),
 }
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DISPATCH = {"bench": "pjinfer.benchmarks.cli", "convert": "pjinfer.sharding.convert"}
@@ -110,10 +115,13 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
                                       "429, past a queue cap 503, both with Retry-After")
     for flag, (dest, kind, help_text) in SERVER_FLAGS.items():
         if kind is bool:
-            group.add_argument(flag, dest=dest, action="store_true", help=help_text)
-            continue
-        group.add_argument(flag, dest=dest, type=kind, help=help_text, metavar=dest.upper(),
-                           action="append" if flag == "--api-key" else "store")
+            group.add_argument(flag, dest=dest, action="store_true", help=help_text,
+                               default=argparse.SUPPRESS)
+        elif flag == "--lora-modules":
+            group.add_argument(flag, dest=dest, nargs="+", metavar="NAME=PATH", help=help_text)
+        else:
+            group.add_argument(flag, dest=dest, type=kind, help=help_text, metavar=dest.upper(),
+                               action="append" if flag == "--api-key" else "store")
 
 
 def _add_sampling(parser: argparse.ArgumentParser) -> None:
@@ -180,7 +188,22 @@ def server_args(config: RunConfig) -> dict[str, Any]:
         raise UsageError(f"--port must be in [1, 65535], got {args['port']}")
     _check_server_options(args)
     args["admission"] = _admission(args)
+    args["lora_modules"] = _lora_modules(args["lora_modules"])
     return args
+
+
+def _lora_modules(given: Any) -> tuple[tuple[str, str], ...]:
+    """--lora-modules name=path ... (in TOML, a list of such strings)."""
+    from pjinfer.server.lora import parse_lora_module
+
+    if given is None:
+        return ()
+    if not isinstance(given, list) or not all(isinstance(g, str) for g in given):
+        raise UsageError(f"lora_modules must be a list of 'name=path' strings, got {given!r}")
+    try:
+        return tuple(parse_lora_module(g) for g in given)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _api_keys(args: dict[str, Any]) -> list[str]:
@@ -256,7 +279,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             api_keys=tuple(srv["api_keys"]), admission=srv["admission"],
                             enable_auto_tool_choice=bool(srv["enable_auto_tool_choice"]),
                             tool_call_parser=srv["tool_call_parser"],
-                            admin_api_key=srv["admin_api_key"])
+                            admin_api_key=srv["admin_api_key"], lora_modules=srv["lora_modules"],
+                            allow_runtime_lora_updating=bool(srv["allow_runtime_lora_updating"]))
     if config.models:  # a model pool: engines load in the server's start-up
         try:
             engine = build_pool(config)

@@ -10,6 +10,7 @@ from typing import Any
 from pjinfer.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.engine import LLMEngine
+from pjinfer.lora.request import LoRARequest
 from pjinfer.outputs import RequestOutput
 from pjinfer.sampling_params import RequestOutputKind, SamplingParams
 from pjinfer.tokenizer import apply_chat_template
@@ -46,10 +47,15 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 *, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 ) -> list[RequestOutput]:
         """One finished RequestOutput per prompt, in the order given. `priority` (one int per
-        prompt, lower first, as vLLM) orders them under `scheduling_policy="priority"`."""
+        prompt, lower first, as vLLM) orders them under `scheduling_policy="priority"`.
+        `lora_request`: one adapter for every prompt, or one (or None: the base model) per
+        prompt (needs `enable_lora=True`)."""
         prompts = _as_list(prompts)
+        loras = _per_prompt(lora_request, len(prompts), "lora_request")
         params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                   for p in _broadcast(sampling_params, len(prompts))]
         priorities = _priorities(priority, len(prompts))
@@ -58,9 +64,9 @@ class LLM:
                 self.engine.structured_output.check(p.structured_outputs)
         ids = []
         try:
-            for prompt, p, rank in zip(prompts, params, priorities, strict=True):
+            for prompt, p, rank, lora in zip(prompts, params, priorities, loras, strict=True):
                 ids.append(f"llm-{next(self._ids)}")
-                self.engine.add_request(ids[-1], prompt, p, priority=rank)
+                self.engine.add_request(ids[-1], prompt, p, priority=rank, lora_request=lora)
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -69,12 +75,14 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+             tools: list[dict[str, Any]] | None = None,
+             *, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template (and `tools`, OpenAI
         function definitions, for templates that show them), then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [apply_chat_template(self.tokenizer, c, tools=tools) for c in conversations]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, lora_request=lora_request)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
@@ -132,6 +140,16 @@ def _broadcast(params, n: int) -> list[SamplingParams]:
         raise ValueError(f"got {len(params)} sampling_params for {n} prompts; pass one, "
                          "or one per prompt")
     return list(params)
+
+
+def _per_prompt(value, n: int, name: str) -> list:
+    """One value for every prompt, or a list of one per prompt."""
+    if not isinstance(value, list | tuple):
+        return [value] * n
+    if len(value) != n:
+        raise ValueError(f"got {len(value)} {name}s for {n} prompts; pass one, or one per "
+                         "prompt")
+    return list(value)
 
 
 def _priorities(priority: Sequence[int] | None, n: int) -> list[int]:

@@ -28,7 +28,8 @@ _OTHER_KEYS: dict[str, dict[str, type]] = {
                "ssl_certfile": str, "rate_limit_requests": float, "rate_limit_burst": float,
                "rate_limit_tokens": float, "max_num_queued_requests": int,
                "max_num_queued_tokens": int, "enable_auto_tool_choice": bool,
-               "tool_call_parser": str, "admin_api_key": str},
+               "tool_call_parser": str, "admin_api_key": str, "lora_modules": list,
+               "allow_runtime_lora_updating": bool},
     "pool": {"repository": str, "memory_bytes": int},
 }
 # keys of one [[models]] entry besides engine arguments (pjinfer.server.model_pool.ModelSpec)

@@ -38,6 +38,7 @@ from pjinfer.sampling_params import RequestOutputKind
 from pjinfer.server import beam, body, protocol, streaming, validation
 from pjinfer.server.admin import admin_routes
 from pjinfer.server.admission import Admission, AdmissionLimits, Ticket, retry_after_header
+from pjinfer.server.lora import LoRARoutes
 from pjinfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from pjinfer.server.model_entry import Lease
 from pjinfer.server.model_pool import ModelPool
@@ -73,6 +74,8 @@ class ServerOptions:
     enable_auto_tool_choice: bool = False  # tool_choice "auto", read by tool_call_parser
     tool_call_parser: str | None = None
     admin_api_key: str | None = None  # enables the admin routes (server.admin)
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) served at start
+    allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and unload (server.lora)
 
     def __post_init__(self) -> None:
         check_tool_options(self.enable_auto_tool_choice, self.tool_call_parser)
@@ -90,7 +93,9 @@ class OpenAIServer:
         self.models = models if isinstance(models, ModelPool) else ModelPool.of_engine(
             models, options.served_model_name)
         self.options = options
-        self.metrics = ServerMetrics(self.models.stats_by_model, self.models.default.key)
+        self.lora = LoRARoutes(self, options.lora_modules, options.allow_runtime_lora_updating)
+        self.metrics = ServerMetrics(self.models.stats_by_model, self.models.default.key,
+                                     self.models.max_loras_by_model)
         self.metrics.watch_pool(self.models)
         self.created = int(time.time())
         self.pool = ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="pjinfer-parse")
@@ -150,16 +155,22 @@ class OpenAIServer:
         """The model the body's `model` names (a missing or non-text one: the first model,
         whose validation then says what is wrong)."""
         model = raw.get("model")
-        return await self.models.acquire(model if isinstance(model, str) else None)
+        try:  # a LoRA adapter's name leases the model serving it (server.lora)
+            return await self.models.acquire(
+                self.lora.lease_name(model if isinstance(model, str) else None))
+        except APIError as e:
+            raise self.lora.not_found(e) from None
 
-    def _generate(self, engine: AsyncEngine, req: GenerationRequest
+    def _generate(self, lease: Lease, req: GenerationRequest
                   ) -> list[AsyncIterator[RequestOutput]]:
         """Engine streams, one per prompt; nothing reaches the engine until one is iterated.
-        A stream gets DELTA outputs (sent as they are), a whole response one final output."""
+        A stream gets DELTA outputs (sent as they are), a whole response one final output;
+        a request naming a LoRA adapter runs with it."""
+        lora = self.lora.lora_for(req.model, lease.info.served_model_name)
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         params = dataclasses.replace(req.params, output_kind=kind)
-        streams = [engine.generate(ids, params, request_id=f"{req.id}-{i}",
-                                        priority=req.priority)
+        streams = [lease.engine.generate(ids, params, request_id=f"{req.id}-{i}",
+                                         priority=req.priority, lora_request=lora)
                    for i, ids in enumerate(req.prompts)]
         return [streaming.hide_generated(s) for s in streams] if req.prompt_only else streams
 
@@ -175,15 +186,19 @@ class OpenAIServer:
                                                   error)
 
     # ---- OpenAI routes ------------------------------------------------------------------
+    def _cards(self) -> list[dict[str, Any]]:
+        """The pool's models, then the default model's LoRA adapters (parent: that model)."""
+        return self.models.cards(self.created) + self.lora.cards(self.created)
+
     async def list_models(self, request: Request) -> Response:
         """Every model of the pool, with its state (loaded, loading, unloaded, sleeping)."""
-        return JSONResponse({"object": "list", "data": self.models.cards(self.created)})
+        return JSONResponse({"object": "list", "data": self._cards()})
 
     async def model(self, request: Request) -> Response:
         model_id = request.path_params["model_id"]
-        card = next((c for c in self.models.cards(self.created) if c["id"] == model_id), None)
+        card = next((c for c in self._cards() if c["id"] == model_id), None)
         if card is None:
-            raise self.models.not_found(model_id)
+            raise self.lora.not_found(self.models.not_found(model_id))
         return JSONResponse(card)
 
     async def completions(self, request: Request) -> Response:
@@ -226,11 +241,14 @@ class OpenAIServer:
         on_finished = functools.partial(self.metrics.observe_finished, model_name=lease.entry.key)
         with self._admit(request, req, lease.info.max_model_len) as ticket:
             if req.beam is not None:
+                if req.model != lease.info.served_model_name:
+                    raise APIError("beam search with a LoRA adapter is not supported",
+                                   param="use_beam_search")
                 results = await _unless_disconnected(request, beam.run(lease.engine, req))
                 for summary in beam.summaries(req, results):
                     on_finished(summary)
                 return JSONResponse(beams(req, results, tokenizer))
-            streams = self._generate(lease.engine, req)
+            streams = self._generate(lease, req)
             if req.stream:
                 streams = await _unless_disconnected(request, streaming.prime(streams))
                 return _sse(ticket.hand_off(lease.hand_off(
@@ -279,10 +297,11 @@ class OpenAIServer:
 
     def _info(self, lease: Lease) -> ModelInfo:
         """The leased model's ModelInfo with the server's tool-call parser (a server option,
-        used only with --enable-auto-tool-choice)."""
+        used only with --enable-auto-tool-choice) and the LoRA adapters it serves."""
         opts = self.options
         return dataclasses.replace(
-            lease.info, tool_parser=opts.tool_call_parser if opts.enable_auto_tool_choice else None)
+            lease.info, tool_parser=opts.tool_call_parser if opts.enable_auto_tool_choice else None,
+            lora_names=self.lora.names_for(lease.entry))
 
     async def tokenize(self, request: Request) -> Response:
         tokens, info = await self._with_model(request, validation.tokenize)
@@ -306,6 +325,8 @@ def build_app(engine: AsyncEngine | ModelPool, options: ServerOptions | None = N
         ("/v1/models/{model_id:path}", server.model, ["GET"], True),
         ("/v1/completions", server.completions, ["POST"], True),
         ("/v1/chat/completions", server.chat, ["POST"], True),
+        ("/v1/load_lora_adapter", server.lora.load, ["POST"], True),
+        ("/v1/unload_lora_adapter", server.lora.unload, ["POST"], True),
         ("/health", server.health, ["GET"], False),
         ("/version", server.version, ["GET"], False),
         ("/metrics", server.prometheus, ["GET"], False),
@@ -320,6 +341,7 @@ def build_app(engine: AsyncEngine | ModelPool, options: ServerOptions | None = N
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await server.models.startup()
+        await server.lora.startup()
         yield
         await server.models.shutdown(options.drain_timeout)
         server.pool.shutdown(wait=False, cancel_futures=True)

@@ -9,6 +9,7 @@ engine keeps only a rolling window of samples, which cannot back a monotonic his
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -33,17 +34,38 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.0
 class _EngineCollector(Collector):
     """Turns the latest EngineStats of every model into gauges and counters at each scrape."""
 
-    def __init__(self, stats_by_model: Callable[[], Mapping[str, EngineStats]]):
+    def __init__(self, stats_by_model: Callable[[], Mapping[str, EngineStats]],
+                 max_loras_by_model: Callable[[], Mapping[str, int]] = dict):
         self._stats_by_model = stats_by_model
+        self._max_loras_by_model = max_loras_by_model  # models whose engines run LoRA
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
-        for model_name, stats in self._stats_by_model().items():
+        by_model = self._stats_by_model()
+        for model_name, stats in by_model.items():
             for family, name, doc, value in _rows(stats):
                 if name not in families:
                     families[name] = family(PREFIX + name, doc, labels=[MODEL_LABEL])
                 families[name].add_metric([model_name], value)
         yield from families.values()
+        lora = {m: n for m, n in self._max_loras_by_model().items() if m in by_model}
+        if lora:
+            yield _lora_info(by_model, lora)
+
+
+def _lora_info(by_model: Mapping[str, EngineStats], max_loras: Mapping[str, int]) -> Metric:
+    """vLLM's lora_requests_info: per model, one sample whose labels list the adapters of
+    running and waiting requests (comma-separated), its value the scrape time."""
+    metric = GaugeMetricFamily(
+        PREFIX + "lora_requests_info", "Running stats on LoRA requests.",
+        labels=[MODEL_LABEL, "max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+    now = time.time()
+    for model_name, max_lora in max_loras.items():
+        s = by_model[model_name]  # data-parallel replicas' names are merged: set() dedupes
+        waiting, running = (",".join(sorted(set(names)))
+                            for names in (s.waiting_lora_adapters, s.running_lora_adapters))
+        metric.add_metric([model_name, str(max_lora), waiting, running], now)
+    return metric
 
 
 def _rows(s: EngineStats) -> Iterator[tuple[type, str, str, float]]:
@@ -132,10 +154,10 @@ class ServerMetrics:
     """The metrics of one app; `render()` is the /metrics body."""
 
     def __init__(self, stats_by_model: Callable[[], Mapping[str, EngineStats]],
-                 model_name: str):
+                 model_name: str, max_loras_by_model: Callable[[], Mapping[str, int]] = dict):
         self.model_name = model_name  # the default model's: HTTP counts and admission
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineCollector(stats_by_model))
+        self.registry.register(_EngineCollector(stats_by_model, max_loras_by_model))
         self.registry.register(_PluginCollectors())
         self.http_requests = Counter(
             PREFIX + "http_requests", "HTTP requests by route and status code.",

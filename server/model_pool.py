@@ -346,6 +346,12 @@ class ModelPool:
                 stats[f"{entry.spec.name}@{old.version}"] = old.engine.stats()
         return stats
 
+    def max_loras_by_model(self) -> dict[str, int]:
+        """max_loras of each loaded model whose engine runs with LoRA (--enable-lora)."""
+        return {key: entry.current.engine.config.max_loras
+                for key, entry in self.entries.items()
+                if entry.current is not None and entry.current.engine.config.enable_lora}
+
     def cards(self, created: int) -> list[dict[str, Any]]:
         """`/v1/models` rows: OpenAI's fields plus state and version."""
         cards = []

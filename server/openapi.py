@@ -93,6 +93,10 @@ def openapi_schema(model: str, max_model_len: int, vocab_size: int,
         "model": sampling["model"],
         "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0,
                                                "maximum": vocab_size - 1}}}}
+    load_lora = {"type": "object", "required": ["lora_name", "lora_path"], "properties": {
+        "lora_name": {"type": "string"}, "lora_path": {"type": "string"}}}
+    unload_lora = {"type": "object", "required": ["lora_name"],
+                   "properties": {"lora_name": {"type": "string"}}}
     error = {"type": "object", "required": ["error"], "properties": {"error": {
         "type": "object", "properties": {k: {"type": "string", "nullable": True}
                                          for k in ("message", "type", "param", "code")}}}}
@@ -104,6 +108,8 @@ def openapi_schema(model: str, max_model_len: int, vocab_size: int,
         "components": {
             "schemas": {"CompletionRequest": completion, "ChatCompletionRequest": chat,
                         "TokenizeRequest": tokenize, "DetokenizeRequest": detokenize,
+                        "LoadLoRAAdapterRequest": load_lora,
+                        "UnloadLoRAAdapterRequest": unload_lora,
                         "Error": error},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "paths": {
@@ -114,6 +120,12 @@ def openapi_schema(model: str, max_model_len: int, vocab_size: int,
                                      "text_completion (or its SSE chunks with stream)"),
             "/v1/chat/completions": _post("chat completion", "ChatCompletionRequest",
                                           "chat.completion (or its SSE chunks with stream)"),
+            "/v1/load_lora_adapter": _post(
+                "serve a PEFT LoRA folder under a name (--allow-runtime-lora-updating)",
+                "LoadLoRAAdapterRequest", "a success message"),
+            "/v1/unload_lora_adapter": _post(
+                "stop serving a LoRA adapter (--allow-runtime-lora-updating)",
+                "UnloadLoRAAdapterRequest", "a success message"),
             "/tokenize": _post("token ids of a prompt", "TokenizeRequest", "token ids"),
             "/detokenize": _post("text of token ids", "DetokenizeRequest", "the text"),
             "/health": _get("200 while the engine serves, 503 once it is dead or stuck"),

@@ -8,7 +8,7 @@ engine outputs into whole responses.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +86,7 @@ class ModelInfo:
     # compiles a StructuredOutputsParams (cached by the engine); ValueError if it is invalid
     check_structured: Callable[[Any], None] | None = None
     tool_parser: str | None = None  # --tool-call-parser, with --enable-auto-tool-choice only
+    lora_names: Callable[[], Collection[str]] = tuple  # adapters servable now, by name
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,21 +67,23 @@ def check_text(text: str, param: str) -> str:
 
 
 def check_model(body: dict[str, Any], info: ModelInfo, *, required: bool = True) -> str:
-    """The `model` field must name the served model (404 otherwise, as OpenAI does)."""
+    """The `model` field must name the served model or one of its LoRA adapters (404
+    otherwise, as OpenAI does)."""
     model = get_field(body, "model", "str")
     if model is None:
         if required:
             raise APIError("model is required: pass the served model name "
                            f"{info.served_model_name!r}", param="model")
         return info.served_model_name
-    if model != info.served_model_name:
+    if model != info.served_model_name and model not in info.lora_names():
         raise model_not_found(model, info)
     return model
 
 
 def model_not_found(model: str, info: ModelInfo) -> APIError:
+    adapters = "".join(f", {name!r}" for name in sorted(info.lora_names()))
     return APIError(f"The model `{model}` does not exist; this server serves "
-                    f"{info.served_model_name!r}", status=404, param="model",
+                    f"{info.served_model_name!r}{adapters}", status=404, param="model",
                     code="model_not_found")
 
 

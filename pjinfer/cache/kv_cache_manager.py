@@ -14,7 +14,7 @@ request is about to write into); the runner must apply `take_copy_ops()` in orde
 before the step, and refresh that request's block table row.
 """
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from pjinfer.cache.block_pool import BlockPool
@@ -49,6 +49,8 @@ class KVCacheManager:
         self._block_tables: dict[str, list[int]] = {}
         # Hash-chain keys of each request's leading full blocks, so later blocks chain on cheaply.
         self._block_hashes: dict[str, list[BlockHash]] = {}
+        # Keys every block hash of a request mixes in (its LoRA adapter): absent = none.
+        self._extra_keys: dict[str, Hashable] = {}
         self._copy_ops: list[tuple[int, int]] = []
         self._num_queried_tokens = 0
         self._num_hit_tokens = 0
@@ -81,19 +83,22 @@ class KVCacheManager:
         """A copy of the request's block table (copies so COW never mutates a caller's list)."""
         return list(self._block_tables[request_id])
 
-    def get_computed_blocks(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
+    def get_computed_blocks(self, token_ids: Sequence[int], extra_key: Hashable | None = None
+                            ) -> tuple[list[int], int]:
         """Longest cached run of full blocks matching the prompt's prefix, and its token count.
 
         Never covers the whole prompt: at least one token must run to produce logits, so a
         fully cached prompt gives up its last block. Takes no references; pass the blocks to
         `allocate_slots` in the same scheduling pass. Each call counts toward the hit rate, so
         the scheduler should call it once per admission attempt it means to count.
+        `extra_key` (e.g. a LoRA adapter's) keys blocks apart: only the same key's are found.
         """
         if not self.enable_prefix_caching:
             return [], 0
         max_blocks = max(0, (len(token_ids) - 1) // self.block_size)
         block_ids: list[int] = []
-        for block_hash in iter_block_hashes(token_ids, self.block_size, stop_block=max_blocks):
+        for block_hash in iter_block_hashes(token_ids, self.block_size, stop_block=max_blocks,
+                                            extra_key=extra_key):
             block_id = self.pool.get_cached_block(block_hash)
             if block_id is None:
                 break
@@ -110,15 +115,17 @@ class KVCacheManager:
         num_computed_tokens: int,
         num_new_tokens: int,
         new_computed_blocks: Sequence[int] = (),
+        extra_key: Hashable | None = None,
     ) -> list[int] | None:
         """Make room for positions `num_computed_tokens .. + num_new_tokens - 1`.
 
         Returns the full block table, or None (changing nothing) when the pool is short.
-        `new_computed_blocks` are prefix-cache hits, taken only on the request's first call.
+        `new_computed_blocks` are prefix-cache hits, taken only on the request's first call;
+        `extra_key` (first call) keys the request's blocks as in `get_computed_blocks`.
         """
         table = self._block_tables.get(request_id)
         leading, leading_hashes = self._check_new_computed_blocks(
-            request_id, table, token_ids, new_computed_blocks, num_computed_tokens
+            request_id, table, token_ids, new_computed_blocks, num_computed_tokens, extra_key
         )
         current = leading if table is None else table
         num_tokens = num_computed_tokens + num_new_tokens
@@ -130,7 +137,7 @@ class KVCacheManager:
         if num_fresh + num_revived > self.pool.num_free_blocks:
             return None
         if table is None:
-            table = self._admit(request_id, leading, leading_hashes)
+            table = self._admit(request_id, leading, leading_hashes, extra_key)
         self._copy_on_write(table, cow_indices, num_computed_tokens)
         table.extend(self.pool.allocate(max(0, num_required - len(table))))
         if self.enable_prefix_caching:
@@ -149,6 +156,8 @@ class KVCacheManager:
         self.pool.touch(table)
         self._block_tables[child_id] = table
         self._block_hashes[child_id] = list(self._block_hashes[parent_id])
+        if parent_id in self._extra_keys:
+            self._extra_keys[child_id] = self._extra_keys[parent_id]
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks (finish, abort or preemption); unknown ids are ignored."""
@@ -156,6 +165,7 @@ class KVCacheManager:
         if table is None:
             return
         del self._block_hashes[request_id]
+        self._extra_keys.pop(request_id, None)
         self.pool.free(reversed(table))  # tail first: evicted before the more shareable head
 
     def take_copy_ops(self) -> list[tuple[int, int]]:
@@ -172,6 +182,7 @@ class KVCacheManager:
         token_ids: Sequence[int],
         new_computed_blocks: Sequence[int],
         num_computed_tokens: int,
+        extra_key: Hashable | None,
     ) -> tuple[list[int], list[BlockHash]]:
         """Validate prefix hits and return them with their keys.
 
@@ -188,7 +199,8 @@ class KVCacheManager:
                 f"num_computed_tokens={num_computed_tokens}"
             )
         hashes = list(
-            iter_block_hashes(token_ids, self.block_size, stop_block=len(new_computed_blocks))
+            iter_block_hashes(token_ids, self.block_size, stop_block=len(new_computed_blocks),
+                              extra_key=extra_key)
         )
         stored = [self.pool.block_hash(block_id) for block_id in new_computed_blocks]
         if stored != hashes:
@@ -200,9 +212,12 @@ class KVCacheManager:
         return list(new_computed_blocks), hashes
 
     def _admit(
-        self, request_id: str, leading: list[int], leading_hashes: list[BlockHash]
+        self, request_id: str, leading: list[int], leading_hashes: list[BlockHash],
+        extra_key: Hashable | None,
     ) -> list[int]:
         self.pool.touch(leading)
+        if extra_key is not None:
+            self._extra_keys[request_id] = extra_key
         self._block_tables[request_id] = leading
         self._block_hashes[request_id] = leading_hashes
         return leading
@@ -243,6 +258,7 @@ class KVCacheManager:
             start_block=len(hashes),
             stop_block=num_full,
             parent_hash=hashes[-1] if hashes else None,
+            extra_key=self._extra_keys.get(request_id),
         )
         for index, block_hash in enumerate(new_hashes, start=len(hashes)):
             self.pool.cache_block(table[index], block_hash)

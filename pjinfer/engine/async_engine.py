@@ -19,6 +19,7 @@ from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.engine import LLMEngine
 from pjinfer.engine.metrics import EngineStats
 from pjinfer.errors import EngineDeadError
+from pjinfer.lora.request import LoRARequest
 from pjinfer.outputs import RequestOutput
 from pjinfer.sampling_params import SamplingParams
 
@@ -111,20 +112,29 @@ class AsyncEngine:
         """Thread-safe: compile `spec` now (the engine caches it); ValueError if invalid."""
         self.engine.structured_output.check(spec)
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Thread-safe: read and check an adapter (ValueError if it cannot serve)."""
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_request: LoRARequest) -> bool:
+        """Thread-safe: drop its host copy; requests running with it finish with it."""
+        return self.engine.remove_lora(lora_request)
+
     def stats(self) -> EngineStats:
         """The snapshot the engine thread published after its latest step."""
         return self._stats
 
     # ---- requests -------------------------------------------------------------------------
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                       *, request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       *, request_id: str | None = None, priority: int = 0,
+                       lora_request: LoRARequest | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; leaving the loop early (or a cancel) aborts it."""
         if self._error is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self._error}")
         request_id = request_id or f"req-{next(self._ids)}"
         try:
-            stream = await self._add(request_id, prompt, params, priority)
+            stream = await self._add(request_id, prompt, params, priority, lora_request)
         except asyncio.CancelledError:  # the add may still reach the engine: undo it after
             self.abort(request_id)
             raise
@@ -142,14 +152,15 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
-    async def _add(self, request_id, prompt, params, priority) -> _Stream:
+    async def _add(self, request_id, prompt, params, priority, lora_request=None) -> _Stream:
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future = loop.create_future()
         stream = _Stream(loop)
 
         def add() -> None:
             try:
-                self.engine.add_request(request_id, prompt, params, priority=priority)
+                self.engine.add_request(request_id, prompt, params, priority=priority,
+                                        lora_request=lora_request)
                 self._streams[request_id] = stream
                 loop.call_soon_threadsafe(_resolve, accepted, None)
             except Exception as e:  # validation errors go back to the caller

@@ -83,6 +83,13 @@ class EngineConfig:
                                     "refused with HTTP 503", "scheduler")
     request_timeout: float | None = arg(None, "seconds a request may live from arrival "
                                         "(default: no limit)", "scheduler")
+    enable_lora: bool = arg(False, "serve LoRA adapters: requests pick one (lora_request, or "
+                            "its name as the API's model)", "model")
+    max_loras: int = arg(1, "most distinct LoRA adapters in one step (their device slots)",
+                         "model")
+    max_lora_rank: int = arg(16, "largest LoRA rank r an adapter may have", "model")
+    max_cpu_loras: int | None = arg(None, "LoRA adapters kept loaded in host memory (default: "
+                                    "max_loras)", "model")
     max_logprobs: int = arg(20, "largest logprobs/top_logprobs a request may ask", "model")
     attention_backend: str = arg("auto", "attention kernels: auto = Pallas on GPU, pure JAX "
                                  "(reference) elsewhere", "compilation", choices=BACKENDS)
@@ -106,6 +113,11 @@ class EngineConfig:
                        "tensor_parallel_size", "max_waiting_requests")
         _positive_ints(self, *(n for n in ("max_model_len", "num_kv_blocks", "kv_cache_memory")
                                if getattr(self, n) is not None))
+        _positive_ints(self, "max_loras", "max_lora_rank")
+        if self.max_cpu_loras is not None and not (
+                isinstance(self.max_cpu_loras, int) and self.max_cpu_loras >= self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras "
+                             f"({self.max_loras}), got {self.max_cpu_loras!r}")
         if self.block_size & (self.block_size - 1) or self.block_size > 256:
             raise ValueError(f"block_size must be a power of two <= 256, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -25,6 +25,7 @@ from pjinfer.engine.async_engine import AsyncEngine
 from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.engine import LLMEngine
 from pjinfer.engine.metrics import EngineStats
+from pjinfer.lora.request import LoRARequest
 from pjinfer.outputs import RequestOutput
 from pjinfer.sampling_params import SamplingParams
 
@@ -113,16 +114,25 @@ class DataParallelEngine:
     def stats(self) -> EngineStats:
         return merge_stats([r.engine.stats() for r in self.replicas])
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Every replica reads and checks the adapter (ValueError if it cannot serve)."""
+        return all([r.engine.add_lora(lora_request) for r in self.replicas])
+
+    def remove_lora(self, lora_request: LoRARequest) -> bool:
+        return any([r.engine.remove_lora(lora_request) for r in self.replicas])
+
     # ---- requests -------------------------------------------------------------------------
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                        *, request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_request: LoRARequest | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         ids = self._first.engine.prompt_ids(prompt) if isinstance(prompt, str) else prompt
         replica = self.route(list(ids))
         replica.load += 1
         try:
             async for out in replica.engine.generate(prompt, params, request_id=request_id,
-                                                     priority=priority):
+                                                     priority=priority,
+                                                     lora_request=lora_request):
                 yield out
         finally:
             replica.load -= 1

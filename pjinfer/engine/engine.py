@@ -38,6 +38,8 @@ from pjinfer.engine.runner import LaunchedForward, LaunchedStep, ModelRunner, St
 from pjinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepUpdate
 from pjinfer.engine.scheduling_policy import make_policy
 from pjinfer.errors import EngineOverloadedError, RequestFailedError
+from pjinfer.lora.manager import LoRAManager
+from pjinfer.lora.request import LoRARequest
 from pjinfer.outputs import RequestOutput
 from pjinfer.quantization.config import resolve as resolve_quantization
 from pjinfer.quantization.kv_cache import kv_cache_scales
@@ -126,7 +128,12 @@ class LLMEngine:
         sched_cfg = SchedulerConfig(
             config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
             config.enable_prefix_caching, self.max_model_len,
-            tuple(self.model_config.eos_token_ids))
+            tuple(self.model_config.eos_token_ids),
+            max_loras=config.max_loras if config.enable_lora else 0)
+        self.lora = None if not config.enable_lora else LoRAManager(
+            self.model_config, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+            max_cpu_loras=config.max_cpu_loras or config.max_loras,
+            write_slot=self.runner.write_lora_slot)
         self.scheduler = Scheduler(sched_cfg, self.kv,
                                    policy or make_policy(config.scheduling_policy))
         self.metrics = EngineMetrics()
@@ -169,9 +176,12 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int],
-                    params: SamplingParams | None = None, *, priority: int = 0) -> list[int]:
-        """Validate, tokenize and queue; returns the prompt token ids. Raises ValueError."""
+                    params: SamplingParams | None = None, *, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> list[int]:
+        """Validate, tokenize and queue; returns the prompt token ids. Raises ValueError.
+        `lora_request`: the adapter to run with (read and checked now; needs enable_lora)."""
         params = params or SamplingParams()
+        self.add_lora(lora_request)
         if request_id in self.output_processor:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_ids = self.prompt_ids(prompt)
@@ -185,6 +195,8 @@ class LLMEngine:
                 f"{self.num_waiting} requests are already waiting "
                 f"(max_waiting_requests={self.config.max_waiting_requests}); retry later")
         group = self._make_group(request_id, prompt_ids, params, priority)
+        for r in group:
+            r.lora_request = lora_request
         parked = self.structured_output.park(group)  # until its grammar compiles
         self.output_processor.add(group)
         if not parked:
@@ -224,6 +236,32 @@ class LLMEngine:
             eos_token_id=self.eos_token_id, priority=priority, arrival_time=now,
             deadline=deadline,
         ) for i in range(params.n)]
+
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) -------------------------
+    def add_lora(self, lora_request: LoRARequest | None) -> bool:
+        """Read and check an adapter into the host cache; ValueError if it cannot serve."""
+        if lora_request is None:
+            return False
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested but the engine "
+                             "runs without LoRA: start it with enable_lora=True "
+                             "(--enable-lora)")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {lora_request!r}")
+        self.lora.load(lora_request)
+        return True
+
+    def remove_lora(self, lora_request: LoRARequest) -> bool:
+        """Drop the adapter's host copy. Requests already queued or running with it finish
+        with it (its device slot is reused only once no running request needs it)."""
+        return self.lora is not None and self.lora.remove(lora_request)
+
+    def lora_adapters(self) -> tuple[list[str], list[str]]:
+        """Names of the adapters of running and of waiting requests (for metrics)."""
+        running = {r.lora_request.lora_name for r in self.scheduler.running if r.lora_request}
+        waiting = {r.lora_request.lora_name for r in self.scheduler.all_requests()
+                   if r.lora_request and r.status != RequestStatus.RUNNING}
+        return sorted(running), sorted(waiting)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output, if it existed."""
@@ -311,10 +349,11 @@ class LLMEngine:
         wants_lp = any(row.params.logprobs is not None for row in sched.rows)
         wants_prompt_lp = any(c.next_token_ids is not None for c in sched.chunks)
         prev = self._in_flight.step if self._in_flight is not None else None
+        lora_slots = self._lora_slots(sched)
         forward = self.runner.forward(
             sched.chunks, sched.rows, max_logprobs=self.config.max_logprobs if wants_lp else 0,
             prompt_logprobs=self.config.max_logprobs if wants_prompt_lp else None, prev=prev,
-            refresh_tables=bool(sched.copy_ops))
+            refresh_tables=bool(sched.copy_ops), lora_slots=lora_slots)
         if self.structured_output.constrained(sched):
             return _Launched(sched, forward, None, start)
         return _Launched(sched, None, self.runner.sample(forward), start)
@@ -326,6 +365,23 @@ class LLMEngine:
         if launched.step is None and launched.mask is None:
             launched.mask = self.structured_output.submit_bitmask(
                 launched.sched, launched.forward.layout.padded_seqs)
+
+    def _lora_slots(self, sched: SchedulerOutput) -> list[int] | None:
+        """Each chunk's adapter slot. An adapter that can no longer be read (evicted from the
+        host cache, its folder gone since its requests arrived) fails those requests alone:
+        their chunks run on the base model this step and their tokens are dropped."""
+        if self.lora is None:
+            return None
+        loras = [c.request.lora_request for c in sched.scheduled]
+        for lora in dict.fromkeys(r for r in loras if r is not None):
+            try:
+                self.lora.load(lora)  # a host-cache hit unless it was evicted
+            except ValueError as e:
+                for group_id in {c.request.group_id for c in sched.scheduled
+                                 if c.request.lora_request == lora}:
+                    self._fail(group_id, e)
+                loras = [None if r == lora else r for r in loras]
+        return self.lora.activate(loras)
 
     def _sample(self, launched: _Launched) -> None:
         """Launch a constrained step's sampler with its token mask (waiting for the mask job;
@@ -381,6 +437,8 @@ class LLMEngine:
         return self.scheduler.num_waiting + self.structured_output.num_parked
 
     def get_stats(self):
+        running, waiting = self.lora_adapters() if self.lora is not None else ((), ())
         return replace(self.metrics.snapshot(self.scheduler, self.kv),
-                       num_waiting=self.num_waiting)
+                       num_waiting=self.num_waiting, running_lora_adapters=tuple(running),
+                       waiting_lora_adapters=tuple(waiting))
 

@@ -76,6 +76,7 @@ class StepInputs:
     # this step is built; it is read on device from that step's tokens instead.
     prev_rows: jax.Array  # [T] int32, row of `prev_tokens` holding this token, or -1
     prev_tokens: jax.Array  # [P] int32, the previous step's sampled tokens (P = max seqs)
+    lora_slots: jax.Array | None = None  # [T] int32 adapter slot per token (0 = base); LoRA on
 
     def resolved_token_ids(self) -> jax.Array:
         """token_ids with every pending position filled in from the previous step."""
@@ -119,9 +120,11 @@ def batch_layout(chunks: list[Chunk], *, max_num_batched_tokens: int,
 def build_step_inputs(chunks: list[Chunk], *, block_size: int, max_blocks_per_seq: int,
                       max_num_batched_tokens: int, max_num_seqs: int,
                       prev_tokens: jax.Array | np.ndarray,
-                      block_tables: np.ndarray | None = None) -> tuple[StepInputs, BatchLayout]:
+                      block_tables: np.ndarray | None = None,
+                      lora_slots: list[int] | None = None) -> tuple[StepInputs, BatchLayout]:
     """One padded ragged batch; `prev_tokens` [P] are the previous step's sampled tokens.
     `block_tables` [S_pad, W]: the chunks' tables from the persistent batch (else built here).
+    `lora_slots` [S]: each chunk's adapter slot, spread over its tokens (None: LoRA is off).
 
     Vectorised over tokens (a step can hold a thousand sequences): Python touches each chunk
     only to concatenate its lists.
@@ -152,8 +155,13 @@ def build_step_inputs(chunks: list[Chunk], *, block_size: int, max_blocks_per_se
     logits_indices[:num_seqs] = qsl[1:num_seqs + 1] - 1
     attn = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
                              query_start_loc=qsl)
+    token_slots = None
+    if lora_slots is not None:  # padding tokens run the base model
+        token_slots = np.zeros(t_pad, np.int32)
+        token_slots[:num_tokens] = np.repeat(np.asarray(lora_slots, np.int32), q_lens)
     return StepInputs(token_ids, positions, attn, logits_indices,
-                      _next_token_ids(chunks, qsl, t_pad), prev_rows, prev_tokens), layout
+                      _next_token_ids(chunks, qsl, t_pad), prev_rows, prev_tokens,
+                      token_slots), layout
 
 
 def _block_tables(chunks: list[Chunk], s_pad: int, width: int) -> np.ndarray:

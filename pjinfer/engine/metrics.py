@@ -30,6 +30,8 @@ class EngineStats:
     ttft: tuple[float, ...]  # seconds, recent requests
     tpot: tuple[float, ...]  # seconds per output token after the first, recent requests
     e2e: tuple[float, ...]  # arrival to finish, recent requests
+    running_lora_adapters: tuple[str, ...] = ()  # adapter names of running requests
+    waiting_lora_adapters: tuple[str, ...] = ()  # adapter names of waiting requests
 
 
 @dataclass

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pjinfer.engine.sampling_metadata import SamplingRow
+from pjinfer.lora.request import LoRARequest
 from pjinfer.sampling_params import SamplingParams
 
 
@@ -93,6 +94,12 @@ class Request:
     stopped_by_token: bool = False  # EOS or a stop token id ended it: not part of the text
     # Structured outputs: this sequence's llguidance matcher, set once its grammar compiled
     grammar: Any = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+
+    @property
+    def lora_key(self) -> tuple | None:
+        """Keys its prefix-cache blocks apart from other adapters' and the base model's."""
+        return None if self.lora_request is None else self.lora_request.cache_key
 
     @property
     def num_prompt_tokens(self) -> int:

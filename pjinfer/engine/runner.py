@@ -38,6 +38,8 @@ from pjinfer.engine.step import (
     model_step,
 )
 from pjinfer.kernels.metadata import AttentionMetadata
+from pjinfer.lora.adapter import LoRAAdapter
+from pjinfer.lora.weights import init_lora_weights, slot_contents, slot_writer
 from pjinfer.quantization.kv_cache import kv_cache_dtype
 from pjinfer.sampling_params import SamplingParams
 from pjinfer.sharding.mesh import tp_size
@@ -102,6 +104,12 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // ecfg.block_size)
         self.act_dtype = params["embed"].dtype
         self.kv_dtype = kv_cache_dtype(ecfg.kv_cache_dtype, self.act_dtype)
+        self.canonical_cfg = cfg
+        self.lora_weights = None  # adapter slots (pjinfer.lora.weights), with enable_lora
+        if ecfg.enable_lora:  # before the KV cache is sized from what is left
+            self.lora_weights = init_lora_weights(self.cfg, ecfg.max_loras, ecfg.max_lora_rank,
+                                                  self.act_dtype, mesh)
+            self._write_lora = slot_writer(self.lora_weights)
         self.num_blocks = self._num_blocks()
         kv_sharding = None if mesh is None else kv_cache_sharding(self.cfg, mesh)
         self.kv_caches = init_kv_caches(self.cfg, self.num_blocks, self.block_size,
@@ -184,7 +192,7 @@ class ModelRunner:
         fn = self._compiled.get(key)
         if fn is not None:
             return fn
-        start, args = time.perf_counter(), (self.params, self.kv_caches, inputs)
+        start, args = time.perf_counter(), self._step_args(inputs)
         disk = ExecutableCache.under(self.ecfg.compilation_cache_dir)
         fn = disk.load("model_step", opts, args) if disk and load else None
         if fn is not None:
@@ -210,6 +218,16 @@ class ModelRunner:
             fn = jitted.lower(*args).compile()
         return fn, served()
 
+    def _step_args(self, inputs: StepInputs) -> tuple:
+        lora = () if self.lora_weights is None else (self.lora_weights,)
+        return (self.params, self.kv_caches, inputs, *lora)
+
+    def write_lora_slot(self, row: int, adapter: LoRAAdapter) -> None:
+        """Put `adapter` into device row `row` (slot row + 1) of every adapted layer."""
+        contents = slot_contents(adapter, self.canonical_cfg, self.cfg,
+                                 self.ecfg.max_lora_rank)
+        self.lora_weights = self._write_lora(self.lora_weights, np.int32(row), contents)
+
     def _cache_shardings(self):
         if self.mesh is None:
             return None
@@ -223,7 +241,9 @@ class ModelRunner:
         rep = replicated(self.mesh)
         params = jax.tree.map(lambda a: a.sharding, self.params)
         extra = () if opts.prompt_logprobs is None else ((rep,) * 4,)
-        return dict(in_shardings=(params, self._cache_shardings(), rep),
+        lora = () if self.lora_weights is None else (
+            jax.tree.map(lambda a: a.sharding, self.lora_weights),)
+        return dict(in_shardings=(params, self._cache_shardings(), rep, *lora),
                     out_shardings=(rep, self._cache_shardings(), *extra))
 
     def warmup(self, phases: dict[str, float] | None = None) -> int:
@@ -276,7 +296,8 @@ class ModelRunner:
                                  block_tables=zeros((seqs, self.max_blocks_per_seq)),
                                  seq_lens=zeros(seqs), query_start_loc=zeros(seqs + 1))
         inputs = StepInputs(zeros(tokens), zeros(tokens), attn, zeros(seqs), zeros(tokens),
-                            np.full(tokens, -1, np.int32), self._no_prev_tokens)
+                            np.full(tokens, -1, np.int32), self._no_prev_tokens,
+                            None if self.lora_weights is None else zeros(tokens))
         return replace(self._base_opts, decode_only=decode_only), inputs
 
     # ---- one step -------------------------------------------------------------------------
@@ -291,32 +312,36 @@ class ModelRunner:
 
     def launch(self, chunks: list[Chunk], rows: list[SamplingRow], *, max_logprobs: int = 0,
                prompt_logprobs: int | None = None, prev: LaunchedStep | None = None,
-               refresh_tables: bool = False) -> LaunchedStep:
+               refresh_tables: bool = False, lora_slots: list[int] | None = None
+               ) -> LaunchedStep:
         """Dispatch the step and its sampler without waiting for either (see `forward`)."""
         return self.sample(self.forward(chunks, rows, max_logprobs=max_logprobs,
                                         prompt_logprobs=prompt_logprobs, prev=prev,
-                                        refresh_tables=refresh_tables))
+                                        refresh_tables=refresh_tables, lora_slots=lora_slots))
 
     def forward(self, chunks: list[Chunk], rows: list[SamplingRow], *, max_logprobs: int = 0,
                 prompt_logprobs: int | None = None, prev: LaunchedStep | None = None,
-                refresh_tables: bool = False) -> LaunchedForward:
+                refresh_tables: bool = False, lora_slots: list[int] | None = None
+                ) -> LaunchedForward:
         """Dispatch the model step without waiting for it; `sample` launches its sampler.
 
         `prev` is the step before, possibly still running: chunks whose last token it sampled
         (`Chunk.prev_row`) read that token on the device, so the host never waits for it.
         Chunks with a `request_id` take their block tables and sampling settings from the
-        persistent batch (`refresh_tables` after copy-on-write rewrote a table).
+        persistent batch (`refresh_tables` after copy-on-write rewrote a table). `lora_slots`:
+        each chunk's adapter slot (LoRA on; None runs every chunk on the base model).
         """
         prev_tokens = self._no_prev_tokens if prev is None else prev.next_tokens
         tables, columns, history = self._from_batch(chunks, rows, refresh_tables)
         inputs, layout = build_step_inputs(
             chunks, block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq,
             max_num_batched_tokens=self.ecfg.max_num_batched_tokens,
-            max_num_seqs=self.ecfg.max_num_seqs, prev_tokens=prev_tokens, block_tables=tables)
+            max_num_seqs=self.ecfg.max_num_seqs, prev_tokens=prev_tokens, block_tables=tables,
+            lora_slots=None if self.lora_weights is None else (lora_slots or [0] * len(chunks)))
         opts = replace(self._base_opts, decode_only=layout.decode_only,
                        prompt_logprobs=prompt_logprobs)
         fn = self._compiled_step(opts, inputs)
-        out = fn(self.params, self.kv_caches, inputs)
+        out = fn(*self._step_args(inputs))
         logits, self.kv_caches = out[0], out[1]
         md = SamplingMetadata.build(rows, layout.padded_seqs, columns, history)
         return LaunchedForward(logits, md, prev_tokens, out[2] if len(out) > 2 else None,

@@ -91,6 +91,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = False
     max_model_len: int = 1 << 30
     eos_token_ids: tuple[int, ...] = ()  # the model's (generation_config); any of them stops
+    max_loras: int = 0  # most distinct LoRA adapters among running requests (0: LoRA off)
 
 
 class Scheduler:
@@ -102,6 +103,8 @@ class Scheduler:
         self.kv = kv
         self.policy = policy or FCFSPolicy()
         self._waiting: list[tuple[tuple, int, Request]] = []  # heap by policy key
+        # With LoRA, a waiting request whose adapter would be one too many is passed over
+        # (others behind it may start) and stays first in line for the next step.
         self._tie = itertools.count()
         self._deadlines = False  # any request ever queued with a timeout
         self.running: list[Request] = []
@@ -248,33 +251,45 @@ class Scheduler:
         self._push(request)
 
     def _schedule_waiting(self, picked: list, budget: int) -> None:
+        adapters = {r.lora_request for r in self.running if r.lora_request is not None}
+        held_back = []  # waiting for a LoRA slot: back in the queue after this pass
         while self._waiting and budget > 0:
             request = self._waiting[0][2]
             group = 1 + len(self._fork_pending.get(request.group_id, ()))
             if len(self.running) + group > self.config.max_num_seqs:
                 break
+            lora = request.lora_request
+            if lora is not None and lora not in adapters \
+                    and len(adapters) >= self.config.max_loras:
+                held_back.append(heapq.heappop(self._waiting))
+                continue
             num_new, table = self._admit(request, budget)
             if num_new == 0:
                 break
             heapq.heappop(self._waiting)
+            if lora is not None:
+                adapters.add(lora)
             request.status = RequestStatus.RUNNING
             request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
             self.running.append(request)
             picked.append((request, num_new, table))
             budget -= num_new
+        for entry in held_back:
+            heapq.heappush(self._waiting, entry)
 
     def _admit(self, request: Request, budget: int) -> tuple[int, list[int]]:
         """Allocate the first chunk (after any prefix-cache hit): (tokens to compute, block
         table); 0 tokens if it cannot start now."""
         blocks, num_cached = [], 0
         if self.config.enable_prefix_caching:
-            blocks, num_cached = self.kv.get_computed_blocks(request.all_token_ids)
+            blocks, num_cached = self.kv.get_computed_blocks(request.all_token_ids,
+                                                             request.lora_key)
         num_new = request.num_tokens - num_cached
         if num_new > budget and not self.config.enable_chunked_prefill:
             return 0, []
         num_new = min(num_new, budget)
         table = self.kv.allocate_slots(request.request_id, request.all_token_ids, num_cached,
-                                       num_new, blocks)
+                                       num_new, blocks, request.lora_key)
         if table is None:
             return 0, []
         request.num_computed_tokens = num_cached

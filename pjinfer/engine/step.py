@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 from pjinfer.config import ModelConfig
 from pjinfer.engine.inputs import StepInputs
 from pjinfer.kernels import ops
+from pjinfer.lora.weights import attach as attach_lora
 from pjinfer.models.registry import get_model_spec
 from pjinfer.sharding.attention import shard_over_heads
 
@@ -47,9 +48,14 @@ def init_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype,
     return [(make(), make()) for _ in range(cfg.num_hidden_layers)]
 
 
-def model_step(params, kv_caches: KVCaches, inputs: StepInputs, *, opts: StepOptions):
-    """Forward the ragged batch; returns (logits [S, V] f32, caches[, prompt logprob tables])."""
+def model_step(params, kv_caches: KVCaches, inputs: StepInputs, lora=None, *,
+               opts: StepOptions):
+    """Forward the ragged batch; returns (logits [S, V] f32, caches[, prompt logprob tables]).
+    `lora`: the adapter slots (pjinfer.lora.weights), applied per token by `inputs.lora_slots`:
+    an argument, so loading an adapter never recompiles the step."""
     cfg = opts.cfg
+    if lora is not None:
+        params = attach_lora(params, lora, inputs.lora_slots)
     spec = get_model_spec(cfg.architecture)
     attention = _paged_attention(opts)
     # Model code that must place work per shard (the MoE experts) reads the abstract mesh.

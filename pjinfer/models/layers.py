@@ -128,8 +128,11 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *,
     """x [T, in] @ w [in, out] (+ b) -> [T, out] in `out_dtype` (default x's), float32 sums.
 
     Weights are stored input-major, transposed from HF. Every matmul with a weight goes through
-    here, so a quantized or adapter linear has one place to replace.
+    here, so a quantized or adapter linear has one place to replace. A weight that is not an
+    array but has its own `linear` (e.g. `pjinfer.lora.ops.AdaptedWeight`) computes itself.
     """
+    if hasattr(w, "linear"):  # an adapted weight (pjinfer.lora) computes itself
+        return w.linear(x, b, out_dtype=out_dtype)
     if isinstance(w, QuantizedWeight):
         y = ops.quantized_matmul(x, w, out_dtype=out_dtype or x.dtype)
     else:

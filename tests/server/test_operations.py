@@ -258,7 +258,7 @@ class _HungEngine:
     def has_unfinished_requests(self) -> bool:
         return self.pending is not None
 
-    def add_request(self, request_id, prompt, params, priority=0):
+    def add_request(self, request_id, prompt, params, priority=0, lora_request=None):
         self.pending = request_id
 
     def abort_request(self, request_id):

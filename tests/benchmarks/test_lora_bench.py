@@ -1,0 +1,31 @@
+"""The multi-LoRA benchmark's plumbing on CPU: its dummy adapters load, its microbenchmark
+rows carry the roofline fields. (The engine passes ran by hand: `python benchmarks/lora.py
+--smoke`, ~30 s of CPU.)"""
+
+from __future__ import annotations
+
+import json
+
+from pjinfer.benchmarks import lora as bench
+from pjinfer.config import ModelConfig
+from pjinfer.demo import DEMO_MODEL_DIR
+from pjinfer.lora.adapter import TARGET_MODULES, load_adapter
+
+
+def test_dummy_adapters_load(tmp_path):
+    cfg = ModelConfig.from_pretrained(DEMO_MODEL_DIR)
+    folders = bench.write_adapters(cfg, tmp_path, 2, 4)
+    adapter = load_adapter("a", str(folders[1]), cfg, 4)
+    assert adapter.rank == 4
+    assert {m for _, m in adapter.weights} == set(TARGET_MODULES)
+    assert len(adapter.weights) == 7 * cfg.num_hidden_layers
+
+
+def test_microbenchmark_record(tmp_path):
+    out = tmp_path / "lora.json"
+    assert bench.main(["--smoke", "--skip-engine", "--micro-tokens", "1,3",
+                       "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["shrink_expand"]
+    assert {r["tokens"] for r in rows} == {1, 3}
+    assert all(r["roofline_s"] > 0 and r["best_s"] > 0 and r["fraction_of_roofline"] > 0
+               for r in rows)
