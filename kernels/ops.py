@@ -20,7 +20,6 @@ from pjinfer.kernels.decode_attention import (
     decode_attention_reference,
     default_decode_block_sizes,
 )
-from pjinfer.kernels.fp8_matmul import fp8_w8a8_applies, fp8_w8a8_matmul
 from pjinfer.kernels.grouped_matmul import grouped_matmul as pallas_grouped_matmul
 from pjinfer.kernels.metadata import AttentionMetadata
 from pjinfer.kernels.ragged_attention import ragged_attention, ragged_attention_reference
@@ -156,13 +155,18 @@ def _dividing(block: int, dim: int) -> int:
 
 def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None,
                      backend: str = "auto") -> jax.Array:
-    """x [T, K] @ a quantized weight [K, N] -> [T, N]. On GPU: fp8 weights at compute-bound
-    sizes take the fp8 W8A8 dot (activations quantized per token); else the weight-only Pallas
-    kernel (packed bytes streamed, dequantized in registers) for an unsharded weight. Elsewhere
-    (CPU included) XLA's dequantize-then-dot (`quantized_matmul_reference`)."""
-    if jax.default_backend() == "gpu" and backend != "reference" and fp8_w8a8_applies(x, w):
-        return fp8_w8a8_matmul(x, w, out_dtype=out_dtype)
-    if _use_pallas(backend) and w.kernel:
+    """x [T, K] @ a quantized weight [K, N] -> [T, N]. Up to `QUANT_PALLAS_MAX_ROWS` rows
+    (decode) the weight-only Pallas kernel streams the packed bytes of an unsharded weight;
+    above, and off GPU, XLA's dequantize-then-dot (`quantized_matmul_reference`).
+
+    Measured on the H200 (24 x 4096 x 14336, `benchmarks/quant_matmul.py`): Pallas 0.87 ms
+    (int4) / 1.39 ms (int8, fp8) vs XLA 4.6 / 2.96 ms at T=1, about the same at T=16; at
+    T=2048 XLA 10.8-10.9 ms vs Pallas 18.7-22.8 ms and fp8 W8A8 (`fp8_matmul`) 14.2 ms, so
+    neither is dispatched there."""
+    if _use_pallas(backend) and w.kernel and x.shape[0] <= QUANT_PALLAS_MAX_ROWS:
         return qmm.quantized_matmul(x, w, out_dtype=out_dtype,
                                     interpret=jax.default_backend() != "gpu")
     return qmm.quantized_matmul_reference(x, w, out_dtype=out_dtype)
+
+
+QUANT_PALLAS_MAX_ROWS = 64  # between the measured 16 (Pallas 1.9-5x faster) and 2048 (slower)
