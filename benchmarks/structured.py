@@ -7,9 +7,7 @@ over the run cannot favour it either). Before each pass a warm-up drains a full 
 every row bucket, compiling that pass's sampler (masked or not) for each. It writes the req/s
 and their ratio, the grammar's compile time (llguidance's view of the
 vocabulary, built once, then the schema: cold and cached) and the per-step host time of the
-token masks (filling the constrained rows' bitmask, on the mask thread), of the engine thread's
-wait for a mask it needs (what the fill costs the step beyond the work it overlaps), of
-advancing the matchers, and of the whole `step()` call.
+token masks (filling the constrained rows' bitmask) and of advancing the matchers.
 
 The default schema looks like a real response (title, tags, score, body) but its body has a
 minLength no W4 output reaches: every constrained request then generates exactly as many
@@ -67,17 +65,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 class StepTimer:
-    """Host time of the manager's per-step calls and of `engine.step()`, by wrapping them on
-    the instances."""
+    """Host time of the manager's per-step calls, by wrapping them on the instance."""
 
-    def __init__(self, engine: Any):
-        manager = engine.structured_output
-        self.samples: dict[str, list[tuple[int, float]]] = {
-            "bitmask": [], "wait_bitmask": [], "advance": [], "step": []}
+    def __init__(self, manager: Any):
+        self.samples: dict[str, list[tuple[int, float]]] = {"bitmask": [], "advance": []}
         for name in self.samples:
-            owner = engine if name == "step" else manager
-            if hasattr(owner, name):  # wait_bitmask: engines that fill masks on a thread
-                setattr(owner, name, self._timed(name, getattr(owner, name)))
+            setattr(manager, name, self._timed(name, getattr(manager, name)))
 
     def _timed(self, name: str, method: Callable) -> Callable:
         def timed(*args: Any) -> Any:
@@ -154,7 +147,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     record["schema"] = schema
     record["compile"] = compile_times(engine.structured_output, spec)
     reqs, record["dataset"] = get_requests(args, vocab, engine.tokenizer, engine.max_model_len)
-    timer = StepTimer(engine)
+    timer = StepTimer(engine.structured_output)
     progress = not args.no_progress
     warm = _draining_batch(engine.config.max_num_seqs, vocab)
     passes = {}
@@ -183,9 +176,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
 def _print(record: dict[str, Any]) -> None:
     res, comp = record["results"], record["compile"]
     mask = record["passes"]["constrained"]["host"]["bitmask"]
-    host = record["passes"]["constrained"]["host"]
-    advance, wait, step = host["advance"], host["wait_bitmask"], host["step"]
-    free_step = record["passes"]["unconstrained"]["host"]["step"]
+    advance = record["passes"]["constrained"]["host"]["advance"]
     print_table("W4 with and without a JSON schema", [
         ("Device", record["device"]["device_kind"]),
         ("Unconstrained req/s", res["unconstrained_requests_per_s"]),
@@ -198,11 +189,7 @@ def _print(record: dict[str, Any]) -> None:
         ("Mask per step, mean (ms)", mask.get("mean_ms")),
         ("Mask per step, p99 (ms)", mask.get("p99_ms")),
         ("Mask share of elapsed", mask.get("share_of_elapsed")),
-        ("Mask wait per step, mean (ms)", wait.get("mean_ms")),
-        ("Mask wait per step, p99 (ms)", wait.get("p99_ms")),
         ("Advance per step, mean (ms)", advance.get("mean_ms")),
-        ("Host step() call, mean (ms)", step.get("mean_ms")),
-        ("Host step() call, unconstrained, mean (ms)", free_step.get("mean_ms")),
     ])
 
 

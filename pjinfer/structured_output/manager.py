@@ -11,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-import threading
 from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
@@ -127,18 +126,7 @@ class StructuredOutputManager:
         if self._mask_thread is None:
             self._mask_thread = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="pjinfer-mask")
-        started = threading.Event()
-
-        def job() -> np.ndarray | None:
-            started.set()
-            return self.bitmask(sched, num_rows)
-
-        future = self._mask_thread.submit(job)
-        # Hand the GIL over now: a thread waiting for it only gets it once the holder blocks
-        # or after the switch interval (5 ms), so the fill would start late, often only once
-        # the engine thread waits for it. The fill itself runs without the GIL.
-        started.wait()
-        return future
+        return self._mask_thread.submit(self.bitmask, sched, num_rows)
 
     def wait_bitmask(self, job: Future) -> np.ndarray | None:
         """The mask a `submit_bitmask` job filled (its error, if the fill raised)."""
