@@ -4,15 +4,9 @@ With asynchronous scheduling (the default) a step returns before the device has 
 `step()` schedules and launches step t+1, then waits for step t and turns its tokens into
 outputs while t+1 runs, so the host's work hides behind the device's. Each request's last token
 of step t reaches step t+1 on the device (`Chunk.prev_row`). A request that stops at step t
-(EOS, stop string) has had one more token launched; that token is dropped.
-
-A step with structured-output rows is launched in two halves. Its forward goes first; once
-the step before has been finished up to its grammars (the matchers consumed its tokens), the
-token mask starts filling on the mask thread while the host processes that step's outputs
-and returns. The next `step()` schedules the step after, then waits for the mask, launches
-the sampler and the next forward: the device runs forward, sampler, forward back to back while
-the host's scheduling and output processing hide behind it. The mask rows follow the step's
-schedule: a request that ends meanwhile keeps its row and its sampled token is dropped.
+(EOS, stop string) has had one more token launched; that token is dropped. A step with
+structured-output rows launches its forward, finishes the step before (the grammars consume
+its tokens), then fills its token mask and launches its sampler (`_sample`).
 """
 
 from __future__ import annotations
@@ -22,10 +16,8 @@ import logging
 import random
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-
-import numpy as np
 
 from pjinfer.cache.kv_cache_manager import KVCacheManager
 from pjinfer.demo import DEMO_MODEL_DIR, DEMO_MODEL_NAME
@@ -34,8 +26,8 @@ from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.metrics import EngineMetrics
 from pjinfer.engine.output_processor import OutputProcessor
 from pjinfer.engine.request import Request, RequestStatus
-from pjinfer.engine.runner import LaunchedForward, LaunchedStep, ModelRunner, StepResult
-from pjinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepUpdate
+from pjinfer.engine.runner import LaunchedForward, LaunchedStep, ModelRunner
+from pjinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pjinfer.engine.scheduling_policy import make_policy
 from pjinfer.errors import EngineOverloadedError, RequestFailedError
 from pjinfer.lora.manager import LoRAManager
@@ -66,14 +58,13 @@ def _timed_call(phases: dict[str, float], name: str, fn, *args):
 @dataclass(slots=True)
 class _Launched:
     """A step on the device, with the schedule that produced it. A step with structured-output
-    rows is launched in two halves: `forward` first, `step` (its sampler) once its token
-    mask is filled (`mask`: the job filling it, started once the step before is finished)."""
+    rows is launched in two halves: `forward` first, `step` (its sampler) once the token mask
+    can be filled, i.e. once the step before has been finished."""
 
     sched: SchedulerOutput
     forward: LaunchedForward | None
     step: LaunchedStep | None
     start: float
-    mask: Future[np.ndarray | None] | None = None
 
 
 class LLMEngine:
@@ -283,20 +274,14 @@ class LLMEngine:
         the requests it touched (see `take_failures`); the others go on."""
         changed = self.structured_output.admit_compiled(self.scheduler)
         sched = self.scheduler.schedule()
-        prev = self._in_flight
-        if prev is not None:  # a constrained step's sampler: the next forward reads its tokens
-            self._contain(prev.sched, self._sample, prev)
         launched = self._contain(sched, self._launch, sched)
+        started = [s for s in (self._in_flight, launched) if s is not None]
         self._in_flight = launched if launched is not None and self._deferrable(sched) else None
         changed |= {r.group_id for r in sched.timed_out}
-        if prev is not None:
-            changed |= self._finish_step(prev, launched)
-        elif launched is not None:
-            self._contain(sched, self._submit_mask, launched)
-        if launched is not None and launched is not self._in_flight:
-            self._contain(sched, self._sample, launched)
-            changed |= self._finish_step(launched, None)
-        self._complete_if_ended()
+        for done in started:
+            self._contain(done.sched, self._sample, done)  # a constrained step's sampler
+            if done is not self._in_flight:
+                changed |= self._contain(done.sched, self._finish_step, done) or set()
         self.metrics.num_preemptions = self.scheduler.num_preemptions
         outputs = self.output_processor.outputs(changed)
         self._fail_processed()
@@ -308,12 +293,12 @@ class LLMEngine:
         failures, self._failures = self._failures, {}
         return failures
 
-    def _contain(self, sched: SchedulerOutput, stage, *args):
+    def _contain(self, sched: SchedulerOutput, stage, arg):
         """Run one stage of a step. If it raises, fail the requests of that step (which of them
         caused it is unknown) and return None; re-raise if the KV cache was lost with it (a
         fault inside the donated step call): then no request can go on."""
         try:
-            return stage(*args)
+            return stage(arg)
         except Exception as e:
             if any(k.is_deleted() for k, _ in self.runner.kv_caches):
                 raise
@@ -358,14 +343,6 @@ class LLMEngine:
             return _Launched(sched, forward, None, start)
         return _Launched(sched, None, self.runner.sample(forward), start)
 
-    def _submit_mask(self, launched: _Launched) -> None:
-        """Start filling a constrained step's token mask on the mask thread. Called once the
-        step before has been applied, so every matcher has consumed the token sampled there;
-        until `_sample` takes the mask, nothing else touches the matchers."""
-        if launched.step is None and launched.mask is None:
-            launched.mask = self.structured_output.submit_bitmask(
-                launched.sched, launched.forward.layout.padded_seqs)
-
     def _lora_slots(self, sched: SchedulerOutput) -> list[int] | None:
         """Each chunk's adapter slot. An adapter that can no longer be read (evicted from the
         host cache, its folder gone since its requests arrived) fails those requests alone:
@@ -384,46 +361,21 @@ class LLMEngine:
         return self.lora.activate(loras)
 
     def _sample(self, launched: _Launched) -> None:
-        """Launch a constrained step's sampler with its token mask (waiting for the mask job;
-        filling the mask here if none was started)."""
+        """Launch a constrained step's sampler with its token mask. Called once the step
+        before has been finished, so every matcher has consumed the token sampled there;
+        the device is still busy with this step's forward meanwhile."""
         if launched.step is None:
-            so = self.structured_output
-            job, launched.mask = launched.mask, None
-            mask = so.wait_bitmask(job) if job is not None else so.bitmask(
-                launched.sched, launched.forward.layout.padded_seqs)
+            mask = self.structured_output.bitmask(launched.sched,
+                                                  launched.forward.layout.padded_seqs)
             launched.step, launched.forward = self.runner.sample(launched.forward, mask), None
 
-    def _complete_if_ended(self) -> None:
-        """A constrained step in flight whose requests have all ended (finished by the step
-        before, or aborted) gets its sampler now: nothing is left to overlap it with, and the
-        caller may stop stepping once its requests are done, which would leave the mask job
-        and the forward's logits pending while the engine idles."""
-        launched = self._in_flight
-        if launched is not None and launched.step is None and all(
-                c.request.is_finished for c in launched.sched.scheduled):
-            self._contain(launched.sched, self._sample, launched)
-
-    def _finish_step(self, launched: _Launched, following: _Launched | None) -> set[str]:
-        """Wait for a launched step and apply its tokens (scheduler, grammars), start the
-        mask of the `following` step, then turn the tokens into text; returns the changed
-        groups. Each stage is contained on its own step's requests."""
-        update = self._contain(launched.sched, self._apply_tokens, launched)
-        if following is not None:
-            self._contain(following.sched, self._submit_mask, following)
-        if update is None:
-            return set()
-        return self._contain(launched.sched, self._process_outputs, launched, *update) or set()
-
-    def _apply_tokens(self, launched: _Launched) -> tuple[StepResult, StepUpdate]:
+    def _finish_step(self, launched: _Launched) -> set[str]:
+        """Wait for a launched step, apply its tokens and text; returns the changed groups."""
         result = self.runner.fetch(launched.step)
         update = self.scheduler.update_from_output(launched.sched,
                                                    result.token_ids[:, None].tolist())
         self.scheduler.finish_requests(self.structured_output.advance(update.new_tokens),
                                        RequestStatus.FINISHED_STOPPED)  # grammar complete
-        return result, update
-
-    def _process_outputs(self, launched: _Launched, result: StepResult,
-                         update: StepUpdate) -> set[str]:
         for r, stop in self.output_processor.process(launched.sched, update.new_tokens, result):
             self.scheduler.finish_requests([r], RequestStatus.FINISHED_STOPPED, stop)
         self._fail_processed()

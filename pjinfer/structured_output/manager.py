@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
 from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
@@ -38,9 +37,6 @@ class StructuredOutputManager:
         self._parked: list[tuple[list[Request], Future]] = []
         self._live: list[Request] = []  # admitted with a matcher, maybe finished since
         self._executor: llguidance.LLExecutor | None = None  # parallel mask fills
-        # one job at a time fills a step's mask off the engine thread (llguidance's fill
-        # releases the GIL), so the host's other work of the step runs beside it
-        self._mask_thread: concurrent.futures.ThreadPoolExecutor | None = None
 
     def check(self, spec: StructuredOutputsParams) -> None:
         """Compile now (or find the cached compile) and raise its ValueError: for callers off
@@ -116,21 +112,9 @@ class StructuredOutputManager:
             return None
         mask = llguidance.numpy.allocate_token_bitmask(num_rows, self.vocab_size)
         if self._executor is None:
-            self._executor = llguidance.LLExecutor(num_threads=mask_fill_threads())
+            self._executor = llguidance.LLExecutor()
         llguidance.numpy.fill_next_token_bitmask_par(self._executor, rows, mask)
         return mask
-
-    def submit_bitmask(self, sched: SchedulerOutput, num_rows: int) -> Future:
-        """`bitmask` as a job on the mask thread; the job owns the mask it returns. Until
-        `wait_bitmask` has its result the caller must not advance the step's matchers."""
-        if self._mask_thread is None:
-            self._mask_thread = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="pjinfer-mask")
-        return self._mask_thread.submit(self.bitmask, sched, num_rows)
-
-    def wait_bitmask(self, job: Future) -> np.ndarray | None:
-        """The mask a `submit_bitmask` job filled (its error, if the fill raised)."""
-        return job.result()
 
     def advance(self, new_tokens: Iterable[NewTokens]) -> list[Request]:
         """Feed each live constrained request its accepted tokens; returns those whose grammar
@@ -152,18 +136,4 @@ class StructuredOutputManager:
         return done
 
     def shutdown(self) -> None:
-        """Stop the compiler's workers and the mask thread. A submitted fill (at most one:
-        the engine waits for each before the next) still runs to its end, in milliseconds,
-        so the step waiting for it can be finished or dropped like any other."""
         self.compiler.shutdown()
-        if self._mask_thread is not None:
-            self._mask_thread.shutdown(wait=True)
-            self._mask_thread = None
-
-
-def mask_fill_threads() -> int:
-    """llguidance's fill threads: every core this process may use but the engine thread's,
-    which schedules and processes outputs while a mask fills (llguidance's own default is
-    80% of the cores, at most 32)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(32, (cores or 1) - 1))
