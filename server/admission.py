@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import math
 import time
-import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from pjinfer.server.protocol import APIError
+from pjinfer.server.streaming import release_after
 
 QUEUE_FULL_RETRY_S = 1.0  # a full queue drains within about a second of decode steps
 
@@ -119,19 +119,9 @@ class Ticket:
             release()
 
     def hand_off(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
-        """A streamed response outlives its handler: the ticket goes back when the stream
-        ends, or when it is dropped unstarted (a client gone before the first byte)."""
+        """The ticket goes back when the streamed response ends (`release_after`)."""
         self._handed_off = True
-        guarded = self._guard(events)
-        weakref.finalize(guarded, self.release)
-        return guarded
-
-    async def _guard(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
-        try:
-            async for event in events:
-                yield event
-        finally:
-            self.release()
+        return release_after(events, self.release)
 
 
 class Admission:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 from pjinfer.engine.async_engine import AsyncEngine
 from pjinfer.server.model_repository import ModelRef
 from pjinfer.server.protocol import ModelInfo
+from pjinfer.server.streaming import release_after
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,16 +92,6 @@ class Lease:
             pool._release(self)
 
     def hand_off(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
-        """A streamed response outlives its handler: the lease goes back when the stream
-        ends, or when it is dropped unstarted."""
+        """The lease goes back when the streamed response ends (`release_after`)."""
         self.handed_off = True
-        guarded = self._guard(events)
-        weakref.finalize(guarded, self.release)
-        return guarded
-
-    async def _guard(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
-        try:
-            async for event in events:
-                yield event
-        finally:
-            self.release()
+        return release_after(events, self.release)

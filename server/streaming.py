@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -29,6 +30,23 @@ from pjinfer.server.protocol import (
 from pjinfer.tool_parsers.base import ToolCallStream
 
 log = logging.getLogger("pjinfer.server")
+
+
+def release_after(events: AsyncIterator[str], release: Callable[[], None]) -> AsyncIterator[str]:
+    """`events`, then `release()` when the stream ends, or when it is dropped unstarted (a
+    client gone before the first byte): a streamed response outlives its handler, so what it
+    holds (an admission ticket, a model lease) goes back then. `release` must be idempotent."""
+
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        finally:
+            release()
+
+    stream = guarded()
+    weakref.finalize(stream, release)
+    return stream
 DONE = "data: [DONE]\n\n"
 OnFinished = Callable[[Summary], None]
 T = TypeVar("T")
