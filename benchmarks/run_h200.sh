@@ -13,6 +13,8 @@
 #                                           # without, one process (needs llguidance) (~4 min)
 #   bash benchmarks/run_h200.sh moe       # issue 13: grouped matmul, Mixtral/Qwen3-MoE engine
 #                                         # runs (~25-35 min: one step per device command)
+#   bash benchmarks/run_h200.sh quant     # issue 14: quantized matmul; W1 bf16/int4/fp8/int8,
+#                                         # W3 bf16 vs fp8, W4 bf16 vs fp8 KV (~25 min)
 #   bash benchmarks/run_h200.sh lora      # multi-LoRA: W3 and W1 with/without 8-of-16
 #                                         # adapters, shrink/expand vs roofline (~8 min)
 #   bash benchmarks/run_h200.sh --smoke pjinfer hf serve   # the same plumbing, tiny, on CPU
@@ -180,6 +182,38 @@ stage_lora() {
       --out "$JSON/lora.json"
 }
 
+# Issue 14: quantized matmul kernel, then batch-1 TPOT (bf16, GPTQ int4 g128, fp8, int8), W3
+# with fp8 weights, W4 with an fp8 KV cache (the records' num_kv_blocks give the 8k capacity).
+# Dummy weights: quantized runs draw bf16 weights and quantize them at load.
+stage_quant() {
+  local gptq=(--model configs/models/llama3-8b-gptq-int4 --load-format dummy --dtype bfloat16)
+  local kernel=() w1=(--input-len $IN_W1 --output-len $OUT_W1 --num-iters $ITERS)
+  if [ $SMOKE = 1 ]; then
+    gptq=(--quantization int8); kernel=(--matrices 2 --k 256 --n 256 --tokens 1 16 --samples 1 --calls 1)
+  fi
+  step quant_matmul 200 $PY -m pjinfer.benchmarks.quant_matmul "${kernel[@]}" \
+      --out "$JSON/quant_matmul.json"
+  for v in bf16 int4 fp8 int8; do
+    local m=("${MODEL[@]}")
+    case $v in int4) m=("${gptq[@]}");; fp8|int8) m+=(--quantization $v);; esac
+    step "quant_w1_$v" 150 "${BENCH[@]}" latency "${m[@]}" "${ENGINE[@]}" \
+        --compilation-cache-dir "$CACHE" --batch-size 1 "${w1[@]}" --num-iters-warmup 1 \
+        --output-json "$JSON/quant_w1_$v.json"
+  done
+  for v in bf16 fp8; do
+    local m=("${MODEL[@]}")
+    [ $v = fp8 ] && m+=(--quantization fp8)
+    step "quant_w3_$v" 270 "${BENCH[@]}" throughput "${m[@]}" "${ENGINE[@]}" \
+        --compilation-cache-dir "$CACHE" --num-prompts $N_W3 --input-len $W3_IN \
+        --output-len $W3_OUT --warmup-requests 8 --output-json "$JSON/quant_w3_$v.json"
+  done
+  for kv in auto fp8; do
+    step "quant_w4_kv_$kv" 180 "${BENCH[@]}" throughput "${MODEL[@]}" "${ENGINE[@]}" \
+        --kv-cache-dtype $kv --compilation-cache-dir "$CACHE" --dataset synthetic-sharegpt \
+        --num-prompts $N_W4 --warmup-requests 8 --output-json "$JSON/quant_w4_kv_$kv.json"
+  done
+}
+
 stage_hf() {
   step hf_w1_latency 120 "${HF[@]}" latency --model "$HF_MODEL" --batch-size 1 \
       --input-len $IN_W1 --output-len $OUT_W1 --num-iters 1 --num-iters-warmup 1 \
@@ -244,7 +278,8 @@ for stage in "${STAGES[@]}"; do
     long) stage_long ;;
     structured) stage_structured ;;
     moe) stage_moe ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora)" ;;
+    quant) stage_quant ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant)" ;;
   esac
 done
 pack
