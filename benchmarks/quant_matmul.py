@@ -11,8 +11,9 @@ and reports bytes moved as stored (packed values + scales + zeros + x + out), GB
 of the bf16 GEMV's bandwidth (the roofline's ceiling), and TFLOP/s. On a CPU it runs tiny
 shapes in interpret mode (the plumbing only).
 
-  python -m pjinfer.benchmarks.quant_matmul --out quant_matmul.json   # H200 defaults (run_h200.sh quant)
-  python -m pjinfer.benchmarks.quant_matmul --out /tmp/q.json --matrices 2 --k 256 --n 256 --tokens 1
+  python -m pjinfer.benchmarks.quant_matmul --out quant_matmul.json   # H200 (run_h200.sh quant)
+  python -m pjinfer.benchmarks.quant_matmul --out /tmp/q.json --matrices 2 --k 256 --n 256 \
+      --tokens 1
 """
 
 from __future__ import annotations
