@@ -358,7 +358,7 @@ class ModelPool:
         for key, entry in self.entries.items():
             current = entry.current
             card = {"id": key, "object": "model", "created": created, "owned_by": "pjinfer",
-                    "root": current.path if current is not None else entry.spec.path,
+                    "root": (current.path if current is not None else entry.spec.path) or key,
                     "parent": None, "state": entry.state,
                     "version": current.version if current is not None else entry.spec.version,
                     "memory_share": entry.share}
