@@ -17,6 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 import pjinfer
@@ -246,8 +247,9 @@ def test_shutdown_past_the_drain_timeout_ends_requests_properly(caplog):
 class _HungEngine:
     """An LLMEngine whose step blocks until released, as on a hung device."""
 
-    max_model_len, served_model_name = 64, "hung"
+    max_model_len, served_model_name, quantization_method = 64, "hung", None
     model_config = SimpleNamespace(vocab_size=512)
+    runner = SimpleNamespace(kv_dtype=np.dtype(np.float32))
 
     def __init__(self, tokenizer):
         self.tokenizer, self.release, self.pending = tokenizer, threading.Event(), None
