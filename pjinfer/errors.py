@@ -5,6 +5,10 @@ class PjinferError(Exception):
     """Base class of pjinfer's own errors."""
 
 
+class UsageError(PjinferError):
+    """A bad flag or config value; `pjinfer` prints it as one line and exits 2."""
+
+
 class ModelLoadError(PjinferError, ValueError):
     """A model directory, config or checkpoint cannot be used as given."""
 

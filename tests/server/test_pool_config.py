@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from pjinfer.cli import build_parser, run_config_from_args, server_args
+from pjinfer.cli import build_parser, run_config_from_args
 from pjinfer.run_config import RunConfigError, load_run_config, parse_run_config
 from pjinfer.server.pool_config import build_pool, model_specs
+from pjinfer.server_flags import server_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
