@@ -208,12 +208,11 @@ def _read_ahead(index: SafetensorsIndex | GGUFIndex, specs: list[ParamSpec],
                 cfg: ModelConfig) -> Iterator[np.ndarray]:
     """Host tensors in spec order; the next `_READ_AHEAD` are read by a thread pool while the
     current one goes to the device, so disk reads overlap each other and the transfers. Host
-    memory holds at most that many tensors. (A GGUF file is memory-mapped: views, no copies.)"""
-    copy = isinstance(index, SafetensorsIndex)
+    memory holds at most that many tensors."""
     with ThreadPoolExecutor(_READ_AHEAD) as pool:
         pending: deque[Future] = deque()
         for p in specs:
-            pending.append(pool.submit(read_param, index, p, cfg, copy=copy))
+            pending.append(pool.submit(read_param, index, p, cfg, copy=True))
             if len(pending) > _READ_AHEAD:
                 yield pending.popleft().result()
         while pending:

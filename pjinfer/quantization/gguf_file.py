@@ -151,6 +151,11 @@ class GGUFIndex:
         shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists the fastest dim first
         return self._rows(base, data.reshape(shape).astype(np.float32, copy=False))
 
+    def read(self, hf_name: str) -> np.ndarray:
+        """As `get`: the loader's read-ahead threads call this (the file is memory-mapped, so
+        what is not decoded here is read when the device copy touches it)."""
+        return self.get(hf_name)
+
     def hf_config(self) -> dict[str, Any]:
         """config.json's fields from the GGUF metadata (transformers' meaning)."""
         arch, m = self.arch, self.metadata
