@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from pjinfer import engine_flags
-from pjinfer.benchmarks.common import Progress
+from pjinfer.benchmarks.common import Progress, percentile
 from pjinfer.benchmarks.datasets import SampleRequest
 from pjinfer.benchmarks.roofline import ModelShape
 from pjinfer.engine.config import ENGINE_ARGS
@@ -104,10 +104,10 @@ def request_latencies(outs: Sequence[Any]) -> dict[str, float]:
         if m.finished_time is not None and n > 1:
             tpot.append((m.finished_time - m.first_token_time) / (n - 1))
     out = {}
-    for name, values in (("ttft", ttft), ("tpot", tpot)):
+    for name, values in (("ttft", sorted(ttft)), ("tpot", sorted(tpot))):
         if values:
-            out[f"median_{name}_ms"] = float(np.median(values)) * 1e3
-            out[f"p99_{name}_ms"] = float(np.percentile(values, 99)) * 1e3
+            out[f"median_{name}_ms"] = percentile(values, 50) * 1e3
+            out[f"p99_{name}_ms"] = percentile(values, 99) * 1e3
     return out
 
 
@@ -138,7 +138,6 @@ def model_shape(engine: Any) -> ModelShape:
     import dataclasses
 
     import jax
-    import numpy as np
 
     runner = engine.runner
     shape = ModelShape.from_model_config(engine.model_config,
@@ -149,7 +148,6 @@ def model_shape(engine: Any) -> ModelShape:
 
 
 def model_record(engine: Any, shape: ModelShape) -> dict[str, Any]:
-    import numpy as np
 
     cfg = engine.model_config
     return {"name": engine.served_model_name, "architecture": cfg.architecture,
