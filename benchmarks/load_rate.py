@@ -28,10 +28,9 @@ import numpy as np
 from pjinfer.weights import load_model
 
 _CHUNK = 64 << 20  # bytes per read call
-_ST_NAMES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
-def hf_tensor_shapes(config_dir: str | Path) -> tuple[dict[str, tuple[int, ...]], str]:
+def hf_tensor_shapes(config_dir: str | Path) -> dict[str, tuple[int, ...]]:
     """Checkpoint names -> shapes as `save_pretrained` would write them (no weights allocated)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -42,12 +41,12 @@ def hf_tensor_shapes(config_dir: str | Path) -> tuple[dict[str, tuple[int, ...]]
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
         shapes.pop("lm_head.weight", None)
-    return shapes, "bfloat16"
+    return shapes
 
 
 def write_checkpoint(config_dir: str | Path, out_dir: Path, shard_bytes: int) -> int:
     """A sharded bf16 safetensors checkpoint with random bytes; returns its tensor bytes."""
-    shapes, dtype = hf_tensor_shapes(config_dir)
+    shapes = hf_tensor_shapes(config_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     shutil.copy(Path(config_dir) / "config.json", out_dir / "config.json")
     noise = np.random.default_rng(0).integers(0, 2**16, _CHUNK // 2, dtype=np.uint16)
@@ -64,7 +63,7 @@ def write_checkpoint(config_dir: str | Path, out_dir: Path, shard_bytes: int) ->
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        total += _write_shard(out_dir / fname, shard, _ST_NAMES[dtype], noise.tobytes())
+        total += _write_shard(out_dir / fname, shard, "BF16", noise.tobytes())
         weight_map.update({name: fname for name, _, _ in shard})
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}))
