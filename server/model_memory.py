@@ -18,6 +18,7 @@ from pjinfer.config import ModelConfig, resolve_dtype
 from pjinfer.demo import DEMO_MODEL_DIR
 from pjinfer.engine.runner import CPU_KV_CACHE_BYTES
 from pjinfer.engine.step import kv_bytes_per_block
+from pjinfer.quantization.kv_cache import kv_cache_dtype
 
 ACTIVATION_MARGIN = 0.1  # of a model's share, kept free for the step's temporaries
 MiB = 1 << 20
@@ -45,8 +46,9 @@ def kv_bytes(model_dir: str | None, args: dict[str, Any]) -> int:
         return int(args["kv_cache_memory"])
     if args.get("num_kv_blocks") is not None:
         cfg = ModelConfig.from_pretrained(model_dir or DEMO_MODEL_DIR)
-        per_block = kv_bytes_per_block(cfg, args.get("block_size", 16),
-                                       resolve_dtype(args.get("dtype", "auto"), cfg))
+        dtype = kv_cache_dtype(args.get("kv_cache_dtype", "auto"),
+                               resolve_dtype(args.get("dtype", "auto"), cfg))
+        per_block = kv_bytes_per_block(cfg, args.get("block_size", 16), dtype)
         return int(args["num_kv_blocks"]) * per_block
     return CPU_KV_CACHE_BYTES
 
