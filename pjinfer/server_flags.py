@@ -147,6 +147,10 @@ def _check_server_options(args: dict[str, Any]) -> None:
     for name in ("max_request_bytes", "engine_stuck_timeout"):
         if args[name] is not None and args[name] <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {args[name]}")
+    if args["admin_api_key"] is not None and not (isinstance(args["admin_api_key"], str)
+                                                   and args["admin_api_key"]):
+        raise UsageError("--admin-api-key must be a non-empty string (an empty key would leave "
+                         "the admin routes off without saying so)")
     if (args["ssl_keyfile"] is None) != (args["ssl_certfile"] is None):
         raise UsageError("--ssl-keyfile and --ssl-certfile go together: give both or neither")
     from pjinfer.tool_parsers import check_tool_options

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from pjinfer.cli import build_parser, run_config_from_args
+from pjinfer.errors import UsageError
 from pjinfer.run_config import RunConfigError, load_run_config, parse_run_config
 from pjinfer.server.pool_config import build_pool, model_specs
 from pjinfer.server_flags import server_args
@@ -54,6 +55,9 @@ def test_serve_flags():
     config = run_config_from_args(args)
     assert config.parallel.data_parallel_size == 2
     assert server_args(config)["admin_api_key"] == "k"
+    empty = run_config_from_args(build_parser().parse_args(["serve", "--admin-api-key", ""]))
+    with pytest.raises(UsageError, match="--admin-api-key must be a non-empty string"):
+        server_args(empty)
 
 
 def test_repository_versions_and_references(tmp_path):
