@@ -57,7 +57,7 @@ else
   ENGINE=(--max-num-seqs ${MAX_SEQS:-512} --max-num-batched-tokens ${MAX_TOKENS:-2048})
   HF_MODEL=configs/models/llama3-8b
   N_W3=${N_W3:-1000}; N_W4=${N_W4:-1000}; IN_W1=512; OUT_W1=512; ITERS=3; HF_N=256; HF_B=256; W3_IN=1024; W3_OUT=256
-  W2=(--batch-size 8 --input-len 32 --output-len 128); W5_N=200; RATES=(4 16); T=1
+  W2=(--batch-size 8 --input-len 32 --output-len 128); W5_N=${W5_N:-200}; RATES=(${W5_RATES:-4 16}); T=1
   # W6 needs Llama-3.1's 131k positions; one max_model_len for both parts shares compiles
   LONG=(--model configs/models/llama3.1-8b --load-format dummy --dtype bfloat16
         --max-model-len 33024)
