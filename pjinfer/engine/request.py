@@ -94,6 +94,7 @@ class Request:
     stopped_by_token: bool = False  # EOS or a stop token id ended it: not part of the text
     # Structured outputs: this sequence's llguidance matcher, set once its grammar compiled
     grammar: Any = None
+    grammar_template: int = 0  # which of the grammar's templates it was copied from
     lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
     @property

@@ -20,7 +20,7 @@ import numpy as np
 
 from pjinfer.engine.request import Request, RequestStatus
 from pjinfer.engine.scheduler import NewTokens, Scheduler, SchedulerOutput
-from pjinfer.structured_output.grammar import GrammarCompiler, result_of
+from pjinfer.structured_output.grammar import MASK_THREADS, GrammarCompiler, result_of
 from pjinfer.structured_output.params import StructuredOutputsParams
 
 log = logging.getLogger("pjinfer")
@@ -79,7 +79,7 @@ class StructuredOutputManager:
                 failed.append(group[0].group_id)
             else:
                 for r in group:
-                    r.grammar = future.result().deep_copy()
+                    r.grammar_template, r.grammar = future.result().matcher()
                 self._live.extend(group)
                 scheduler.add(group)
         self._parked = parked
@@ -105,14 +105,16 @@ class StructuredOutputManager:
     def bitmask(self, sched: SchedulerOutput, num_rows: int) -> np.ndarray | None:
         """[num_rows, ceil(V/32)] i32 allowed tokens of every row (all ones for rows without
         a grammar), from the matchers as they are now: call once the previous step's tokens
-        are consumed. None when no row is constrained."""
-        rows = [(c.request.grammar, i) for i, c in enumerate(sched.scheduled)
-                if c.samples and c.request.grammar is not None]
+        are consumed. None when no row is constrained. Rows go to llguidance ordered by
+        template, so each fill thread mostly works on matchers of one template."""
+        rows = sorted(((c.request.grammar_template, i) for i, c in enumerate(sched.scheduled)
+                       if c.samples and c.request.grammar is not None))
         if not rows:
             return None
+        rows = [(sched.scheduled[i].request.grammar, i) for _, i in rows]
         mask = llguidance.numpy.allocate_token_bitmask(num_rows, self.vocab_size)
         if self._executor is None:
-            self._executor = llguidance.LLExecutor()
+            self._executor = llguidance.LLExecutor(num_threads=MASK_THREADS)
         llguidance.numpy.fill_next_token_bitmask_par(self._executor, rows, mask)
         return mask
 

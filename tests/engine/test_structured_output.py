@@ -70,13 +70,37 @@ def test_padding_ids_past_the_tokenizer_are_masked_off(llm):
     """A model whose logits are wider than its tokenizer (vocab padded for the hardware):
     constrained rows never sample a padding id; unconstrained rows keep every id."""
     manager = StructuredOutputManager(llm.tokenizer, 600, None)  # demo tokenizer: 512 ids
-    matcher = manager.compiler.compile(StructuredOutputsParams(regex="[a-z ]+")).deep_copy()
-    row = SimpleNamespace(samples=True, request=SimpleNamespace(grammar=matcher))
+    template, matcher = manager.compiler.compile(StructuredOutputsParams(regex="[a-z ]+")
+                                                 ).matcher()
+    row = SimpleNamespace(samples=True, request=SimpleNamespace(grammar=matcher,
+                                                                grammar_template=template))
     mask = manager.bitmask(SimpleNamespace(scheduled=[row]), 2)  # [2, ceil(600 / 32)]
     allowed = (mask[:, :, None] >> np.arange(32)) & 1
     allowed = allowed.reshape(2, -1)[:, :600].astype(bool)
     assert mask.shape == (2, 19) and 20 < allowed[0, :512].sum() < 512
     assert not allowed[0, 512:].any() and allowed[1].all()
+
+
+def test_requests_spread_over_independent_templates_with_identical_masks(llm):
+    """A grammar hands its requests out round robin over independently compiled templates
+    (copies of one template serialize the parallel mask fill); every template allows the
+    same tokens, and rows reach llguidance ordered by template."""
+    from pjinfer.structured_output.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(llm.tokenizer, 512, None, templates=3)
+    compiled = compiler.compile(StructuredOutputsParams(json={"type": "object"}))
+    compiler._extra.shutdown(wait=True)  # the two background templates
+    assert len(compiled.templates) == 3
+    pairs = [compiled.matcher() for _ in range(6)]
+    assert [t for t, _ in pairs] == [0, 1, 2, 0, 1, 2]
+    manager = StructuredOutputManager(llm.tokenizer, 512, None)
+    rows = [SimpleNamespace(samples=True, request=SimpleNamespace(grammar=m, grammar_template=t))
+            for t, m in pairs]
+    prefix = llm.tokenizer.encode('{"a', add_special_tokens=False)
+    for _, m in pairs:
+        assert all(m.consume_token(tok) for tok in prefix)
+    mask = manager.bitmask(SimpleNamespace(scheduled=rows), 6)
+    assert (mask == mask[0]).all() and 0 < np.unpackbits(mask[0].view(np.uint8)).sum() < 512
 
 
 def _check(kind: str, text: str) -> None:
