@@ -5,8 +5,9 @@ With asynchronous scheduling (the default) a step returns before the device has 
 outputs while t+1 runs, so the host's work hides behind the device's. Each request's last token
 of step t reaches step t+1 on the device (`Chunk.prev_row`). A request that stops at step t
 (EOS, stop string) has had one more token launched; that token is dropped. A step with
-structured-output rows launches its forward, finishes the step before (the grammars consume
-its tokens), then fills its token mask and launches its sampler (`_sample`).
+structured-output rows launches its forward, collects the step before (the grammars consume
+its tokens), then fills its token mask and launches its sampler (`_sample`), and only then
+turns the step before into text (`_process`): the mask waits for nothing it does not need.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.metrics import EngineMetrics
 from pjinfer.engine.output_processor import OutputProcessor
 from pjinfer.engine.request import Request, RequestStatus
-from pjinfer.engine.runner import LaunchedForward, LaunchedStep, ModelRunner
-from pjinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pjinfer.engine.runner import LaunchedForward, LaunchedStep, ModelRunner, StepResult
+from pjinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepUpdate
 from pjinfer.engine.scheduling_policy import make_policy
 from pjinfer.errors import EngineOverloadedError, RequestFailedError
 from pjinfer.lora.manager import LoRAManager
@@ -278,10 +279,16 @@ class LLMEngine:
         started = [s for s in (self._in_flight, launched) if s is not None]
         self._in_flight = launched if launched is not None and self._deferrable(sched) else None
         changed |= {r.group_id for r in sched.timed_out}
+        collected = None
         for done in started:
             self._contain(done.sched, self._sample, done)  # a constrained step's sampler
+            if collected is not None:  # outputs after the sampler launch: off its path
+                changed |= self._contain(collected[0].sched, self._process, collected) or set()
+                collected = None
             if done is not self._in_flight:
-                changed |= self._contain(done.sched, self._finish_step, done) or set()
+                collected = self._contain(done.sched, self._collect, done)
+        if collected is not None:
+            changed |= self._contain(collected[0].sched, self._process, collected) or set()
         self.metrics.num_preemptions = self.scheduler.num_preemptions
         outputs = self.output_processor.outputs(changed)
         self._fail_processed()
@@ -369,13 +376,20 @@ class LLMEngine:
                                                   launched.forward.layout.padded_seqs)
             launched.step, launched.forward = self.runner.sample(launched.forward, mask), None
 
-    def _finish_step(self, launched: _Launched) -> set[str]:
-        """Wait for a launched step, apply its tokens and text; returns the changed groups."""
+    def _collect(self, launched: _Launched) -> tuple[_Launched, StepResult, StepUpdate]:
+        """Wait for a launched step and apply its tokens to the requests and their grammars:
+        all the next constrained step's mask needs (its text comes after, `_process`)."""
         result = self.runner.fetch(launched.step)
         update = self.scheduler.update_from_output(launched.sched,
                                                    result.token_ids[:, None].tolist())
         self.scheduler.finish_requests(self.structured_output.advance(update.new_tokens),
                                        RequestStatus.FINISHED_STOPPED)  # grammar complete
+        return launched, result, update
+
+    def _process(self, collected: tuple[_Launched, StepResult, StepUpdate]) -> set[str]:
+        """A collected step's logprobs and text (stop strings end requests here); returns
+        the changed groups."""
+        launched, result, update = collected
         for r, stop in self.output_processor.process(launched.sched, update.new_tokens, result):
             self.scheduler.finish_requests([r], RequestStatus.FINISHED_STOPPED, stop)
         self._fail_processed()
