@@ -6,8 +6,9 @@ outputs while t+1 runs, so the host's work hides behind the device's. Each reque
 of step t reaches step t+1 on the device (`Chunk.prev_row`). A request that stops at step t
 (EOS, stop string) has had one more token launched; that token is dropped. A step with
 structured-output rows launches its forward, collects the step before (the grammars consume
-its tokens), then fills its token mask and launches its sampler (`_sample`), and only then
-turns the step before into text (`_process`): the mask waits for nothing it does not need.
+its tokens) and fills its token mask while the device runs the forward; its sampler launches at
+the start of the next `step()`, right before the next forward, so the device's queue is never
+left holding only the short sampler while the host turns a step into text (`_process`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 from pjinfer.cache.kv_cache_manager import KVCacheManager
 from pjinfer.demo import DEMO_MODEL_DIR, DEMO_MODEL_NAME
@@ -66,6 +69,8 @@ class _Launched:
     forward: LaunchedForward | None
     step: LaunchedStep | None
     start: float
+    mask: np.ndarray | None = None  # the constrained rows' token bitmask, once filled
+    mask_filled: bool = False
 
 
 class LLMEngine:
@@ -274,6 +279,8 @@ class LLMEngine:
         changed (with asynchronous scheduling, those of the previous step). A fault fails only
         the requests it touched (see `take_failures`); the others go on."""
         changed = self.structured_output.admit_compiled(self.scheduler)
+        if self._in_flight is not None:  # a constrained step's sampler, its mask filled last call
+            self._contain(self._in_flight.sched, self._sample, self._in_flight)
         sched = self.scheduler.schedule()
         launched = self._contain(sched, self._launch, sched)
         started = [s for s in (self._in_flight, launched) if s is not None]
@@ -281,12 +288,13 @@ class LLMEngine:
         changed |= {r.group_id for r in sched.timed_out}
         collected = None
         for done in started:
-            self._contain(done.sched, self._sample, done)  # a constrained step's sampler
-            if collected is not None:  # outputs after the sampler launch: off its path
+            if done is self._in_flight:  # the device runs its forward meanwhile
+                self._contain(done.sched, self._fill_mask, done)
+                continue
+            self._contain(done.sched, self._sample, done)
+            if collected is not None:  # a step's text before the next step's tokens
                 changed |= self._contain(collected[0].sched, self._process, collected) or set()
-                collected = None
-            if done is not self._in_flight:
-                collected = self._contain(done.sched, self._collect, done)
+            collected = self._contain(done.sched, self._collect, done)
         if collected is not None:
             changed |= self._contain(collected[0].sched, self._process, collected) or set()
         self.metrics.num_preemptions = self.scheduler.num_preemptions
@@ -367,14 +375,21 @@ class LLMEngine:
                 loras = [None if r == lora else r for r in loras]
         return self.lora.activate(loras)
 
+    def _fill_mask(self, launched: _Launched) -> None:
+        """Fill a constrained step's token mask. Called once the step before has been
+        collected, so every matcher has consumed the token sampled there."""
+        if launched.step is None and not launched.mask_filled:
+            launched.mask = self.structured_output.bitmask(launched.sched,
+                                                           launched.forward.layout.padded_seqs)
+            launched.mask_filled = True
+
     def _sample(self, launched: _Launched) -> None:
-        """Launch a constrained step's sampler with its token mask. Called once the step
-        before has been finished, so every matcher has consumed the token sampled there;
-        the device is still busy with this step's forward meanwhile."""
+        """Launch a constrained step's sampler with its token mask (filled now if it was not
+        yet)."""
         if launched.step is None:
-            mask = self.structured_output.bitmask(launched.sched,
-                                                  launched.forward.layout.padded_seqs)
-            launched.step, launched.forward = self.runner.sample(launched.forward, mask), None
+            self._fill_mask(launched)
+            launched.step = self.runner.sample(launched.forward, launched.mask)
+            launched.forward = launched.mask = None
 
     def _collect(self, launched: _Launched) -> tuple[_Launched, StepResult, StepUpdate]:
         """Wait for a launched step and apply its tokens to the requests and their grammars:
