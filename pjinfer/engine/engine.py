@@ -6,9 +6,9 @@ outputs while t+1 runs, so the host's work hides behind the device's. Each reque
 of step t reaches step t+1 on the device (`Chunk.prev_row`). A request that stops at step t
 (EOS, stop string) has had one more token launched; that token is dropped. A step with
 structured-output rows launches its forward, collects the step before (the grammars consume
-its tokens) and fills its token mask while the device runs the forward; its sampler launches at
-the start of the next `step()`, right before the next forward, so the device's queue is never
-left holding only the short sampler while the host turns a step into text (`_process`).
+its tokens) and fills its token mask on the mask thread while the device runs the forward and
+the loop turns the step before into text (`_process`); its sampler launches at the start of the
+next `step()`, right before the next forward.
 """
 
 from __future__ import annotations
@@ -18,10 +18,8 @@ import logging
 import random
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
-
-import numpy as np
 
 from pjinfer.cache.kv_cache_manager import KVCacheManager
 from pjinfer.demo import DEMO_MODEL_DIR, DEMO_MODEL_NAME
@@ -69,8 +67,7 @@ class _Launched:
     forward: LaunchedForward | None
     step: LaunchedStep | None
     start: float
-    mask: np.ndarray | None = None  # the constrained rows' token bitmask, once filled
-    mask_filled: bool = False
+    mask: Future | None = None  # the constrained rows' token bitmask, once its fill started
 
 
 class LLMEngine:
@@ -376,19 +373,19 @@ class LLMEngine:
         return self.lora.activate(loras)
 
     def _fill_mask(self, launched: _Launched) -> None:
-        """Fill a constrained step's token mask. Called once the step before has been
-        collected, so every matcher has consumed the token sampled there."""
-        if launched.step is None and not launched.mask_filled:
-            launched.mask = self.structured_output.bitmask(launched.sched,
-                                                           launched.forward.layout.padded_seqs)
-            launched.mask_filled = True
+        """Start filling a constrained step's token mask (on the mask thread). Called once the
+        step before has been collected, so every matcher has consumed the token sampled
+        there."""
+        if launched.step is None and launched.mask is None:
+            launched.mask = self.structured_output.start_bitmask(
+                launched.sched, launched.forward.layout.padded_seqs)
 
     def _sample(self, launched: _Launched) -> None:
-        """Launch a constrained step's sampler with its token mask (filled now if it was not
-        yet)."""
+        """Launch a constrained step's sampler with its token mask (waiting for the fill)."""
         if launched.step is None:
             self._fill_mask(launched)
-            launched.step = self.runner.sample(launched.forward, launched.mask)
+            mask = launched.mask.result()
+            launched.step = self.runner.sample(launched.forward, mask)
             launched.forward = launched.mask = None
 
     def _collect(self, launched: _Launched) -> tuple[_Launched, StepResult, StepUpdate]:

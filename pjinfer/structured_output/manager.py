@@ -11,7 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from collections.abc import Iterable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import llguidance
@@ -37,6 +37,8 @@ class StructuredOutputManager:
         self._parked: list[tuple[list[Request], Future]] = []
         self._live: list[Request] = []  # admitted with a matcher, maybe finished since
         self._executor: llguidance.LLExecutor | None = None  # parallel mask fills
+        # the fill runs beside the engine loop's own host work (llguidance drops the GIL)
+        self._filler = ThreadPoolExecutor(1, thread_name_prefix="pjinfer-mask")
 
     def check(self, spec: StructuredOutputsParams) -> None:
         """Compile now (or find the cached compile) and raise its ValueError: for callers off
@@ -118,6 +120,11 @@ class StructuredOutputManager:
         llguidance.numpy.fill_next_token_bitmask_par(self._executor, rows, mask)
         return mask
 
+    def start_bitmask(self, sched: SchedulerOutput, num_rows: int) -> Future:
+        """`bitmask` on the mask thread: the engine turns the previous step into text
+        meanwhile. Nothing else touches the matchers until the future is done."""
+        return self._filler.submit(self.bitmask, sched, num_rows)
+
     def advance(self, new_tokens: Iterable[NewTokens]) -> list[Request]:
         """Feed each live constrained request its accepted tokens; returns those whose grammar
         is now complete (or broken: a token it rejected), which the caller ends."""
@@ -139,3 +146,4 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self.compiler.shutdown()
+        self._filler.shutdown(wait=False, cancel_futures=True)
