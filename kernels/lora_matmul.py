@@ -1,0 +1,209 @@
+"""The multi-LoRA term (shrink x A, expand . B, grouped by token slot): the XLA form, the
+Pallas kernel for a group of projections sharing their input, and the per-token reference.
+
+Every token carries a slot: 0 is the base model, s >= 1 the adapter in row s - 1 of the
+stacked arrays A [in, L, R] and B [L, R, out] (L = max_loras, R = max_lora_rank; a rank below
+R is zero-padded, so it adds nothing). A is input-major so that, like B, it already is the
+operand of a plain matmul ([in, L*R]; B: [L*R, out]): no transposed copy per step.
+
+XLA form (`lora_delta`): x against every slot's A at once, [T, in] x [in, L*R], the columns
+of other slots zeroed (a one-hot mask: base tokens keep none), one [T, L*R] x [L*R, out]
+expand. Dense matmuls with an inner size of L*R: fine for prefill, but at decode each
+projection costs ~4 tiny kernels (shrink, mask, expand, add), ~13 us on the H200, 224 times
+a Llama-3-8B step.
+
+Pallas form (`lora_group_delta`): one pallas_call per group of modules sharing x (q/k/v;
+gate/up; o; down). Grid (K split, column tile of the concatenated outputs): a program owns
+one module's `block_n` columns and one `1 / k_splits` of the input dim; for each slot some
+token of the step uses (`present`, computed once per step), it shrinks x by that slot's R
+columns of A over its K range, zeroes the rows of other slots and expands by that slot's
+[R, block_n] tile of B. Only used slots' weights are read (one at batch 1), and the K split
+spreads the shrink of a wide input (down: 14,336) over programs instead of repeating it in
+each one. Each split writes a float32 partial sum; the caller adds them with the base
+output, so XLA fuses the sum into the consumers' elementwise ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pjinfer.kernels import common
+
+Adapter = tuple[jax.Array, jax.Array]  # (A [in, L, R], B [L, R, out])
+
+
+# ---- XLA form and reference -------------------------------------------------------------------
+def slot_mask(slots: jax.Array, num_slots: int) -> jax.Array:
+    """[T, L] float32: 1 where token t uses adapter row l (slot l + 1), 0 elsewhere."""
+    return (slots[:, None] == jnp.arange(1, num_slots + 1, dtype=slots.dtype)[None, :]
+            ).astype(jnp.float32)
+
+
+def lora_shrink(x: jax.Array, a: jax.Array, slots: jax.Array) -> jax.Array:
+    """x [T, in], A [in, L, R], slots [T] -> [T, L, R] float32, zero outside a token's slot."""
+    h = jnp.einsum("ti,ilr->tlr", x, a.astype(x.dtype), preferred_element_type=jnp.float32)
+    return h * slot_mask(slots, a.shape[1])[:, :, None]
+
+
+def lora_expand(h: jax.Array, b: jax.Array, dtype) -> jax.Array:
+    """h [T, L, R] (float32; cast to `dtype` like the activations), B [L, R, out] -> [T, out]
+    float32."""
+    return jnp.einsum("tlr,lro->to", h.astype(dtype), b.astype(dtype),
+                      preferred_element_type=jnp.float32)
+
+
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> jax.Array:
+    """The LoRA term of every token, [T, out] float32 (scaling is folded into B)."""
+    return lora_expand(lora_shrink(x, a, slots), b, x.dtype)
+
+
+def lora_delta_reference(x: jax.Array, a: jax.Array, b: jax.Array,
+                         slots: jax.Array) -> jax.Array:
+    """Per token: x_t A[slot] B[slot] in float32, slot 0 contributing nothing."""
+    a = jnp.moveaxis(a.astype(jnp.float32), 1, 0)  # [L, in, R]
+    zero_a = jnp.zeros((1, *a.shape[1:]), jnp.float32)
+    zero_b = jnp.zeros((1, *b.shape[1:]), jnp.float32)
+    a_t = jnp.concatenate([zero_a, a])[slots]  # [T, in, R]
+    b_t = jnp.concatenate([zero_b, b.astype(jnp.float32)])[slots]  # [T, R, out]
+    h = jnp.einsum("ti,tir->tr", x.astype(jnp.float32), a_t)
+    return jnp.einsum("tr,tro->to", h, b_t)
+
+
+def lora_group_delta_reference(x: jax.Array, adapters: list[Adapter],
+                               slots: jax.Array) -> list[jax.Array]:
+    """`lora_delta_reference` of each module of a group: [T, out_m] float32 each."""
+    return [lora_delta_reference(x, a, b, slots) for a, b in adapters]
+
+
+# ---- Pallas kernel ----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoRABlockSizes(common.BlockSizes):
+    """Static tiling: `block_n` output columns per program, the input dim cut into `k_splits`
+    ranges walked in `block_k` steps."""
+
+    block_n: int = 128
+    block_k: int = 256
+    k_splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _kernel(present_ref, slots_ref, x_ref, *refs, first_tiles: tuple[int, ...], rank: int,
+            num_slots: int, block_k: int, k_steps: int):
+    """Program (split, tile): the tile's module's [bt, block_n] partial delta over K range
+    `split`, summed over the slots present in the step."""
+    *ab_refs, o_ref = refs
+    split, tile = pl.program_id(0), pl.program_id(1)
+    block_t, block_n = o_ref.shape
+    o_ref[...] = jnp.zeros((block_t, block_n), o_ref.dtype)
+    slots = slots_ref[...]  # [bt]
+    ends = (*first_tiles[1:], None)
+    for m, (first, end) in enumerate(zip(first_tiles, ends, strict=True)):
+        a_ref, b_ref = ab_refs[2 * m], ab_refs[2 * m + 1]
+        mine = tile >= first if end is None else (tile >= first) & (tile < end)
+
+        @pl.when(mine)
+        def _(a_ref=a_ref, b_ref=b_ref, first=first):
+            cols = pl.ds((tile - first) * block_n, block_n)
+
+            def per_slot(slot, carry):
+                @pl.when(present_ref[slot] > 0)
+                def _():
+                    r = pl.ds(slot * rank, rank)
+
+                    def body(kb, h):
+                        ks = pl.ds((split * k_steps + kb) * block_k, block_k)
+                        a = a_ref[ks, r].astype(x_ref.dtype)  # [bk, R]
+                        return h + jnp.dot(x_ref[:, ks], a, preferred_element_type=jnp.float32)
+
+                    h = jax.lax.fori_loop(0, k_steps, body,
+                                          jnp.zeros((block_t, rank), jnp.float32))  # [bt, R]
+                    h = jnp.where((slots == slot + 1)[:, None], h, 0.0).astype(x_ref.dtype)
+                    b = b_ref[r, cols].astype(x_ref.dtype)  # [R, bn]
+                    o_ref[...] += jnp.dot(h, b, preferred_element_type=jnp.float32)
+                return carry
+
+            jax.lax.fori_loop(0, num_slots, per_slot, 0)
+
+
+def _pow2(n: int) -> bool:
+    return n >= 1 and not n & (n - 1)
+
+
+def supported(x: jax.Array, adapters: list[Adapter], sizes: LoRABlockSizes) -> bool:
+    """Whether the kernel tiles this group (else the XLA form runs): the rank a power of two
+    >= 16 (Triton's dot), every module's out a multiple of `block_n`, the input dim of
+    `k_splits * block_k`."""
+    d_in, rank = x.shape[1], adapters[0][0].shape[2]
+    return (_pow2(rank) and rank >= 16 and _pow2(sizes.block_n) and _pow2(sizes.block_k)
+            and d_in % (sizes.block_k * sizes.k_splits) == 0
+            and all(a.shape[0] == d_in and a.shape[1:] == adapters[0][0].shape[1:]
+                    and b.shape[:2] == a.shape[1:] and b.shape[2] % sizes.block_n == 0
+                    for a, b in adapters))
+
+
+DECODE_PROGRAMS = 264  # two per SM of an H100 / H200 (132 SMs)
+
+
+def pick_block_sizes(d_in: int, outs: list[int]) -> LoRABlockSizes:
+    """The widest column tile (<= 128) dividing every module's out; `block_k` the largest of
+    256 ... 16 dividing the input dim; K split in two until the group has ~`DECODE_PROGRAMS`
+    programs, each keeping >= 4 K steps (Llama-3-8B, bn 128: q/k/v 48 tiles x 4 splits,
+    gate/up 224 x 2, o 32 x 4, down 32 x 8)."""
+    block_n = next((b for b in (128, 64, 32, 16) if all(o % b == 0 for o in outs)), 128)
+    block_k = next((b for b in (256, 128, 64, 32, 16) if d_in % b == 0), 256)
+    tiles, splits = sum(outs) // block_n, 1
+    while tiles * splits < DECODE_PROGRAMS and d_in % (2 * splits * block_k) == 0 \
+            and d_in // (2 * splits) >= 4 * block_k:
+        splits *= 2
+    return LoRABlockSizes(block_n=block_n, block_k=block_k, k_splits=splits)
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+def lora_group_delta(x: jax.Array, adapters: list[Adapter], slots: jax.Array, *,
+                     block_sizes: LoRABlockSizes | None = None,
+                     interpret: bool = False) -> list[jax.Array]:
+    """x [T, in], per module (A [in, L, R], B [L, R, out_m]), slots [T] -> per module the
+    LoRA term [T, out_m] float32, in one pallas_call (the XLA form where `supported` fails).
+
+    Token rows are padded to a power of two >= 16 (Triton's smallest dot; the engine's token
+    buckets already are), so one program covers every token: meant for decode-sized T.
+    """
+    outs = [b.shape[2] for _, b in adapters]
+    sizes = block_sizes or pick_block_sizes(x.shape[1], outs)
+    if not supported(x, adapters, sizes):
+        return [lora_delta(x, a, b, slots) for a, b in adapters]
+    t, d_in = x.shape
+    num_slots, rank = adapters[0][0].shape[1:]
+    block_t = max(16, common.next_pow2(t))
+    xp = jnp.pad(x, ((0, block_t - t), (0, 0)))  # [bt, in]; no-op for a bucketed step
+    sp = jnp.pad(slots.astype(jnp.int32), (0, block_t - t))  # [bt], padding rows: base
+    present = jnp.any(sp[:, None] == jnp.arange(1, num_slots + 1)[None, :], axis=0
+                      ).astype(jnp.int32)  # [L] slots some token uses
+    mats = [m for a, b in adapters for m in (a.reshape(d_in, num_slots * rank),
+                                             b.reshape(num_slots * rank, -1))]
+    tiles = [o // sizes.block_n for o in outs]
+    first_tiles = tuple(sum(tiles[:m]) for m in range(len(tiles)))
+    kernel = functools.partial(
+        _kernel, first_tiles=first_tiles, rank=rank, num_slots=num_slots,
+        block_k=sizes.block_k, k_steps=d_in // (sizes.block_k * sizes.k_splits))
+    parts = pl.pallas_call(  # inputs whole: each program slices its module, slot and K range
+        kernel,
+        grid=(sizes.k_splits, sum(tiles)),
+        in_specs=[common.whole_spec(v.shape) for v in (present, sp, xp, *mats)],
+        out_specs=pl.BlockSpec((None, block_t, sizes.block_n), lambda s, j: (s, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((sizes.k_splits, block_t, sum(outs)), jnp.float32),
+        compiler_params=common.triton_params(sizes.num_warps, sizes.num_stages),
+        interpret=interpret,
+        name="lora_group_shrink_expand",
+    )(present, sp, xp, *mats)
+    total = parts[0, :t]
+    for s in range(1, sizes.k_splits):  # elementwise adds: fused into the consumers
+        total = total + parts[s, :t]
+    bounds = [sum(outs[:m]) for m in range(len(outs) + 1)]
+    return [total[:, lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
