@@ -24,7 +24,7 @@ __all__ = ["AdaptedWeight", "lora_delta", "lora_delta_reference"]
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["base", "a", "b", "slots"],
-         meta_fields=[])
+         meta_fields=["backend"])
 @dataclass(frozen=True)
 class AdaptedWeight:
     """A base weight plus the stacked adapters of its Linear and the step's token slots;
@@ -35,6 +35,7 @@ class AdaptedWeight:
     a: jax.Array  # [in, L, R]
     b: jax.Array  # [L, R, out]
     slots: jax.Array  # [T] int32, 0 = base model
+    backend: str = "auto"  # of the LoRA term (`kernels.ops.lora_group_deltas`)
 
     def linear(self, x: jax.Array, bias: jax.Array | None = None, *,
                out_dtype=None) -> jax.Array:
@@ -46,7 +47,8 @@ class AdaptedWeight:
                 out_dtype=None) -> list[jax.Array]:
         """x [T, in] through every weight of a group (same slots) -> [T, out_m] each: base
         outputs one matmul per module, the LoRA terms of the whole group in one call."""
-        deltas = ops.lora_group_deltas(x, [(w.a, w.b) for w in weights], weights[0].slots)
+        deltas = ops.lora_group_deltas(x, [(w.a, w.b) for w in weights], weights[0].slots,
+                                       backend=weights[0].backend)
         out = []
         for w, bias, delta in zip(weights, biases, deltas, strict=True):
             y = (linear(x, w.base, out_dtype=jnp.float32) + delta).astype(out_dtype or x.dtype)
