@@ -96,39 +96,41 @@ class LoRABlockSizes(common.BlockSizes):
 def _kernel(present_ref, slots_ref, x_ref, *refs, first_tiles: tuple[int, ...], rank: int,
             num_slots: int, block_k: int, k_steps: int):
     """Program (split, tile): the tile's module's [bt, block_n] partial delta over K range
-    `split`, summed over the slots present in the step."""
+    `split`, summed over the slots present in the step, in registers, stored once."""
     *ab_refs, o_ref = refs
     split, tile = pl.program_id(0), pl.program_id(1)
     block_t, block_n = o_ref.shape
-    o_ref[...] = jnp.zeros((block_t, block_n), o_ref.dtype)
     slots = slots_ref[...]  # [bt]
     ends = (*first_tiles[1:], None)
     for m, (first, end) in enumerate(zip(first_tiles, ends, strict=True)):
         a_ref, b_ref = ab_refs[2 * m], ab_refs[2 * m + 1]
         mine = tile >= first if end is None else (tile >= first) & (tile < end)
 
-        @pl.when(mine)
+        @pl.when(mine)  # exactly one module owns each column tile
         def _(a_ref=a_ref, b_ref=b_ref, first=first):
             cols = pl.ds((tile - first) * block_n, block_n)
 
-            def per_slot(slot, carry):
-                @pl.when(present_ref[slot] > 0)
-                def _():
-                    r = pl.ds(slot * rank, rank)
+            def add_slot(slot, acc):  # acc [bt, bn] += (x A_slot, masked) B_slot
+                r = pl.ds(slot * rank, rank)
 
-                    def body(kb, h):
-                        ks = pl.ds((split * k_steps + kb) * block_k, block_k)
-                        a = a_ref[ks, r].astype(x_ref.dtype)  # [bk, R]
-                        return h + jnp.dot(x_ref[:, ks], a, preferred_element_type=jnp.float32)
+                def body(kb, h):
+                    ks = pl.ds((split * k_steps + kb) * block_k, block_k)
+                    a = a_ref[ks, r].astype(x_ref.dtype)  # [bk, R]
+                    return h + jnp.dot(x_ref[:, ks], a, preferred_element_type=jnp.float32)
 
-                    h = jax.lax.fori_loop(0, k_steps, body,
-                                          jnp.zeros((block_t, rank), jnp.float32))  # [bt, R]
-                    h = jnp.where((slots == slot + 1)[:, None], h, 0.0).astype(x_ref.dtype)
-                    b = b_ref[r, cols].astype(x_ref.dtype)  # [R, bn]
-                    o_ref[...] += jnp.dot(h, b, preferred_element_type=jnp.float32)
-                return carry
+                h = jax.lax.fori_loop(0, k_steps, body,
+                                      jnp.zeros((block_t, rank), jnp.float32))  # [bt, R]
+                h = jnp.where((slots == slot + 1)[:, None], h, 0.0).astype(x_ref.dtype)
+                b = b_ref[r, cols].astype(x_ref.dtype)  # [R, bn]
+                return acc + jnp.dot(h, b, preferred_element_type=jnp.float32)
 
-            jax.lax.fori_loop(0, num_slots, per_slot, 0)
+            def per_slot(slot, acc):  # a slot no token uses reads nothing
+                return jax.lax.cond(present_ref[slot] > 0, functools.partial(add_slot, slot),
+                                    lambda acc: acc, acc)
+
+            acc = jax.lax.fori_loop(0, num_slots, per_slot,
+                                    jnp.zeros((block_t, block_n), jnp.float32))
+            o_ref[...] = acc.astype(o_ref.dtype)
 
 
 def _pow2(n: int) -> bool:
