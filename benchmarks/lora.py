@@ -154,7 +154,8 @@ def microbenchmark(cfg: Any, slots: int, rank: int, token_counts: list[int], cei
     from pjinfer.kernels.ops import LORA_PALLAS_MAX_ROWS
     from pjinfer.lora.adapter import module_shapes
 
-    timing = timing_plan(10, None, 2, on_cpu=jax.default_backend() == "cpu")
+    on_cpu = jax.default_backend() == "cpu"  # a plumbing check there: the kernel interprets
+    timing = timing_plan(2 if on_cpu else 10, None, 1 if on_cpu else 2, on_cpu=on_cpu)
     item = np.dtype(jnp.dtype(dtype)).itemsize
     shapes, layers = module_shapes(cfg), cfg.num_hidden_layers
     rows = []
