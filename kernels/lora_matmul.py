@@ -83,54 +83,71 @@ def lora_group_delta_reference(x: jax.Array, adapters: list[Adapter],
 # ---- Pallas kernel ----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, slots=True)
 class LoRABlockSizes(common.BlockSizes):
-    """Static tiling: `block_n` output columns per program, the input dim cut into `k_splits`
-    ranges walked in `block_k` steps."""
+    """Static tiling: a program owns `chunks` x `block_n` output columns of one module (it
+    shrinks once, then expands chunk by chunk) and one of `k_splits` ranges of the input dim,
+    walked in `block_k` steps."""
 
     block_n: int = 128
+    chunks: int = 1
     block_k: int = 256
     k_splits: int = 1
     num_warps: int = 4
     num_stages: int = 3
 
+    @property
+    def width(self) -> int:
+        """Output columns per program."""
+        return self.block_n * self.chunks
 
-def _kernel(present_ref, slots_ref, x_ref, *refs, first_tiles: tuple[int, ...], rank: int,
-            num_slots: int, block_k: int, k_steps: int):
-    """Program (split, tile): the tile's module's [bt, block_n] partial delta over K range
-    `split`, summed over the slots present in the step, in registers, stored once."""
+
+def _kernel(present_ref, slots_ref, x_ref, *refs, first_programs: tuple[int, ...], rank: int,
+            num_slots: int, block_k: int, k_steps: int, block_n: int, chunks: int):
+    """Program (split, p): the shrink of every present slot over K range `split` (x read once
+    per step, a slot's A only when some token uses it), rows of other slots zeroed, then the
+    expand of p's columns of its module, `block_n` at a time, each stored once."""
     *ab_refs, o_ref = refs
-    split, tile = pl.program_id(0), pl.program_id(1)
-    block_t, block_n = o_ref.shape
+    split, prog = pl.program_id(0), pl.program_id(1)
+    block_t = o_ref.shape[0]
+    dtype = x_ref.dtype
     slots = slots_ref[...]  # [bt]
-    ends = (*first_tiles[1:], None)
-    for m, (first, end) in enumerate(zip(first_tiles, ends, strict=True)):
+    present = [present_ref[slot] > 0 for slot in range(num_slots)]
+    ends = (*first_programs[1:], None)
+    for m, (first, end) in enumerate(zip(first_programs, ends, strict=True)):
         a_ref, b_ref = ab_refs[2 * m], ab_refs[2 * m + 1]
-        mine = tile >= first if end is None else (tile >= first) & (tile < end)
+        mine = prog >= first if end is None else (prog >= first) & (prog < end)
 
-        @pl.when(mine)  # exactly one module owns each column tile
+        @pl.when(mine)  # exactly one module owns each program's columns
         def _(a_ref=a_ref, b_ref=b_ref, first=first):
-            cols = pl.ds((tile - first) * block_n, block_n)
+            def shrink(kb, hs):  # hs: per slot [bt, R] float32
+                ks = pl.ds((split * k_steps + kb) * block_k, block_k)
+                x = x_ref[:, ks]  # [bt, bk]
 
-            def add_slot(slot, acc):  # acc [bt, bn] += (x A_slot, masked) B_slot
-                r = pl.ds(slot * rank, rank)
+                def add(h, slot):
+                    a = a_ref[ks, pl.ds(slot * rank, rank)].astype(dtype)  # [bk, R]
+                    return h + jnp.dot(x, a, preferred_element_type=jnp.float32)
+                return tuple(jax.lax.cond(present[slot], functools.partial(add, slot=slot),
+                                          lambda h: h, h) for slot, h in enumerate(hs))
 
-                def body(kb, h):
-                    ks = pl.ds((split * k_steps + kb) * block_k, block_k)
-                    a = a_ref[ks, r].astype(x_ref.dtype)  # [bk, R]
-                    return h + jnp.dot(x_ref[:, ks], a, preferred_element_type=jnp.float32)
+            zero = jnp.zeros((block_t, rank), jnp.float32)
+            hs = jax.lax.fori_loop(0, k_steps, shrink, (zero,) * num_slots)
+            hs = [jnp.where((slots == slot + 1)[:, None], h, 0.0).astype(dtype)
+                  for slot, h in enumerate(hs)]  # [bt, R] each, rows of this slot only
+            col0 = (prog - first) * block_n * chunks
 
-                h = jax.lax.fori_loop(0, k_steps, body,
-                                      jnp.zeros((block_t, rank), jnp.float32))  # [bt, R]
-                h = jnp.where((slots == slot + 1)[:, None], h, 0.0).astype(x_ref.dtype)
-                b = b_ref[r, cols].astype(x_ref.dtype)  # [R, bn]
-                return acc + jnp.dot(h, b, preferred_element_type=jnp.float32)
+            def expand(c, carry):
+                cols = pl.ds(col0 + c * block_n, block_n)
 
-            def per_slot(slot, acc):  # a slot no token uses reads nothing
-                return jax.lax.cond(present_ref[slot] > 0, functools.partial(add_slot, slot),
-                                    lambda acc: acc, acc)
+                def add(acc, slot):
+                    b = b_ref[pl.ds(slot * rank, rank), cols].astype(dtype)  # [R, bn]
+                    return acc + jnp.dot(hs[slot], b, preferred_element_type=jnp.float32)
+                acc = jnp.zeros((block_t, block_n), jnp.float32)
+                for slot in range(num_slots):
+                    acc = jax.lax.cond(present[slot], functools.partial(add, slot=slot),
+                                       lambda acc: acc, acc)
+                o_ref[:, pl.ds(c * block_n, block_n)] = acc.astype(o_ref.dtype)
+                return carry
 
-            acc = jax.lax.fori_loop(0, num_slots, per_slot,
-                                    jnp.zeros((block_t, block_n), jnp.float32))
-            o_ref[...] = acc.astype(o_ref.dtype)
+            jax.lax.fori_loop(0, chunks, expand, 0)
 
 
 def _pow2(n: int) -> bool:
@@ -139,31 +156,36 @@ def _pow2(n: int) -> bool:
 
 def supported(x: jax.Array, adapters: list[Adapter], sizes: LoRABlockSizes) -> bool:
     """Whether the kernel tiles this group (else the XLA form runs): the rank a power of two
-    >= 16 (Triton's dot), every module's out a multiple of `block_n`, the input dim of
+    >= 16 (Triton's dot), every module's out a multiple of `width`, the input dim of
     `k_splits * block_k`."""
     d_in, rank = x.shape[1], adapters[0][0].shape[2]
     return (_pow2(rank) and rank >= 16 and _pow2(sizes.block_n) and _pow2(sizes.block_k)
             and d_in % (sizes.block_k * sizes.k_splits) == 0
             and all(a.shape[0] == d_in and a.shape[1:] == adapters[0][0].shape[1:]
-                    and b.shape[:2] == a.shape[1:] and b.shape[2] % sizes.block_n == 0
+                    and b.shape[:2] == a.shape[1:] and b.shape[2] % sizes.width == 0
                     for a, b in adapters))
 
 
-DECODE_PROGRAMS = 264  # two per SM of an H100 / H200 (132 SMs)
+MAX_K_RANGE = 4096  # input rows one program shrinks: ~260 KB of x and A at 16 tokens, rank 16
+MIN_PROGRAMS = 32
 
 
-def pick_block_sizes(d_in: int, outs: list[int]) -> LoRABlockSizes:
-    """The widest column tile (<= 128) dividing every module's out; `block_k` the largest of
-    256 ... 16 dividing the input dim; K split in two until the group has ~`DECODE_PROGRAMS`
-    programs, each keeping >= 4 K steps (Llama-3-8B, bn 128: q/k/v 48 tiles x 4 splits,
-    gate/up 224 x 2, o 32 x 4, down 32 x 8)."""
+def pick_block_sizes(d_in: int, outs: list[int], min_programs: int = MIN_PROGRAMS
+                     ) -> LoRABlockSizes:
+    """Each program repeats the shrink of its K range (x and the used slots' A, read from L2),
+    so the group gets few programs, each expanding several column tiles: K split in two
+    until a program's range is <= `MAX_K_RANGE` rows; `block_n` the widest tile (<= 128)
+    dividing every module's out; then the most chunks (<= 8) per program that still leave
+    `min_programs`. Llama-3-8B: q/k/v 48 programs of 128 columns, gate/up 56 of 512, o 32 of
+    128, down 8 of 512 x 4 K splits."""
     block_n = next((b for b in (128, 64, 32, 16) if all(o % b == 0 for o in outs)), 128)
     block_k = next((b for b in (256, 128, 64, 32, 16) if d_in % b == 0), 256)
-    tiles, splits = sum(outs) // block_n, 1
-    while tiles * splits < DECODE_PROGRAMS and d_in % (2 * splits * block_k) == 0 \
-            and d_in // (2 * splits) >= 4 * block_k:
+    splits = 1
+    while d_in // splits > MAX_K_RANGE and d_in % (2 * splits * block_k) == 0:
         splits *= 2
-    return LoRABlockSizes(block_n=block_n, block_k=block_k, k_splits=splits)
+    chunks = next((c for c in (8, 4, 2) if all(o % (c * block_n) == 0 for o in outs)
+                   and splits * sum(outs) // (c * block_n) >= min_programs), 1)
+    return LoRABlockSizes(block_n=block_n, chunks=chunks, block_k=block_k, k_splits=splits)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
@@ -189,16 +211,17 @@ def lora_group_delta(x: jax.Array, adapters: list[Adapter], slots: jax.Array, *,
                       ).astype(jnp.int32)  # [L] slots some token uses
     mats = [m for a, b in adapters for m in (a.reshape(d_in, num_slots * rank),
                                              b.reshape(num_slots * rank, -1))]
-    tiles = [o // sizes.block_n for o in outs]
-    first_tiles = tuple(sum(tiles[:m]) for m in range(len(tiles)))
+    programs = [o // sizes.width for o in outs]
+    first_programs = tuple(sum(programs[:m]) for m in range(len(programs)))
     kernel = functools.partial(
-        _kernel, first_tiles=first_tiles, rank=rank, num_slots=num_slots,
-        block_k=sizes.block_k, k_steps=d_in // (sizes.block_k * sizes.k_splits))
+        _kernel, first_programs=first_programs, rank=rank, num_slots=num_slots,
+        block_k=sizes.block_k, k_steps=d_in // (sizes.block_k * sizes.k_splits),
+        block_n=sizes.block_n, chunks=sizes.chunks)
     parts = pl.pallas_call(  # inputs whole: each program slices its module, slot and K range
         kernel,
-        grid=(sizes.k_splits, sum(tiles)),
+        grid=(sizes.k_splits, sum(programs)),
         in_specs=[common.whole_spec(v.shape) for v in (present, sp, xp, *mats)],
-        out_specs=pl.BlockSpec((None, block_t, sizes.block_n), lambda s, j: (s, 0, j)),
+        out_specs=pl.BlockSpec((None, block_t, sizes.width), lambda s, j: (s, 0, j)),
         out_shape=jax.ShapeDtypeStruct((sizes.k_splits, block_t, sum(outs)), jnp.float32),
         compiler_params=common.triton_params(sizes.num_warps, sizes.num_stages),
         interpret=interpret,

@@ -1,6 +1,6 @@
 """The multi-LoRA benchmark's plumbing on CPU: its dummy adapters load, its microbenchmark
-rows time the XLA form and the Pallas kernel of every group against the roofline. (The engine passes ran by hand: `python benchmarks/lora.py
---smoke`, ~30 s of CPU.)"""
+rows time the XLA form and the Pallas kernel of every group against the roofline. (The engine
+passes ran by hand: `python benchmarks/lora.py --smoke`, ~30 s of CPU.)"""
 
 from __future__ import annotations
 

@@ -38,14 +38,14 @@ def _group(seed: int, t: int, d_in: int, outs: list[int], num_slots: int, rank: 
 
 
 @pytest.mark.parametrize("t, d_in, outs, num_slots, sizes, slots", [
-    (5, 128, [64, 32, 96], 3, (32, 32, 2), [0, 1, 3, 3, 0]),  # q/k/v-like; empty slot 3 used
-    (1, 64, [48], 4, (16, 16, 1), [2]),  # batch 1, one module
-    (19, 96, [32, 64], 2, (32, 16, 3), None),  # odd T and K split 3 ways
-    (4, 64, [16, 16], 5, (16, 64, 1), [0, 0, 0, 0]),  # only base tokens: all zero
+    (5, 128, [64, 32, 96], 3, (32, 1, 32, 2), [0, 1, 3, 3, 0]),  # q/k/v-like; empty slot used
+    (1, 64, [48], 4, (16, 3, 16, 1), [2]),  # batch 1, one module, 3 column tiles a program
+    (19, 96, [32, 64], 2, (16, 2, 16, 3), None),  # odd T, 2 tiles a program, K split 3 ways
+    (4, 64, [16, 16], 5, (16, 1, 64, 1), [0, 0, 0, 0]),  # only base tokens: all zero
 ])
 def test_kernel_matches_reference(t, d_in, outs, num_slots, sizes, slots):
     x, adapters, token_slots = _group(t + d_in, t, d_in, outs, num_slots, 16, slots)
-    bs = LoRABlockSizes(block_n=sizes[0], block_k=sizes[1], k_splits=sizes[2])
+    bs = LoRABlockSizes(*sizes)
     assert supported(x, adapters, bs)
     got = lora_group_delta(x, adapters, token_slots, block_sizes=bs, interpret=INTERPRET)
     want = lora_group_delta_reference(x, adapters, token_slots)
@@ -65,15 +65,17 @@ def test_bfloat16_matches_xla_form():
 
 
 def test_block_sizes_for_llama3_8b():
-    """Every decode group of Llama-3-8B tiles without padding, with ~100-450 programs."""
-    for d_in, outs in ((4096, [4096, 1024, 1024]), (4096, [14336, 14336]), (4096, [4096]),
-                       (14336, [4096])):
+    """Every decode group of Llama-3-8B tiles without padding, in 32-64 programs."""
+    for d_in, outs, (width, splits) in (
+            (4096, [4096, 1024, 1024], (128, 1)), (4096, [14336, 14336], (512, 1)),
+            (4096, [4096], (128, 1)), (14336, [4096], (512, 4))):
         bs = pick_block_sizes(d_in, outs)
         x = jnp.zeros((16, d_in), jnp.bfloat16)
         adapters = [(jax.ShapeDtypeStruct((d_in, 8, 16), jnp.bfloat16),
                      jax.ShapeDtypeStruct((8, 16, o), jnp.bfloat16)) for o in outs]
         assert supported(x, adapters, bs)
-        assert 100 <= bs.k_splits * sum(outs) // bs.block_n <= 450
+        assert (bs.width, bs.k_splits) == (width, splits)
+        assert 32 <= bs.k_splits * sum(outs) // bs.width <= 64
 
 
 def test_unsupported_rank_takes_the_xla_form_and_dispatch_agrees():
