@@ -28,6 +28,7 @@ same process (pjinfer.benchmarks.ceilings).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import sys
@@ -73,6 +74,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--micro-tokens", default=None,
                    help="token counts of the shrink/expand microbenchmark (default "
                    "1,16,64,256; --smoke: 1,16); the kernel runs up to LORA_PALLAS_MAX_ROWS")
+    p.add_argument("--kernel-min-programs", default="",
+                   help="extra LoRA kernel tilings to time, e.g. 16,64,128 (min programs per "
+                   "group, pjinfer.kernels.lora_matmul.pick_block_sizes)")
     p.add_argument("--skip-engine", action="store_true", help="microbenchmark only")
     p.add_argument("--smoke", action="store_true",
                    help="tiny sizes on the embedded demo model (CPU plumbing check)")
@@ -124,17 +128,18 @@ GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_pr
           "o": ("o_proj",), "down": ("down_proj",)}
 
 
-def _apply_groups(x, adapters, slots, base, *, pallas: bool):
+def _apply_groups(x, adapters, slots, base, *, sizes: Any = None):
     """Every layer's LoRA term of one group added to its base outputs (float32, cast once),
-    as `AdaptedWeight.linears` does: XLA form or the Pallas kernel, whatever T is."""
+    as `AdaptedWeight.linears` does: the Pallas kernel tiled by `sizes` (a LoRABlockSizes),
+    else the XLA form, whatever T is."""
     import jax
 
     from pjinfer.kernels import lora_matmul, ops
 
     out = []
     for layer in adapters:  # distinct weights per layer: nothing for XLA to share
-        if pallas:
-            deltas = lora_matmul.lora_group_delta(x, layer, slots,
+        if sizes is not None:
+            deltas = lora_matmul.lora_group_delta(x, layer, slots, block_sizes=sizes,
                                                   interpret=jax.default_backend() != "gpu")
         else:
             deltas = ops.lora_group_deltas(x, layer, slots, backend="reference")
@@ -142,11 +147,26 @@ def _apply_groups(x, adapters, slots, base, *, pallas: bool):
     return out
 
 
+def _timed(inputs: tuple, sizes: Any, timing: dict, layers: int,
+           roofline_s: float) -> dict[str, Any]:
+    """Best and median seconds per layer-group of `_apply_groups` over `inputs`."""
+    import jax
+
+    fn = jax.jit(lambda *a: _apply_groups(*a, sizes=sizes))
+    secs = pipelined_seconds(fn, inputs, sync=jax.block_until_ready, **timing)
+    best = min(secs) / layers
+    out = {"best_s": best, "median_s": float(np.median(secs)) / layers,
+           "fraction_of_roofline": roofline_s / best}
+    return out if sizes is None else {**out, "block_sizes": dataclasses.asdict(sizes)}
+
+
 def microbenchmark(cfg: Any, slots: int, rank: int, token_counts: list[int], ceilings: Any,
-                   dtype: str) -> list[dict[str, Any]]:
+                   dtype: str, min_programs: tuple[int, ...] = ()) -> list[dict[str, Any]]:
     """Per group and token count: one jitted call over every layer's group (so Python
     dispatch, ~50 us a call, does not hide microseconds of device time), XLA form vs Pallas
-    kernel, per layer-group. Tokens use slots 1 + t mod L (none is the base model)."""
+    kernel, per layer-group. Tokens use slots 1 + t mod L (none is the base model).
+    `min_programs`: extra kernel tilings to time (`pick_block_sizes(..., min_programs)`),
+    under "pallas_by_min_programs"."""
     import jax
     import jax.numpy as jnp
 
@@ -179,16 +199,16 @@ def microbenchmark(cfg: Any, slots: int, rank: int, token_counts: list[int], cei
             row = {"group": group, "modules": list(modules), "in": d_in, "outs": outs,
                    "tokens": t, "slots": slots, "rank": rank, "layers": layers,
                    "bytes": nbytes, "flops": flops, "roofline_s": bound / layers}
-            for form, pallas in (("xla", False), ("pallas", True)):
-                if pallas and not (kernel_fits and t <= LORA_PALLAS_MAX_ROWS):
-                    row[form] = None  # the engine never runs the kernel here
-                    continue
-                fn = jax.jit(lambda *a, pallas=pallas: _apply_groups(*a, pallas=pallas))
-                secs = pipelined_seconds(fn, (x, adapters, token_slots, base),
-                                         sync=jax.block_until_ready, **timing)
-                best = min(secs) / layers
-                row[form] = {"best_s": best, "median_s": float(np.median(secs)) / layers,
-                             "fraction_of_roofline": bound / layers / best}
+            kernel_runs = kernel_fits and t <= LORA_PALLAS_MAX_ROWS  # else never in the engine
+
+            inputs, per_layer = (x, adapters, token_slots, base), bound / layers
+            row["xla"] = _timed(inputs, None, timing, layers, per_layer)
+            row["pallas"] = (_timed(inputs, pick_block_sizes(d_in, outs), timing, layers,
+                                    per_layer) if kernel_runs else None)
+            if kernel_runs and min_programs:
+                row["pallas_by_min_programs"] = {
+                    str(n): _timed(inputs, pick_block_sizes(d_in, outs, n), timing, layers,
+                                   per_layer) for n in min_programs}
             rows.append(row)
         del adapters
     return rows
@@ -280,8 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     ceilings = measure_ceilings(shape, tokens=args.max_num_batched_tokens)
     record.update(device=jax_device_info(), ceilings=ceilings_record(ceilings))
     tokens = [int(t) for t in args.micro_tokens.split(",")]
-    record["shrink_expand"] = microbenchmark(cfg, args.used_adapters, args.rank, tokens,
-                                             ceilings, args.dtype)
+    record["shrink_expand"] = microbenchmark(
+        cfg, args.used_adapters, args.rank, tokens, ceilings, args.dtype,
+        tuple(int(n) for n in args.kernel_min_programs.split(",") if n))
     record["shrink_expand_per_step_s"] = step_totals(record["shrink_expand"])
     if not args.skip_engine:
         with tempfile.TemporaryDirectory(prefix="pjinfer-lora-bench-") as tmp:
