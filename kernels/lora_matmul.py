@@ -13,14 +13,17 @@ projection costs ~4 tiny kernels (shrink, mask, expand, add), ~13 us on the H200
 a Llama-3-8B step.
 
 Pallas form (`lora_group_delta`): one pallas_call per group of modules sharing x (q/k/v;
-gate/up; o; down). Grid (K split, column tile of the concatenated outputs): a program owns
-one module's `block_n` columns and one `1 / k_splits` of the input dim; for each slot some
-token of the step uses (`present`, computed once per step), it shrinks x by that slot's R
-columns of A over its K range, zeroes the rows of other slots and expands by that slot's
-[R, block_n] tile of B. Only used slots' weights are read (one at batch 1), and the K split
-spreads the shrink of a wide input (down: 14,336) over programs instead of repeating it in
-each one. Each split writes a float32 partial sum; the caller adds them with the base
-output, so XLA fuses the sum into the consumers' elementwise ops.
+gate/up; o; down), for decode-sized T (all tokens in one row tile). Grid (K split, column
+range): a program owns `chunks` x `block_n` columns of one module and one `1 / k_splits` of
+the input dim. It shrinks x over its K range for each slot some token of the step uses
+(`present`: x is read once per K step, a slot's R columns of A only when used, so batch 1
+reads one adapter), zeroes the rows of other slots and expands its columns tile by tile by
+the used slots' [R, block_n] tiles of B. The shrink is repeated by every program of a group
+(from L2), so a group gets few programs (32-64) each expanding several tiles; the K split
+bounds the shrink of a wide input (down: 14,336). Each split writes a float32 partial sum
+(rounding the partials to the activation dtype would save a few hundred KB per group but
+change the XLA form's float32 sum); the caller adds them to the base output, an elementwise
+add XLA fuses into the consumers (RoPE, silu * up, the residual add).
 """
 
 from __future__ import annotations
