@@ -13,16 +13,22 @@ used, so every step mixes them all. Both passes run the W3 shape (random prompts
 engine first; it is dropped before the LoRA engine is built, so each has the memory to itself.
 Targets (issue 15): LoRA throughput >= 75% of the base's; W1 TPOT overhead <= 15%.
 
-Microbenchmark: `lora_delta` (one-hot shrink + expand, pjinfer/lora/ops.py) per projection
-shape of the model at several token counts, with max_loras slots of rank R. Its roofline:
-bytes = A and B of every slot (L x R x (in + out) values) + x read + the float32 result
-written; FLOPs = 2 x T x L x R x (in + out); time >= max(bytes / bandwidth, FLOPs / matmul
-rate), with the ceilings measured in the same process (pjinfer.benchmarks.ceilings).
+Microbenchmark: the LoRA term of each group of projections sharing an input (q/k/v, gate/up,
+o, down), added to its base outputs as the model does (`AdaptedWeight.linears`), in the XLA form
+(one-hot shrink + expand per module) and with the Pallas kernel (pjinfer/kernels/lora_matmul.py,
+one call per group), at several token counts with max_loras = used slots of rank R. One jitted
+call covers the group in every layer, so the per-call Python dispatch (~50 us) does not hide
+the device time; times are per layer-group, and `shrink_expand_per_step_s` sums a whole step.
+Roofline: bytes = A and B of the slots the tokens use (min(T, L) x R x (in x modules + outs))
++ x read + the float32 base read and result written; FLOPs = 2 x T x R x (in x modules +
+outs); time >= max(bytes / bandwidth, FLOPs / matmul rate), with the ceilings measured in the
+same process (pjinfer.benchmarks.ceilings).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import sys
@@ -67,7 +73,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="persistent compilation cache ('' = off): a rerun skips the compiles")
     p.add_argument("--micro-tokens", default=None,
                    help="token counts of the shrink/expand microbenchmark (default "
-                   "1,16,256,2048; --smoke: 1,16)")
+                   "1,16,64,256; --smoke: 1,16); the kernel runs up to LORA_PALLAS_MAX_ROWS")
+    p.add_argument("--kernel-min-programs", default="",
+                   help="extra LoRA kernel tilings to time, e.g. 16,64,128 (min programs per "
+                   "group, pjinfer.kernels.lora_matmul.pick_block_sizes)")
     p.add_argument("--skip-engine", action="store_true", help="microbenchmark only")
     p.add_argument("--smoke", action="store_true",
                    help="tiny sizes on the embedded demo model (CPU plumbing check)")
@@ -75,11 +84,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.model, args.load_format, args.dtype = None, "auto", "float32"
-        args.num_adapters, args.used_adapters, args.rank = 4, 2, 4
+        args.num_adapters, args.used_adapters, args.rank = 4, 2, 16  # 16: the kernel tiles
         args.num_prompts, args.input_len, args.output_len = 6, 16, 4
         args.w1_input_len, args.w1_output_len = 8, 4
         args.max_num_seqs, args.max_num_batched_tokens = 8, 64
-    args.micro_tokens = args.micro_tokens or ("1,16" if args.smoke else "1,16,256,2048")
+    args.micro_tokens = args.micro_tokens or ("1,16" if args.smoke else "1,16,64,256")
     return args
 
 
@@ -114,40 +123,106 @@ def write_adapters(cfg: Any, root: Path, count: int, rank: int, seed: int = 0) -
 
 
 # ---- shrink/expand microbenchmark ---------------------------------------------------------------
+# The projections that share an input, as the decoder groups them (layers.linears).
+GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj"),
+          "o": ("o_proj",), "down": ("down_proj",)}
+
+
+def _apply_groups(x, adapters, slots, base, *, sizes: Any = None):
+    """Every layer's LoRA term of one group added to its base outputs (float32, cast once),
+    as `AdaptedWeight.linears` does: the Pallas kernel tiled by `sizes` (a LoRABlockSizes),
+    else the XLA form, whatever T is."""
+    import jax
+
+    from pjinfer.kernels import lora_matmul, ops
+
+    out = []
+    for layer in adapters:  # distinct weights per layer: nothing for XLA to share
+        if sizes is not None:
+            deltas = lora_matmul.lora_group_delta(x, layer, slots, block_sizes=sizes,
+                                                  interpret=jax.default_backend() != "gpu")
+        else:
+            deltas = ops.lora_group_deltas(x, layer, slots, backend="reference")
+        out += [(b + d).astype(x.dtype) for b, d in zip(base, deltas, strict=True)]
+    return out
+
+
+def _timed(inputs: tuple, sizes: Any, timing: dict, layers: int,
+           roofline_s: float) -> dict[str, Any]:
+    """Best and median seconds per layer-group of `_apply_groups` over `inputs`."""
+    import jax
+
+    fn = jax.jit(lambda *a: _apply_groups(*a, sizes=sizes))
+    secs = pipelined_seconds(fn, inputs, sync=jax.block_until_ready, **timing)
+    best = min(secs) / layers
+    out = {"best_s": best, "median_s": float(np.median(secs)) / layers,
+           "fraction_of_roofline": roofline_s / best}
+    return out if sizes is None else {**out, "block_sizes": dataclasses.asdict(sizes)}
+
+
 def microbenchmark(cfg: Any, slots: int, rank: int, token_counts: list[int], ceilings: Any,
-                   dtype: str) -> list[dict[str, Any]]:
+                   dtype: str, min_programs: tuple[int, ...] = ()) -> list[dict[str, Any]]:
+    """Per group and token count: one jitted call over every layer's group (so Python
+    dispatch, ~50 us a call, does not hide microseconds of device time), XLA form vs Pallas
+    kernel, per layer-group. Tokens use slots 1 + t mod L (none is the base model).
+    `min_programs`: extra kernel tilings to time (`pick_block_sizes(..., min_programs)`),
+    under "pallas_by_min_programs"."""
     import jax
     import jax.numpy as jnp
 
+    from pjinfer.kernels.lora_matmul import pick_block_sizes, supported
+    from pjinfer.kernels.ops import LORA_PALLAS_MAX_ROWS
     from pjinfer.lora.adapter import module_shapes
-    from pjinfer.lora.ops import lora_delta
 
-    on_cpu = jax.default_backend() == "cpu"
-    timing = timing_plan(10, None, 2, on_cpu=on_cpu)
+    on_cpu = jax.default_backend() == "cpu"  # a plumbing check there: the kernel interprets
+    timing = timing_plan(2 if on_cpu else 10, None, 1 if on_cpu else 2, on_cpu=on_cpu)
     item = np.dtype(jnp.dtype(dtype)).itemsize
-    fn = jax.jit(lora_delta)
-    rows, seen = [], set()
-    key = jax.random.key(0)
-    for m, (d_in, d_out) in module_shapes(cfg).items():
-        if (d_in, d_out) in seen:
-            continue
-        seen.add((d_in, d_out))
-        a = (jax.random.normal(key, (d_in, slots, rank)) * 0.02).astype(dtype)
-        b = (jax.random.normal(key, (slots, rank, d_out)) * 0.02).astype(dtype)
+    shapes, layers = module_shapes(cfg), cfg.num_hidden_layers
+    rows = []
+    for group, modules in GROUPS.items():
+        d_in, outs = shapes[modules[0]][0], [shapes[m][1] for m in modules]
+        keys = iter(jax.random.split(jax.random.key(len(rows)), 2 * layers * len(modules)))
+        adapters = [[((jax.random.normal(next(keys), (d_in, slots, rank)) * d_in ** -0.5
+                       ).astype(dtype),
+                      (jax.random.normal(next(keys), (slots, rank, o)) * 0.01).astype(dtype))
+                     for o in outs] for _ in range(layers)]
+        kernel_fits = supported(jnp.zeros((1, d_in)), adapters[0], pick_block_sizes(d_in, outs))
         for t in token_counts:
-            x = jax.random.normal(key, (t, d_in)).astype(dtype)
-            token_slots = (jnp.arange(t) % (slots + 1)).astype(jnp.int32)
-            secs = pipelined_seconds(fn, (x, a, b, token_slots), sync=jax.block_until_ready,
-                                     **timing)
-            nbytes = slots * rank * (d_in + d_out) * item + t * d_in * item + t * d_out * 4
-            flops = 2 * t * slots * rank * (d_in + d_out)
-            best = min(secs)
+            x = jax.random.normal(jax.random.key(t), (t, d_in)).astype(dtype)
+            token_slots = (1 + jnp.arange(t) % slots).astype(jnp.int32)
+            base = [jnp.zeros((t, o), jnp.float32) for o in outs]
+            used = min(t, slots)
+            nbytes = layers * (used * rank * (d_in * len(outs) + sum(outs)) * item
+                               + t * d_in * item + t * sum(outs) * (4 + item))
+            flops = layers * 2 * t * rank * (d_in * len(outs) + sum(outs))
             bound = max(nbytes / ceilings.hbm_bytes_per_s, flops / ceilings.matmul_flops_per_s)
-            rows.append({"module": m, "in": d_in, "out": d_out, "tokens": t, "slots": slots,
-                         "rank": rank, "bytes": nbytes, "flops": flops, "best_s": best,
-                         "median_s": float(np.median(secs)), "roofline_s": bound,
-                         "fraction_of_roofline": bound / best})
+            row = {"group": group, "modules": list(modules), "in": d_in, "outs": outs,
+                   "tokens": t, "slots": slots, "rank": rank, "layers": layers,
+                   "bytes": nbytes, "flops": flops, "roofline_s": bound / layers}
+            kernel_runs = kernel_fits and t <= LORA_PALLAS_MAX_ROWS  # else never in the engine
+
+            inputs, per_layer = (x, adapters, token_slots, base), bound / layers
+            row["xla"] = _timed(inputs, None, timing, layers, per_layer)
+            row["pallas"] = (_timed(inputs, pick_block_sizes(d_in, outs), timing, layers,
+                                    per_layer) if kernel_runs else None)
+            if kernel_runs and min_programs:
+                row["pallas_by_min_programs"] = {
+                    str(n): _timed(inputs, pick_block_sizes(d_in, outs, n), timing, layers,
+                                   per_layer) for n in min_programs}
+            rows.append(row)
+        del adapters
     return rows
+
+
+def step_totals(rows: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Per token count and form: the LoRA term of a whole step (every group of every layer)."""
+    out: dict[str, dict[str, float | None]] = {}
+    for t in sorted({r["tokens"] for r in rows}):
+        mine = [r for r in rows if r["tokens"] == t]
+        out[str(t)] = {form: (None if any(r[form] is None for r in mine) else
+                              sum(r[form]["best_s"] * r["layers"] for r in mine))
+                       for form in ("xla", "pallas")}
+    return out
 
 
 # ---- engine passes ------------------------------------------------------------------------------
@@ -225,8 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     ceilings = measure_ceilings(shape, tokens=args.max_num_batched_tokens)
     record.update(device=jax_device_info(), ceilings=ceilings_record(ceilings))
     tokens = [int(t) for t in args.micro_tokens.split(",")]
-    record["shrink_expand"] = microbenchmark(cfg, args.used_adapters, args.rank, tokens,
-                                             ceilings, args.dtype)
+    record["shrink_expand"] = microbenchmark(
+        cfg, args.used_adapters, args.rank, tokens, ceilings, args.dtype,
+        tuple(int(n) for n in args.kernel_min_programs.split(",") if n))
+    record["shrink_expand_per_step_s"] = step_totals(record["shrink_expand"])
     if not args.skip_engine:
         with tempfile.TemporaryDirectory(prefix="pjinfer-lora-bench-") as tmp:
             folders = write_adapters(cfg, Path(tmp), args.num_adapters, args.rank)
@@ -245,9 +322,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print(record: dict[str, Any]) -> None:
-    rows = [(f"{r['module']} T={r['tokens']}",
-             f"{r['best_s'] * 1e6:.1f} us, {r['fraction_of_roofline']:.0%} of roofline")
+    def us(x: dict | None) -> str:
+        return "-" if x is None else f"{x['best_s'] * 1e6:.1f} us ({x['fraction_of_roofline']:.0%})"
+    rows = [(f"{r['group']} T={r['tokens']} xla / pallas", f"{us(r['xla'])} / {us(r['pallas'])}")
             for r in record["shrink_expand"]]
+    rows += [(f"step T={t} xla / pallas", " / ".join(
+        "-" if v is None else f"{v * 1e3:.3f} ms" for v in forms.values()))
+        for t, forms in record["shrink_expand_per_step_s"].items()]
     res = record.get("results")
     if res:
         base, lora = res["base"], res["lora"]

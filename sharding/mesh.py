@@ -67,3 +67,12 @@ def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, *,
 
 def tp_size(mesh: Mesh | None) -> int:
     return 1 if mesh is None else mesh.shape["tp"]
+
+
+def traced_tp_mesh() -> jax.sharding.AbstractMesh | None:
+    """The abstract mesh the step is traced under when it splits over "tp" (else None): model
+    and kernel code that must place work per shard reads it (pjinfer.engine.step sets it)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or "tp" not in mesh.axis_names or mesh.shape["tp"] == 1:
+        return None
+    return mesh

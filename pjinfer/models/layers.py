@@ -140,10 +140,24 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *,
     return y if b is None else y + b
 
 
+def linears(x: jax.Array, weights: list, biases: list) -> list[jax.Array]:
+    """x [T, in] through several weights sharing it (q/k/v; gate/up) -> [T, out_m] each.
+
+    Plain and quantized weights: `linear` per weight. Adapted weights of one kind (e.g.
+    `pjinfer.lora.ops.AdaptedWeight`) are handed the whole group through their type's
+    `linears`, so the group's adapter terms are one kernel at decode instead of one per
+    projection.
+    """
+    kind = type(weights[0])
+    if hasattr(kind, "linears") and all(type(w) is kind for w in weights):
+        return kind.linears(x, weights, biases)
+    return [linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+
+
 def gated_mlp(lp: dict, x: jax.Array) -> jax.Array:
     """SwiGLU: down(silu(gate(x)) * up(x))."""
-    gate = linear(x, lp["gate_proj"], lp.get("gate_bias"))
-    up = linear(x, lp["up_proj"], lp.get("up_bias"))
+    gate, up = linears(x, [lp["gate_proj"], lp["up_proj"]],
+                       [lp.get("gate_bias"), lp.get("up_bias")])
     return linear(jax.nn.silu(gate) * up, lp["down_proj"], lp.get("down_bias"))
 
 

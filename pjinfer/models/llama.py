@@ -12,7 +12,8 @@ place, where a `lax.scan` over stacked caches copied them every step (Llama-3-8B
 
 The MLP is an argument (`forward(..., mlp=...)` with its `param_specs(..., mlp_specs=...)`), so a
 MoE block or an adapter replaces it without touching the attention path; every matmul with a
-weight goes through `layers.linear`. The end of the module declares the architecture for the
+weight goes through `layers.linear` (or `layers.linears` for the projections sharing an
+input). The end of the module declares the architecture for the
 registry: config.json parsing, partition rules, rotary setup, one `ModelSpec` per variant.
 """
 
@@ -31,6 +32,7 @@ from pjinfer.models.layers import (
     apply_rope,
     gated_mlp,
     linear,
+    linears,
     rms_norm,
     rms_norm_named,
     rope,
@@ -49,9 +51,9 @@ NormFn = Callable[[Params, str, jax.Array, float], jax.Array]
 def _project_qkv(lp: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Array,
                  rope: Rope | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     t, hd = h.shape[0], cfg.head_dim
-    q = linear(h, lp["q_proj"], lp.get("q_bias")).reshape(t, -1, hd)  # [T, H, hd]
-    k = linear(h, lp["k_proj"], lp.get("k_bias")).reshape(t, -1, hd)  # [T, KVH, hd]
-    v = linear(h, lp["v_proj"], lp.get("v_bias")).reshape(t, -1, hd)
+    q, k, v = (y.reshape(t, -1, hd) for y in linears(  # [T, H, hd], [T, KVH, hd] x 2
+        h, [lp["q_proj"], lp["k_proj"], lp["v_proj"]],
+        [lp.get("q_bias"), lp.get("k_bias"), lp.get("v_bias")]))
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)

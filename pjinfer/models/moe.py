@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 from pjinfer.kernels import ops
 from pjinfer.models.layers import gated_mlp, linear
 from pjinfer.sharding.attention import shard_map
+from pjinfer.sharding.mesh import traced_tp_mesh
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,18 +99,10 @@ def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Ar
     return jnp.sum(jnp.where(w > 0, y * w, 0.0), axis=1)
 
 
-def _tp_mesh() -> Any:
-    """The abstract mesh the step is traced under when it splits over "tp" (else None)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or "tp" not in mesh.axis_names or mesh.shape["tp"] == 1:
-        return None
-    return mesh
-
-
 def _sharded_expert_ffn(x, weights, ids, gate_up, down, *, expert_parallel: bool,
                         backend: str) -> jax.Array:
     """`expert_ffn` on every tp shard, then the layer's one all-reduce."""
-    mesh = _tp_mesh()
+    mesh = traced_tp_mesh()
     if mesh is None:
         return expert_ffn(x, weights, ids, gate_up, down, backend=backend)
     if expert_parallel:

@@ -1,6 +1,6 @@
 """The multi-LoRA benchmark's plumbing on CPU: its dummy adapters load, its microbenchmark
-rows carry the roofline fields. (The engine passes ran by hand: `python benchmarks/lora.py
---smoke`, ~30 s of CPU.)"""
+rows time the XLA form and the Pallas kernel of every group against the roofline. (The engine
+passes ran by hand: `python benchmarks/lora.py --smoke`, ~30 s of CPU.)"""
 
 from __future__ import annotations
 
@@ -23,9 +23,15 @@ def test_dummy_adapters_load(tmp_path):
 
 def test_microbenchmark_record(tmp_path):
     out = tmp_path / "lora.json"
-    assert bench.main(["--smoke", "--skip-engine", "--micro-tokens", "1,3",
+    assert bench.main(["--smoke", "--skip-engine", "--micro-tokens", "3",
                        "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["shrink_expand"]
-    assert {r["tokens"] for r in rows} == {1, 3}
-    assert all(r["roofline_s"] > 0 and r["best_s"] > 0 and r["fraction_of_roofline"] > 0
-               for r in rows)
+    record = json.loads(out.read_text())
+    rows = record["shrink_expand"]
+    assert {r["tokens"] for r in rows} == {3}
+    assert {r["group"] for r in rows} == set(bench.GROUPS)
+    for r in rows:  # both forms timed (the kernel in interpret mode), against one roofline
+        assert r["roofline_s"] > 0
+        assert all(r[f]["best_s"] > 0 and r[f]["fraction_of_roofline"] > 0
+                   for f in ("xla", "pallas"))
+    assert all(v > 0 for forms in record["shrink_expand_per_step_s"].values()
+               for v in forms.values())

@@ -46,3 +46,30 @@ def test_linear_dispatches_to_adapted_weight():
     got = jax.jit(linear)(x, AdaptedWeight(w, a, b, slots), bias)
     want = x @ w + bias + lora_delta_reference(x, a, b, slots)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_linears_with_the_kernel_match_per_module_math():
+    """`layers.linears` hands a group of adapted weights to one LoRA kernel call (interpret
+    mode here); each output equals x W + b + its own per-token LoRA term, and `gated_mlp`
+    built on it equals the plain SwiGLU of those."""
+    from pjinfer.models.layers import gated_mlp, linears
+
+    k = iter(jax.random.split(jax.random.key(2), 12))
+    d, outs, slots = 32, (48, 48, 32), jnp.array([0, 2, 1, 2, 3, 0, 1])
+    x = jax.random.normal(next(k), (7, d))
+    ws, ads = [], []
+    for out in outs:
+        a = jax.random.normal(next(k), (d, 3, 16)) * 0.2
+        b = jax.random.normal(next(k), (3, 16, out)) * 0.2
+        w = jax.random.normal(next(k), (d, out))
+        ws.append(AdaptedWeight(w, a, b, slots, backend="pallas"))
+        ads.append((w, a, b))
+    bias = jax.random.normal(next(k), (48,))
+    got = jax.jit(linears)(x, ws, [bias, None, None])
+    for i, (y, (w, a, b)) in enumerate(zip(got, ads, strict=True)):
+        want = x @ w + (bias if i == 0 else 0) + lora_delta_reference(x, a, b, slots)
+        np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)
+    down = jax.random.normal(next(k), (48, d))
+    mlp = jax.jit(gated_mlp)({"gate_proj": ws[0], "up_proj": ws[1], "down_proj": down}, x)
+    gate, up = (x @ w + lora_delta_reference(x, a, b, slots) for w, a, b in ads[:2])
+    np.testing.assert_allclose(mlp, (jax.nn.silu(gate) * up) @ down, rtol=1e-4, atol=1e-4)
