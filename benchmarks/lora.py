@@ -199,7 +199,7 @@ def microbenchmark(cfg: Any, slots: int, rank: int, token_counts: list[int], cei
             row = {"group": group, "modules": list(modules), "in": d_in, "outs": outs,
                    "tokens": t, "slots": slots, "rank": rank, "layers": layers,
                    "bytes": nbytes, "flops": flops, "roofline_s": bound / layers}
-            kernel_runs = kernel_fits and t <= LORA_PALLAS_MAX_ROWS  # else never in the engine
+            kernel_runs = kernel_fits and t <= LORA_PALLAS_MAX_ROWS  # the kernel's own limit
 
             inputs, per_layer = (x, adapters, token_slots, base), bound / layers
             row["xla"] = _timed(inputs, None, timing, layers, per_layer)

@@ -180,18 +180,18 @@ def lora_group_deltas(x: jax.Array, adapters: list[lora_matmul.Adapter], slots: 
     """The LoRA term of each module of a group sharing the input x [T, in]: per module
     (A [in, L, R], B [L, R, out_m]) -> [T, out_m] float32 (see `kernels.lora_matmul`).
 
-    Up to `LORA_PALLAS_MAX_ROWS` rows (decode) one Pallas kernel per group; above, off GPU and
-    under a tensor-parallel mesh (the kernel would see sharded A or B; the XLA form is
-    partitioned by GSPMD) the XLA form, two dense matmuls per module."""
-    if _use_pallas(backend) and x.shape[0] <= LORA_PALLAS_MAX_ROWS and traced_tp_mesh() is None:
+    The XLA form (two dense matmuls per module) everywhere by default: on the H200 the
+    one-kernel-per-group Pallas form measured slower at decode (Llama-3-8B groups at 16 rows,
+    8 adapters: 131-150 us per group vs 8-28 us; a whole step 17.7 vs 2.4 ms), since each of
+    its programs repeats the group's shrink. `backend="pallas"` runs it (decode-sized steps,
+    up to `LORA_PALLAS_MAX_ROWS` rows, no tensor-parallel mesh) for tests and benchmarks."""
+    if (backend != "auto" and _use_pallas(backend) and x.shape[0] <= LORA_PALLAS_MAX_ROWS
+            and traced_tp_mesh() is None):
         return lora_matmul.lora_group_delta(x, adapters, slots,
                                             interpret=jax.default_backend() != "gpu")
     return [lora_matmul.lora_delta(x, a, b, slots) for a, b in adapters]
 
 
-# At decode the XLA form costs ~4 tiny kernels per projection (~13 us each on the H200:
-# Llama-3-8B W1 TPOT 4.52 -> 7.41 ms with 8 rank-16 adapters); in prefill (thousands of rows)
-# its dense matmuls measured fine (W3 at 0.89 of the base throughput), while the kernel keeps
-# every token of the group in one row tile, so it is meant for decode-sized steps only.
+# the kernel keeps every token of the group in one row tile: decode-sized steps only
 LORA_PALLAS_MAX_ROWS = 64
 
