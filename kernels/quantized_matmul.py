@@ -3,11 +3,25 @@ registers, never write the float weight to memory.
 
 XLA does not fuse a weight's dequantization into the GEMV that reads it (H200, 24 matrices of
 4096 x 14336 at batch 1: bf16 1.09 ms, int4 1.83 ms), so quantized weights were slower than
-bf16 at decode; here every weight byte is read once, as stored. Grid (token tile, column tile);
-each program walks the input dim in steps of `block_k` rows (inside one quantization group, so
-one row of scales and zeros per step). An int4 step reads `block_k / 2` packed rows: their low
-nibbles are the even input rows, the high ones the odd rows, so the tile's x is split into its
-even and odd columns once (host side, [T, K/2] each) and the step is two dots.
+bf16 at decode; here every weight byte is read once, as stored.
+
+Grid (token tile, column tile, K split). A decode GEMV has few column tiles of a useful width
+(a 256-wide tile holds 64 x 256 int4 bytes per load), so K is cut into `k_splits` ranges, each
+its own program writing a float32 partial sum ([splits, T, N], added by XLA: tiny at decode);
+together they keep every SM streaming. A program walks its range in steps of `unroll` loads of
+`block_k` rows each (a load never straddles a quantization group, so it takes one row of
+scales and zeros), which puts `unroll` wide loads in flight per step.
+
+Two reductions: `block_t` >= 16 multiplies each dequantized tile with `jnp.dot` (Triton's
+smallest dot has 16 rows); `block_t` < 16 (decode, a token or two) multiplies elementwise
+into a [rows, block_n] float32 accumulator per token, summed over rows once at the end, so a
+single token neither pads to 16 rows nor reduces across threads every step.
+
+Dequantization: int4 / int8 values become float32 by the exponent trick (OR the value into
+the mantissa of 2^23 and subtract 2^23: two cheap ALU ops instead of an int-to-float
+conversion, which the H100 / H200 issue at 1/8 the FMA rate), then w = v * s - z * s.
+An int4 load reads `block_k / 2` packed rows: their low nibbles are the even input rows, the
+high ones the odd rows, so x is split into its even and odd columns once (host side).
 
 Layout: pjinfer.quantization.weight (packed [K/2 or K, N], scales / zeros [G, N]).
 Act-order weights are stored with their rows sorted by group (`perm`): x's columns are
@@ -16,7 +30,6 @@ permuted the same way first. Shapes the tiles do not divide take the reference.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -24,85 +37,82 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pjinfer.kernels import common
+from pjinfer.kernels.quantized_matmul_tiling import (
+    QuantMatmulBlockSizes,
+    pick_block_sizes,
+    supported,
+)
 from pjinfer.quantization.weight import QuantizedWeight, dequantize_stored, permute_input
 
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class QuantMatmulBlockSizes(common.BlockSizes):
-    """Static tiling: `block_t` tokens (>= 16: the smallest `tl.dot` M) x `block_n` columns,
-    `block_k` input rows per step."""
-
-    block_t: int = 16
-    block_n: int = 128
-    block_k: int = 128
-    num_warps: int = 4
-    num_stages: int = 3
+_MAGIC = 0x4B000000  # float32 bits of 2^23: OR-ing an integer < 2^23 in gives 2^23 + v
+_TWO_23 = 8388608.0
 
 
-def _dequant(v, s, z):
-    """Values [bk, bn] -> float32 weight tile, with this step's scale (and zero) row [1, bn]."""
-    return (v.astype(jnp.float32) - z) * s
+def _int_to_f32(u, offset: float = 0.0):
+    """Non-negative int32 u < 2^23 -> float32 u - offset (offset a small integer: exact),
+    without an int-to-float conversion."""
+    return jax.lax.bitcast_convert_type(u | _MAGIC, jnp.float32) - (_TWO_23 + offset)
 
 
-def _kernel(*refs, kind: str, zero_point: float, group_rows: int, block_k: int, block_n: int,
-            block_t: int, num_k: int, has_zeros: bool):
-    """One (token tile, column tile): acc [bt, bn] += x_step @ dequant(w_step)."""
+def _values(p, kind: str):
+    """One load of stored values -> float32 value tiles: (low, high nibbles) for int4."""
     if kind == "int4":
-        xe_ref, xo_ref, p_ref, s_ref, *rest = refs
-    else:
-        x_ref, p_ref, s_ref, *rest = refs
+        p = p.astype(jnp.int32)  # [bk/2, bn] bytes 0..255
+        return _int_to_f32(p & 0xF), _int_to_f32(p >> 4)
+    if kind == "int8":  # v + 128 in 0..255, then take the 128 back off
+        return (_int_to_f32((p.astype(jnp.int32) & 0xFF) ^ 0x80, 128.0),)
+    return (p.astype(jnp.float32),)
+
+
+def _kernel(*refs, kind: str, zero_point: float, group_rows: int, sizes: QuantMatmulBlockSizes,
+            steps: int, has_zeros: bool):
+    """One (token tile, column tile, K range): o = sum over the range of x @ dequant(w)."""
+    xs = refs[:2] if kind == "int4" else refs[:1]
+    p_ref, s_ref, *rest = refs[len(xs):]
     z_ref = rest[0] if has_zeros else None
     o_ref = rest[-1]
-    col = pl.program_id(1) * block_n
-    cols = pl.ds(col, block_n)
-    tok = pl.ds(pl.program_id(0) * block_t, block_t)
-    dtype = o_ref.dtype
+    bt, bn, bk = sizes.block_t, sizes.block_n, sizes.block_k
+    load_rows = bk // 2 if kind == "int4" else bk  # stored rows per load
+    cols = pl.ds(pl.program_id(1) * bn, bn)
+    tok0 = pl.program_id(0) * bt
+    first = pl.program_id(2) * steps * sizes.unroll  # this range's first load
+
+    def weights(load):
+        """Load `load` (global index): dequantized tiles [load_rows, bn] and x's offset."""
+        r = load * bk  # first input row
+        g = r // group_rows
+        s = s_ref[pl.ds(g, 1), cols].astype(jnp.float32)  # [1, bn]
+        if has_zeros:
+            zs = z_ref[pl.ds(g, 1), cols].astype(jnp.float32) * s
+        else:
+            zs = zero_point * s if zero_point else None
+        p = p_ref[pl.ds(load * load_rows, load_rows), cols]  # [load_rows, bn]
+        ws = [v * s if zs is None else v * s - zs for v in _values(p, kind)]
+        return ws, load * load_rows
 
     def body(k, acc):
-        g = (k * block_k) // group_rows  # this step's group
-        s = s_ref[pl.ds(g, 1), cols].astype(jnp.float32)  # [1, bn]
-        z = z_ref[pl.ds(g, 1), cols].astype(jnp.float32) if has_zeros else zero_point
-        if kind == "int4":
-            half = block_k // 2
-            p = p_ref[pl.ds(k * half, half), cols].astype(jnp.int32)  # [bk/2, bn]
-            w_even = _dequant(p & 0xF, s, z).astype(dtype)
-            w_odd = _dequant(p >> 4, s, z).astype(dtype)
-            xe = xe_ref[tok, pl.ds(k * half, half)]
-            xo = xo_ref[tok, pl.ds(k * half, half)]
-            return acc + jnp.dot(xe, w_even, preferred_element_type=jnp.float32) + \
-                jnp.dot(xo, w_odd, preferred_element_type=jnp.float32)
-        w = _dequant(p_ref[pl.ds(k * block_k, block_k), cols], s, z).astype(dtype)
-        x = x_ref[tok, pl.ds(k * block_k, block_k)]
-        return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
+        acc = list(acc)
+        for u in range(sizes.unroll):
+            ws, off = weights(first + k * sizes.unroll + u)
+            for x_ref, w in zip(xs, ws, strict=True):
+                if sizes.elementwise:
+                    for t in range(bt):  # [load_rows, bn] += x[t, rows, None] * w
+                        x = x_ref[tok0 + t, pl.ds(off, load_rows)].astype(jnp.float32)
+                        acc[t] = acc[t] + x[:, None] * w
+                else:
+                    x = x_ref[pl.ds(tok0, bt), pl.ds(off, load_rows)]  # [bt, load_rows]
+                    acc[0] = acc[0] + jnp.dot(x, w.astype(x.dtype),
+                                              preferred_element_type=jnp.float32)
+        return tuple(acc)
 
-    acc = jnp.zeros(o_ref.shape, jnp.float32)
-    o_ref[...] = jax.lax.fori_loop(0, num_k, body, acc).astype(o_ref.dtype)
-
-
-def supported(x: jax.Array, w: QuantizedWeight, sizes: QuantMatmulBlockSizes) -> bool:
-    """Whether the kernel tiles this weight (else the reference runs)."""
-    rows, cols = w.shape
-    group_rows = rows // w.scales.shape[0]
-    return (x.shape[-1] == rows and cols % sizes.block_n == 0
-            and group_rows % sizes.block_k == 0 and sizes.block_k % 2 == 0)
-
-
-MIN_PROGRAMS = 264  # two per SM of an H100 / H200 (132 SMs)
-
-
-def pick_block_sizes(num_tokens: int, w: QuantizedWeight) -> QuantMatmulBlockSizes:
-    """16 token rows at decode (GEMV), 64 at prefill; the widest column tile (<= 128) that
-    still gives `MIN_PROGRAMS` programs, so a small-batch GEMV keeps every SM streaming;
-    `block_k` the largest of 128, 64, 32, 16 inside one group."""
-    rows, cols = w.shape
-    group_rows = rows // w.scales.shape[0]
-    block_k = next((b for b in (128, 64, 32, 16) if group_rows % b == 0), 16)
-    block_t = 16 if num_tokens <= 16 else 64
-    token_tiles = -(-num_tokens // block_t)
-    fits = [b for b in (128, 64, 32, 16) if cols % b == 0]
-    block_n = next((b for b in fits if token_tiles * cols // b >= MIN_PROGRAMS),
-                   fits[-1] if fits else 128)
-    return QuantMatmulBlockSizes(block_t=block_t, block_n=block_n, block_k=block_k)
+    if sizes.elementwise:
+        acc = tuple(jnp.zeros((load_rows, bn), jnp.float32) for _ in range(bt))
+        acc = jax.lax.fori_loop(0, steps, body, acc)
+        for t in range(bt):
+            o_ref[t, :] = acc[t].sum(axis=0).astype(o_ref.dtype)
+    else:
+        acc = jax.lax.fori_loop(0, steps, body, (jnp.zeros((bt, bn), jnp.float32),))
+        o_ref[...] = acc[0].astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_sizes", "interpret"))
@@ -116,28 +126,27 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None,
         return quantized_matmul_reference(x, w, out_dtype=out_dtype)
     x = permute_input(x, w)
     t, (rows, cols) = x.shape[0], w.shape
-    bt = sizes.block_t
+    bt, splits = sizes.block_t, sizes.k_splits
     tp = -(-t // bt) * bt
     xp = jnp.pad(x, ((0, tp - t), (0, 0)))  # [Tp, K]
-    if w.kind == "int4":
-        xs = (xp[:, 0::2], xp[:, 1::2])  # even / odd input rows: low / high nibbles
-    else:
-        xs = (xp,)
+    xs = (xp[:, 0::2], xp[:, 1::2]) if w.kind == "int4" else (xp,)  # int4: low / high nibbles
     parts = [w.packed, w.scales] + ([w.zeros] if w.zeros is not None else [])
     kernel = functools.partial(
         _kernel, kind=w.kind, zero_point=w.zero_point, group_rows=rows // w.scales.shape[0],
-        block_k=sizes.block_k, block_n=sizes.block_n, block_t=bt, num_k=rows // sizes.block_k,
+        sizes=sizes, steps=rows // (sizes.block_k * sizes.unroll * splits),
         has_zeros=w.zeros is not None)
     out = pl.pallas_call(  # every input whole: the kernel slices its own tiles (pow2 loads)
         kernel,
-        grid=(tp // bt, cols // sizes.block_n),
+        grid=(tp // bt, cols // sizes.block_n, splits),
         in_specs=[common.whole_spec(a.shape) for a in (*xs, *parts)],
-        out_specs=pl.BlockSpec((bt, sizes.block_n), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((tp, cols), x.dtype),
+        out_specs=pl.BlockSpec((None, bt, sizes.block_n), lambda i, j, s: (s, i, j)),
+        out_shape=jax.ShapeDtypeStruct((splits, tp, cols),
+                                       x.dtype if splits == 1 else jnp.float32),
         compiler_params=common.triton_params(sizes.num_warps, sizes.num_stages),
         interpret=interpret,
         name=f"weight_only_{w.kind}_matmul",
     )(*xs, *parts)
+    out = out[0] if splits == 1 else jnp.sum(out, axis=0)  # [Tp, N]
     return out[:t].astype(out_dtype)
 
 

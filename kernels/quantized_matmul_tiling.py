@@ -1,0 +1,152 @@
+"""Tilings of the weight-only quantized matmul (`quantized_matmul`): what a tiling is, which
+weights it can tile, the default picked per call, and the candidates a sweep times.
+
+The defaults are reasoned, not yet swept on the H200 (132 SMs, ~4.8 TB/s): a decode GEMV
+must keep enough weight bytes in flight on every SM (Little's law: ~4.8 TB/s x ~1 us ~ 36 KB
+per SM), so each program reads wide loads (64 stored rows x 256 columns = 16 KB) two per loop
+step, and K is split until there are >= 2 programs per SM. Sweep with
+`python -m pjinfer.benchmarks.quant_matmul --sweep` and adjust the constants below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from pjinfer.kernels import common
+from pjinfer.quantization.weight import QuantizedWeight
+
+DOT_MIN_ROWS = 16  # Triton's smallest dot: M, N and K all >= 16
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class QuantMatmulBlockSizes(common.BlockSizes):
+    """Static tiling: `block_t` tokens (< 16: elementwise reduction, else `jnp.dot`) x
+    `block_n` columns per program; `block_k` input rows per load (inside one quantization
+    group), `unroll` loads per loop step, K cut into `k_splits` ranges (programs)."""
+
+    block_t: int = 16
+    block_n: int = 128
+    block_k: int = 128
+    unroll: int = 1
+    k_splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @property
+    def elementwise(self) -> bool:
+        return self.block_t < DOT_MIN_ROWS
+
+    def describe(self) -> str:
+        """One short line for benchmark records: t16 n128 k128x2 s8 w8 st3 (dot)."""
+        return (f"t{self.block_t} n{self.block_n} k{self.block_k}x{self.unroll} "
+                f"s{self.k_splits} w{self.num_warps} st{self.num_stages} "
+                f"({'sum' if self.elementwise else 'dot'})")
+
+def _pow2(n: int) -> bool:
+    return n & (n - 1) == 0
+
+def supported(x: jax.Array, w: QuantizedWeight, sizes: QuantMatmulBlockSizes) -> bool:
+    """Whether the kernel tiles this weight with `sizes` (else the reference runs): power-of-
+    two tiles, loads inside one group, whole steps per K range, dot tiles >= 16."""
+    rows, cols = w.shape
+    group_rows = rows // w.scales.shape[0]
+    bk = sizes.block_k
+    load_rows = bk // 2 if w.kind == "int4" else bk
+    return (x.shape[-1] == rows and cols % sizes.block_n == 0 and group_rows % bk == 0
+            and rows % (bk * sizes.unroll * sizes.k_splits) == 0 and load_rows >= 1
+            and (w.kind != "int4" or bk % 2 == 0)
+            and all(_pow2(b) for b in (sizes.block_t, sizes.block_n, load_rows))
+            and (sizes.elementwise or min(sizes.block_n, load_rows) >= DOT_MIN_ROWS))
+
+
+MIN_PROGRAMS = 264  # two per SM of an H100 / H200 (132 SMs)
+ELEMENTWISE_MAX_TOKENS = 2  # up to here no dot (no padding to 16 rows); above, `jnp.dot`
+LOAD_ROWS = 64  # stored rows per load (int4: 128 input rows, one GPTQ g128 group)
+DECODE_BLOCK_N, PREFILL_BLOCK_N = 256, 128
+STEP_BYTES = 32 * 1024  # packed bytes per loop step (unroll x one load), per pipeline stage
+# float32 accumulator elements of an elementwise program: 64 registers a thread at 8 warps
+ACC_ELEMENTS = 64 * 32 * 8
+NUM_WARPS, NUM_STAGES = 8, 3
+
+
+def _pow2_dividing(n: int, cap: int, floor: int) -> int | None:
+    """The largest power of two in [floor, cap] dividing n, else None."""
+    b = cap
+    while b > floor and n % b:
+        b //= 2
+    return b if b >= floor and n % b == 0 else None
+
+
+def _min_tile(kind: str, elementwise: bool) -> int:
+    """Smallest `block_k`: a dot needs 16 stored rows (int4: 32 input rows)."""
+    per_row = 2 if kind == "int4" else 1
+    return per_row * (1 if elementwise else DOT_MIN_ROWS)
+
+
+def _splits(total_steps: int, programs: int) -> int:
+    """Fewest K ranges (a divisor of the steps) giving `MIN_PROGRAMS`, each >= 2 steps
+    where the weight has them (a lone step leaves nothing to pipeline)."""
+    divisors = [d for d in range(1, total_steps + 1) if total_steps % d == 0]
+    usable = [d for d in divisors if total_steps // d >= 2] or [1]
+    return next((d for d in usable if programs * d >= MIN_PROGRAMS), usable[-1])
+
+
+def pick_block_sizes(num_tokens: int, w: QuantizedWeight) -> QuantMatmulBlockSizes:
+    """The default tiling for `num_tokens` rows of x times `w`: elementwise for a token or
+    two, else a dot over 16 (decode) or 64 (prefill) token rows; loads of `LOAD_ROWS` stored
+    rows (fewer when a group is smaller) x up to 256 columns, `STEP_BYTES` per step, K split
+    to fill the GPU. A weight nothing tiles gets a tiling `supported` rejects (reference)."""
+    rows, cols = w.shape
+    group_rows = rows // w.scales.shape[0]
+    per_row = 2 if w.kind == "int4" else 1
+    elementwise = num_tokens <= ELEMENTWISE_MAX_TOKENS
+    bt = common.next_pow2(num_tokens) if elementwise else (16 if num_tokens <= 16 else 64)
+    bk = _pow2_dividing(group_rows, per_row * LOAD_ROWS, _min_tile(w.kind, elementwise))
+    if bk is None:
+        return QuantMatmulBlockSizes(block_t=bt, block_k=group_rows + 1)  # unsupported
+    load_rows = bk // per_row
+    cap = DECODE_BLOCK_N if num_tokens <= 16 else PREFILL_BLOCK_N
+    if elementwise:
+        cap = min(cap, max(16, ACC_ELEMENTS // (bt * load_rows)))
+    bn = _pow2_dividing(cols, cap, 16) or cap
+    unroll = _pow2_dividing(rows // bk, max(1, STEP_BYTES // (load_rows * bn)), 1)
+    token_tiles = -(-num_tokens // bt)
+    splits = _splits(rows // (bk * unroll), token_tiles * (cols // bn))
+    return QuantMatmulBlockSizes(block_t=bt, block_n=bn, block_k=bk, unroll=unroll,
+                                 k_splits=splits, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+
+
+def legacy_block_sizes(num_tokens: int, w: QuantizedWeight) -> QuantMatmulBlockSizes:
+    """The first tiling (before split-K), kept as a sweep baseline: 16 token rows, no K
+    split, one load of <= 128 rows per step, columns narrowed to 16-128 for 264 programs."""
+    rows, cols = w.shape
+    group_rows = rows // w.scales.shape[0]
+    block_k = next((b for b in (128, 64, 32, 16) if group_rows % b == 0), 16)
+    block_t = 16 if num_tokens <= 16 else 64
+    token_tiles = -(-num_tokens // block_t)
+    fits = [b for b in (128, 64, 32, 16) if cols % b == 0]
+    block_n = next((b for b in fits if token_tiles * cols // b >= MIN_PROGRAMS),
+                   fits[-1] if fits else 128)
+    return QuantMatmulBlockSizes(block_t=block_t, block_n=block_n, block_k=block_k)
+
+
+def sweep_candidates(num_tokens: int, w: QuantizedWeight, x: jax.Array
+                     ) -> list[QuantMatmulBlockSizes]:
+    """A handful of tilings around the default for a sweep (the default first, then single
+    changes: warps, stages, column width, unroll, splits, the other reduction, the legacy
+    tiling), each one `supported`, without repeats."""
+    base = pick_block_sizes(num_tokens, w)
+    swap = dataclasses.replace
+    variants = [base, swap(base, num_warps=4), swap(base, num_stages=2),
+                swap(base, num_stages=4), swap(base, block_n=base.block_n // 2),
+                swap(base, unroll=base.unroll * 2), swap(base, k_splits=base.k_splits * 2),
+                swap(base, k_splits=max(1, base.k_splits // 2))]
+    if base.elementwise:
+        variants.append(swap(base, block_t=16))
+    variants.append(legacy_block_sizes(num_tokens, w))
+    out: list[QuantMatmulBlockSizes] = []
+    for v in variants:
+        if v not in out and supported(x, w, v):
+            out.append(v)
+    return out
