@@ -11,14 +11,21 @@ and reports bytes moved as stored (packed values + scales + zeros + x + out), GB
 of the bf16 GEMV's bandwidth (the roofline's ceiling), and TFLOP/s. On a CPU it runs tiny
 shapes in interpret mode (the plumbing only).
 
+`--sweep` instead times the Pallas kernel under each of a handful of tilings per kind and
+token count (`quantized_matmul_tiling.sweep_candidates`: the default first, single changes
+around it, the pre-split-K tiling last) and records, per kind and T, every tiling's ms and
+TB/s of packed bytes, the best one and the default's place against it.
+
   python -m pjinfer.benchmarks.quant_matmul --out quant_matmul.json   # H200 (run_h200.sh quant)
   python -m pjinfer.benchmarks.quant_matmul --out /tmp/q.json --matrices 2 --k 256 --n 256 \
       --tokens 1
+  python -m pjinfer.benchmarks.quant_matmul --sweep --tokens 1 16 --out quant_sweep.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -40,6 +47,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=128, help="int4 group (GPTQ g128)")
     p.add_argument("--samples", type=int, default=None)
     p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--sweep", action="store_true",
+                   help="time candidate tilings of the Pallas kernel (GPU) instead")
     return p.parse_args(argv)
 
 
@@ -67,19 +76,22 @@ def run(argv: list[str] | None = None) -> dict:
                     "matrices": a.matrices, "k": a.k, "n": a.n, "group_size": a.group_size,
                     "interpret": on_cpu, "pipelined": timing, "runs": []}
 
-    def measure(name: str, kind: str, fn, operands, weight_bytes: int, t: int) -> dict:
+    def measure(name: str, kind: str, fn, operands, weight_bytes: int, t: int,
+                runs: list | None = None) -> dict:
         moved = weight_bytes + a.matrices * 2 * t * (a.k + a.n)  # + x read, out written (bf16)
         rate = timed_rate(jax.jit(fn), operands, moved, timing, sync)
         best = rate["seconds_per_call"]["best"]
         row = {"path": name, "kind": kind, "tokens": t, "bytes_per_call": moved,
                "weight_bytes": weight_bytes, **rate,
                "tflops": 2 * a.matrices * t * a.k * a.n / best / 1e12}
-        record["runs"].append(row)
+        (record["runs"] if runs is None else runs).append(row)
         print(f"{name:7s} {kind:5s} T={t:5d}: {best * 1e3:8.3f} ms  "
               f"{rate['best_per_s'] / 1e9:8.1f} GB/s", flush=True)
         return row
 
-    for t in a.tokens:
+    if a.sweep:
+        record["sweep"] = _sweep(a, stack, measure, on_cpu)
+    for t in [] if a.sweep else a.tokens:
         x = _filled((t, a.k), 1000 + t)
         bf16 = measure("bf16", "bf16", lambda x, ws: [x @ w for w in ws], (x, stack),
                        a.matrices * a.k * a.n * 2, t)
@@ -99,9 +111,55 @@ def run(argv: list[str] | None = None) -> dict:
                 r["speedup_vs_bf16"] = (bf16["seconds_per_call"]["best"]
                                         / r["seconds_per_call"]["best"])
             del ws
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(record, indent=1))
+    _write(a.out, record)
     return record
+
+
+def _sweep(a: argparse.Namespace, stack: list, measure, on_cpu: bool) -> dict:
+    """Per kind, per T: the Pallas kernel under each candidate tiling, ms and TB/s of packed
+    bytes (+ x and out), best first in `best`; the bf16 GEMV beside them as the yardstick."""
+    from pjinfer.benchmarks.ceilings import _filled
+    from pjinfer.kernels import quantized_matmul as qmm
+    from pjinfer.kernels.quantized_matmul_tiling import sweep_candidates
+
+    out: dict = {}
+    for t in a.tokens:
+        x = _filled((t, a.k), 1000 + t)
+        bf16 = measure("bf16", "bf16", lambda x, ws: [x @ w for w in ws], (x, stack),
+                       a.matrices * a.k * a.n * 2, t, runs=[])
+        for kind in a.kinds:
+            ws = _weights(kind, stack, a.group_size)
+            nbytes = sum(w.nbytes for w in ws)
+            rows: list = []
+            for sizes in sweep_candidates(t, ws[0], x):
+                row = measure(sizes.describe(), kind, lambda x, ws, sizes=sizes: [
+                    qmm.quantized_matmul(x, w, block_sizes=sizes, interpret=on_cpu)
+                    for w in ws], (x, ws), nbytes, t, runs=rows)
+                row.update(tiling=sizes.describe(), block_sizes=dataclasses.asdict(sizes),
+                           ms=row["seconds_per_call"]["best"] * 1e3,
+                           tb_per_s=row["best_per_s"] / 1e12,
+                           fraction_of_bf16_gemv_bandwidth=row["best_per_s"]
+                           / bf16["best_per_s"])
+            default = rows[0]
+            rows.sort(key=lambda r: r["ms"])
+            out.setdefault(kind, {})[str(t)] = {
+                "bf16_ms": bf16["seconds_per_call"]["best"] * 1e3,
+                "bf16_tb_per_s": bf16["best_per_s"] / 1e12,
+                "best": rows[0]["tiling"], "default": default["tiling"],
+                "default_vs_best": default["ms"] / rows[0]["ms"],
+                "tilings": [{k: r[k] for k in ("tiling", "ms", "tb_per_s",
+                                               "fraction_of_bf16_gemv_bandwidth",
+                                               "block_sizes")} for r in rows]}
+            print(f"== {kind} T={t}: best {rows[0]['tiling']} {rows[0]['ms']:.3f} ms; default "
+                  f"{default['ms']:.3f} ms; bf16 {out[kind][str(t)]['bf16_ms']:.3f} ms",
+                  flush=True)
+            del ws
+    return out
+
+
+def _write(path: str, record: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":
