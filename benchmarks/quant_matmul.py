@@ -123,13 +123,13 @@ def _sweep(a: argparse.Namespace, stack: list, measure, on_cpu: bool) -> dict:
     from pjinfer.kernels.quantized_matmul_tiling import sweep_candidates
 
     out: dict = {}
-    for t in a.tokens:
-        x = _filled((t, a.k), 1000 + t)
-        bf16 = measure("bf16", "bf16", lambda x, ws: [x @ w for w in ws], (x, stack),
-                       a.matrices * a.k * a.n * 2, t, runs=[])
-        for kind in a.kinds:
-            ws = _weights(kind, stack, a.group_size)
-            nbytes = sum(w.nbytes for w in ws)
+    xs = {t: _filled((t, a.k), 1000 + t) for t in a.tokens}
+    bf16 = {t: measure("bf16", "bf16", lambda x, ws: [x @ w for w in ws], (xs[t], stack),
+                       a.matrices * a.k * a.n * 2, t, runs=[]) for t in a.tokens}
+    for kind in a.kinds:
+        ws = _weights(kind, stack, a.group_size)
+        nbytes = sum(w.nbytes for w in ws)
+        for t, x in xs.items():
             rows: list = []
             for sizes in sweep_candidates(t, ws[0], x):
                 row = measure(sizes.describe(), kind, lambda x, ws, sizes=sizes: [
@@ -139,21 +139,21 @@ def _sweep(a: argparse.Namespace, stack: list, measure, on_cpu: bool) -> dict:
                            ms=row["seconds_per_call"]["best"] * 1e3,
                            tb_per_s=row["best_per_s"] / 1e12,
                            fraction_of_bf16_gemv_bandwidth=row["best_per_s"]
-                           / bf16["best_per_s"])
+                           / bf16[t]["best_per_s"])
             default = rows[0]
             rows.sort(key=lambda r: r["ms"])
             out.setdefault(kind, {})[str(t)] = {
-                "bf16_ms": bf16["seconds_per_call"]["best"] * 1e3,
-                "bf16_tb_per_s": bf16["best_per_s"] / 1e12,
+                "bf16_ms": bf16[t]["seconds_per_call"]["best"] * 1e3,
+                "bf16_tb_per_s": bf16[t]["best_per_s"] / 1e12,
                 "best": rows[0]["tiling"], "default": default["tiling"],
                 "default_vs_best": default["ms"] / rows[0]["ms"],
                 "tilings": [{k: r[k] for k in ("tiling", "ms", "tb_per_s",
                                                "fraction_of_bf16_gemv_bandwidth",
                                                "block_sizes")} for r in rows]}
-            print(f"== {kind} T={t}: best {rows[0]['tiling']} {rows[0]['ms']:.3f} ms; default "
-                  f"{default['ms']:.3f} ms; bf16 {out[kind][str(t)]['bf16_ms']:.3f} ms",
-                  flush=True)
-            del ws
+            print(f"== {kind} T={t}: best {rows[0]['tiling']} {rows[0]['ms']:.3f} ms "
+                  f"{rows[0]['tb_per_s']:.2f} TB/s; default {default['ms']:.3f} ms; bf16 "
+                  f"{out[kind][str(t)]['bf16_ms']:.3f} ms", flush=True)
+        del ws
     return out
 
 

@@ -77,41 +77,57 @@ def _kernel(*refs, kind: str, zero_point: float, group_rows: int, sizes: QuantMa
     tok0 = pl.program_id(0) * bt
     first = pl.program_id(2) * steps * sizes.unroll  # this range's first load
 
-    def weights(load):
-        """Load `load` (global index): dequantized tiles [load_rows, bn] and x's offset."""
-        r = load * bk  # first input row
-        g = r // group_rows
-        s = s_ref[pl.ds(g, 1), cols].astype(jnp.float32)  # [1, bn]
-        if has_zeros:
-            zs = z_ref[pl.ds(g, 1), cols].astype(jnp.float32) * s
-        else:
-            zs = zero_point * s if zero_point else None
-        p = p_ref[pl.ds(load * load_rows, load_rows), cols]  # [load_rows, bn]
-        ws = [v * s if zs is None else v * s - zs for v in _values(p, kind)]
-        return ws, load * load_rows
-
-    def body(k, acc):
-        acc = list(acc)
+    def load(step):
+        """The raw tiles of one loop step: per load (packed [load_rows, bn], scale row [bn],
+        zero row [bn] or None, x [bt, load_rows] per x part (elementwise: [load_rows] each))."""
+        tiles = []
         for u in range(sizes.unroll):
-            ws, off = weights(first + k * sizes.unroll + u)
-            for x_ref, w in zip(xs, ws, strict=True):
-                if sizes.elementwise:
-                    for t in range(bt):  # [load_rows, bn] += x[t, rows, None] * w
-                        x = x_ref[tok0 + t, pl.ds(off, load_rows)].astype(jnp.float32)
-                        acc[t] = acc[t] + x[:, None] * w
+            i = first + step * sizes.unroll + u  # global load index
+            g = i * bk // group_rows
+            rows = pl.ds(i * load_rows, load_rows)
+            z = z_ref[g, cols] if has_zeros else None
+            if sizes.elementwise:
+                x = tuple(tuple(r[tok0 + t, rows] for t in range(bt)) for r in xs)
+            else:
+                x = tuple(r[pl.ds(tok0, bt), rows] for r in xs)
+            tiles.append((p_ref[rows, cols], s_ref[g, cols], z, x))
+        return tuple(tiles)
+
+    def dequant(p, s, z):
+        """Packed tile -> float32 weight tiles [load_rows, bn] (int4: even, odd rows)."""
+        s = s.astype(jnp.float32)[None, :]  # [1, bn]
+        zs = z.astype(jnp.float32)[None, :] * s if z is not None else (
+            zero_point * s if zero_point else None)
+        return [v * s if zs is None else v * s - zs for v in _values(p, kind)]
+
+    def consume(acc, tiles):
+        acc = list(acc)
+        for p, s, z, x in tiles:
+            for xp, w in zip(x, dequant(p, s, z), strict=True):
+                if sizes.elementwise:  # [load_rows, bn] += x[t, rows, None] * w
+                    for t in range(bt):
+                        acc[t] = acc[t] + xp[t].astype(jnp.float32)[:, None] * w
                 else:
-                    x = x_ref[pl.ds(tok0, bt), pl.ds(off, load_rows)]  # [bt, load_rows]
-                    acc[0] = acc[0] + jnp.dot(x, w.astype(x.dtype),
+                    acc[0] = acc[0] + jnp.dot(xp, w.astype(xp.dtype),
                                               preferred_element_type=jnp.float32)
         return tuple(acc)
 
     if sizes.elementwise:
         acc = tuple(jnp.zeros((load_rows, bn), jnp.float32) for _ in range(bt))
-        acc = jax.lax.fori_loop(0, steps, body, acc)
+        if sizes.num_stages == 1:  # load, then use: latency hidden by occupancy alone
+            acc = jax.lax.fori_loop(0, steps, lambda k, acc: consume(acc, load(k)), acc)
+        else:  # no dot, so Triton pipelines nothing: the next step's tiles are loaded
+            # (into registers) before this step's are multiplied
+            def body(k, carry):
+                acc, tiles = carry
+                return consume(acc, tiles), load(jnp.minimum(k + 1, steps - 1))
+
+            acc, _ = jax.lax.fori_loop(0, steps, body, (acc, load(0)))
         for t in range(bt):
             o_ref[t, :] = acc[t].sum(axis=0).astype(o_ref.dtype)
-    else:
-        acc = jax.lax.fori_loop(0, steps, body, (jnp.zeros((bt, bn), jnp.float32),))
+    else:  # Triton's pipeliner stages the loads that feed the dots (`num_stages`)
+        acc = jax.lax.fori_loop(0, steps, lambda k, acc: consume(acc, load(k)),
+                                (jnp.zeros((bt, bn), jnp.float32),))
         o_ref[...] = acc[0].astype(o_ref.dtype)
 
 

@@ -3,8 +3,12 @@ weights it can tile, the default picked per call, and the candidates a sweep tim
 
 The defaults are reasoned, not yet swept on the H200 (132 SMs, ~4.8 TB/s): a decode GEMV
 must keep enough weight bytes in flight on every SM (Little's law: ~4.8 TB/s x ~1 us ~ 36 KB
-per SM), so each program reads wide loads (64 stored rows x 256 columns = 16 KB) two per loop
-step, and K is split until there are >= 2 programs per SM. Sweep with
+per SM), so each program reads wide loads (64 stored rows x 128 columns = 8 KB) two per loop
+step, and K is split until there are >= 2 programs per SM. Register and shared-memory use
+were read off Triton 3.9's sm_90a build of the kernels (ptxas -v, no GPU here): an
+elementwise program keeps its whole dequantized tile live, so 64 x 128 at 8 warps (~100
+registers: 2 programs per SM) rather than 64 x 256 (255 registers, spilling); a dot program
+at 16 x 128, 8 warps, 3 stages takes ~110 registers and 51 KB (2 per SM). Sweep with
 `python -m pjinfer.benchmarks.quant_matmul --sweep` and adjust the constants below.
 """
 
@@ -23,7 +27,9 @@ DOT_MIN_ROWS = 16  # Triton's smallest dot: M, N and K all >= 16
 class QuantMatmulBlockSizes(common.BlockSizes):
     """Static tiling: `block_t` tokens (< 16: elementwise reduction, else `jnp.dot`) x
     `block_n` columns per program; `block_k` input rows per load (inside one quantization
-    group), `unroll` loads per loop step, K cut into `k_splits` ranges (programs)."""
+    group), `unroll` loads per loop step, K cut into `k_splits` ranges (programs).
+    `num_stages`: Triton's pipeline depth for a dot; elementwise, 1 loads each step's tiles
+    when it starts and >= 2 prefetches the next step's into registers."""
 
     block_t: int = 16
     block_n: int = 128
@@ -63,11 +69,15 @@ def supported(x: jax.Array, w: QuantizedWeight, sizes: QuantMatmulBlockSizes) ->
 MIN_PROGRAMS = 264  # two per SM of an H100 / H200 (132 SMs)
 ELEMENTWISE_MAX_TOKENS = 2  # up to here no dot (no padding to 16 rows); above, `jnp.dot`
 LOAD_ROWS = 64  # stored rows per load (int4: 128 input rows, one GPTQ g128 group)
-DECODE_BLOCK_N, PREFILL_BLOCK_N = 256, 128
-STEP_BYTES = 32 * 1024  # packed bytes per loop step (unroll x one load), per pipeline stage
-# float32 accumulator elements of an elementwise program: 64 registers a thread at 8 warps
-ACC_ELEMENTS = 64 * 32 * 8
-NUM_WARPS, NUM_STAGES = 8, 3
+BLOCK_N = 128
+STEP_BYTES = 16 * 1024  # packed bytes per loop step (unroll x one load)
+# float32 accumulator elements of an elementwise program: 32 a thread at 8 warps (the tile's
+# dequantized values are live beside them)
+ACC_ELEMENTS = 32 * 32 * 8
+# (num_warps, num_stages): elementwise (no prefetch), dot
+SUM_WARPS_STAGES, DOT_WARPS_STAGES = (8, 1), (8, 3)
+# shared memory a dot program may stage (x and packed tiles x stages), of the H200's 227 KB
+DOT_SMEM_BYTES = 96 * 1024
 
 
 def _pow2_dividing(n: int, cap: int, floor: int) -> int | None:
@@ -95,8 +105,9 @@ def _splits(total_steps: int, programs: int) -> int:
 def pick_block_sizes(num_tokens: int, w: QuantizedWeight) -> QuantMatmulBlockSizes:
     """The default tiling for `num_tokens` rows of x times `w`: elementwise for a token or
     two, else a dot over 16 (decode) or 64 (prefill) token rows; loads of `LOAD_ROWS` stored
-    rows (fewer when a group is smaller) x up to 256 columns, `STEP_BYTES` per step, K split
-    to fill the GPU. A weight nothing tiles gets a tiling `supported` rejects (reference)."""
+    rows (fewer when a group is smaller) x up to `BLOCK_N` columns, `STEP_BYTES` per step, K
+    split to fill the GPU. A weight nothing tiles gets a tiling `supported` rejects (the
+    reference runs)."""
     rows, cols = w.shape
     group_rows = rows // w.scales.shape[0]
     per_row = 2 if w.kind == "int4" else 1
@@ -106,15 +117,18 @@ def pick_block_sizes(num_tokens: int, w: QuantizedWeight) -> QuantMatmulBlockSiz
     if bk is None:
         return QuantMatmulBlockSizes(block_t=bt, block_k=group_rows + 1)  # unsupported
     load_rows = bk // per_row
-    cap = DECODE_BLOCK_N if num_tokens <= 16 else PREFILL_BLOCK_N
-    if elementwise:
-        cap = min(cap, max(16, ACC_ELEMENTS // (bt * load_rows)))
+    cap = min(BLOCK_N, max(16, ACC_ELEMENTS // (bt * load_rows))) if elementwise else BLOCK_N
     bn = _pow2_dividing(cols, cap, 16) or cap
-    unroll = _pow2_dividing(rows // bk, max(1, STEP_BYTES // (load_rows * bn)), 1)
+    step = STEP_BYTES // (load_rows * bn)
+    if not elementwise:  # x tiles (bf16, int4: two) and packed tiles per stage
+        per_load = load_rows * bn + bt * load_rows * 2 * per_row
+        step = min(step, DOT_SMEM_BYTES // (DOT_WARPS_STAGES[1] * per_load))
+    unroll = _pow2_dividing(rows // bk, max(1, step), 1)
     token_tiles = -(-num_tokens // bt)
     splits = _splits(rows // (bk * unroll), token_tiles * (cols // bn))
+    warps, stages = SUM_WARPS_STAGES if elementwise else DOT_WARPS_STAGES
     return QuantMatmulBlockSizes(block_t=bt, block_n=bn, block_k=bk, unroll=unroll,
-                                 k_splits=splits, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                                 k_splits=splits, num_warps=warps, num_stages=stages)
 
 
 def legacy_block_sizes(num_tokens: int, w: QuantizedWeight) -> QuantMatmulBlockSizes:
@@ -138,12 +152,18 @@ def sweep_candidates(num_tokens: int, w: QuantizedWeight, x: jax.Array
     tiling), each one `supported`, without repeats."""
     base = pick_block_sizes(num_tokens, w)
     swap = dataclasses.replace
-    variants = [base, swap(base, num_warps=4), swap(base, num_stages=2),
-                swap(base, num_stages=4), swap(base, block_n=base.block_n // 2),
-                swap(base, unroll=base.unroll * 2), swap(base, k_splits=base.k_splits * 2),
+    more_warps = 4 if base.num_warps == 8 else 8
+    variants = [base, swap(base, num_warps=more_warps), swap(base, block_n=base.block_n * 2),
+                swap(base, block_n=base.block_n // 2), swap(base, unroll=base.unroll * 2),
+                swap(base, k_splits=base.k_splits * 2),
                 swap(base, k_splits=max(1, base.k_splits // 2))]
-    if base.elementwise:
-        variants.append(swap(base, block_t=16))
+    if base.elementwise:  # prefetching by hand; the dot over 16 padded rows
+        variants += [swap(base, num_stages=2), swap(base, block_n=base.block_n // 2,
+                                                    num_stages=2),
+                     swap(base, block_t=16, num_warps=DOT_WARPS_STAGES[0],
+                          num_stages=DOT_WARPS_STAGES[1])]
+    else:
+        variants += [swap(base, num_stages=2), swap(base, num_stages=4)]
     variants.append(legacy_block_sizes(num_tokens, w))
     out: list[QuantMatmulBlockSizes] = []
     for v in variants:
