@@ -17,9 +17,10 @@ smallest dot has 16 rows); `block_t` < 16 (decode, a token or two) multiplies el
 into a [rows, block_n] float32 accumulator per token, summed over rows once at the end, so a
 single token neither pads to 16 rows nor reduces across threads every step.
 
-Dequantization: int4 / int8 values become float32 by the exponent trick (OR the value into
-the mantissa of 2^23 and subtract 2^23: two cheap ALU ops instead of an int-to-float
-conversion, which the H100 / H200 issue at 1/8 the FMA rate), then w = v * s - z * s.
+Dequantization: an int4 / int8 value u becomes the float32 f = 1 + u / 2^bits by shifting it
+into the top of 1.0's mantissa (a shift and one logic op instead of an int-to-float
+conversion, which the H100 / H200 issue at 1/8 the FMA rate); the offset and the zero fold
+into one FMA per element, w = f (2^bits s) - (2^bits + zero) s, exact to ~2^-19 s.
 An int4 load reads `block_k / 2` packed rows: their low nibbles are the even input rows, the
 high ones the odd rows, so x is split into its even and odd columns once (host side).
 
@@ -44,24 +45,26 @@ from pjinfer.kernels.quantized_matmul_tiling import (
 )
 from pjinfer.quantization.weight import QuantizedWeight, dequantize_stored, permute_input
 
-_MAGIC = 0x4B000000  # float32 bits of 2^23: OR-ing an integer < 2^23 in gives 2^23 + v
-_TWO_23 = 8388608.0
+_ONE = 0x3F800000  # float32 bits of 1.0
+_MANTISSA = 23  # bits: an integer u < 2^b shifted to the top b of them reads 1 + u / 2^b
 
 
-def _int_to_f32(u, offset: float = 0.0):
-    """Non-negative int32 u < 2^23 -> float32 u - offset (offset a small integer: exact),
-    without an int-to-float conversion."""
-    return jax.lax.bitcast_convert_type(u | _MAGIC, jnp.float32) - (_TWO_23 + offset)
+def _one_plus(u, bits: int):
+    """int32 tile whose low `bits` bits hold u (higher bits ignored) -> float32 1 + u / 2^bits,
+    exactly: a shift, one logic op, no int-to-float conversion."""
+    top = (u << (_MANTISSA - bits)) & (((1 << bits) - 1) << (_MANTISSA - bits))
+    return jax.lax.bitcast_convert_type(top | _ONE, jnp.float32)
 
 
 def _values(p, kind: str):
-    """One load of stored values -> float32 value tiles: (low, high nibbles) for int4."""
+    """One load of stored values -> (float32 tiles f, scale, offset) with stored value
+    v = scale * f - offset: f in [1, 2) for the integer kinds (int4: low, high nibbles)."""
     if kind == "int4":
         p = p.astype(jnp.int32)  # [bk/2, bn] bytes 0..255
-        return _int_to_f32(p & 0xF), _int_to_f32(p >> 4)
-    if kind == "int8":  # v + 128 in 0..255, then take the 128 back off
-        return (_int_to_f32((p.astype(jnp.int32) & 0xFF) ^ 0x80, 128.0),)
-    return (p.astype(jnp.float32),)
+        return (_one_plus(p, 4), _one_plus(p >> 4, 4)), 16.0, 16.0
+    if kind == "int8":  # u = v + 128 in 0..255 (two's complement with the top bit flipped)
+        return (_one_plus(p.astype(jnp.int32) ^ 0x80, 8),), 256.0, 256.0 + 128.0
+    return (p.astype(jnp.float32),), 1.0, 0.0
 
 
 def _kernel(*refs, kind: str, zero_point: float, group_rows: int, sizes: QuantMatmulBlockSizes,
@@ -94,11 +97,13 @@ def _kernel(*refs, kind: str, zero_point: float, group_rows: int, sizes: QuantMa
         return tuple(tiles)
 
     def dequant(p, s, z):
-        """Packed tile -> float32 weight tiles [load_rows, bn] (int4: even, odd rows)."""
+        """Packed tile -> float32 weight tiles [load_rows, bn] (int4: even, odd rows):
+        (v - z) s = f (scale s) - (offset + z) s, one FMA an element."""
+        fs, scale, offset = _values(p, kind)
         s = s.astype(jnp.float32)[None, :]  # [1, bn]
-        zs = z.astype(jnp.float32)[None, :] * s if z is not None else (
-            zero_point * s if zero_point else None)
-        return [v * s if zs is None else v * s - zs for v in _values(p, kind)]
+        zero = z.astype(jnp.float32)[None, :] if z is not None else zero_point
+        shift = (offset + zero) * s if z is not None or offset + zero_point else None
+        return [f * (scale * s) if shift is None else f * (scale * s) - shift for f in fs]
 
     def consume(acc, tiles):
         acc = list(acc)

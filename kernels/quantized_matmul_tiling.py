@@ -148,22 +148,20 @@ def legacy_block_sizes(num_tokens: int, w: QuantizedWeight) -> QuantMatmulBlockS
 def sweep_candidates(num_tokens: int, w: QuantizedWeight, x: jax.Array
                      ) -> list[QuantMatmulBlockSizes]:
     """A handful of tilings around the default for a sweep (the default first, then single
-    changes: warps, stages, column width, unroll, splits, the other reduction, the legacy
-    tiling), each one `supported`, without repeats."""
+    changes: warps, column width, unroll, splits, stages / prefetch, the dot for one token,
+    the legacy tiling last), each one `supported`, without repeats: <= 9 per call."""
     base = pick_block_sizes(num_tokens, w)
     swap = dataclasses.replace
     more_warps = 4 if base.num_warps == 8 else 8
     variants = [base, swap(base, num_warps=more_warps), swap(base, block_n=base.block_n * 2),
                 swap(base, block_n=base.block_n // 2), swap(base, unroll=base.unroll * 2),
-                swap(base, k_splits=base.k_splits * 2),
-                swap(base, k_splits=max(1, base.k_splits // 2))]
+                swap(base, k_splits=base.k_splits * 2)]
     if base.elementwise:  # prefetching by hand; the dot over 16 padded rows
-        variants += [swap(base, num_stages=2), swap(base, block_n=base.block_n // 2,
-                                                    num_stages=2),
+        variants += [swap(base, num_stages=2),
                      swap(base, block_t=16, num_warps=DOT_WARPS_STAGES[0],
                           num_stages=DOT_WARPS_STAGES[1])]
     else:
-        variants += [swap(base, num_stages=2), swap(base, num_stages=4)]
+        variants.append(swap(base, num_stages=base.num_stages + 1))
     variants.append(legacy_block_sizes(num_tokens, w))
     out: list[QuantMatmulBlockSizes] = []
     for v in variants:
