@@ -6,11 +6,12 @@ XLA does not fuse a weight's dequantization into the GEMV that reads it (H200, 2
 bf16 at decode; here every weight byte is read once, as stored.
 
 Grid (token tile, column tile, K split). A decode GEMV has few column tiles of a useful width
-(a 256-wide tile holds 64 x 256 int4 bytes per load), so K is cut into `k_splits` ranges, each
-its own program writing a float32 partial sum ([splits, T, N], added by XLA: tiny at decode);
-together they keep every SM streaming. A program walks its range in steps of `unroll` loads of
-`block_k` rows each (a load never straddles a quantization group, so it takes one row of
-scales and zeros), which puts `unroll` wide loads in flight per step.
+(4096 x 14336 int4: 112 of 128 columns, each load 64 packed rows = 8 KB), fewer than two per
+SM, so K is cut into `k_splits` ranges, each its own program writing a float32 partial sum
+([splits, T, N], added by XLA: tiny at decode); together they keep every SM streaming.
+A program walks its range in steps of `unroll` loads of `block_k` rows each (a load never
+straddles a quantization group, so it takes one row of scales and zeros), which puts
+`unroll` wide loads in flight per step.
 
 Two reductions: `block_t` >= 16 multiplies each dequantized tile with `jnp.dot` (Triton's
 smallest dot has 16 rows); `block_t` < 16 (decode, a token or two) multiplies elementwise
@@ -20,7 +21,8 @@ single token neither pads to 16 rows nor reduces across threads every step.
 Dequantization: an int4 / int8 value u becomes the float32 f = 1 + u / 2^bits by shifting it
 into the top of 1.0's mantissa (a shift and one logic op instead of an int-to-float
 conversion, which the H100 / H200 issue at 1/8 the FMA rate); the offset and the zero fold
-into one FMA per element, w = f (2^bits s) - (2^bits + zero) s, exact to ~2^-19 s.
+into one FMA per element, w = f (2^bits s) - (2^bits + zero) s, within ~2^-19 s (int4) or
+2^-15 s (int8) of the reference's (v - zero) s.
 An int4 load reads `block_k / 2` packed rows: their low nibbles are the even input rows, the
 high ones the odd rows, so x is split into its even and odd columns once (host side).
 
