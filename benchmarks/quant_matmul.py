@@ -11,16 +11,24 @@ and reports bytes moved as stored (packed values + scales + zeros + x + out), GB
 of the bf16 GEMV's bandwidth (the roofline's ceiling), and TFLOP/s. On a CPU it runs tiny
 shapes in interpret mode (the plumbing only).
 
+`--sweep` instead times the Pallas kernel under each of a handful of tilings per kind and
+token count (`quantized_matmul_tiling.sweep_candidates`: the default first, single changes
+around it, the pre-split-K tiling last) and records, per kind and T, every tiling's ms and
+TB/s of packed bytes, the best one and the default's place against it.
+
   python -m pjinfer.benchmarks.quant_matmul --out quant_matmul.json   # H200 (run_h200.sh quant)
   python -m pjinfer.benchmarks.quant_matmul --out /tmp/q.json --matrices 2 --k 256 --n 256 \
       --tokens 1
+  python -m pjinfer.benchmarks.quant_matmul --sweep --tokens 1 16 --out quant_sweep.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
@@ -40,6 +48,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=128, help="int4 group (GPTQ g128)")
     p.add_argument("--samples", type=int, default=None)
     p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--sweep", action="store_true",
+                   help="time candidate tilings of the Pallas kernel (GPU) instead")
     return p.parse_args(argv)
 
 
@@ -67,19 +77,22 @@ def run(argv: list[str] | None = None) -> dict:
                     "matrices": a.matrices, "k": a.k, "n": a.n, "group_size": a.group_size,
                     "interpret": on_cpu, "pipelined": timing, "runs": []}
 
-    def measure(name: str, kind: str, fn, operands, weight_bytes: int, t: int) -> dict:
+    def measure(name: str, kind: str, fn, operands, weight_bytes: int, t: int,
+                runs: list | None = None) -> dict:
         moved = weight_bytes + a.matrices * 2 * t * (a.k + a.n)  # + x read, out written (bf16)
         rate = timed_rate(jax.jit(fn), operands, moved, timing, sync)
         best = rate["seconds_per_call"]["best"]
         row = {"path": name, "kind": kind, "tokens": t, "bytes_per_call": moved,
                "weight_bytes": weight_bytes, **rate,
                "tflops": 2 * a.matrices * t * a.k * a.n / best / 1e12}
-        record["runs"].append(row)
+        (record["runs"] if runs is None else runs).append(row)
         print(f"{name:7s} {kind:5s} T={t:5d}: {best * 1e3:8.3f} ms  "
               f"{rate['best_per_s'] / 1e9:8.1f} GB/s", flush=True)
         return row
 
-    for t in a.tokens:
+    if a.sweep:
+        record["sweep"] = _sweep(a, stack, measure, on_cpu)
+    for t in [] if a.sweep else a.tokens:
         x = _filled((t, a.k), 1000 + t)
         bf16 = measure("bf16", "bf16", lambda x, ws: [x @ w for w in ws], (x, stack),
                        a.matrices * a.k * a.n * 2, t)
@@ -99,9 +112,77 @@ def run(argv: list[str] | None = None) -> dict:
                 r["speedup_vs_bf16"] = (bf16["seconds_per_call"]["best"]
                                         / r["seconds_per_call"]["best"])
             del ws
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(record, indent=1))
+    _write(a.out, record)
     return record
+
+
+def _sweep(a: argparse.Namespace, stack: list, measure, on_cpu: bool) -> dict:
+    """Per kind, per T: the Pallas kernel under each candidate tiling, ms and TB/s of packed
+    bytes (+ x and out), fastest first, the best and the default's ratio to it; the bf16
+    GEMV beside them as the yardstick. A tiling that fails (e.g. too much shared memory) is
+    listed under `failed`, and the sweep goes on."""
+    from pjinfer.benchmarks.ceilings import _filled
+    from pjinfer.kernels.quantized_matmul_tiling import sweep_candidates
+
+    out: dict = {}
+    xs = {t: _filled((t, a.k), 1000 + t) for t in a.tokens}
+    bf16 = {t: measure("bf16", "bf16", lambda x, ws: [x @ w for w in ws], (xs[t], stack),
+                       a.matrices * a.k * a.n * 2, t, runs=[]) for t in a.tokens}
+    for kind in a.kinds:
+        ws = _weights(kind, stack, a.group_size)
+        for t, x in xs.items():
+            candidates = sweep_candidates(t, ws[0], x)
+            rows, failed = [], []
+            for sizes in candidates:
+                try:
+                    rows.append(_time_tiling(sizes, kind, x, ws, t, measure, on_cpu))
+                except Exception as e:  # noqa: BLE001 - any compile failure is a result
+                    failed.append({"tiling": sizes.describe(), "error": repr(e)[:500]})
+                    print(f"{sizes.describe()}: failed: {e!r:.200}", flush=True)
+            out.setdefault(kind, {})[str(t)] = _summary(rows, failed, candidates[0], bf16[t])
+            print(f"== {kind} T={t}: {json.dumps(_headline(out[kind][str(t)]))}", flush=True)
+        del ws
+    return out
+
+
+def _time_tiling(sizes, kind: str, x, ws: list, t: int, measure, on_cpu: bool) -> dict:
+    """One candidate: compiled and timed; the row with its tiling, ms and TB/s."""
+    from pjinfer.kernels import quantized_matmul as qmm
+
+    start = time.perf_counter()
+    row = measure(sizes.describe(), kind, lambda x, ws: [
+        qmm.quantized_matmul(x, w, block_sizes=sizes, interpret=on_cpu) for w in ws],
+        (x, ws), sum(w.nbytes for w in ws), t, runs=[])
+    return {"tiling": sizes.describe(), "ms": row["seconds_per_call"]["best"] * 1e3,
+            "tb_per_s": row["best_per_s"] / 1e12, "best_per_s": row["best_per_s"],
+            "block_sizes": dataclasses.asdict(sizes),
+            "compile_and_time_s": time.perf_counter() - start}
+
+
+def _summary(rows: list, failed: list, default, bf16: dict) -> dict:
+    """Fastest first, each with its fraction of the bf16 GEMV's bandwidth."""
+    for r in rows:
+        r["fraction_of_bf16_gemv_bandwidth"] = r.pop("best_per_s") / bf16["best_per_s"]
+    rows = sorted(rows, key=lambda r: r["ms"])
+    mine = next((r for r in rows if r["tiling"] == default.describe()), None)
+    return {"bf16_ms": bf16["seconds_per_call"]["best"] * 1e3,
+            "bf16_tb_per_s": bf16["best_per_s"] / 1e12,
+            "best": rows[0]["tiling"] if rows else None, "default": default.describe(),
+            "default_vs_best": mine["ms"] / rows[0]["ms"] if mine else None,
+            "tilings": rows, "failed": failed}
+
+
+def _headline(summary: dict) -> dict:
+    best = summary["tilings"][0] if summary["tilings"] else {}
+    return {"best": summary["best"], "best_ms": best.get("ms"),
+            "best_tb_per_s": best.get("tb_per_s"), "default": summary["default"],
+            "default_vs_best": summary["default_vs_best"], "bf16_ms": summary["bf16_ms"],
+            "failed": len(summary["failed"])}
+
+
+def _write(path: str, record: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

@@ -3,11 +3,28 @@ registers, never write the float weight to memory.
 
 XLA does not fuse a weight's dequantization into the GEMV that reads it (H200, 24 matrices of
 4096 x 14336 at batch 1: bf16 1.09 ms, int4 1.83 ms), so quantized weights were slower than
-bf16 at decode; here every weight byte is read once, as stored. Grid (token tile, column tile);
-each program walks the input dim in steps of `block_k` rows (inside one quantization group, so
-one row of scales and zeros per step). An int4 step reads `block_k / 2` packed rows: their low
-nibbles are the even input rows, the high ones the odd rows, so the tile's x is split into its
-even and odd columns once (host side, [T, K/2] each) and the step is two dots.
+bf16 at decode; here every weight byte is read once, as stored.
+
+Grid (token tile, column tile, K split). A decode GEMV has few column tiles of a useful width
+(4096 x 14336 int4: 112 of 128 columns, each load 64 packed rows = 8 KB), fewer than two per
+SM, so K is cut into `k_splits` ranges, each its own program writing a float32 partial sum
+([splits, T, N], added by XLA: tiny at decode); together they keep every SM streaming.
+A program walks its range in steps of `unroll` loads of `block_k` rows each (a load never
+straddles a quantization group, so it takes one row of scales and zeros), which puts
+`unroll` wide loads in flight per step.
+
+Two reductions: `block_t` >= 16 multiplies each dequantized tile with `jnp.dot` (Triton's
+smallest dot has 16 rows); `block_t` < 16 (decode, a token or two) multiplies elementwise
+into a [rows, block_n] float32 accumulator per token, summed over rows once at the end, so a
+single token neither pads to 16 rows nor reduces across threads every step.
+
+Dequantization: an int4 / int8 value u becomes the float32 f = 1 + u / 2^bits by shifting it
+into the top of 1.0's mantissa (a shift and one logic op instead of an int-to-float
+conversion, which the H100 / H200 issue at 1/8 the FMA rate); the offset and the zero fold
+into one FMA per element, w = f (2^bits s) - (2^bits + zero) s, within ~2^-19 s (int4) or
+2^-15 s (int8) of the reference's (v - zero) s.
+An int4 load reads `block_k / 2` packed rows: their low nibbles are the even input rows, the
+high ones the odd rows, so x is split into its even and odd columns once (host side).
 
 Layout: pjinfer.quantization.weight (packed [K/2 or K, N], scales / zeros [G, N]).
 Act-order weights are stored with their rows sorted by group (`perm`): x's columns are
@@ -16,7 +33,6 @@ permuted the same way first. Shapes the tiles do not divide take the reference.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -24,85 +40,102 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pjinfer.kernels import common
+from pjinfer.kernels.quantized_matmul_tiling import (
+    QuantMatmulBlockSizes,
+    pick_block_sizes,
+    supported,
+)
 from pjinfer.quantization.weight import QuantizedWeight, dequantize_stored, permute_input
 
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class QuantMatmulBlockSizes(common.BlockSizes):
-    """Static tiling: `block_t` tokens (>= 16: the smallest `tl.dot` M) x `block_n` columns,
-    `block_k` input rows per step."""
-
-    block_t: int = 16
-    block_n: int = 128
-    block_k: int = 128
-    num_warps: int = 4
-    num_stages: int = 3
+_ONE = 0x3F800000  # float32 bits of 1.0
+_MANTISSA = 23  # bits: an integer u < 2^b shifted to the top b of them reads 1 + u / 2^b
 
 
-def _dequant(v, s, z):
-    """Values [bk, bn] -> float32 weight tile, with this step's scale (and zero) row [1, bn]."""
-    return (v.astype(jnp.float32) - z) * s
+def _one_plus(u, bits: int):
+    """int32 tile whose low `bits` bits hold u (higher bits ignored) -> float32 1 + u / 2^bits,
+    exactly: a shift, one logic op, no int-to-float conversion."""
+    top = (u << (_MANTISSA - bits)) & (((1 << bits) - 1) << (_MANTISSA - bits))
+    return jax.lax.bitcast_convert_type(top | _ONE, jnp.float32)
 
 
-def _kernel(*refs, kind: str, zero_point: float, group_rows: int, block_k: int, block_n: int,
-            block_t: int, num_k: int, has_zeros: bool):
-    """One (token tile, column tile): acc [bt, bn] += x_step @ dequant(w_step)."""
+def _values(p, kind: str):
+    """One load of stored values -> (float32 tiles f, scale, offset) with stored value
+    v = scale * f - offset: f in [1, 2) for the integer kinds (int4: low, high nibbles)."""
     if kind == "int4":
-        xe_ref, xo_ref, p_ref, s_ref, *rest = refs
-    else:
-        x_ref, p_ref, s_ref, *rest = refs
+        p = p.astype(jnp.int32)  # [bk/2, bn] bytes 0..255
+        return (_one_plus(p, 4), _one_plus(p >> 4, 4)), 16.0, 16.0
+    if kind == "int8":  # u = v + 128 in 0..255 (two's complement with the top bit flipped)
+        return (_one_plus(p.astype(jnp.int32) ^ 0x80, 8),), 256.0, 256.0 + 128.0
+    return (p.astype(jnp.float32),), 1.0, 0.0
+
+
+def _kernel(*refs, kind: str, zero_point: float, group_rows: int, sizes: QuantMatmulBlockSizes,
+            steps: int, has_zeros: bool):
+    """One (token tile, column tile, K range): o = sum over the range of x @ dequant(w)."""
+    xs = refs[:2] if kind == "int4" else refs[:1]
+    p_ref, s_ref, *rest = refs[len(xs):]
     z_ref = rest[0] if has_zeros else None
     o_ref = rest[-1]
-    col = pl.program_id(1) * block_n
-    cols = pl.ds(col, block_n)
-    tok = pl.ds(pl.program_id(0) * block_t, block_t)
-    dtype = o_ref.dtype
+    bt, bn, bk = sizes.block_t, sizes.block_n, sizes.block_k
+    load_rows = bk // 2 if kind == "int4" else bk  # stored rows per load
+    cols = pl.ds(pl.program_id(1) * bn, bn)
+    tok0 = pl.program_id(0) * bt
+    first = pl.program_id(2) * steps * sizes.unroll  # this range's first load
 
-    def body(k, acc):
-        g = (k * block_k) // group_rows  # this step's group
-        s = s_ref[pl.ds(g, 1), cols].astype(jnp.float32)  # [1, bn]
-        z = z_ref[pl.ds(g, 1), cols].astype(jnp.float32) if has_zeros else zero_point
-        if kind == "int4":
-            half = block_k // 2
-            p = p_ref[pl.ds(k * half, half), cols].astype(jnp.int32)  # [bk/2, bn]
-            w_even = _dequant(p & 0xF, s, z).astype(dtype)
-            w_odd = _dequant(p >> 4, s, z).astype(dtype)
-            xe = xe_ref[tok, pl.ds(k * half, half)]
-            xo = xo_ref[tok, pl.ds(k * half, half)]
-            return acc + jnp.dot(xe, w_even, preferred_element_type=jnp.float32) + \
-                jnp.dot(xo, w_odd, preferred_element_type=jnp.float32)
-        w = _dequant(p_ref[pl.ds(k * block_k, block_k), cols], s, z).astype(dtype)
-        x = x_ref[tok, pl.ds(k * block_k, block_k)]
-        return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
+    def load(step):
+        """The raw tiles of one loop step: per load (packed [load_rows, bn], scale row [bn],
+        zero row [bn] or None, x [bt, load_rows] per x part (elementwise: [load_rows] each))."""
+        tiles = []
+        for u in range(sizes.unroll):
+            i = first + step * sizes.unroll + u  # global load index
+            g = i * bk // group_rows
+            rows = pl.ds(i * load_rows, load_rows)
+            z = z_ref[g, cols] if has_zeros else None
+            if sizes.elementwise:
+                x = tuple(tuple(r[tok0 + t, rows] for t in range(bt)) for r in xs)
+            else:
+                x = tuple(r[pl.ds(tok0, bt), rows] for r in xs)
+            tiles.append((p_ref[rows, cols], s_ref[g, cols], z, x))
+        return tuple(tiles)
 
-    acc = jnp.zeros(o_ref.shape, jnp.float32)
-    o_ref[...] = jax.lax.fori_loop(0, num_k, body, acc).astype(o_ref.dtype)
+    def dequant(p, s, z):
+        """Packed tile -> float32 weight tiles [load_rows, bn] (int4: even, odd rows):
+        (v - z) s = f (scale s) - (offset + z) s, one FMA an element."""
+        fs, scale, offset = _values(p, kind)
+        s = s.astype(jnp.float32)[None, :]  # [1, bn]
+        zero = z.astype(jnp.float32)[None, :] if z is not None else zero_point
+        shift = (offset + zero) * s if z is not None or offset + zero_point else None
+        return [f * (scale * s) if shift is None else f * (scale * s) - shift for f in fs]
 
+    def consume(acc, tiles):
+        acc = list(acc)
+        for p, s, z, x in tiles:
+            for xp, w in zip(x, dequant(p, s, z), strict=True):
+                if sizes.elementwise:  # [load_rows, bn] += x[t, rows, None] * w
+                    for t in range(bt):
+                        acc[t] = acc[t] + xp[t].astype(jnp.float32)[:, None] * w
+                else:
+                    acc[0] = acc[0] + jnp.dot(xp, w.astype(xp.dtype),
+                                              preferred_element_type=jnp.float32)
+        return tuple(acc)
 
-def supported(x: jax.Array, w: QuantizedWeight, sizes: QuantMatmulBlockSizes) -> bool:
-    """Whether the kernel tiles this weight (else the reference runs)."""
-    rows, cols = w.shape
-    group_rows = rows // w.scales.shape[0]
-    return (x.shape[-1] == rows and cols % sizes.block_n == 0
-            and group_rows % sizes.block_k == 0 and sizes.block_k % 2 == 0)
+    if sizes.elementwise:
+        acc = tuple(jnp.zeros((load_rows, bn), jnp.float32) for _ in range(bt))
+        if sizes.num_stages == 1:  # load, then use: latency hidden by occupancy alone
+            acc = jax.lax.fori_loop(0, steps, lambda k, acc: consume(acc, load(k)), acc)
+        else:  # no dot, so Triton pipelines nothing: the next step's tiles are loaded
+            # (into registers) before this step's are multiplied
+            def body(k, carry):
+                acc, tiles = carry
+                return consume(acc, tiles), load(jnp.minimum(k + 1, steps - 1))
 
-
-MIN_PROGRAMS = 264  # two per SM of an H100 / H200 (132 SMs)
-
-
-def pick_block_sizes(num_tokens: int, w: QuantizedWeight) -> QuantMatmulBlockSizes:
-    """16 token rows at decode (GEMV), 64 at prefill; the widest column tile (<= 128) that
-    still gives `MIN_PROGRAMS` programs, so a small-batch GEMV keeps every SM streaming;
-    `block_k` the largest of 128, 64, 32, 16 inside one group."""
-    rows, cols = w.shape
-    group_rows = rows // w.scales.shape[0]
-    block_k = next((b for b in (128, 64, 32, 16) if group_rows % b == 0), 16)
-    block_t = 16 if num_tokens <= 16 else 64
-    token_tiles = -(-num_tokens // block_t)
-    fits = [b for b in (128, 64, 32, 16) if cols % b == 0]
-    block_n = next((b for b in fits if token_tiles * cols // b >= MIN_PROGRAMS),
-                   fits[-1] if fits else 128)
-    return QuantMatmulBlockSizes(block_t=block_t, block_n=block_n, block_k=block_k)
+            acc, _ = jax.lax.fori_loop(0, steps, body, (acc, load(0)))
+        for t in range(bt):
+            o_ref[t, :] = acc[t].sum(axis=0).astype(o_ref.dtype)
+    else:  # Triton's pipeliner stages the loads that feed the dots (`num_stages`)
+        acc = jax.lax.fori_loop(0, steps, lambda k, acc: consume(acc, load(k)),
+                                (jnp.zeros((bt, bn), jnp.float32),))
+        o_ref[...] = acc[0].astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_sizes", "interpret"))
@@ -116,28 +149,27 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None,
         return quantized_matmul_reference(x, w, out_dtype=out_dtype)
     x = permute_input(x, w)
     t, (rows, cols) = x.shape[0], w.shape
-    bt = sizes.block_t
+    bt, splits = sizes.block_t, sizes.k_splits
     tp = -(-t // bt) * bt
     xp = jnp.pad(x, ((0, tp - t), (0, 0)))  # [Tp, K]
-    if w.kind == "int4":
-        xs = (xp[:, 0::2], xp[:, 1::2])  # even / odd input rows: low / high nibbles
-    else:
-        xs = (xp,)
+    xs = (xp[:, 0::2], xp[:, 1::2]) if w.kind == "int4" else (xp,)  # int4: low / high nibbles
     parts = [w.packed, w.scales] + ([w.zeros] if w.zeros is not None else [])
     kernel = functools.partial(
         _kernel, kind=w.kind, zero_point=w.zero_point, group_rows=rows // w.scales.shape[0],
-        block_k=sizes.block_k, block_n=sizes.block_n, block_t=bt, num_k=rows // sizes.block_k,
+        sizes=sizes, steps=rows // (sizes.block_k * sizes.unroll * splits),
         has_zeros=w.zeros is not None)
     out = pl.pallas_call(  # every input whole: the kernel slices its own tiles (pow2 loads)
         kernel,
-        grid=(tp // bt, cols // sizes.block_n),
+        grid=(tp // bt, cols // sizes.block_n, splits),
         in_specs=[common.whole_spec(a.shape) for a in (*xs, *parts)],
-        out_specs=pl.BlockSpec((bt, sizes.block_n), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((tp, cols), x.dtype),
+        out_specs=pl.BlockSpec((None, bt, sizes.block_n), lambda i, j, s: (s, i, j)),
+        out_shape=jax.ShapeDtypeStruct((splits, tp, cols),
+                                       x.dtype if splits == 1 else jnp.float32),
         compiler_params=common.triton_params(sizes.num_warps, sizes.num_stages),
         interpret=interpret,
         name=f"weight_only_{w.kind}_matmul",
     )(*xs, *parts)
+    out = out[0] if splits == 1 else jnp.sum(out, axis=0)  # [Tp, N]
     return out[:t].astype(out_dtype)
 
 

@@ -20,3 +20,17 @@ def test_smoke(tmp_path):
     # packed: 2 x 128 x 128 / 2 bytes of values + 2 x 2 x 128 float32 scales
     assert int4["weight_bytes"] == 2 * 128 * 64 + 2 * 2 * 128 * 4
     assert int4["fraction_of_bf16_gemv_bandwidth"] > 0
+
+
+def test_sweep_records_every_tiling_per_kind_and_tokens(tmp_path):
+    out = tmp_path / "s.json"
+    quant_matmul.run(["--out", str(out), "--sweep", "--matrices", "1", "--k", "64", "--n", "32",
+                      "--tokens", "1", "--kinds", "int4", "--group-size", "32",
+                      "--samples", "1", "--calls", "1"])
+    sweep = json.loads(out.read_text())["sweep"]["int4"]["1"]
+    tilings = [r["tiling"] for r in sweep["tilings"]]
+    assert sweep["default"] in tilings and sweep["best"] == tilings[0]
+    assert len(tilings) >= 5 and len(set(tilings)) == len(tilings)
+    ms = [r["ms"] for r in sweep["tilings"]]
+    assert ms == sorted(ms) and sweep["default_vs_best"] >= 1.0
+    assert all(r["tb_per_s"] > 0 for r in sweep["tilings"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,6 +15,12 @@ from pjinfer.kernels.quantized_matmul import (
     quantized_matmul,
     quantized_matmul_reference,
     supported,
+)
+from pjinfer.kernels.quantized_matmul_tiling import (
+    MIN_PROGRAMS,
+    STEP_BYTES,
+    legacy_block_sizes,
+    sweep_candidates,
 )
 from pjinfer.quantization.weight import QuantizedWeight, dequantize, pack_int4_rows
 from tests.kernels.paged_inputs import TOL, rel_err
@@ -34,21 +42,42 @@ def _weight(rng, kind: str, rows: int, cols: int, group: int, asym: bool) -> Qua
     return QuantizedWeight(jnp.asarray(packed), scales, zeros, kind=kind, zero_point=zero_point)
 
 
-@pytest.mark.parametrize("kind, asym, group", [("int4", False, 32), ("int4", True, 64),
-                                               ("int8", False, 128), ("int8", True, 32),
-                                               ("fp8", False, 128)])
-@pytest.mark.parametrize("tokens, sizes", [(1, (16, 32, 32)), (7, (16, 64, 16)),
-                                           (37, (32, 32, 32))])
-def test_matches_reference(kind, asym, group, tokens, sizes):
+# (kind, zeros, group rows, K): GPTQ-like int4 g32 / g128, int8 g32 and per channel (group
+# -1), fp8 per channel with a K that is no power of two (3 loads: 3 K splits)
+WEIGHTS = [("int4", True, 32, 256), ("int4", False, 128, 256), ("int8", True, 32, 256),
+           ("int8", False, 256, 256), ("fp8", False, 192, 192)]
+# (tokens, tiling): elementwise for one token (K split, 2 loads a step) and for 3 tokens in a
+# tile of 4; dot for 7 tokens (K split) and 37 tokens (two token tiles)
+TILINGS = [(1, QuantMatmulBlockSizes(block_t=1, block_n=32, block_k=32, unroll=2, k_splits=2)),
+           (3, QuantMatmulBlockSizes(block_t=4, block_n=16, block_k=32, unroll=1, k_splits=3)),
+           (7, QuantMatmulBlockSizes(block_t=16, block_n=32, block_k=32, unroll=1, k_splits=2)),
+           (37, QuantMatmulBlockSizes(block_t=32, block_n=64, block_k=32, unroll=2))]
+
+
+@pytest.mark.parametrize("kind, asym, group, rows", WEIGHTS)
+@pytest.mark.parametrize("tokens, sizes", TILINGS)
+def test_matches_reference(kind, asym, group, rows, tokens, sizes):
     rng = np.random.default_rng(tokens + group)
-    w = _weight(rng, kind, 128, 192, group, asym)
-    x = jnp.asarray(rng.standard_normal((tokens, 128)), jnp.float32)
-    block = QuantMatmulBlockSizes(*sizes)
-    assert supported(x, w, block)
-    out = quantized_matmul(x, w, block_sizes=block, interpret=True)
+    w = _weight(rng, kind, rows, 64, group, asym)
+    x = jnp.asarray(rng.standard_normal((tokens, rows)), jnp.float32)
+    if not supported(x, w, sizes):  # e.g. 3 K splits of a 256-row weight
+        sizes = dataclasses.replace(sizes, k_splits=1)
+    assert supported(x, w, sizes)
+    out = quantized_matmul(x, w, block_sizes=sizes, interpret=True)
     ref = quantized_matmul_reference(x, w)
-    assert out.shape == (tokens, 192) and out.dtype == jnp.float32
+    assert out.shape == (tokens, 64) and out.dtype == jnp.float32
     assert rel_err(out, ref) < TOL[jnp.float32]
+
+
+@pytest.mark.parametrize("kind, asym, group, rows", WEIGHTS[1::2])
+@pytest.mark.parametrize("tokens", [1, 2, 16])
+def test_default_tiling_runs_the_kernel(kind, asym, group, rows, tokens):
+    rng = np.random.default_rng(tokens)
+    w = _weight(rng, kind, rows, 64, group, asym)
+    x = jnp.asarray(rng.standard_normal((tokens, rows)), jnp.float32)
+    assert supported(x, w, pick_block_sizes(tokens, w))
+    out = quantized_matmul(x, w, interpret=True)
+    assert rel_err(out, quantized_matmul_reference(x, w)) < TOL[jnp.float32]
 
 
 def test_bfloat16_activations_per_channel_scales():
@@ -66,7 +95,7 @@ def test_act_order_permutes_the_input():
     perm = jnp.asarray(rng.permutation(64), jnp.int32)
     act = QuantizedWeight(w.packed, w.scales, w.zeros, perm, kind="int4", zero_point=8.0)
     x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
-    sizes = QuantMatmulBlockSizes(block_n=16, block_k=32)
+    sizes = QuantMatmulBlockSizes(block_t=1, block_n=16, block_k=32, unroll=2)
     assert supported(x, act, sizes)
     out = quantized_matmul(x, act, block_sizes=sizes, interpret=True)
     assert rel_err(out, quantized_matmul_reference(x, act)) < TOL[jnp.float32]
@@ -95,8 +124,22 @@ def test_fp8_w8a8_is_within_activation_rounding_of_the_reference():
     assert rel_err(out, quantized_matmul_reference(x, w)) < 0.05  # e4m3 activations: 2^-4
 
 
-def test_block_sizes_fill_the_gpu_at_decode():
-    w = QuantizedWeight(jnp.zeros((2048, 4096), jnp.uint8), jnp.ones((32, 4096)), kind="int4")
-    decode, prefill = pick_block_sizes(1, w), pick_block_sizes(2048, w)
-    assert (decode.block_t, decode.block_n, decode.block_k) == (16, 16, 128)
-    assert (prefill.block_t, prefill.block_n) == (64, 128)
+@pytest.mark.parametrize("kind, group", [("int4", 128), ("int4", 32), ("int8", None)])
+@pytest.mark.parametrize("rows, cols", [(4096, 14336), (14336, 4096)])
+def test_block_sizes_fill_the_gpu_at_decode(kind, group, rows, cols):
+    """Llama-3-8B MLP shapes: >= 2 programs per SM, wide loads, 2+ steps per K range."""
+    packed = jnp.zeros((rows // 2 if kind == "int4" else rows, cols), jnp.uint8)
+    w = QuantizedWeight(packed, jnp.ones((rows // (group or rows), cols)), kind=kind)
+    x = jnp.zeros((1, rows), jnp.bfloat16)
+    for tokens in (1, 16):
+        b = pick_block_sizes(tokens, w)
+        assert supported(x, w, b) and b.elementwise == (tokens == 1)
+        assert (cols // b.block_n) * b.k_splits >= MIN_PROGRAMS
+        load_bytes = b.block_k // (2 if kind == "int4" else 1) * b.block_n
+        assert load_bytes * b.unroll == STEP_BYTES
+        assert rows // (b.block_k * b.unroll * b.k_splits) >= 2
+    prefill = pick_block_sizes(2048, w)
+    assert (prefill.block_t, prefill.k_splits) == (64, 1)
+    candidates = sweep_candidates(1, w, x)
+    assert candidates[0] == pick_block_sizes(1, w) and len(set(candidates)) == len(candidates)
+    assert legacy_block_sizes(1, w) in candidates and all(supported(x, w, c) for c in candidates)
