@@ -3,8 +3,11 @@
   python3 benchmarks/plot_results.py [--results benchmarks/results] [--out benchmarks/results]
 
 Writes serve_throughput_vs_rate.png (output tokens/s and p99 TPOT against request rate, one line
-per framework) and latency_percentiles.png (median/p90/p99 of TTFT, TPOT and E2E for every
-latency run). Needs matplotlib; without it, says so and exits 0 (plots are optional).
+per framework), latency_percentiles.png (median/p90/p99 of TTFT, TPOT and E2E for every
+latency run) and throughput_vs_roofline.png (each offline throughput run's output tokens/s over
+its roofline; only records of the pipelined-ceiling roofline, which carry
+`compute_s_over_elapsed`: older records divided by single-call ceilings and are not
+comparable). Needs matplotlib; without it, says so and exits 0 (plots are optional).
 """
 
 from __future__ import annotations
@@ -54,6 +57,27 @@ def latency_rows(records: list[dict[str, Any]]) -> list[tuple[str, dict[str, dic
             label = f"{who} b{s['batch_size']} {s['input_len']}/{s['output_len']}"
             rows.append((label, {k: rec["results"][k] for k in ("ttft_s", "tpot_s", "e2e_s")}))
     return rows
+
+
+def roofline_rows(records: list[dict[str, Any]]) -> list[tuple[str, float]]:
+    """(record name, output tokens/s over the roofline's) of each throughput run whose
+    ratios come from the pipelined-ceiling roofline."""
+    return [(Path(rec["_path"]).stem, rec["ratios"]["output_tokens_per_s_vs_roofline"])
+            for rec in records if rec["command"] == "throughput"
+            and "compute_s_over_elapsed" in (rec.get("ratios") or {})]
+
+
+def plot_roofline(plt: Any, rows: list, out: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 0.4 * len(rows) + 1.5))
+    ax.barh(range(len(rows)), [r[1] for r in rows])
+    ax.set_yticks(range(len(rows)), [r[0] for r in rows])
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("output tokens/s over the roofline's")
+    ax.set_title("offline throughput vs roofline")
+    path = out / "throughput_vs_roofline.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
 
 
 def plot_serve(plt: Any, points: list, out: Path) -> Path:
@@ -111,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         made.append(plot_serve(plt, points, args.out))
     if rows := latency_rows(records):
         made.append(plot_latency(plt, rows, args.out))
+    if ratios := roofline_rows(records):
+        made.append(plot_roofline(plt, ratios, args.out))
     print(f"{len(records)} records in {args.results}; wrote "
           f"{', '.join(map(str, made)) or 'nothing (no serve or latency records)'}")
     return 0

@@ -35,3 +35,14 @@ def test_w4_schema_compiles_and_outlasts_any_w4_output(tmp_path):
         assert matcher.consume_token(token)
     # 2,048 tokens (W4's longest output) of at most 3 characters cannot close the body
     assert not matcher.is_stopped() and not matcher.is_accepting()
+
+
+def test_mask_fill_benchmark_times_every_case(tmp_path):
+    from pjinfer.benchmarks import mask_fill
+
+    out = tmp_path / "mask_fill.json"
+    assert mask_fill.main(["--rows", "4", "--steps", "2", "--vocab-size", "2048",
+                           "--cases", "1:1,2:2", "--out", str(out)]) == 0
+    cases = json.loads(out.read_text())["cases"]
+    assert set(cases) == {"templates1_threads1", "templates2_threads2"}
+    assert all(c["mean_ms"] > 0 and c["total_ms"] >= c["mean_ms"] for c in cases.values())
