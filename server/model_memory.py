@@ -8,7 +8,6 @@ its share: share x budget, minus its weights, minus a margin for step temporarie
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -18,7 +17,9 @@ from pjinfer.config import ModelConfig, resolve_dtype
 from pjinfer.demo import DEMO_MODEL_DIR
 from pjinfer.engine.runner import CPU_KV_CACHE_BYTES
 from pjinfer.engine.step import kv_bytes_per_block
+from pjinfer.quantization.config import resolve as resolve_quantization
 from pjinfer.quantization.kv_cache import kv_cache_dtype
+from pjinfer.quantization.loader import device_bytes
 
 ACTIVATION_MARGIN = 0.1  # of a model's share, kept free for the step's temporaries
 MiB = 1 << 20
@@ -32,11 +33,14 @@ def device_budget() -> int | None:
     return stats.get("bytes_limit") or None
 
 
-def weight_bytes(model_dir: str | None, dtype: str = "auto") -> int:
-    """Bytes of every parameter of the model in the engine's dtype, from config.json alone."""
+def weight_bytes(model_dir: str | None, dtype: str = "auto",
+                 quantization: str | None = None) -> int:
+    """Bytes of every parameter of the model as the engine will hold them (the engine's
+    dtype; quantized Linear weights at their bits), from config.json alone."""
     cfg = ModelConfig.from_pretrained(model_dir or DEMO_MODEL_DIR)
     model_dtype = resolve_dtype(dtype, cfg)
-    return sum(math.prod(p.shape) * np.dtype(p.target_dtype(model_dtype)).itemsize
+    q = resolve_quantization(model_dir, quantization)
+    return sum(device_bytes(p, q, np.dtype(p.target_dtype(model_dtype)).itemsize)
                for p in cfg.param_specs())
 
 
@@ -60,7 +64,7 @@ def check_fits(name: str, model_dir: str | None, args: dict[str, Any], share: fl
     if budget is None:
         return args
     limit = int(share * budget)
-    weights = weight_bytes(model_dir, args.get("dtype", "auto"))
+    weights = weight_bytes(model_dir, args.get("dtype", "auto"), args.get("quantization"))
     sized = args.get("kv_cache_memory") is not None or args.get("num_kv_blocks") is not None
     need = weights + (kv_bytes(model_dir, args) if sized else 0)
     usable = int(limit * (1 - ACTIVATION_MARGIN))

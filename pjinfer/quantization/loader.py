@@ -11,6 +11,7 @@ splits must keep whole groups.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -39,6 +40,20 @@ READERS: dict[str, ModuleType] = {"gptq": gptq, "awq": awq, "fp8": fp8,
 def quantizable(p: ParamSpec) -> bool:
     """A decoder layer's Linear weight (any architecture: on-the-fly methods quantize it)."""
     return p.path[0] == "layers" and str(p.path[-1]).endswith("_proj") and len(p.shape) == 2
+
+
+def device_bytes(p: ParamSpec, q: QuantConfig | None, itemsize: int) -> int:
+    """Bytes a param will take on the device, from its spec alone (memory planning before a
+    load): a Linear weight the quantization replaces at its bits plus float32 scales (and
+    zeros, and an act-order permutation) per group; anything else at `itemsize` (the model
+    dtype's). GGUF tensors, whose types only the file knows, count as float."""
+    if q is None or q.method == "gguf" or not quantizable(p) or (
+            q.from_checkpoint and not _stored_as_linear(p)):
+        return math.prod(p.shape) * itemsize
+    rows, cols = p.shape
+    groups = 1 if q.group_size == -1 else -(-rows // q.group_size)
+    per_group = 4 * cols * (1 if q.sym else 2)  # scales (and zeros), float32
+    return rows * cols * q.bits // 8 + groups * per_group + (4 * rows if q.desc_act else 0)
 
 
 def _stored_as_linear(p: ParamSpec) -> bool:

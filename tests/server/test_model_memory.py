@@ -11,3 +11,30 @@ def test_kv_bytes_follow_the_kv_cache_dtype():
     assert kv_bytes(None, {"num_kv_blocks": 10, "kv_cache_dtype": "fp8"}) * 4 == plain
     assert kv_bytes(None, {"num_kv_blocks": 10, "dtype": "bfloat16"}) * 2 == plain
     assert kv_bytes(None, {"kv_cache_memory": 12345}) == 12345
+
+
+def test_weight_bytes_count_quantized_linears_at_their_bits(tmp_path):
+    """A quantized model's weights are planned at their stored size, not the model dtype's."""
+    import json
+    import math
+    import shutil
+
+    from pjinfer.config import ModelConfig
+    from pjinfer.demo import DEMO_MODEL_DIR
+    from pjinfer.quantization.loader import quantizable
+    from pjinfer.server.model_memory import weight_bytes
+
+    cfg = ModelConfig.from_pretrained(DEMO_MODEL_DIR)
+    linears = [p.shape for p in cfg.param_specs() if quantizable(p)]
+    plain = weight_bytes(None, "float32")
+    int8 = weight_bytes(None, "float32", "int8")  # on the fly: 1 byte + a scale per column
+    assert plain - int8 == sum(r * c * 3 - 4 * c for r, c in linears)
+    folder = tmp_path / "gptq"
+    shutil.copytree(DEMO_MODEL_DIR, folder)
+    raw = json.loads((folder / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32,
+                                  "sym": False, "desc_act": True}
+    (folder / "config.json").write_text(json.dumps(raw))
+    gptq = sum(r * c // 2 + math.ceil(r / 32) * 8 * c + 4 * r for r, c in linears)
+    assert plain - weight_bytes(str(folder), "float32") == sum(
+        r * c * 4 for r, c in linears) - gptq
