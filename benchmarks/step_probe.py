@@ -11,6 +11,11 @@ Run from the repo root on the device (the repo maps itself as `pjinfer`):
 
 `--profile DIR` also traces the pipelined launches (`jax.profiler`) and records per layout the
 device's kernels per step, busy and idle time, and heaviest kernels (`trace_summary.py`).
+`--loras N` runs the multi-LoRA step instead: N dummy adapters (rank `--lora-rank`, all seven
+projections) resident, the rows spread over them round robin (issue 15's W1 overhead):
+
+    python3 benchmarks/step_probe.py --layouts decode_1x768 --backends auto --loras 8 \
+        --profile /tmp/prof-lora --out $OUT/w1_lora_profile.json
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import json
 import os
 import sys
 import time
+from functools import partial
 
 import numpy as np
 
@@ -60,35 +66,55 @@ def _chunks(kind: str, rng: np.random.Generator) -> list:
     return chunks
 
 
-def probe(backend: str, model: str, layouts: list[str], profile: str | None) -> dict:
+def _adapters(engine, count: int, rank: int, root: str) -> list:
+    """`count` dummy PEFT adapters written under `root`, as LoRARequests."""
+    from pathlib import Path
+
+    from pjinfer.benchmarks.lora import write_adapters
+    from pjinfer.lora.request import LoRARequest
+
+    folders = write_adapters(engine.model_config, Path(root), count, rank)
+    return [LoRARequest(f"adapter{i}", i + 1, str(f)) for i, f in enumerate(folders)]
+
+
+def probe(backend: str, model: str, layouts: list[str], profile: str | None,
+          loras: int = 0, lora_rank: int = 16, max_model_len: int = 2048) -> dict:
+    import tempfile
+
     from pjinfer.engine.config import EngineConfig
     from pjinfer.engine.engine import LLMEngine
     from pjinfer.engine.sampling_metadata import SamplingRow
     from pjinfer.sampling_params import SamplingParams
 
+    lora_args = dict(enable_lora=True, max_loras=loras, max_lora_rank=lora_rank,
+                     max_cpu_loras=loras) if loras else {}
     engine = LLMEngine(EngineConfig(
-        model=model, load_format="dummy", dtype="bfloat16", max_model_len=2048,
+        model=model, load_format="dummy", dtype="bfloat16", max_model_len=max_model_len,
         max_num_seqs=256, max_num_batched_tokens=2048, num_kv_blocks=40000, warmup=False,
-        attention_backend=backend))
+        attention_backend=backend, **lora_args))
+    adapters = _adapters(engine, loras, lora_rank, tempfile.mkdtemp()) if loras else []
     params, rng, out = SamplingParams(temperature=0, max_tokens=4), np.random.default_rng(0), {}
     for kind in layouts:
         chunks = _chunks(kind, rng)
         rows = [SamplingRow(params, c.new_token_ids, [], 0, None) for c in chunks]
         runner = engine.runner
-        runner.execute(chunks, rows)  # compile
+        slots = engine.lora.activate([adapters[i % loras] for i in range(len(chunks))]
+                                     ) if loras else None
+        step = partial(runner.launch, chunks, rows, lora_slots=slots)
+        runner.fetch(step())  # compile
         times = []
         for _ in range(5):
             start = time.perf_counter()
-            runner.execute(chunks, rows)
+            runner.fetch(step())
             times.append(time.perf_counter() - start)
         # Back to back without waiting (as the asynchronous engine runs): the device's time.
         start = time.perf_counter()
-        launched = [runner.launch(chunks, rows) for _ in range(PIPELINED)]
+        launched = [step() for _ in range(PIPELINED)]
         runner.fetch(launched[-1])
         out[f"{backend}/{kind}"] = float(np.median(times)) * 1e3
         out[f"{backend}/{kind}/pipelined"] = (time.perf_counter() - start) / PIPELINED * 1e3
         if profile:
-            out[f"{backend}/{kind}/profile"] = _profiled(runner, chunks, rows,
+            out[f"{backend}/{kind}/profile"] = _profiled(runner, step,
                                                          f"{profile}/{backend}-{kind}")
         runner.free_rows([c.request_id for c in chunks])
         print(f"{backend} {kind} {out[f'{backend}/{kind}']:.1f} ms synchronous, "
@@ -96,14 +122,14 @@ def probe(backend: str, model: str, layouts: list[str], profile: str | None) -> 
     return out
 
 
-def _profiled(runner, chunks: list, rows: list, log_dir: str) -> dict:
+def _profiled(runner, step, log_dir: str) -> dict:
     """The pipelined launches again under the profiler, summarised per step."""
     import jax
 
     from pjinfer.benchmarks.trace_summary import summarize_dir
 
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-        launched = [runner.launch(chunks, rows) for _ in range(PIPELINED)]
+        launched = [step() for _ in range(PIPELINED)]
         runner.fetch(launched[-1])
     return summarize_dir(log_dir, PIPELINED)
 
@@ -115,13 +141,19 @@ def main() -> None:
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     parser.add_argument("--profile", default=None, help="trace folder (see module docstring)")
+    parser.add_argument("--loras", type=int, default=0,
+                        help="dummy LoRA adapters spread over the rows (0: the base step)")
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=2048)
     args = parser.parse_args()
     _import_repo()
     results = {}
     for backend in args.backends:
-        results.update(probe(backend, args.model, args.layouts, args.profile))
+        results.update(probe(backend, args.model, args.layouts, args.profile, args.loras,
+                             args.lora_rank, args.max_model_len))
     with open(args.out, "w") as f:
         json.dump({"unit": "ms per step (median of 5)", "model": args.model,
+                   "loras": args.loras, "lora_rank": args.lora_rank,
                    "xla_flags": os.environ.get("XLA_FLAGS", ""), **results}, f, indent=1)
 
 

@@ -377,12 +377,6 @@ class ModelRunner:
                           logprob_token_ids=s.logprob_token_ids[:n], ranks=s.ranks[:n],
                           prompt_logprobs=None if p is None else tuple(a[:t] for a in p))
 
-    def execute(self, chunks: list[Chunk], rows: list[SamplingRow], *, max_logprobs: int = 0,
-                prompt_logprobs: int | None = None) -> StepResult:
-        """Launch and fetch: one synchronous step."""
-        return self.fetch(self.launch(chunks, rows, max_logprobs=max_logprobs,
-                                      prompt_logprobs=prompt_logprobs))
-
 
 def _sample_padded(logits: jax.Array, md: SamplingMetadata, prev_tokens: jax.Array,
                    bitmask: jax.Array | None, *, max_logprobs: int,
