@@ -59,6 +59,12 @@ def latency_rows(records: list[dict[str, Any]]) -> list[tuple[str, dict[str, dic
     return rows
 
 
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
 def roofline_rows(records: list[dict[str, Any]]) -> list[tuple[str, float]]:
     """(record name, output tokens/s over the roofline's) of each throughput run whose
     ratios come from the pipelined-ceiling roofline."""
@@ -74,10 +80,7 @@ def plot_roofline(plt: Any, rows: list, out: Path) -> Path:
     ax.set_xlim(0, 1)
     ax.set_xlabel("output tokens/s over the roofline's")
     ax.set_title("offline throughput vs roofline")
-    path = out / "throughput_vs_roofline.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
+    return _save(fig, out / "throughput_vs_roofline.png")
 
 
 def plot_serve(plt: Any, points: list, out: Path) -> Path:
@@ -91,10 +94,7 @@ def plot_serve(plt: Any, points: list, out: Path) -> Path:
         ax2.plot(*zip(*tpot, strict=True), "s--", color="tab:red", label="p99 TPOT")
         ax2.set_ylabel("p99 TPOT (ms)")
     ax.set_title("pjinfer serve: throughput vs request rate")
-    path = out / "serve_throughput_vs_rate.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
+    return _save(fig, out / "serve_throughput_vs_rate.png")
 
 
 def plot_latency(plt: Any, rows: list, out: Path) -> Path:
@@ -109,10 +109,7 @@ def plot_latency(plt: Any, rows: list, out: Path) -> Path:
         ax.set_yticks(range(len(rows)), [r[0] for r in rows] if metric == "ttft_s" else [])
         ax.set_xscale("log")
         ax.set_title(f"{metric[:-2].upper()} ms (median / p90 / p99)")
-    path = out / "latency_percentiles.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
+    return _save(fig, out / "latency_percentiles.png")
 
 
 def main(argv: list[str] | None = None) -> int:
