@@ -13,11 +13,10 @@ next `step()`, right before the next forward.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -27,6 +26,7 @@ from pjinfer.engine.compilation_cache import use_compilation_cache
 from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.metrics import EngineMetrics
 from pjinfer.engine.output_processor import OutputProcessor
+from pjinfer.engine.phase_timer import timed, timed_call
 from pjinfer.engine.request import Request, RequestStatus
 from pjinfer.engine.runner import LaunchedForward, LaunchedStep, ModelRunner, StepResult
 from pjinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepUpdate
@@ -43,18 +43,6 @@ from pjinfer.tokenizer import load_tokenizer
 from pjinfer.weights import load_engine_model
 
 log = logging.getLogger("pjinfer")
-
-
-@contextlib.contextmanager
-def _timed(phases: dict[str, float], name: str) -> Iterator[None]:
-    start = time.perf_counter()
-    yield
-    phases[name] = time.perf_counter() - start
-
-
-def _timed_call(phases: dict[str, float], name: str, fn, *args):
-    with _timed(phases, name):
-        return fn(*args)
 
 
 @dataclass(slots=True)
@@ -86,14 +74,14 @@ class LLMEngine:
         self.startup_phases: dict[str, float] = {}
         start = time.perf_counter()
         with ThreadPoolExecutor(1, thread_name_prefix="pjinfer-tokenizer") as pool:
-            tokenizer = pool.submit(_timed_call, self.startup_phases, "tokenizer",
+            tokenizer = pool.submit(timed_call, self.startup_phases, "tokenizer",
                                     load_tokenizer, model_dir, config.tokenizer)
             self._build_device_state(model_dir, params, policy)
-            with _timed(self.startup_phases, "tokenizer_wait"):
+            with timed(self.startup_phases, "tokenizer_wait"):
                 self.tokenizer = tokenizer.result()
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         self.eos_token_id = self._eos_token_id()
-        with _timed(self.startup_phases, "structured_output"):
+        with timed(self.startup_phases, "structured_output"):
             self.structured_output = StructuredOutputManager(
                 self.tokenizer, self.model_config.vocab_size,
                 list(self.model_config.eos_token_ids) or None)
@@ -107,14 +95,14 @@ class LLMEngine:
         """Weights, KV cache and compiled steps (the runner), and the scheduler over them."""
         config = self.config
         self.quantization = resolve_quantization(model_dir, config.quantization)
-        with _timed(self.startup_phases, "weights"):
+        with timed(self.startup_phases, "weights"):
             self.model_config, loaded, mesh = self._load(model_dir, params)
         self.served_model_name = config.served_model_name or (
             DEMO_MODEL_NAME if config.model is None else model_dir.rstrip("/").split("/")[-1])
         self.max_model_len = self._max_model_len()
         kv_scales = kv_cache_scales(model_dir, self.model_config.num_hidden_layers,
                                     config.load_format) if config.kv_cache_dtype != "auto" else ()
-        with _timed(self.startup_phases, "kv_cache"):
+        with timed(self.startup_phases, "kv_cache"):
             self.runner = ModelRunner(self.model_config, config, loaded, kv_scales=kv_scales,
                                       max_model_len=self.max_model_len, mesh=mesh)
         self.kv = KVCacheManager(num_blocks=self.runner.num_blocks, block_size=config.block_size,
@@ -164,9 +152,8 @@ class LLMEngine:
         return wanted
 
     def _eos_token_id(self) -> int | None:
-        if self.model_config.eos_token_ids:
-            return self.model_config.eos_token_ids[0]
-        return self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        ids = self.model_config.eos_token_ids  # else the tokenizer's (None without one)
+        return ids[0] if ids else getattr(self.tokenizer, "eos_token_id", None)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int],
@@ -231,7 +218,7 @@ class LLMEngine:
             deadline=deadline,
         ) for i in range(params.n)]
 
-    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) -------------------------
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora) ----------------------------------------
     def add_lora(self, lora_request: LoRARequest | None) -> bool:
         """Read and check an adapter into the host cache; ValueError if it cannot serve."""
         if lora_request is None:
@@ -249,13 +236,6 @@ class LLMEngine:
         """Drop the adapter's host copy. Requests already queued or running with it finish
         with it (its device slot is reused only once no running request needs it)."""
         return self.lora is not None and self.lora.remove(lora_request)
-
-    def lora_adapters(self) -> tuple[list[str], list[str]]:
-        """Names of the adapters of running and of waiting requests (for metrics)."""
-        running = {r.lora_request.lora_name for r in self.scheduler.running if r.lora_request}
-        waiting = {r.lora_request.lora_name for r in self.scheduler.all_requests()
-                   if r.lora_request and r.status != RequestStatus.RUNNING}
-        return sorted(running), sorted(waiting)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output, if it existed."""
@@ -281,7 +261,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         launched = self._contain(sched, self._launch, sched)
         started = [s for s in (self._in_flight, launched) if s is not None]
-        self._in_flight = launched if launched is not None and self._deferrable(sched) else None
+        deferrable = self.config.async_scheduling and sched.allows_async  # else wait now
+        self._in_flight = launched if launched is not None and deferrable else None
         changed |= {r.group_id for r in sched.timed_out}
         collected = None
         for done in started:
@@ -331,9 +312,6 @@ class LLMEngine:
                                        RequestStatus.FINISHED_ABORTED)
         self.output_processor.drop(group_id)
         self._failures[group_id] = RequestFailedError(group_id, error)
-
-    def _deferrable(self, sched: SchedulerOutput) -> bool:
-        return self.config.async_scheduling and sched.allows_async
 
     def _launch(self, sched: SchedulerOutput) -> _Launched | None:
         """Dispatch the scheduled batch (the scheduler has already advanced its requests); a
@@ -415,7 +393,7 @@ class LLMEngine:
         return self.scheduler.num_waiting + self.structured_output.num_parked
 
     def get_stats(self):
-        running, waiting = self.lora_adapters() if self.lora is not None else ((), ())
+        running, waiting = self.scheduler.lora_names() if self.lora is not None else ((), ())
         return replace(self.metrics.snapshot(self.scheduler, self.kv),
                        num_waiting=self.num_waiting, running_lora_adapters=tuple(running),
                        waiting_lora_adapters=tuple(waiting))

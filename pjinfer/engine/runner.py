@@ -28,6 +28,7 @@ from pjinfer.engine.inputs import (
     seq_buckets,
     token_buckets,
 )
+from pjinfer.engine.phase_timer import timed
 from pjinfer.engine.sampler import SamplerOutput, sample
 from pjinfer.engine.sampling_metadata import SamplingMetadata, SamplingRow
 from pjinfer.engine.step import (
@@ -252,21 +253,19 @@ class ModelRunner:
         thread pool (XLA compiles release the GIL); returns how many step shapes are ready.
         Seconds per phase go to `phases` (step_load, compile)."""
         phases = {} if phases is None else phases
-        start = time.perf_counter()
-        shapes = self.warmup_shapes()
-        missing = [shape for shape in shapes
-                   if self._compiled_step(*self._dummy(*shape), compile=False) is None]
-        phases["step_load"] = time.perf_counter() - start
-        start = time.perf_counter()
+        with timed(phases, "step_load"):
+            shapes = self.warmup_shapes()
+            missing = [shape for shape in shapes
+                       if self._compiled_step(*self._dummy(*shape), compile=False) is None]
         samplers = [(seqs, t) for seqs in sorted({seqs for _, seqs, _ in shapes})
                     for t in (0.0, 1.0)]
-        with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        with timed(phases, "compile"), ThreadPoolExecutor(
+                max_workers=min(16, os.cpu_count() or 1)) as pool:
             jobs = [pool.submit(self._compiled_step, *self._dummy(*shape), load=False)
                     for shape in missing]
             jobs += [pool.submit(self._warm_sampler, *variant) for variant in samplers]
             for job in jobs:
                 job.result()
-        phases["compile"] = time.perf_counter() - start
         return len(shapes)
 
     def warmup_shapes(self) -> list[tuple[int, int, bool]]:

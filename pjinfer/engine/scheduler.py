@@ -157,6 +157,13 @@ class Scheduler:
         pending = [s for group in self._fork_pending.values() for s in group]
         return self.running + [e[2] for e in self._waiting] + pending
 
+    def lora_names(self) -> tuple[list[str], list[str]]:
+        """Names of the adapters of running and of waiting requests (for metrics)."""
+        running = {r.lora_request.lora_name for r in self.running if r.lora_request}
+        waiting = {r.lora_request.lora_name for r in self.all_requests()
+                   if r.lora_request and r.status != RequestStatus.RUNNING}
+        return sorted(running), sorted(waiting)
+
     # ---- the step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch and advance every picked request as if the step had run."""
