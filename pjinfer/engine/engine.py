@@ -223,12 +223,12 @@ class LLMEngine:
         """Read and check an adapter into the host cache; ValueError if it cannot serve."""
         if lora_request is None:
             return False
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {lora_request!r}")
         if self.lora is None:
             raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested but the engine "
                              "runs without LoRA: start it with enable_lora=True "
                              "(--enable-lora)")
-        if not isinstance(lora_request, LoRARequest):
-            raise ValueError(f"lora_request must be a LoRARequest, got {lora_request!r}")
         self.lora.load(lora_request)
         return True
 
