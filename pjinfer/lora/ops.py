@@ -3,9 +3,11 @@ input, and it adds the batched multi-adapter LoRA term (shrink x A, expand . B, 
 token slot; the math and its kernels are in pjinfer.kernels.lora_matmul, dispatched by
 `kernels.ops.lora_group_deltas`).
 
-A group of projections sharing their input (q/k/v; gate/up) goes through `linears`, so at
-decode their LoRA terms are one kernel; base and LoRA outputs are summed in float32 and cast
-once, an elementwise add XLA fuses into the consumer (RoPE, silu * up, the residual add).
+A group of projections sharing their input (q/k/v; gate/up) goes through `linears`, which
+hands the whole group to the dispatch (the XLA form, the default, is two matmuls per module;
+the Pallas form, `backend="pallas"`, one kernel per group); base and LoRA outputs are summed
+in float32 and cast once, an elementwise add XLA fuses into the consumer (RoPE, silu * up,
+the residual add).
 """
 
 from __future__ import annotations
@@ -17,10 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from pjinfer.kernels import ops
-from pjinfer.kernels.lora_matmul import lora_delta, lora_delta_reference
 from pjinfer.models.layers import linear
-
-__all__ = ["AdaptedWeight", "lora_delta", "lora_delta_reference"]
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["base", "a", "b", "slots"],

@@ -145,8 +145,8 @@ def linears(x: jax.Array, weights: list, biases: list) -> list[jax.Array]:
 
     Plain and quantized weights: `linear` per weight. Adapted weights of one kind (e.g.
     `pjinfer.lora.ops.AdaptedWeight`) are handed the whole group through their type's
-    `linears`, so the group's adapter terms are one kernel at decode instead of one per
-    projection.
+    `linears`, so the group's adapter terms can be computed together (one Pallas kernel per
+    group where that backend is chosen).
     """
     kind = type(weights[0])
     if hasattr(kind, "linears") and all(type(w) is kind for w in weights):

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pjinfer.lora.ops import AdaptedWeight, lora_delta, lora_delta_reference
+from pjinfer.kernels.lora_matmul import lora_delta, lora_delta_reference
+from pjinfer.lora.ops import AdaptedWeight
 from pjinfer.models.layers import linear
 
 
