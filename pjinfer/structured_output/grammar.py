@@ -8,8 +8,9 @@ thread pool, and their results are cached by the constraint's `key`. A request g
 Copies of one matcher also share its lexer's state cache, behind one lock: the parallel mask
 fill of many rows under one grammar then runs about serially (H200 host, 165 rows, 12
 threads: 34 ms a step from one template, 7 ms from 12, 6 ms from 24). So each grammar keeps up
-to `TEMPLATES` independently compiled templates (the extra ones compiled in the background),
-hands its requests out round robin over them, and the mask fill orders rows by template.
+to `TEMPLATES` independently compiled templates (the extra ones compiled in the background,
+one more each time the grammar has more users than templates), hands its requests out round
+robin over them, and the mask fill orders rows by template.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -77,24 +79,34 @@ def result_of(future: Future) -> llguidance.LLMatcher:
 
 
 class CompiledGrammar:
-    """One grammar's pristine matchers: the first compile, then more templates as the
-    background compiles finish. `matcher()` hands out copies round robin over them."""
+    """One grammar's pristine matchers: the first compile, then (as more requests use the
+    grammar, up to `limit`) more independent templates compiled in the background by `grow`.
+    `matcher()` hands out copies round robin over the templates ready so far; a grammar one
+    request uses never compiles another."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str,
-                 first: llguidance.LLMatcher):
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, limit: int,
+                 grow: Callable[[Callable[[], None]], Any]):
         self.tokenizer, self.grammar = tokenizer, grammar
-        self.templates = [first]  # only appended to (atomic under the GIL)
+        self.templates = [self._new()]  # only appended to (atomic under the GIL)
+        self._limit, self._grow, self._requested = limit, grow, 1
         self._next = itertools.count()
 
+    def _new(self) -> llguidance.LLMatcher:
+        return llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0)
+
     def matcher(self) -> tuple[int, llguidance.LLMatcher]:
-        """(template index, a fresh matcher at the grammar's start)."""
+        """(template index, a fresh matcher at the grammar's start); called on one thread
+        (the engine loop)."""
+        n = next(self._next)
+        if n >= self._requested and self._requested < self._limit:  # more users than copies
+            self._requested += 1
+            self._grow(self._add_template)
         templates = self.templates
-        index = next(self._next) % len(templates)
+        index = n % len(templates)
         return index, templates[index].deep_copy()
 
-    def add_template(self) -> None:
-        """Compile one more independent template (runs in the background pool)."""
-        self.templates.append(llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0))
+    def _add_template(self) -> None:
+        self.templates.append(self._new())
 
 
 class GrammarCompiler:
@@ -155,12 +167,9 @@ class GrammarCompiler:
                                                                                  tokenizer)
         if is_error:
             raise ValueError(_error_message(spec, messages[0]))
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise ValueError(_error_message(spec, matcher.get_error()))
-        compiled = CompiledGrammar(tokenizer, grammar, matcher)
-        for _ in range(self._templates - 1):
-            self._extra.submit(compiled.add_template)
+        compiled = CompiledGrammar(tokenizer, grammar, self._templates, self._extra.submit)
+        if compiled.templates[0].is_error():
+            raise ValueError(_error_message(spec, compiled.templates[0].get_error()))
         return compiled
 
     def shutdown(self) -> None:

@@ -83,16 +83,23 @@ def test_padding_ids_past_the_tokenizer_are_masked_off(llm):
 
 def test_requests_spread_over_independent_templates_with_identical_masks(llm):
     """A grammar hands its requests out round robin over independently compiled templates
-    (copies of one template serialize the parallel mask fill); every template allows the
-    same tokens, and rows reach llguidance ordered by template."""
+    (copies of one template serialize the parallel mask fill), compiled as users arrive (a
+    grammar one request uses compiles no other); every template allows the same tokens, and
+    rows reach llguidance ordered by template."""
     from pjinfer.structured_output.grammar import GrammarCompiler
 
+    once = GrammarCompiler(llm.tokenizer, 512, None, templates=3)
+    single = once.compile(StructuredOutputsParams(regex="[a-z]+"))
+    single.matcher()
+    once._extra.shutdown(wait=True)
+    assert len(single.templates) == 1
     compiler = GrammarCompiler(llm.tokenizer, 512, None, templates=3)
     compiled = compiler.compile(StructuredOutputsParams(json={"type": "object"}))
+    pairs = [compiled.matcher() for _ in range(3)]  # users 2 and 3 ask for two more
     compiler._extra.shutdown(wait=True)  # the two background templates
     assert len(compiled.templates) == 3
-    pairs = [compiled.matcher() for _ in range(6)]
-    assert [t for t, _ in pairs] == [0, 1, 2, 0, 1, 2]
+    pairs += [compiled.matcher() for _ in range(3)]
+    assert [t for t, _ in pairs[3:]] == [0, 1, 2]
     manager = StructuredOutputManager(llm.tokenizer, 512, None)
     rows = [SimpleNamespace(samples=True, request=SimpleNamespace(grammar=m, grammar_template=t))
             for t, m in pairs]
