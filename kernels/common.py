@@ -58,6 +58,11 @@ class BlockSizes:
                 raise ValueError(f"{type(self).__name__}.{field.name} must be >= 1")
 
 
+def is_pow2(n: int) -> bool:
+    """A positive power of two (what Triton tiles must be)."""
+    return n >= 1 and not n & (n - 1)
+
+
 def next_pow2(x: int) -> int:
     """Smallest power of two >= x (Triton tiles must be powers of two)."""
     return 1 << max(0, (x - 1).bit_length())

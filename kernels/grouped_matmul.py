@@ -118,7 +118,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     _check(lhs, rhs, group_sizes)
     for name, size in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k),
                        ("k_splits", k_splits)):
-        if size < 1 or size & (size - 1):
+        if not common.is_pow2(size):
             raise ValueError(f"{name} must be a power of two, got {size}")
     num_rows, n = lhs.shape[0], rhs.shape[2]
     lhs_p = _pad_to(lhs, 1, block_k * k_splits)  # [M, K']

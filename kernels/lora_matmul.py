@@ -153,16 +153,12 @@ def _kernel(present_ref, slots_ref, x_ref, *refs, first_programs: tuple[int, ...
             jax.lax.fori_loop(0, chunks, expand, 0)
 
 
-def _pow2(n: int) -> bool:
-    return n >= 1 and not n & (n - 1)
-
-
 def supported(x: jax.Array, adapters: list[Adapter], sizes: LoRABlockSizes) -> bool:
     """Whether the kernel tiles this group (else the XLA form runs): the rank a power of two
     >= 16 (Triton's dot), every module's out a multiple of `width`, the input dim of
     `k_splits * block_k`."""
     d_in, rank = x.shape[1], adapters[0][0].shape[2]
-    return (_pow2(rank) and rank >= 16 and _pow2(sizes.block_n) and _pow2(sizes.block_k)
+    return (rank >= 16 and all(common.is_pow2(b) for b in (rank, sizes.block_n, sizes.block_k))
             and d_in % (sizes.block_k * sizes.k_splits) == 0
             and all(a.shape[0] == d_in and a.shape[1:] == adapters[0][0].shape[1:]
                     and b.shape[:2] == a.shape[1:] and b.shape[2] % sizes.width == 0

@@ -49,8 +49,6 @@ class QuantMatmulBlockSizes(common.BlockSizes):
                 f"s{self.k_splits} w{self.num_warps} st{self.num_stages} "
                 f"({'sum' if self.elementwise else 'dot'})")
 
-def _pow2(n: int) -> bool:
-    return n & (n - 1) == 0
 
 def supported(x: jax.Array, w: QuantizedWeight, sizes: QuantMatmulBlockSizes) -> bool:
     """Whether the kernel tiles this weight with `sizes` (else the reference runs): power-of-
@@ -62,7 +60,7 @@ def supported(x: jax.Array, w: QuantizedWeight, sizes: QuantMatmulBlockSizes) ->
     return (x.shape[-1] == rows and cols % sizes.block_n == 0 and group_rows % bk == 0
             and rows % (bk * sizes.unroll * sizes.k_splits) == 0 and load_rows >= 1
             and (w.kind != "int4" or bk % 2 == 0)
-            and all(_pow2(b) for b in (sizes.block_t, sizes.block_n, load_rows))
+            and all(common.is_pow2(b) for b in (sizes.block_t, sizes.block_n, load_rows))
             and (sizes.elementwise or min(sizes.block_n, load_rows) >= DOT_MIN_ROWS))
 
 
