@@ -17,6 +17,7 @@ from pjinfer.config import ModelConfig, resolve_dtype
 from pjinfer.demo import DEMO_MODEL_DIR
 from pjinfer.engine.runner import CPU_KV_CACHE_BYTES
 from pjinfer.engine.step import kv_bytes_per_block
+from pjinfer.errors import ModelLoadError
 from pjinfer.quantization.config import resolve as resolve_quantization
 from pjinfer.quantization.kv_cache import kv_cache_dtype
 from pjinfer.quantization.loader import device_bytes
@@ -39,7 +40,10 @@ def weight_bytes(model_dir: str | None, dtype: str = "auto",
     dtype; quantized Linear weights at their bits), from config.json alone."""
     cfg = ModelConfig.from_pretrained(model_dir or DEMO_MODEL_DIR)
     model_dtype = resolve_dtype(dtype, cfg)
-    q = resolve_quantization(model_dir, quantization)
+    try:
+        q = resolve_quantization(model_dir, quantization)
+    except ValueError as e:  # the engine arguments are wrong, not the memory too small
+        raise ModelLoadError(str(e)) from None
     return sum(device_bytes(p, q, np.dtype(p.target_dtype(model_dtype)).itemsize)
                for p in cfg.param_specs())
 

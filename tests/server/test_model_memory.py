@@ -38,3 +38,14 @@ def test_weight_bytes_count_quantized_linears_at_their_bits(tmp_path):
     gptq = sum(r * c // 2 + math.ceil(r / 32) * 8 * c + 4 * r for r, c in linears)
     assert plain - weight_bytes(str(folder), "float32") == sum(
         r * c * 4 for r, c in linears) - gptq
+
+
+def test_a_bad_quantization_is_a_load_error_not_a_memory_one():
+    """The pool answers model_load_failed for it (a ValueError would read as no memory)."""
+    import pytest
+
+    from pjinfer.errors import ModelLoadError
+    from pjinfer.server.model_memory import check_fits
+
+    with pytest.raises(ModelLoadError, match="quantization='bogus'"):
+        check_fits("m", None, {"quantization": "bogus"}, 0.5, 1 << 30)
