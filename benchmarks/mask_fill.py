@@ -26,6 +26,17 @@ import numpy as np
 CASES = ((1, 1), (1, 12), (8, 8), (12, 12), (24, 12))  # (templates, fill threads)
 
 
+def _cases(text: str) -> tuple[tuple[int, int], ...]:
+    try:
+        cases = tuple(tuple(int(v) for v in c.split(":")) for c in text.split(","))
+    except ValueError:
+        cases = ()
+    if not cases or any(len(c) != 2 or min(c) < 1 for c in cases):
+        raise argparse.ArgumentTypeError(f"{text!r}: give templates:threads pairs of positive "
+                                         "integers, e.g. 1:1,12:12")
+    return cases
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m pjinfer.benchmarks.mask_fill",
                                 description=__doc__.splitlines()[0])
@@ -34,7 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=128256)
     p.add_argument("--schema", default=None, metavar="PATH",
                    help="JSON schema file (default: the W4 structured benchmark's)")
-    p.add_argument("--cases", default=None, metavar="T:N,...",
+    p.add_argument("--cases", type=_cases, default=CASES, metavar="T:N,...",
                    help="templates:threads pairs (default: 1:1,1:12,8:8,12:12,24:12)")
     p.add_argument("--out", default=None, help="JSON result path")
     return p.parse_args(argv)
@@ -75,14 +86,12 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     schema = json.loads(Path(args.schema).read_text()) if args.schema else W4_SCHEMA
-    cases = ([tuple(int(v) for v in c.split(":")) for c in args.cases.split(",")]
-             if args.cases else CASES)
     hf = AutoTokenizer.from_pretrained(str(bpe_tokenizer_dir(args.vocab_size)))
     compiler = GrammarCompiler(hf, args.vocab_size, None, templates=1)
     grammar = grammar_text(StructuredOutputsParams(json=schema))
     record: dict[str, Any] = {"cpu_count": os.cpu_count(), "rows": args.rows,
                               "steps": args.steps, "vocab_size": args.vocab_size, "cases": {}}
-    for templates, threads in cases:
+    for templates, threads in args.cases:
         result = fill_steps(compiler.tokenizer(), grammar, templates, threads, args.rows,
                             args.steps, args.vocab_size)
         record["cases"][f"templates{templates}_threads{threads}"] = result
