@@ -34,3 +34,15 @@ def test_sweep_records_every_tiling_per_kind_and_tokens(tmp_path):
     ms = [r["ms"] for r in sweep["tilings"]]
     assert ms == sorted(ms) and sweep["default_vs_best"] >= 1.0
     assert all(r["tb_per_s"] > 0 for r in sweep["tilings"])
+
+
+def test_kernel_check_records_error_and_rate(tmp_path):
+    from pjinfer.benchmarks import quant_kernel_check
+
+    out = tmp_path / "check.json"
+    assert quant_kernel_check.main(["--matrices", "1", "--k", "256", "--n", "128",
+                                    "--tokens", "1", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["device"]["device_kind"]
+    for kind in ("int4", "int8", "fp8"):
+        assert rec[f"{kind}_T1"]["rel_err"] < 1e-2 and rec[f"{kind}_T1"]["TBps"] > 0
