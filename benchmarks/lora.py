@@ -16,10 +16,12 @@ Targets (issue 15): LoRA throughput >= 75% of the base's; W1 TPOT overhead <= 15
 Microbenchmark: the LoRA term of each group of projections sharing an input (q/k/v, gate/up,
 o, down), added to its base outputs as the model does (`AdaptedWeight.linears`), in the XLA form
 (one-hot shrink + expand per module) and with the Pallas kernel (pjinfer/kernels/lora_matmul.py,
-one call per group), at several token counts with max_loras = used slots of rank R. One jitted
+one call per group), at several token counts with max_loras = used slots of rank R, each
+token on its own adapter (cycling over the L slots: "spread"), and W1's step: one real token
+on one adapter, padded with base rows to the engine's 16-token bucket ("batch1"). One jitted
 call covers the group in every layer, so the per-call Python dispatch (~50 us) does not hide
 the device time; times are per layer-group, and `shrink_expand_per_step_s` sums a whole step.
-Roofline: bytes = A and B of the slots the tokens use (min(T, L) x R x (in x modules + outs))
+Roofline: bytes = A and B of the slots the tokens use (adapters x R x (in x modules + outs))
 + x read + the float32 base read and result written; FLOPs = 2 x T x R x (in x modules +
 outs); time >= max(bytes / bandwidth, FLOPs / matmul rate), with the ceilings measured in the
 same process (pjinfer.benchmarks.ceilings).
@@ -74,9 +76,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--micro-tokens", default=None,
                    help="token counts of the shrink/expand microbenchmark (default "
                    "1,16,64,256; --smoke: 1,16); the kernel runs up to LORA_PALLAS_MAX_ROWS")
-    p.add_argument("--kernel-min-programs", default="",
-                   help="extra LoRA kernel tilings to time, e.g. 16,64,128 (min programs per "
-                   "group, pjinfer.kernels.lora_matmul.pick_block_sizes)")
+    p.add_argument("--kernel-k-ranges", default="",
+                   help="extra LoRA kernel tilings to time, e.g. 1024,4096 (input rows per "
+                   "program, pjinfer.kernels.lora_matmul.pick_block_sizes)")
     p.add_argument("--skip-engine", action="store_true", help="microbenchmark only")
     p.add_argument("--smoke", action="store_true",
                    help="tiny sizes on the embedded demo model (CPU plumbing check)")
@@ -160,13 +162,19 @@ def _timed(inputs: tuple, sizes: Any, timing: dict, layers: int,
     return out if sizes is None else {**out, "block_sizes": dataclasses.asdict(sizes)}
 
 
+def _slot_layouts(token_counts: list[int], slots: int) -> list[tuple[str, int, np.ndarray]]:
+    """(layout, T, token slots): every T "spread" (token t on adapter 1 + t mod L), then
+    "batch1": W1's step, one token on adapter 1 and 15 base rows (the 16-token bucket)."""
+    out = [("spread", t, 1 + np.arange(t) % slots) for t in token_counts]
+    return out + [("batch1", 16, np.eye(1, 16, dtype=np.int64)[0])]
+
+
 def microbenchmark(cfg: Any, slots: int, rank: int, token_counts: list[int], ceilings: Any,
-                   dtype: str, min_programs: tuple[int, ...] = ()) -> list[dict[str, Any]]:
-    """Per group and token count: one jitted call over every layer's group (so Python
-    dispatch, ~50 us a call, does not hide microseconds of device time), XLA form vs Pallas
-    kernel, per layer-group. Tokens use slots 1 + t mod L (none is the base model).
-    `min_programs`: extra kernel tilings to time (`pick_block_sizes(..., min_programs)`),
-    under "pallas_by_min_programs"."""
+                   dtype: str, k_ranges: tuple[int, ...] = ()) -> list[dict[str, Any]]:
+    """Per group, slot layout and token count: one jitted call over every layer's group (so
+    Python dispatch, ~50 us a call, does not hide microseconds of device time), XLA form vs
+    Pallas kernel, per layer-group. `k_ranges`: extra kernel tilings to time
+    (`pick_block_sizes(..., max_k_range)`), under "pallas_by_k_range"."""
     import jax
     import jax.numpy as jnp
 
@@ -187,41 +195,43 @@ def microbenchmark(cfg: Any, slots: int, rank: int, token_counts: list[int], cei
                       (jax.random.normal(next(keys), (slots, rank, o)) * 0.01).astype(dtype))
                      for o in outs] for _ in range(layers)]
         kernel_fits = supported(jnp.zeros((1, d_in)), adapters[0], pick_block_sizes(d_in, outs))
-        for t in token_counts:
+        for layout, t, token_slots in _slot_layouts(token_counts, slots):
             x = jax.random.normal(jax.random.key(t), (t, d_in)).astype(dtype)
-            token_slots = (1 + jnp.arange(t) % slots).astype(jnp.int32)
             base = [jnp.zeros((t, o), jnp.float32) for o in outs]
-            used = min(t, slots)
+            used = len(set(token_slots.tolist()) - {0})
             nbytes = layers * (used * rank * (d_in * len(outs) + sum(outs)) * item
                                + t * d_in * item + t * sum(outs) * (4 + item))
             flops = layers * 2 * t * rank * (d_in * len(outs) + sum(outs))
             bound = max(nbytes / ceilings.hbm_bytes_per_s, flops / ceilings.matmul_flops_per_s)
             row = {"group": group, "modules": list(modules), "in": d_in, "outs": outs,
-                   "tokens": t, "slots": slots, "rank": rank, "layers": layers,
-                   "bytes": nbytes, "flops": flops, "roofline_s": bound / layers}
+                   "layout": layout, "tokens": t, "adapters_used": used, "slots": slots,
+                   "rank": rank, "layers": layers, "bytes": nbytes, "flops": flops,
+                   "roofline_s": bound / layers}
             kernel_runs = kernel_fits and t <= LORA_PALLAS_MAX_ROWS  # the kernel's own limit
 
-            inputs, per_layer = (x, adapters, token_slots, base), bound / layers
+            inputs = (x, adapters, jnp.asarray(token_slots, jnp.int32), base)
+            per_layer = bound / layers
             row["xla"] = _timed(inputs, None, timing, layers, per_layer)
             row["pallas"] = (_timed(inputs, pick_block_sizes(d_in, outs), timing, layers,
                                     per_layer) if kernel_runs else None)
-            if kernel_runs and min_programs:
-                row["pallas_by_min_programs"] = {
+            if kernel_runs and k_ranges:
+                row["pallas_by_k_range"] = {
                     str(n): _timed(inputs, pick_block_sizes(d_in, outs, n), timing, layers,
-                                   per_layer) for n in min_programs}
+                                   per_layer) for n in k_ranges}
             rows.append(row)
         del adapters
     return rows
 
 
 def step_totals(rows: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
-    """Per token count and form: the LoRA term of a whole step (every group of every layer)."""
+    """Per slot layout and token count ("spread/16", "batch1/16") and form: the LoRA term of
+    a whole step (every group of every layer)."""
     out: dict[str, dict[str, float | None]] = {}
-    for t in sorted({r["tokens"] for r in rows}):
-        mine = [r for r in rows if r["tokens"] == t]
-        out[str(t)] = {form: (None if any(r[form] is None for r in mine) else
-                              sum(r[form]["best_s"] * r["layers"] for r in mine))
-                       for form in ("xla", "pallas")}
+    for key in dict.fromkeys(f"{r['layout']}/{r['tokens']}" for r in rows):
+        mine = [r for r in rows if f"{r['layout']}/{r['tokens']}" == key]
+        out[key] = {form: (None if any(r[form] is None for r in mine) else
+                           sum(r[form]["best_s"] * r["layers"] for r in mine))
+                    for form in ("xla", "pallas")}
     return out
 
 
@@ -302,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = [int(t) for t in args.micro_tokens.split(",")]
     record["shrink_expand"] = microbenchmark(
         cfg, args.used_adapters, args.rank, tokens, ceilings, args.dtype,
-        tuple(int(n) for n in args.kernel_min_programs.split(",") if n))
+        tuple(int(n) for n in args.kernel_k_ranges.split(",") if n))
     record["shrink_expand_per_step_s"] = step_totals(record["shrink_expand"])
     if not args.skip_engine:
         with tempfile.TemporaryDirectory(prefix="pjinfer-lora-bench-") as tmp:
@@ -324,9 +334,9 @@ def main(argv: list[str] | None = None) -> int:
 def _print(record: dict[str, Any]) -> None:
     def us(x: dict | None) -> str:
         return "-" if x is None else f"{x['best_s'] * 1e6:.1f} us ({x['fraction_of_roofline']:.0%})"
-    rows = [(f"{r['group']} T={r['tokens']} xla / pallas", f"{us(r['xla'])} / {us(r['pallas'])}")
-            for r in record["shrink_expand"]]
-    rows += [(f"step T={t} xla / pallas", " / ".join(
+    rows = [(f"{r['group']} {r['layout']} T={r['tokens']} xla / pallas",
+             f"{us(r['xla'])} / {us(r['pallas'])}") for r in record["shrink_expand"]]
+    rows += [(f"step {t} xla / pallas", " / ".join(
         "-" if v is None else f"{v * 1e3:.3f} ms" for v in forms.values()))
         for t, forms in record["shrink_expand_per_step_s"].items()]
     res = record.get("results")

@@ -13,17 +13,17 @@ projection costs ~4 tiny kernels (shrink, mask, expand, add), ~13 us on the H200
 a Llama-3-8B step.
 
 Pallas form (`lora_group_delta`): one pallas_call per group of modules sharing x (q/k/v;
-gate/up; o; down), for decode-sized T (all tokens in one row tile). Grid (K split, column
-range): a program owns `chunks` x `block_n` columns of one module and one `1 / k_splits` of
-the input dim. It shrinks x over its K range for each slot some token of the step uses
-(`present`: x is read once per K step, a slot's R columns of A only when used, so batch 1
-reads one adapter), zeroes the rows of other slots and expands its columns tile by tile by
-the used slots' [R, block_n] tiles of B. The shrink is repeated by every program of a group
-(from L2), so a group gets few programs (32-64) each expanding several tiles; the K split
-bounds the shrink of a wide input (down: 14,336). Each split writes a float32 partial sum
-(rounding the partials to the activation dtype would save a few hundred KB per group but
-change the XLA form's float32 sum); the caller adds them to the base output, an elementwise
-add XLA fuses into the consumers (RoPE, silu * up, the residual add).
+gate/up; o; down), for decode-sized T (all tokens in one row tile). XLA lists the adapter rows
+some token of the step uses (`used_rows`, once a step: every group's copy is the same
+computation, which XLA's CSE merges). Grid (K split, column tile): a program owns `block_n`
+columns of one module and one of `k_splits` ranges of the input dim; for each used adapter
+only (a loop of dynamic length: batch 1 runs it once) it shrinks x over its K range by that
+adapter's R columns of A, keeps the rows of that adapter's tokens and expands them by the
+adapter's [R, block_n] tile of B into one float32 accumulator. By linearity the K ranges'
+partial sums add up to the term (x A B = sum_k x_k A_k B): each split writes its own
+[T, out] partial (float32, as the XLA form sums), added by an elementwise add that XLA fuses
+into the consumers (RoPE, silu * up, the residual add). Every program repeats its range's
+shrink (from L2), so the K split also bounds that repetition.
 """
 
 from __future__ import annotations
@@ -86,34 +86,34 @@ def lora_group_delta_reference(x: jax.Array, adapters: list[Adapter],
 # ---- Pallas kernel ----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, slots=True)
 class LoRABlockSizes(common.BlockSizes):
-    """Static tiling: a program owns `chunks` x `block_n` output columns of one module (it
-    shrinks once, then expands chunk by chunk) and one of `k_splits` ranges of the input dim,
-    walked in `block_k` steps."""
+    """Static tiling: a program owns `block_n` output columns of one module and one of
+    `k_splits` ranges of the input dim, walked in `block_k` steps."""
 
     block_n: int = 128
-    chunks: int = 1
     block_k: int = 256
     k_splits: int = 1
     num_warps: int = 4
     num_stages: int = 3
 
-    @property
-    def width(self) -> int:
-        """Output columns per program."""
-        return self.block_n * self.chunks
+
+def used_rows(slots: jax.Array, num_slots: int) -> tuple[jax.Array, jax.Array]:
+    """slots [T] -> (rows [L] int32: the adapter rows some token uses first, then the rest;
+    count [1] int32: how many are used)."""
+    present = jnp.any(slots[:, None] == jnp.arange(1, num_slots + 1, dtype=slots.dtype)[None],
+                      axis=0)  # [L]
+    rows = jnp.argsort(~present, stable=True).astype(jnp.int32)
+    return rows, jnp.sum(present, dtype=jnp.int32)[None]
 
 
-def _kernel(present_ref, slots_ref, x_ref, *refs, first_programs: tuple[int, ...], rank: int,
-            num_slots: int, block_k: int, k_steps: int, block_n: int, chunks: int):
-    """Program (split, p): the shrink of every present slot over K range `split` (x read once
-    per step, a slot's A only when some token uses it), rows of other slots zeroed, then the
-    expand of p's columns of its module, `block_n` at a time, each stored once."""
+def _kernel(rows_ref, count_ref, slots_ref, x_ref, *refs, first_programs: tuple[int, ...],
+            rank: int, block_k: int, k_steps: int, block_n: int):
+    """Program (split, p): for each used adapter, the shrink of x over K range `split` by
+    its A, the rows of its tokens kept, the expand by its B tile of p's columns."""
     *ab_refs, o_ref = refs
     split, prog = pl.program_id(0), pl.program_id(1)
     block_t = o_ref.shape[0]
     dtype = x_ref.dtype
     slots = slots_ref[...]  # [bt]
-    present = [present_ref[slot] > 0 for slot in range(num_slots)]
     ends = (*first_programs[1:], None)
     for m, (first, end) in enumerate(zip(first_programs, ends, strict=True)):
         a_ref, b_ref = ab_refs[2 * m], ab_refs[2 * m + 1]
@@ -121,70 +121,52 @@ def _kernel(present_ref, slots_ref, x_ref, *refs, first_programs: tuple[int, ...
 
         @pl.when(mine)  # exactly one module owns each program's columns
         def _(a_ref=a_ref, b_ref=b_ref, first=first):
-            def shrink(kb, hs):  # hs: per slot [bt, R] float32
-                ks = pl.ds((split * k_steps + kb) * block_k, block_k)
-                x = x_ref[:, ks]  # [bt, bk]
+            cols = pl.ds((prog - first) * block_n, block_n)
 
-                def add(h, slot):
-                    a = a_ref[ks, pl.ds(slot * rank, rank)].astype(dtype)  # [bk, R]
-                    return h + jnp.dot(x, a, preferred_element_type=jnp.float32)
-                return tuple(jax.lax.cond(present[slot], functools.partial(add, slot=slot),
-                                          lambda h: h, h) for slot, h in enumerate(hs))
+            def adapter(i, acc):  # acc [bt, bn] float32
+                row = rows_ref[i]
+                a_cols = pl.ds(row * rank, rank)
 
-            zero = jnp.zeros((block_t, rank), jnp.float32)
-            hs = jax.lax.fori_loop(0, k_steps, shrink, (zero,) * num_slots)
-            hs = [jnp.where((slots == slot + 1)[:, None], h, 0.0).astype(dtype)
-                  for slot, h in enumerate(hs)]  # [bt, R] each, rows of this slot only
-            col0 = (prog - first) * block_n * chunks
+                def shrink(kb, h):  # h [bt, R] float32
+                    ks = pl.ds((split * k_steps + kb) * block_k, block_k)
+                    a = a_ref[ks, a_cols].astype(dtype)  # [bk, R]
+                    return h + jnp.dot(x_ref[:, ks], a, preferred_element_type=jnp.float32)
+                h = jax.lax.fori_loop(0, k_steps, shrink, jnp.zeros((block_t, rank), jnp.float32))
+                h = jnp.where((slots == row + 1)[:, None], h, 0.0).astype(dtype)
+                b = b_ref[pl.ds(row * rank, rank), cols].astype(dtype)  # [R, bn]
+                return acc + jnp.dot(h, b, preferred_element_type=jnp.float32)
 
-            def expand(c, carry):
-                cols = pl.ds(col0 + c * block_n, block_n)
-
-                def add(acc, slot):
-                    b = b_ref[pl.ds(slot * rank, rank), cols].astype(dtype)  # [R, bn]
-                    return acc + jnp.dot(hs[slot], b, preferred_element_type=jnp.float32)
-                acc = jnp.zeros((block_t, block_n), jnp.float32)
-                for slot in range(num_slots):
-                    acc = jax.lax.cond(present[slot], functools.partial(add, slot=slot),
-                                       lambda acc: acc, acc)
-                o_ref[:, pl.ds(c * block_n, block_n)] = acc.astype(o_ref.dtype)
-                return carry
-
-            jax.lax.fori_loop(0, chunks, expand, 0)
+            o_ref[...] = jax.lax.fori_loop(0, count_ref[0], adapter,
+                                           jnp.zeros((block_t, block_n), jnp.float32))
 
 
 def supported(x: jax.Array, adapters: list[Adapter], sizes: LoRABlockSizes) -> bool:
     """Whether the kernel tiles this group (else the XLA form runs): the rank a power of two
-    >= 16 (Triton's dot), every module's out a multiple of `width`, the input dim of
+    >= 16 (Triton's dot), every module's out a multiple of `block_n`, the input dim of
     `k_splits * block_k`."""
     d_in, rank = x.shape[1], adapters[0][0].shape[2]
     return (rank >= 16 and all(common.is_pow2(b) for b in (rank, sizes.block_n, sizes.block_k))
             and d_in % (sizes.block_k * sizes.k_splits) == 0
             and all(a.shape[0] == d_in and a.shape[1:] == adapters[0][0].shape[1:]
-                    and b.shape[:2] == a.shape[1:] and b.shape[2] % sizes.width == 0
+                    and b.shape[:2] == a.shape[1:] and b.shape[2] % sizes.block_n == 0
                     for a, b in adapters))
 
 
-MAX_K_RANGE = 4096  # input rows one program shrinks: ~260 KB of x and A at 16 tokens, rank 16
-MIN_PROGRAMS = 32  # of 132 SMs: each program repeats its shrink, so more add L2 traffic
+MAX_K_RANGE = 2048  # input rows one program shrinks: its serial chain, 8 steps of 256
 
 
-def pick_block_sizes(d_in: int, outs: list[int], min_programs: int = MIN_PROGRAMS
+def pick_block_sizes(d_in: int, outs: list[int], max_k_range: int = MAX_K_RANGE
                      ) -> LoRABlockSizes:
-    """Each program repeats the shrink of its K range (x and the used slots' A, read from L2),
-    so the group gets few programs, each expanding several column tiles: K split in two
-    until a program's range is <= `MAX_K_RANGE` rows; `block_n` the widest tile (<= 128)
-    dividing every module's out; then the most chunks (<= 8) per program that still leave
-    `min_programs`. Llama-3-8B: q/k/v 48 programs of 128 columns, gate/up 56 of 512, o 32 of
-    128, down 8 of 512 x 4 K splits."""
+    """`block_n` the widest tile (<= 128) dividing every module's out; `block_k` the widest
+    (<= 256) dividing the input dim; then the fewest K splits (a divisor of the K steps)
+    leaving each program at most `max_k_range` input rows. Llama-3-8B at 2,048: q/k/v 48
+    column tiles x 2 splits, gate/up 224 x 2, o 32 x 2, down 32 x 7 (14,336 rows)."""
     block_n = next((b for b in (128, 64, 32, 16) if all(o % b == 0 for o in outs)), 128)
     block_k = next((b for b in (256, 128, 64, 32, 16) if d_in % b == 0), 256)
-    splits = 1
-    while d_in // splits > MAX_K_RANGE and d_in % (2 * splits * block_k) == 0:
-        splits *= 2
-    chunks = next((c for c in (8, 4, 2) if all(o % (c * block_n) == 0 for o in outs)
-                   and splits * sum(outs) // (c * block_n) >= min_programs), 1)
-    return LoRABlockSizes(block_n=block_n, chunks=chunks, block_k=block_k, k_splits=splits)
+    steps = max(1, d_in // block_k)
+    splits = next((s for s in range(1, steps + 1)
+                   if steps % s == 0 and d_in // s <= max_k_range), steps)
+    return LoRABlockSizes(block_n=block_n, block_k=block_k, k_splits=splits)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
@@ -206,26 +188,24 @@ def lora_group_delta(x: jax.Array, adapters: list[Adapter], slots: jax.Array, *,
     block_t = max(16, common.next_pow2(t))
     xp = jnp.pad(x, ((0, block_t - t), (0, 0)))  # [bt, in]; no-op for a bucketed step
     sp = jnp.pad(slots.astype(jnp.int32), (0, block_t - t))  # [bt], padding rows: base
-    present = jnp.any(sp[:, None] == jnp.arange(1, num_slots + 1)[None, :], axis=0
-                      ).astype(jnp.int32)  # [L] slots some token uses
+    rows, count = used_rows(sp, num_slots)
     mats = [m for a, b in adapters for m in (a.reshape(d_in, num_slots * rank),
                                              b.reshape(num_slots * rank, -1))]
-    programs = [o // sizes.width for o in outs]
+    programs = [o // sizes.block_n for o in outs]
     first_programs = tuple(sum(programs[:m]) for m in range(len(programs)))
     kernel = functools.partial(
-        _kernel, first_programs=first_programs, rank=rank, num_slots=num_slots,
-        block_k=sizes.block_k, k_steps=d_in // (sizes.block_k * sizes.k_splits),
-        block_n=sizes.block_n, chunks=sizes.chunks)
-    parts = pl.pallas_call(  # inputs whole: each program slices its module, slot and K range
+        _kernel, first_programs=first_programs, rank=rank, block_k=sizes.block_k,
+        k_steps=d_in // (sizes.block_k * sizes.k_splits), block_n=sizes.block_n)
+    parts = pl.pallas_call(  # inputs whole: each program slices its module, adapter, K range
         kernel,
         grid=(sizes.k_splits, sum(programs)),
-        in_specs=[common.whole_spec(v.shape) for v in (present, sp, xp, *mats)],
-        out_specs=pl.BlockSpec((None, block_t, sizes.width), lambda s, j: (s, 0, j)),
+        in_specs=[common.whole_spec(v.shape) for v in (rows, count, sp, xp, *mats)],
+        out_specs=pl.BlockSpec((None, block_t, sizes.block_n), lambda s, j: (s, 0, j)),
         out_shape=jax.ShapeDtypeStruct((sizes.k_splits, block_t, sum(outs)), jnp.float32),
         compiler_params=common.triton_params(sizes.num_warps, sizes.num_stages),
         interpret=interpret,
         name="lora_group_shrink_expand",
-    )(present, sp, xp, *mats)
+    )(rows, count, sp, xp, *mats)
     total = parts[0, :t]
     for s in range(1, sizes.k_splits):  # elementwise adds: fused into the consumers
         total = total + parts[s, :t]

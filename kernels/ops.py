@@ -182,12 +182,11 @@ def lora_group_deltas(x: jax.Array, adapters: list[lora_matmul.Adapter], slots: 
     """The LoRA term of each module of a group sharing the input x [T, in]: per module
     (A [in, L, R], B [L, R, out_m]) -> [T, out_m] float32 (see `kernels.lora_matmul`).
 
-    The XLA form (two dense matmuls per module) everywhere by default: on the H200 the
-    one-kernel-per-group Pallas form measured slower at decode (Llama-3-8B groups at 16 rows,
-    8 adapters: 131-150 us per group vs 8-28 us; a whole step 17.7 vs 2.4 ms), since each of
-    its programs repeats the group's shrink. `backend="pallas"` runs it (decode-sized steps,
-    up to `LORA_PALLAS_MAX_ROWS` rows, no tensor-parallel mesh) for tests and benchmarks."""
-    if (backend != "auto" and _use_pallas(backend) and x.shape[0] <= LORA_PALLAS_MAX_ROWS
+    Decode-sized steps (up to `LORA_PALLAS_MAX_ROWS` rows) without a tensor-parallel mesh run
+    the Pallas kernel on GPU (one kernel per group instead of ~4 small XLA kernels per
+    module); larger steps, CPU and `backend="reference"`, the XLA form (two dense matmuls per
+    module)."""
+    if (_use_pallas(backend) and x.shape[0] <= LORA_PALLAS_MAX_ROWS
             and traced_tp_mesh() is None):
         return lora_matmul.lora_group_delta(x, adapters, slots,
                                             interpret=jax.default_backend() != "gpu")

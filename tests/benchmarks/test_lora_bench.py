@@ -27,7 +27,8 @@ def test_microbenchmark_record(tmp_path):
                        "--out", str(out)]) == 0
     record = json.loads(out.read_text())
     rows = record["shrink_expand"]
-    assert {r["tokens"] for r in rows} == {3}
+    assert {(r["layout"], r["tokens"]) for r in rows} == {("spread", 3), ("batch1", 16)}
+    assert {r["adapters_used"] for r in rows} == {2, 1}
     assert {r["group"] for r in rows} == set(bench.GROUPS)
     for r in rows:  # both forms timed (the kernel in interpret mode), against one roofline
         assert r["roofline_s"] > 0

@@ -10,12 +10,14 @@ import pytest
 
 from pjinfer.kernels import ops
 from pjinfer.kernels.lora_matmul import (
+    MAX_K_RANGE,
     LoRABlockSizes,
     lora_delta,
     lora_group_delta,
     lora_group_delta_reference,
     pick_block_sizes,
     supported,
+    used_rows,
 )
 
 INTERPRET = jax.default_backend() != "gpu"
@@ -38,10 +40,11 @@ def _group(seed: int, t: int, d_in: int, outs: list[int], num_slots: int, rank: 
 
 
 @pytest.mark.parametrize("t, d_in, outs, num_slots, sizes, slots", [
-    (5, 128, [64, 32, 96], 3, (32, 1, 32, 2), [0, 1, 3, 3, 0]),  # q/k/v-like; empty slot used
-    (1, 64, [48], 4, (16, 3, 16, 1), [2]),  # batch 1, one module, 3 column tiles a program
-    (19, 96, [32, 64], 2, (16, 2, 16, 3), None),  # odd T, 2 tiles a program, K split 3 ways
-    (4, 64, [16, 16], 5, (16, 1, 64, 1), [0, 0, 0, 0]),  # only base tokens: all zero
+    (5, 128, [64, 32, 96], 3, (32, 32, 2), [0, 1, 3, 3, 0]),  # q/k/v-like; empty slot used
+    (1, 64, [48], 4, (16, 16, 1), [2]),  # batch 1, one module, 3 column tiles
+    (19, 96, [32, 64], 2, (16, 16, 3), None),  # odd T, K split 3 ways
+    (6, 64, [32], 5, (32, 16, 2), [4, 2, 0, 5, 2, 1]),  # adapters used out of row order
+    (4, 64, [16, 16], 5, (16, 64, 1), [0, 0, 0, 0]),  # only base tokens: all zero
 ])
 def test_kernel_matches_reference(t, d_in, outs, num_slots, sizes, slots):
     x, adapters, token_slots = _group(t + d_in, t, d_in, outs, num_slots, 16, slots)
@@ -65,17 +68,24 @@ def test_bfloat16_matches_xla_form():
 
 
 def test_block_sizes_for_llama3_8b():
-    """Every decode group of Llama-3-8B tiles without padding, in 32-64 programs."""
-    for d_in, outs, (width, splits) in (
-            (4096, [4096, 1024, 1024], (128, 1)), (4096, [14336, 14336], (512, 1)),
-            (4096, [4096], (128, 1)), (14336, [4096], (512, 4))):
+    """Every decode group of Llama-3-8B tiles without padding, no program shrinking more
+    than MAX_K_RANGE input rows."""
+    for d_in, outs, splits in (
+            (4096, [4096, 1024, 1024], 2), (4096, [14336, 14336], 2),
+            (4096, [4096], 2), (14336, [4096], 7)):
         bs = pick_block_sizes(d_in, outs)
         x = jnp.zeros((16, d_in), jnp.bfloat16)
         adapters = [(jax.ShapeDtypeStruct((d_in, 8, 16), jnp.bfloat16),
                      jax.ShapeDtypeStruct((8, 16, o), jnp.bfloat16)) for o in outs]
         assert supported(x, adapters, bs)
-        assert (bs.width, bs.k_splits) == (width, splits)
-        assert 32 <= bs.k_splits * sum(outs) // bs.width <= 64
+        assert (bs.block_n, bs.k_splits) == (128, splits)
+        assert d_in // bs.k_splits <= MAX_K_RANGE
+
+
+def test_used_rows_lists_the_adapters_of_the_step_first():
+    rows, count = used_rows(jnp.asarray([0, 3, 1, 3, 0], jnp.int32), 4)
+    assert int(count[0]) == 2 and sorted(np.asarray(rows)[:2].tolist()) == [0, 2]
+    assert sorted(np.asarray(rows).tolist()) == [0, 1, 2, 3]
 
 
 def test_unsupported_rank_takes_the_xla_form_and_dispatch_agrees():
