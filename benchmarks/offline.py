@@ -132,6 +132,9 @@ def planned_shape(engine_args: dict[str, Any]) -> ModelShape:
     return ModelShape.from_model_config(cfg, engine_args.get("dtype", "auto"))
 
 
+ROUTED_EXPERTS = "experts_"  # MoE params [E, ...]: experts_gate_up, experts_down
+
+
 def model_shape(engine: Any) -> ModelShape:
     """The roofline's view of the loaded model, in the dtype the engine actually runs, with
     the bytes its layers and KV cache really take (quantized weights count packed)."""
@@ -142,7 +145,11 @@ def model_shape(engine: Any) -> ModelShape:
     runner = engine.runner
     shape = ModelShape.from_model_config(engine.model_config,
                                          dtype=np.dtype(runner.act_dtype).name)
-    layers = sum(a.nbytes for a in jax.tree.leaves(runner.params["layers"]))
+    # Routed experts are counted apart (`expert_weight_bytes`: only those a step's tokens
+    # chose), so the layers' bytes read every step leave them out.
+    leaves = jax.tree_util.tree_leaves_with_path(runner.params["layers"])
+    layers = sum(a.nbytes for path, a in leaves
+                 if not any(str(getattr(k, "key", "")).startswith(ROUTED_EXPERTS) for k in path))
     return dataclasses.replace(shape, layer_bytes=layers,
                                kv_dtype_bytes=np.dtype(runner.kv_dtype).itemsize)
 

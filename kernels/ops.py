@@ -182,11 +182,14 @@ def lora_group_deltas(x: jax.Array, adapters: list[lora_matmul.Adapter], slots: 
     """The LoRA term of each module of a group sharing the input x [T, in]: per module
     (A [in, L, R], B [L, R, out_m]) -> [T, out_m] float32 (see `kernels.lora_matmul`).
 
-    Decode-sized steps (up to `LORA_PALLAS_MAX_ROWS` rows) without a tensor-parallel mesh run
-    the Pallas kernel on GPU (one kernel per group instead of ~4 small XLA kernels per
-    module); larger steps, CPU and `backend="reference"`, the XLA form (two dense matmuls per
-    module)."""
-    if (_use_pallas(backend) and x.shape[0] <= LORA_PALLAS_MAX_ROWS
+    The XLA form (two dense matmuls per module) everywhere by default: on the H200 the Pallas
+    form (one kernel per group) made the engine's batch-1 step slower, not faster (Llama-3-8B,
+    8 adapters: W1 TPOT 8.91 ms vs 7.45 with the XLA form, base 4.54; W3 0.84 vs 0.89 of the
+    base), since its programs repeat their K range's shrink per used adapter and every
+    Pallas call is a kernel launched outside XLA's command buffers. `backend="pallas"` runs
+    it (decode-sized steps, up to `LORA_PALLAS_MAX_ROWS` rows, no tensor-parallel mesh) for
+    tests and benchmarks."""
+    if (backend != "auto" and _use_pallas(backend) and x.shape[0] <= LORA_PALLAS_MAX_ROWS
             and traced_tp_mesh() is None):
         return lora_matmul.lora_group_delta(x, adapters, slots,
                                             interpret=jax.default_backend() != "gpu")

@@ -206,3 +206,23 @@ def test_moe_roofline_counts_experts_read_and_active_flops():
     assert one.expert_weight_bytes == 48 * 8 * expert * 2
     assert sequence_work(shape, 0, 1, 0).layer_flops == 2 * (shape.layer_params
                                                              + 48 * 8 * expert)
+
+
+def test_loaded_moe_layer_bytes_leave_the_routed_experts_out():
+    """The engine-side shape counts the layers' bytes read every step from the loaded params;
+    routed experts are `expert_weight_bytes` (only those chosen), never part of them."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from pjinfer.benchmarks.offline import model_shape
+    from pjinfer.config import ModelConfig
+
+    cfg = ModelConfig.from_pretrained("configs/models/qwen3-30b-a3b")
+    layer = {"q_proj": np.zeros((8, 4), np.float32), "router": np.zeros((8, 16), np.float32),
+             "experts_gate_up": np.zeros((16, 8, 2, 4), np.float32),
+             "experts_down": np.zeros((16, 4, 8), np.float32)}
+    runner = SimpleNamespace(params={"layers": [layer, dict(layer)]},
+                             act_dtype=np.dtype(np.float32), kv_dtype=np.dtype(np.float32))
+    shape = model_shape(SimpleNamespace(runner=runner, model_config=cfg))
+    assert shape.layer_weight_bytes == 2 * (8 * 4 + 8 * 16) * 4
