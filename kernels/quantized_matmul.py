@@ -155,7 +155,10 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
                 if sizes.elementwise:  # [load_rows, bn] += x[t, rows, None] * w
                     for t in range(bt):
                         acc[t] = acc[t] + xp[t].astype(jnp.float32)[:, None] * w
-                else:
+                elif sizes.weight_lhs:  # [bn, bt] += w^T [bn, rows] @ x^T [rows, bt]
+                    acc[0] = acc[0] + jnp.dot(w.astype(xp.dtype).T, xp.T,
+                                              preferred_element_type=jnp.float32)
+                else:  # [bt, bn] += x [bt, rows] @ w [rows, bn]
                     acc[0] = acc[0] + jnp.dot(xp, w.astype(xp.dtype),
                                               preferred_element_type=jnp.float32)
         return tuple(acc)
@@ -174,9 +177,10 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
         for t in range(bt):
             o_ref[t, :] = acc[t].sum(axis=0).astype(o_ref.dtype)
     else:  # Triton's pipeliner stages the loads that feed the dots (`num_stages`)
+        shape = (bn, bt) if sizes.weight_lhs else (bt, bn)
         acc = jax.lax.fori_loop(0, steps, lambda k, acc: consume(acc, load(k)),
-                                (jnp.zeros((bt, bn), jnp.float32),))
-        o_ref[...] = acc[0].astype(o_ref.dtype)
+                                (jnp.zeros(shape, jnp.float32),))[0]
+        o_ref[...] = (acc.T if sizes.weight_lhs else acc).astype(o_ref.dtype)
 
 
 def groupable(ws: Sequence[QuantizedWeight]) -> bool:

@@ -37,7 +37,10 @@ class QuantMatmulBlockSizes(common.BlockSizes):
     `block_n` columns per program; `block_k` input rows per load (inside one quantization
     group), `unroll` loads per loop step, K cut into `k_splits` ranges (programs).
     `num_stages`: Triton's pipeline depth for a dot; elementwise, 1 loads each step's tiles
-    when it starts and >= 2 prefetches the next step's into registers."""
+    when it starts and >= 2 prefetches the next step's into registers. `weight_operand`: the
+    dequantized tile's place in a dot, 2 (x @ w: 16 token rows) or 1 (w^T @ x^T: the MMA's
+    rows are the weight's columns, the operand an MMA may take from registers, so the tile
+    need not be staged through shared memory; tokens are its narrow side)."""
 
     block_t: int = 16
     block_n: int = 128
@@ -46,16 +49,22 @@ class QuantMatmulBlockSizes(common.BlockSizes):
     k_splits: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    weight_operand: int = 2
 
     @property
     def elementwise(self) -> bool:
         return self.block_t < DOT_MIN_ROWS
 
+    @property
+    def weight_lhs(self) -> bool:
+        """A dot with the weight as its first operand (`weight_operand` 1)."""
+        return not self.elementwise and self.weight_operand == 1
+
     def describe(self) -> str:
         """One short line for benchmark records: t16 n128 k128x2 s8 w8 st3 (dot)."""
+        mode = "sum" if self.elementwise else "wT.dot" if self.weight_lhs else "dot"
         return (f"t{self.block_t} n{self.block_n} k{self.block_k}x{self.unroll} "
-                f"s{self.k_splits} w{self.num_warps} st{self.num_stages} "
-                f"({'sum' if self.elementwise else 'dot'})")
+                f"s{self.k_splits} w{self.num_warps} st{self.num_stages} ({mode})")
 
 
 def supported(x: jax.Array, w: QuantizedWeight, sizes: QuantMatmulBlockSizes) -> bool:
@@ -70,6 +79,7 @@ def supported(x: jax.Array, w: QuantizedWeight, sizes: QuantMatmulBlockSizes) ->
             and rows % (bk * sizes.unroll * sizes.k_splits) == 0 and load_rows >= 1
             and (w.kind != "int4" or (bk % 2 == 0 and w.span % load_rows == 0))
             and all(common.is_pow2(b) for b in (sizes.block_t, sizes.block_n, load_rows))
+            and sizes.weight_operand in (1, 2)
             and (sizes.elementwise or min(sizes.block_n, load_rows) >= DOT_MIN_ROWS))
 
 
@@ -183,7 +193,8 @@ def sweep_candidates(num_tokens: int, w: QuantizedWeight, x: jax.Array
                      ) -> list[QuantMatmulBlockSizes]:
     """A handful of tilings around the default for a sweep (the default first, then single
     changes: warps, column width, unroll, splits, stages / prefetch, the dot for one token,
-    the legacy tiling last), each one `supported`, without repeats: <= 10 per call."""
+    the weight as a dot's first operand, the legacy tiling last), each one `supported`,
+    without repeats: <= 11 per call."""
     base = pick_block_sizes(num_tokens, w)
     swap = dataclasses.replace
     more_warps = 4 if base.num_warps == 8 else 8
@@ -196,8 +207,9 @@ def sweep_candidates(num_tokens: int, w: QuantizedWeight, x: jax.Array
         variants += [swap(base, num_stages=2),
                      swap(base, block_t=16, num_warps=DOT_WARPS_STAGES[0],
                           num_stages=DOT_WARPS_STAGES[1])]
-    else:
-        variants.append(swap(base, num_stages=base.num_stages + 1))
+    else:  # one more stage; the weight as the dot's first operand
+        variants += [swap(base, num_stages=base.num_stages + 1),
+                     swap(base, weight_operand=1)]
     variants.append(legacy_block_sizes(num_tokens, w))
     out: list[QuantMatmulBlockSizes] = []
     for v in variants:

@@ -62,3 +62,20 @@ def test_layer_runs_four_kernels_and_only_their_sums(kind, tokens, monkeypatch):
     assert not re.search(r"stablehlo\.slice %\S+ \[[^\]]*:\d+:\d+", text)  # no strided slice
     # reductions: two RMS norms, then one K-split sum per kernel at most
     assert len(re.findall(r"stablehlo\.reduce\(", text)) <= 2 + 4
+
+
+def test_weight_as_first_dot_operand_lowers(monkeypatch):
+    """The sweep's w^T @ x^T variant of the decode dot lowers to Triton IR too."""
+    import dataclasses
+
+    from pjinfer.kernels.quantized_matmul import pick_block_sizes, quantized_matmul
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    w = _weight("int4", D, F)
+    sizes = dataclasses.replace(pick_block_sizes(16, w), weight_operand=1)
+    check = jax.export.DisabledSafetyCheck.custom_call(TRITON)
+    exported = jax.export.export(
+        jax.jit(lambda x, w: quantized_matmul(x, w, block_sizes=sizes)),
+        platforms=["cuda"], disabled_checks=[check])(
+        jax.ShapeDtypeStruct((16, D), jnp.bfloat16), w)
+    assert TRITON in exported.mlir_module()

@@ -54,11 +54,14 @@ def _weight(rng, kind: str, rows: int, cols: int, group: int, asym: bool) -> Qua
 WEIGHTS = [("int4", True, 32, 256), ("int4", False, 128, 256), ("int8", True, 32, 256),
            ("int8", False, 256, 256), ("fp8", False, 192, 192)]
 # (tokens, tiling): elementwise for one token (K split, 2 loads a step) and for 3 tokens in a
-# tile of 4; dot for 7 tokens (K split) and 37 tokens (two token tiles)
+# tile of 4; dot for 7 tokens (K split) and 37 tokens (two token tiles); the weight as the
+# dot's first operand for 16
 TILINGS = [(1, QuantMatmulBlockSizes(block_t=1, block_n=32, block_k=32, unroll=2, k_splits=2)),
            (3, QuantMatmulBlockSizes(block_t=4, block_n=16, block_k=32, unroll=1, k_splits=3)),
            (7, QuantMatmulBlockSizes(block_t=16, block_n=32, block_k=32, unroll=1, k_splits=2)),
-           (37, QuantMatmulBlockSizes(block_t=32, block_n=64, block_k=32, unroll=2))]
+           (37, QuantMatmulBlockSizes(block_t=32, block_n=64, block_k=32, unroll=2)),
+           (16, QuantMatmulBlockSizes(block_t=16, block_n=32, block_k=32, unroll=2, k_splits=2,
+                                      weight_operand=1))]
 
 
 @pytest.mark.parametrize("kind, asym, group, rows", WEIGHTS)
