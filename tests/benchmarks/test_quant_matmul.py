@@ -46,3 +46,20 @@ def test_kernel_check_records_error_and_rate(tmp_path):
     assert rec["device"]["device_kind"]
     for kind in ("int4", "int8", "fp8"):
         assert rec[f"{kind}_T1"]["rel_err"] < 1e-2 and rec[f"{kind}_T1"]["TBps"] > 0
+
+
+def test_layers_times_grouped_and_per_weight_against_bf16(tmp_path):
+    from pjinfer.benchmarks import quant_layers
+
+    out = tmp_path / "l.json"
+    quant_layers.run(["--out", str(out), "--layers", "1", "--hidden", "128",
+                      "--intermediate", "256", "--q-width", "128", "--kv-width", "64",
+                      "--tokens", "16", "--kinds", "int4", "--group-size", "64",
+                      "--samples", "1", "--calls", "1"])
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["kind"], r["path"]) for r in runs] == [
+        ("bf16", "bf16"), ("int4", "grouped"), ("int4", "per_weight")]
+    # int4 values + float32 scales of 128 -> (128 + 64 + 64), 128 -> 128, 128 -> 2 x 256, 256 -> 128
+    weights = 128 * 256 + 128 * 128 + 128 * 512 + 256 * 128
+    assert runs[1]["weight_bytes"] == weights // 2 + 4 * weights // 64
+    assert all(r["ms_per_step"] > 0 and r["speedup_vs_bf16"] > 0 for r in runs)
