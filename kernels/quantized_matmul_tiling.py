@@ -100,9 +100,10 @@ class Regime:
     num_stages: int
 
 
-# (int4?, elementwise?) -> the sweep's best (module docstring): int4 one token wants twice
-# the splits (more, smaller programs); one-byte kinds one token 4 loads a step; a dot over 16
-# rows 256 int4 columns (56 tiles x 4 splits of 4096 x 14336), one-byte kinds at 4 warps
+# (int4?, elementwise?) -> the sweep's best on 4096 x 14336 (module docstring), as rules that
+# carry over to other widths: int4 one token 8 splits of 112 column tiles (896 programs;
+# 4 splits, 448, were 9% slower), so ~3x the others' target; one-byte kinds one token 4 loads
+# a step; an int4 dot 256 columns x 4 splits (224 programs), one-byte dots 4 warps
 REGIMES = {(True, True): Regime(128, 16 * 1024, 3 * MIN_PROGRAMS, 8, 1),
            (False, True): Regime(128, 32 * 1024, MIN_PROGRAMS, 8, 1),
            (True, False): Regime(256, 32 * 1024, 224, 8, 3),

@@ -209,3 +209,15 @@ def test_group_falls_back_per_weight():
         outs = ops.quantized_matmuls(x, list(ws), backend="pallas")
         for out, wi in zip(outs, ws, strict=True):
             assert rel_err(out, quantized_matmul_reference(x, wi)) < TOL[jnp.float32]
+
+
+@pytest.mark.parametrize("kind, tokens, best", [
+    ("int4", 1, "t1 n128 k128x2 s8 w8 st1 (sum)"), ("int4", 16, "t16 n256 k128x2 s4 w8 st3 (dot)"),
+    ("fp8", 1, "t1 n128 k64x4 s4 w8 st1 (sum)"), ("fp8", 16, "t16 n128 k64x2 s4 w4 st3 (dot)"),
+    ("int8", 1, "t1 n128 k64x4 s4 w8 st1 (sum)"), ("int8", 16, "t16 n128 k64x2 s4 w4 st3 (dot)")])
+def test_defaults_are_the_h200_sweeps_best(kind, tokens, best):
+    """benchmarks/results/round3/quant_sweep.json: 4096 x 14336, int4 g128, per channel."""
+    dtype = {"int4": jnp.uint8, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kind]
+    packed = jnp.zeros((2048 if kind == "int4" else 4096, 14336), dtype)
+    w = QuantizedWeight(packed, jnp.ones((32 if kind == "int4" else 1, 14336)), kind=kind)
+    assert pick_block_sizes(tokens, w).describe() == best
