@@ -191,8 +191,14 @@ stage_quant() {
   if [ $SMOKE = 1 ]; then
     gptq=(--quantization int8); kernel=(--matrices 2 --k 256 --n 256 --tokens 1 16 --samples 1 --calls 1)
   fi
+  local layers=()
+  [ $SMOKE = 1 ] && layers=(--layers 1 --hidden 256 --intermediate 512 --q-width 256 \
+      --kv-width 128 --samples 1 --calls 1)
   step quant_matmul 200 $PY -m pjinfer.benchmarks.quant_matmul "${kernel[@]}" \
       --out "$JSON/quant_matmul.json"
+  # a decode step's projections, all layers: grouped kernels vs per weight vs bf16
+  step quant_layers 240 $PY -m pjinfer.benchmarks.quant_layers "${layers[@]}" \
+      --out "$JSON/quant_layers.json"
   for v in bf16 int4 fp8 int8; do
     local m=("${MODEL[@]}")
     case $v in int4) m=("${gptq[@]}");; fp8|int8) m+=(--quantization $v);; esac

@@ -11,6 +11,14 @@ Run from the repo root on the device (the repo maps itself as `pjinfer`):
 
 `--profile DIR` also traces the pipelined launches (`jax.profiler`) and records per layout the
 device's kernels per step, busy and idle time, and heaviest kernels (`trace_summary.py`).
+`--quantization {int4-gptq,fp8,int8}` runs the step with quantized dummy weights, quantized at
+load by the engine's own quantizers: fp8 / int8 on the fly (`quantization=`), int4-gptq as a
+GPTQ 4-bit g128 checkpoint (the model's config.json with a `quantization_config`, as
+configs/models/llama3-8b-gptq-int4 has):
+
+    python3 benchmarks/step_probe.py --layouts decode_1x768 --backends auto --quantization fp8 \
+        --profile /tmp/prof-fp8 --out $OUT/w1_fp8_profile.json
+
 `--loras N` runs the multi-LoRA step instead: N dummy adapters (rank `--lora-rank`, all seven
 projections) resident, the rows spread over them round robin (issue 15's W1 overhead):
 
@@ -44,6 +52,28 @@ def _import_repo() -> None:
 
 
 PIPELINED = 10  # steps launched back to back for the device-bound time
+QUANTIZATIONS = ("int4-gptq", "fp8", "int8")
+GPTQ_INT4 = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
+             "sym": True, "checkpoint_format": "gptq"}
+
+
+def quantized_model(model: str, quantization: str | None, root: str) -> tuple[str, str | None]:
+    """(model folder, engine `quantization`) for a probe: fp8 / int8 quantize on the fly;
+    int4-gptq is a copy of the model's folder under `root` (files linked) whose config.json
+    declares GPTQ 4-bit g128, which dummy loading fills with quantized random weights."""
+    from pathlib import Path
+
+    if quantization in (None, "fp8", "int8"):
+        return model, quantization
+    src, dst = Path(model), Path(root) / f"{Path(model).name}-gptq-int4"
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "config.json" and not (dst / f.name).exists():
+            (dst / f.name).symlink_to(f.resolve())
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = GPTQ_INT4
+    (dst / "config.json").write_text(json.dumps(config, indent=1))
+    return str(dst), None
 
 
 def _chunks(kind: str, rng: np.random.Generator) -> list:
@@ -78,7 +108,8 @@ def _adapters(engine, count: int, rank: int, root: str) -> list:
 
 
 def probe(backend: str, model: str, layouts: list[str], profile: str | None,
-          loras: int = 0, lora_rank: int = 16, max_model_len: int = 2048) -> dict:
+          loras: int = 0, lora_rank: int = 16, max_model_len: int = 2048,
+          quantization: str | None = None) -> dict:
     import tempfile
 
     from pjinfer.engine.config import EngineConfig
@@ -88,10 +119,11 @@ def probe(backend: str, model: str, layouts: list[str], profile: str | None,
 
     lora_args = dict(enable_lora=True, max_loras=loras, max_lora_rank=lora_rank,
                      max_cpu_loras=loras) if loras else {}
+    model, method = quantized_model(model, quantization, tempfile.mkdtemp())
     engine = LLMEngine(EngineConfig(
         model=model, load_format="dummy", dtype="bfloat16", max_model_len=max_model_len,
         max_num_seqs=256, max_num_batched_tokens=2048, num_kv_blocks=40000, warmup=False,
-        attention_backend=backend, **lora_args))
+        attention_backend=backend, quantization=method, **lora_args))
     adapters = _adapters(engine, loras, lora_rank, tempfile.mkdtemp()) if loras else []
     params, rng, out = SamplingParams(temperature=0, max_tokens=4), np.random.default_rng(0), {}
     for kind in layouts:
@@ -145,15 +177,18 @@ def main() -> None:
                         help="dummy LoRA adapters spread over the rows (0: the base step)")
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                        help="quantized dummy weights (see module docstring)")
     args = parser.parse_args()
     _import_repo()
     results = {}
     for backend in args.backends:
         results.update(probe(backend, args.model, args.layouts, args.profile, args.loras,
-                             args.lora_rank, args.max_model_len))
+                             args.lora_rank, args.max_model_len, args.quantization))
     with open(args.out, "w") as f:
         json.dump({"unit": "ms per step (median of 5)", "model": args.model,
                    "loras": args.loras, "lora_rank": args.lora_rank,
+                   "quantization": args.quantization,
                    "xla_flags": os.environ.get("XLA_FLAGS", ""), **results}, f, indent=1)
 
 

@@ -168,10 +168,24 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None,
     W8A8 (`fp8_matmul`) 14.2 ms, so neither is dispatched there. The split-K tiling
     (`quantized_matmul_tiling`), per 4096 x 14336 matrix at T=1: int4 0.038 ms, int8 0.039,
     fp8 0.047 vs bf16 0.037 (benchmarks/results/round2/quant_kernel_check_h200.json)."""
-    if _use_pallas(backend) and w.kernel and x.shape[0] <= QUANT_PALLAS_MAX_ROWS:
-        return qmm.quantized_matmul(x, w, out_dtype=out_dtype,
-                                    interpret=jax.default_backend() != "gpu")
-    return qmm.quantized_matmul_reference(x, w, out_dtype=out_dtype)
+    return quantized_matmuls(x, [w], out_dtype=out_dtype, backend=backend)[0]
+
+
+def quantized_matmuls(x: jax.Array, ws: list[QuantizedWeight], *, out_dtype=None,
+                      backend: str = "auto") -> list[jax.Array]:
+    """x [T, K] @ each of several quantized weights sharing it (q/k/v; gate/up) -> [T, N_m]
+    each. Where the Pallas kernel applies (see `quantized_matmul`) the group runs as one
+    kernel when `qmm.groupable` (one launch and one K-split sum for the group), else one
+    kernel per weight; elsewhere XLA's reference per weight."""
+    if _use_pallas(backend) and x.shape[0] <= QUANT_PALLAS_MAX_ROWS:
+        interpret = jax.default_backend() != "gpu"
+        if qmm.groupable(ws):
+            return qmm.quantized_matmuls(x, tuple(ws), out_dtype=out_dtype,
+                                         interpret=interpret)
+        return [qmm.quantized_matmul(x, w, out_dtype=out_dtype, interpret=interpret)
+                if w.kernel else qmm.quantized_matmul_reference(x, w, out_dtype=out_dtype)
+                for w in ws]
+    return [qmm.quantized_matmul_reference(x, w, out_dtype=out_dtype) for w in ws]
 
 
 QUANT_PALLAS_MAX_ROWS = 64  # between the measured 16 (Pallas 1.9-5x faster) and 2048 (slower)

@@ -13,6 +13,12 @@ A program walks its range in steps of `unroll` loads of `block_k` rows each (a l
 straddles a quantization group, so it takes one row of scales and zeros), which puts
 `unroll` wide loads in flight per step.
 
+Weights sharing x (q/k/v, gate/up: `quantized_matmuls`) run as one kernel: their column tiles
+side by side in one grid, each program reading its own weight, one [splits, T, sum N] output
+and one K-split sum, then a column slice per weight (fused into its consumer). One launch
+and one reduction per group instead of per weight, and the narrow k / v projections no longer
+run a few dozen programs on their own.
+
 Two reductions: `block_t` >= 16 multiplies each dequantized tile with `jnp.dot` (Triton's
 smallest dot has 16 rows); `block_t` < 16 (decode, a token or two) multiplies elementwise
 into a [rows, block_n] float32 accumulator per token, summed over rows once at the end, so a
@@ -23,8 +29,10 @@ into the top of 1.0's mantissa (a shift and one logic op instead of an int-to-fl
 conversion, which the H100 / H200 issue at 1/8 the FMA rate); the offset and the zero fold
 into one FMA per element, w = f (2^bits s) - (2^bits + zero) s, within ~2^-19 s (int4) or
 2^-15 s (int8) of the reference's (v - zero) s.
-An int4 load reads `block_k / 2` packed rows: their low nibbles are the even input rows, the
-high ones the odd rows, so x is split into its even and odd columns once (host side).
+An int4 load reads `block_k / 2` packed rows inside one nibble block (`QuantizedWeight.span`):
+their low nibbles are one contiguous run of input rows and the high ones the run `span` rows
+later, so the kernel reads x as it is (the first layout paired even / odd rows, which cost an
+XLA split of x per call).
 
 Layout: pjinfer.quantization.weight (packed [K/2 or K, N], scales / zeros [G, N]).
 Act-order weights are stored with their rows sorted by group (`perm`): x's columns are
@@ -34,6 +42,8 @@ permuted the same way first. Shapes the tiles do not divide take the reference.
 from __future__ import annotations
 
 import functools
+import itertools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -69,37 +79,68 @@ def _values(p, kind: str):
     return (p.astype(jnp.float32),), 1.0, 0.0
 
 
-def _kernel(*refs, kind: str, zero_point: float, group_rows: int, sizes: QuantMatmulBlockSizes,
-            steps: int, has_zeros: bool):
-    """One (token tile, column tile, K range): o = sum over the range of x @ dequant(w)."""
-    xs = refs[:2] if kind == "int4" else refs[:1]
-    p_ref, s_ref, *rest = refs[len(xs):]
-    z_ref = rest[0] if has_zeros else None
-    o_ref = rest[-1]
+def _kernel(*refs, kind: str, zero_point: float, group_rows: int, span: int,
+            sizes: QuantMatmulBlockSizes, steps: int, has_zeros: bool, tiles: tuple[int, ...]):
+    """One (token tile, column tile, K range) of a group of weights sharing x: the column
+    tile picks its weight (`tiles`: column tiles per weight, in output order)."""
+    x_ref, o_ref = refs[0], refs[-1]
+    per = 3 if has_zeros else 2  # refs per weight: packed, scales[, zeros]
+    weights = [refs[1 + m * per:1 + (m + 1) * per] for m in range(len(tiles))]
+    program = functools.partial(_program, x_ref, o_ref, kind=kind, zero_point=zero_point,
+                                group_rows=group_rows, span=span, sizes=sizes, steps=steps)
+    # program ids read here, outside any branch (interpret mode cannot read them inside one)
+    i, j, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    if len(tiles) == 1:
+        program(*weights[0], ids=(i, j, k))
+        return
+    start = 0
+    for w_refs, n in zip(weights, tiles, strict=True):
+        pl.when((j >= start) & (j < start + n))(
+            functools.partial(program, *w_refs, ids=(i, j - start, k)))
+        start += n
+
+
+def _x_runs(i, kind: str, load_rows: int, span: int):
+    """Load `i` -> (first input row of each x run it multiplies, the group's first row):
+    int4 packed rows [a, a + load_rows) of nibble block a // span hold input rows
+    2 span (a // span) + a % span + [0, load_rows) (low) and those + span (high)."""
+    a = i * load_rows
+    if kind != "int4":
+        return (a,), a
+    lo = a // span * (2 * span) + a % span
+    return (lo, lo + span), lo
+
+
+def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
+             group_rows: int, span: int, sizes: QuantMatmulBlockSizes, steps: int):
+    """One weight's (token tile, column tile, K range) `ids`: o = sum over the range of
+    x @ dequant(w)."""
+    z_ref = z[0] if z else None
     bt, bn, bk = sizes.block_t, sizes.block_n, sizes.block_k
     load_rows = bk // 2 if kind == "int4" else bk  # stored rows per load
-    cols = pl.ds(pl.program_id(1) * bn, bn)
-    tok0 = pl.program_id(0) * bt
-    first = pl.program_id(2) * steps * sizes.unroll  # this range's first load
+    cols = pl.ds(ids[1] * bn, bn)
+    tok0 = ids[0] * bt
+    first = ids[2] * steps * sizes.unroll  # this range's first load
 
     def load(step):
         """The raw tiles of one loop step: per load (packed [load_rows, bn], scale row [bn],
-        zero row [bn] or None, x [bt, load_rows] per x part (elementwise: [load_rows] each))."""
+        zero row [bn] or None, x [bt, load_rows] per x run (elementwise: [load_rows] each))."""
         tiles = []
         for u in range(sizes.unroll):
             i = first + step * sizes.unroll + u  # global load index
-            g = i * bk // group_rows
-            rows = pl.ds(i * load_rows, load_rows)
-            z = z_ref[g, cols] if has_zeros else None
+            starts, row0 = _x_runs(i, kind, load_rows, span)
+            g = row0 // group_rows
+            z = z_ref[g, cols] if z_ref is not None else None
+            runs = [pl.ds(r, load_rows) for r in starts]
             if sizes.elementwise:
-                x = tuple(tuple(r[tok0 + t, rows] for t in range(bt)) for r in xs)
+                x = tuple(tuple(x_ref[tok0 + t, r] for t in range(bt)) for r in runs)
             else:
-                x = tuple(r[pl.ds(tok0, bt), rows] for r in xs)
-            tiles.append((p_ref[rows, cols], s_ref[g, cols], z, x))
+                x = tuple(x_ref[pl.ds(tok0, bt), r] for r in runs)
+            tiles.append((p_ref[pl.ds(i * load_rows, load_rows), cols], s_ref[g, cols], z, x))
         return tuple(tiles)
 
     def dequant(p, s, z):
-        """Packed tile -> float32 weight tiles [load_rows, bn] (int4: even, odd rows):
+        """Packed tile -> float32 weight tiles [load_rows, bn] (int4: low, high nibbles):
         (v - z) s = f (scale s) - (offset + z) s, one FMA an element."""
         fs, scale, offset = _values(p, kind)
         s = s.astype(jnp.float32)[None, :]  # [1, bn]
@@ -114,7 +155,10 @@ def _kernel(*refs, kind: str, zero_point: float, group_rows: int, sizes: QuantMa
                 if sizes.elementwise:  # [load_rows, bn] += x[t, rows, None] * w
                     for t in range(bt):
                         acc[t] = acc[t] + xp[t].astype(jnp.float32)[:, None] * w
-                else:
+                elif sizes.weight_lhs:  # [bn, bt] += w^T [bn, rows] @ x^T [rows, bt]
+                    acc[0] = acc[0] + jnp.dot(w.astype(xp.dtype).T, xp.T,
+                                              preferred_element_type=jnp.float32)
+                else:  # [bt, bn] += x [bt, rows] @ w [rows, bn]
                     acc[0] = acc[0] + jnp.dot(xp, w.astype(xp.dtype),
                                               preferred_element_type=jnp.float32)
         return tuple(acc)
@@ -133,9 +177,20 @@ def _kernel(*refs, kind: str, zero_point: float, group_rows: int, sizes: QuantMa
         for t in range(bt):
             o_ref[t, :] = acc[t].sum(axis=0).astype(o_ref.dtype)
     else:  # Triton's pipeliner stages the loads that feed the dots (`num_stages`)
+        shape = (bn, bt) if sizes.weight_lhs else (bt, bn)
         acc = jax.lax.fori_loop(0, steps, lambda k, acc: consume(acc, load(k)),
-                                (jnp.zeros((bt, bn), jnp.float32),))
-        o_ref[...] = acc[0].astype(o_ref.dtype)
+                                (jnp.zeros(shape, jnp.float32),))[0]
+        o_ref[...] = (acc.T if sizes.weight_lhs else acc).astype(o_ref.dtype)
+
+
+def groupable(ws: Sequence[QuantizedWeight]) -> bool:
+    """Whether weights sharing x can run as one kernel: one kind, input dim, grouping and
+    zero handling, kernel-readable, rows in input order (act-order perms differ per weight)."""
+    w0 = ws[0]
+    return all(w.kernel and w.kind == w0.kind and w.shape[0] == w0.shape[0]
+               and w.scales.shape[0] == w0.scales.shape[0] and w.zero_point == w0.zero_point
+               and (w.zeros is None) == (w0.zeros is None)
+               and (len(ws) == 1 or w.perm is None) for w in ws)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_sizes", "interpret"))
@@ -143,34 +198,53 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None,
                      block_sizes: QuantMatmulBlockSizes | None = None,
                      interpret: bool = False) -> jax.Array:
     """x [T, K] @ w (dequantized [K, N]) -> [T, N] in `out_dtype` (default x's), f32 sums."""
-    sizes = block_sizes or pick_block_sizes(x.shape[0], w)
+    return quantized_matmuls(x, (w,), out_dtype=out_dtype, block_sizes=block_sizes,
+                             interpret=interpret)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "block_sizes", "interpret"))
+def quantized_matmuls(x: jax.Array, ws: tuple[QuantizedWeight, ...], *, out_dtype=None,
+                      block_sizes: QuantMatmulBlockSizes | None = None,
+                      interpret: bool = False) -> list[jax.Array]:
+    """x [T, K] @ each of `ws` (q/k/v; gate/up) -> [T, N_m] each: one kernel for the group
+    (one launch, one K-split sum, column tiles of all weights filling the GPU together)
+    where `groupable` and every weight tiles; else one call per weight (or the reference)."""
     out_dtype = out_dtype or x.dtype
-    if not supported(x, w, sizes):
-        return quantized_matmul_reference(x, w, out_dtype=out_dtype)
-    x = permute_input(x, w)
-    t, (rows, cols) = x.shape[0], w.shape
+    widths = [w.shape[1] for w in ws]
+    sizes = block_sizes or pick_block_sizes(x.shape[0], ws[0], widths)
+    if not groupable(ws) or not all(supported(x, w, sizes) for w in ws):
+        if len(ws) > 1:
+            return [quantized_matmul(x, w, out_dtype=out_dtype, interpret=interpret)
+                    for w in ws]
+        return [quantized_matmul_reference(x, ws[0], out_dtype=out_dtype)]
+    w0 = ws[0]
+    x = permute_input(x, w0)
+    t, rows = x.shape[0], w0.shape[0]
     bt, splits = sizes.block_t, sizes.k_splits
     tp = -(-t // bt) * bt
-    xp = jnp.pad(x, ((0, tp - t), (0, 0)))  # [Tp, K]
-    xs = (xp[:, 0::2], xp[:, 1::2]) if w.kind == "int4" else (xp,)  # int4: low / high nibbles
-    parts = [w.packed, w.scales] + ([w.zeros] if w.zeros is not None else [])
+    xp = jnp.pad(x, ((0, tp - t), (0, 0))) if tp > t else x  # [Tp, K]
+    parts = [a for w in ws for a in (w.packed, w.scales, w.zeros) if a is not None]
+    tiles = tuple(n // sizes.block_n for n in widths)
     kernel = functools.partial(
-        _kernel, kind=w.kind, zero_point=w.zero_point, group_rows=rows // w.scales.shape[0],
-        sizes=sizes, steps=rows // (sizes.block_k * sizes.unroll * splits),
-        has_zeros=w.zeros is not None)
+        _kernel, kind=w0.kind, zero_point=w0.zero_point,
+        group_rows=rows // w0.scales.shape[0], span=w0.span, sizes=sizes,
+        steps=rows // (sizes.block_k * sizes.unroll * splits), has_zeros=w0.zeros is not None,
+        tiles=tiles)
     out = pl.pallas_call(  # every input whole: the kernel slices its own tiles (pow2 loads)
         kernel,
-        grid=(tp // bt, cols // sizes.block_n, splits),
-        in_specs=[common.whole_spec(a.shape) for a in (*xs, *parts)],
+        grid=(tp // bt, sum(tiles), splits),
+        in_specs=[common.whole_spec(a.shape) for a in (xp, *parts)],
         out_specs=pl.BlockSpec((None, bt, sizes.block_n), lambda i, j, s: (s, i, j)),
-        out_shape=jax.ShapeDtypeStruct((splits, tp, cols),
+        out_shape=jax.ShapeDtypeStruct((splits, tp, sum(widths)),
                                        x.dtype if splits == 1 else jnp.float32),
         compiler_params=common.triton_params(sizes.num_warps, sizes.num_stages),
         interpret=interpret,
-        name=f"weight_only_{w.kind}_matmul",
-    )(*xs, *parts)
-    out = out[0] if splits == 1 else jnp.sum(out, axis=0)  # [Tp, N]
-    return out[:t].astype(out_dtype)
+        name=f"weight_only_{w0.kind}_matmul",
+    )(xp, *parts)
+    out = out[0] if splits == 1 else jnp.sum(out, axis=0)  # [Tp, sum N]
+    out = out[:t].astype(out_dtype)
+    ends = list(itertools.accumulate(widths))
+    return [out[:, e - n:e] for e, n in zip(ends, widths, strict=True)]
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype",))

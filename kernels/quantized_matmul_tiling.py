@@ -1,20 +1,33 @@
 """Tilings of the weight-only quantized matmul (`quantized_matmul`): what a tiling is, which
 weights it can tile, the default picked per call, and the candidates a sweep times.
 
-The defaults are reasoned, not yet swept on the H200 (132 SMs, ~4.8 TB/s): a decode GEMV
-must keep enough weight bytes in flight on every SM (Little's law: ~4.8 TB/s x ~1 us ~ 36 KB
-per SM), so each program reads wide loads (64 stored rows x 128 columns = 8 KB) two per loop
-step, and K is split until there are >= 2 programs per SM. Register and shared-memory use
-were read off Triton 3.9's sm_90a build of the kernels (ptxas -v, no GPU here): an
-elementwise program keeps its whole dequantized tile live, so 64 x 128 at 8 warps (~100
-registers: 2 programs per SM) rather than 64 x 256 (255 registers, spilling); a dot program
-at 16 x 128, 8 warps, 3 stages takes ~110 registers and 51 KB (2 per SM). Sweep with
-`python -m pjinfer.benchmarks.quant_matmul --sweep` and adjust the constants below.
+The defaults are the best tilings of the H200 sweep (`python -m pjinfer.benchmarks.quant_matmul
+--sweep --tokens 1 16`, 24 matrices of 4096 x 14336, benchmarks/results/round3/quant_sweep.json;
+ms for the stack, bf16 XLA 0.754 at T=1, 0.785 at T=16):
+  int4 T=1   t1 n128 k128x2 s8 w8   0.700 (4 splits: 0.763)
+  int4 T=16  t16 n256 k128x2 s4 w8  0.725 (128 columns: 0.796)
+  fp8  T=1   t1 n128 k64x4 s4 w8    0.614 (2 loads a step: 0.982)
+  int8 T=1   t1 n128 k64x4 s4 w8    0.775 (0.834)
+  fp8  T=16  t16 n128 k64x2 s4 w4   0.784 (8 warps: 0.862); int8 0.842 (0.887)
+Reasoning behind the shape of them: a decode GEMV must keep enough weight bytes in flight on
+every SM (Little's law: ~4.8 TB/s x ~1 us ~ 36 KB per SM), so each program reads wide loads
+(64 stored rows x 128 columns = 8 KB) several per loop step, and K is split until the
+programs fill the GPU; an elementwise program keeps its whole dequantized tile live, so 128
+columns at 8 warps. Every split result costs the kernel a [splits, T, N] float32 sum in XLA,
+which the sweep's timings include (no-split tilings with narrower columns were slower:
+int4 T=16 t16 n32 k128x1 s1 0.888 ms against 0.725).
+What bounds them is instructions more than bytes (`benchmarks/kernel_ptx.py`, Triton 3.9
+sm_90a, no GPU): the int4 T=16 dot's loop issues ~6.1 PTX instructions per weight element
+(~12 per packed byte: nibble to float 2.5, dequantizing FMA 1, bf16 conversion 0.6, byte-wise
+shared-memory loads and their addresses 1.2), 162 registers at 8 warps (one program per SM);
+at ~33 T instructions/s that caps it near 2.7 TB/s of packed bytes, and it ran 1.05.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 
 import jax
 
@@ -29,7 +42,10 @@ class QuantMatmulBlockSizes(common.BlockSizes):
     `block_n` columns per program; `block_k` input rows per load (inside one quantization
     group), `unroll` loads per loop step, K cut into `k_splits` ranges (programs).
     `num_stages`: Triton's pipeline depth for a dot; elementwise, 1 loads each step's tiles
-    when it starts and >= 2 prefetches the next step's into registers."""
+    when it starts and >= 2 prefetches the next step's into registers. `weight_operand`: the
+    dequantized tile's place in a dot, 2 (x @ w: 16 token rows) or 1 (w^T @ x^T: the MMA's
+    rows are the weight's columns, the operand an MMA may take from registers, so the tile
+    need not be staged through shared memory; tokens are its narrow side)."""
 
     block_t: int = 16
     block_n: int = 128
@@ -38,44 +54,72 @@ class QuantMatmulBlockSizes(common.BlockSizes):
     k_splits: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    weight_operand: int = 2
 
     @property
     def elementwise(self) -> bool:
         return self.block_t < DOT_MIN_ROWS
 
+    @property
+    def weight_lhs(self) -> bool:
+        """A dot with the weight as its first operand (`weight_operand` 1)."""
+        return not self.elementwise and self.weight_operand == 1
+
     def describe(self) -> str:
         """One short line for benchmark records: t16 n128 k128x2 s8 w8 st3 (dot)."""
+        mode = "sum" if self.elementwise else "wT.dot" if self.weight_lhs else "dot"
         return (f"t{self.block_t} n{self.block_n} k{self.block_k}x{self.unroll} "
-                f"s{self.k_splits} w{self.num_warps} st{self.num_stages} "
-                f"({'sum' if self.elementwise else 'dot'})")
+                f"s{self.k_splits} w{self.num_warps} st{self.num_stages} ({mode})")
 
 
 def supported(x: jax.Array, w: QuantizedWeight, sizes: QuantMatmulBlockSizes) -> bool:
     """Whether the kernel tiles this weight with `sizes` (else the reference runs): power-of-
-    two tiles, loads inside one group, whole steps per K range, dot tiles >= 16."""
+    two tiles, loads inside one group (int4: one nibble block), whole steps per K range,
+    dot tiles >= 16."""
     rows, cols = w.shape
     group_rows = rows // w.scales.shape[0]
     bk = sizes.block_k
     load_rows = bk // 2 if w.kind == "int4" else bk
     return (x.shape[-1] == rows and cols % sizes.block_n == 0 and group_rows % bk == 0
             and rows % (bk * sizes.unroll * sizes.k_splits) == 0 and load_rows >= 1
-            and (w.kind != "int4" or bk % 2 == 0)
+            and (w.kind != "int4" or (bk % 2 == 0 and w.span % load_rows == 0))
             and all(common.is_pow2(b) for b in (sizes.block_t, sizes.block_n, load_rows))
+            and sizes.weight_operand in (1, 2)
             and (sizes.elementwise or min(sizes.block_n, load_rows) >= DOT_MIN_ROWS))
 
 
 MIN_PROGRAMS = 264  # two per SM of an H100 / H200 (132 SMs)
 ELEMENTWISE_MAX_TOKENS = 2  # up to here no dot (no padding to 16 rows); above, `jnp.dot`
 LOAD_ROWS = 64  # stored rows per load (int4: 128 input rows, one GPTQ g128 group)
-BLOCK_N = 128
-STEP_BYTES = 16 * 1024  # packed bytes per loop step (unroll x one load)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Regime:
+    """How a kind of weight is tiled in one mode (elementwise or dot): column width, packed
+    bytes per loop step (unroll x one load), programs to reach by splitting K, warps, stages."""
+
+    block_n: int
+    step_bytes: int
+    programs: int
+    num_warps: int
+    num_stages: int
+
+
+# (int4?, elementwise?) -> the sweep's best on 4096 x 14336 (module docstring), as rules that
+# carry over to other widths: int4 one token 8 splits of 112 column tiles (896 programs;
+# 4 splits, 448, were 9% slower), so ~3x the others' target; one-byte kinds one token 4 loads
+# a step; an int4 dot 256 columns x 4 splits (224 programs), one-byte dots 4 warps
+REGIMES = {(True, True): Regime(128, 16 * 1024, 3 * MIN_PROGRAMS, 8, 1),
+           (False, True): Regime(128, 32 * 1024, MIN_PROGRAMS, 8, 1),
+           (True, False): Regime(256, 32 * 1024, 224, 8, 3),
+           (False, False): Regime(128, 16 * 1024, MIN_PROGRAMS, 4, 3)}
 # float32 accumulator elements of an elementwise program: 32 a thread at 8 warps (the tile's
 # dequantized values are live beside them)
 ACC_ELEMENTS = 32 * 32 * 8
-# (num_warps, num_stages): elementwise (no prefetch), dot
-SUM_WARPS_STAGES, DOT_WARPS_STAGES = (8, 1), (8, 3)
+# (num_warps, num_stages) of a dot the sweep adds for one token
+DOT_WARPS_STAGES = (8, 3)
 # shared memory a dot program may stage (x and packed tiles x stages), of the H200's 227 KB
-DOT_SMEM_BYTES = 96 * 1024
+DOT_SMEM_BYTES = 128 * 1024
 
 
 def _pow2_dividing(n: int, cap: int, floor: int) -> int | None:
@@ -92,41 +136,49 @@ def _min_tile(kind: str, elementwise: bool) -> int:
     return per_row * (1 if elementwise else DOT_MIN_ROWS)
 
 
-def _splits(total_steps: int, programs: int) -> int:
-    """Fewest K ranges (a divisor of the steps) giving `MIN_PROGRAMS`, each >= 2 steps
+def _splits(total_steps: int, programs: int, target: int) -> int:
+    """Fewest K ranges (a divisor of the steps) giving `target` programs, each >= 2 steps
     where the weight has them (a lone step leaves nothing to pipeline)."""
     divisors = [d for d in range(1, total_steps + 1) if total_steps % d == 0]
     usable = [d for d in divisors if total_steps // d >= 2] or [1]
-    return next((d for d in usable if programs * d >= MIN_PROGRAMS), usable[-1])
+    return next((d for d in usable if programs * d >= target), usable[-1])
 
 
-def pick_block_sizes(num_tokens: int, w: QuantizedWeight) -> QuantMatmulBlockSizes:
-    """The default tiling for `num_tokens` rows of x times `w`: elementwise for a token or
-    two, else a dot over 16 (decode) or 64 (prefill) token rows; loads of `LOAD_ROWS` stored
-    rows (fewer when a group is smaller) x up to `BLOCK_N` columns, `STEP_BYTES` per step, K
-    split to fill the GPU. A weight nothing tiles gets a tiling `supported` rejects (the
-    reference runs)."""
-    rows, cols = w.shape
+def pick_block_sizes(num_tokens: int, w: QuantizedWeight,
+                     widths: Sequence[int] | None = None) -> QuantMatmulBlockSizes:
+    """The default tiling for `num_tokens` rows of x times `w` (or a group of weights like it
+    with output `widths`, side by side in one kernel): elementwise for a token or two, else a
+    dot over 16 (decode) or 64 (prefill) token rows; loads of `LOAD_ROWS` stored rows (fewer
+    when a group or an int4 nibble block is smaller) x the regime's columns (a power of two
+    dividing every width), its bytes per step, K split to its programs (`REGIMES`). A weight
+    nothing tiles gets a tiling `supported` rejects (the reference runs)."""
+    rows = w.shape[0]
+    widths = list(widths or [w.shape[1]])
     group_rows = rows // w.scales.shape[0]
-    per_row = 2 if w.kind == "int4" else 1
+    int4 = w.kind == "int4"
+    per_row = 2 if int4 else 1
     elementwise = num_tokens <= ELEMENTWISE_MAX_TOKENS
+    regime = REGIMES[int4, elementwise]
     bt = common.next_pow2(num_tokens) if elementwise else (16 if num_tokens <= 16 else 64)
-    bk = _pow2_dividing(group_rows, per_row * LOAD_ROWS, _min_tile(w.kind, elementwise))
+    block = 2 * w.span if int4 else group_rows  # a load stays inside this many input rows
+    bk = _pow2_dividing(block, per_row * LOAD_ROWS, _min_tile(w.kind, elementwise))
     if bk is None:
         return QuantMatmulBlockSizes(block_t=bt, block_k=group_rows + 1)  # unsupported
     load_rows = bk // per_row
-    cap = min(BLOCK_N, max(16, ACC_ELEMENTS // (bt * load_rows))) if elementwise else BLOCK_N
-    bn = _pow2_dividing(cols, cap, 16) or cap
-    step = STEP_BYTES // (load_rows * bn)
-    if not elementwise:  # x tiles (bf16, int4: two) and packed tiles per stage
-        per_load = load_rows * bn + bt * load_rows * 2 * per_row
-        step = min(step, DOT_SMEM_BYTES // (DOT_WARPS_STAGES[1] * per_load))
+    cap = regime.block_n
+    if elementwise:
+        cap = min(cap, max(16, ACC_ELEMENTS // (bt * load_rows)))
+    bn = _pow2_dividing(math.gcd(*widths), cap, 16) or cap
+    step = regime.step_bytes // (load_rows * bn)
+    if not elementwise:  # x tiles (bf16) and packed tiles per stage
+        per_load = load_rows * bn + bt * bk * 2
+        step = min(step, DOT_SMEM_BYTES // (regime.num_stages * per_load))
     unroll = _pow2_dividing(rows // bk, max(1, step), 1)
     token_tiles = -(-num_tokens // bt)
-    splits = _splits(rows // (bk * unroll), token_tiles * (cols // bn))
-    warps, stages = SUM_WARPS_STAGES if elementwise else DOT_WARPS_STAGES
+    splits = _splits(rows // (bk * unroll), token_tiles * (sum(widths) // bn), regime.programs)
     return QuantMatmulBlockSizes(block_t=bt, block_n=bn, block_k=bk, unroll=unroll,
-                                 k_splits=splits, num_warps=warps, num_stages=stages)
+                                 k_splits=splits, num_warps=regime.num_warps,
+                                 num_stages=regime.num_stages)
 
 
 def legacy_block_sizes(num_tokens: int, w: QuantizedWeight) -> QuantMatmulBlockSizes:
@@ -147,7 +199,8 @@ def sweep_candidates(num_tokens: int, w: QuantizedWeight, x: jax.Array
                      ) -> list[QuantMatmulBlockSizes]:
     """A handful of tilings around the default for a sweep (the default first, then single
     changes: warps, column width, unroll, splits, stages / prefetch, the dot for one token,
-    the legacy tiling last), each one `supported`, without repeats: <= 10 per call."""
+    the weight as a dot's first operand, the legacy tiling last), each one `supported`,
+    without repeats: <= 11 per call."""
     base = pick_block_sizes(num_tokens, w)
     swap = dataclasses.replace
     more_warps = 4 if base.num_warps == 8 else 8
@@ -160,8 +213,9 @@ def sweep_candidates(num_tokens: int, w: QuantizedWeight, x: jax.Array
         variants += [swap(base, num_stages=2),
                      swap(base, block_t=16, num_warps=DOT_WARPS_STAGES[0],
                           num_stages=DOT_WARPS_STAGES[1])]
-    else:
-        variants.append(swap(base, num_stages=base.num_stages + 1))
+    else:  # one more stage; the weight as the dot's first operand
+        variants += [swap(base, num_stages=base.num_stages + 1),
+                     swap(base, weight_operand=1)]
     variants.append(legacy_block_sizes(num_tokens, w))
     out: list[QuantMatmulBlockSizes] = []
     for v in variants:

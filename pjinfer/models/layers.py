@@ -143,7 +143,8 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *,
 def linears(x: jax.Array, weights: list, biases: list) -> list[jax.Array]:
     """x [T, in] through several weights sharing it (q/k/v; gate/up) -> [T, out_m] each.
 
-    Plain and quantized weights: `linear` per weight. Adapted weights of one kind (e.g.
+    Plain weights: `linear` per weight; quantized ones: one group kernel where they allow it
+    (`ops.quantized_matmuls`). Adapted weights of one kind (e.g.
     `pjinfer.lora.ops.AdaptedWeight`) are handed the whole group through their type's
     `linears`, so the group's adapter terms can be computed together (one Pallas kernel per
     group where that backend is chosen).
@@ -151,6 +152,9 @@ def linears(x: jax.Array, weights: list, biases: list) -> list[jax.Array]:
     kind = type(weights[0])
     if hasattr(kind, "linears") and all(type(w) is kind for w in weights):
         return kind.linears(x, weights, biases)
+    if kind is QuantizedWeight and all(type(w) is kind for w in weights):  # one kernel
+        ys = ops.quantized_matmuls(x, weights, out_dtype=x.dtype)
+        return [y if b is None else y + b for y, b in zip(ys, biases, strict=True)]
     return [linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
 
 

@@ -36,4 +36,4 @@ def read(get: Getter, prefix: str, shape: tuple[int, int], q: QuantConfig) -> Ho
         return HostQuant(np.ascontiguousarray(values.T), scales, None, None, "int8", 0.0)
     low, high = payload & 0xF, payload >> 4  # [out, nb, 16] each
     values = np.concatenate([low, high], axis=-1).reshape(cols, rows)  # element order
-    return HostQuant(pack_int4_rows(values.T), scales, None, None, "int4", 8.0)
+    return HostQuant(pack_int4_rows(values.T, scales.shape[0]), scales, None, None, "int4", 8.0)

@@ -52,7 +52,8 @@ def from_unsigned(values: np.ndarray, scales: np.ndarray, zeros: np.ndarray | No
     scales = np.asarray(scales, np.float32)
     zeros = None if zeros is None else np.asarray(zeros, np.float32)
     if bits == 4:
-        return HostQuant(pack_int4_rows(values), scales, zeros, perm, "int4", float(half))
+        packed = pack_int4_rows(values, scales.shape[0])
+        return HostQuant(packed, scales, zeros, perm, "int4", float(half))
     packed = (values - 128).astype(np.int8)
     return HostQuant(packed, scales, None if zeros is None else zeros - 128, perm, "int8", 0.0)
 

@@ -2,8 +2,11 @@
 
 Layout, input-major like every pjinfer weight, so tensor parallelism shards it like the float
 weight it replaces (`component_axes`):
-  packed  int4: uint8 [in / 2, out], row 2r in the low nibble, 2r + 1 in the high one (values
-          0..15); int8: int8 [in, out]; fp8: float8_e4m3fn [in, out]
+  packed  int4: uint8 [in / 2, out] in blocks of 2 S input rows (S = `int4_span`, <= 64):
+          packed row b S + i holds input row 2 b S + i in its low nibble and 2 b S + S + i
+          in its high one (values 0..15), so a kernel's load of packed rows reads two
+          contiguous runs of x (no even / odd split of x per call); int8: int8 [in, out];
+          fp8: float8_e4m3fn [in, out]
   scales  float32 [G, out], G = in / group_size (1: per output channel)
   zeros   float32 [G, out] in units of the stored value, or None: `zero_point` for every group
   perm    int32 [in] the input row each stored row is (GPTQ act-order: rows sorted by group
@@ -51,21 +54,40 @@ class QuantizedWeight:
         return rows, self.packed.shape[1]
 
     @property
+    def span(self) -> int:
+        """int4: packed rows per nibble block (`int4_span`)."""
+        rows = self.shape[0]
+        return int4_span(rows, rows // self.scales.shape[0])
+
+    @property
     def nbytes(self) -> int:
         parts = (self.packed, self.scales, self.zeros, self.perm)
         return sum(p.size * p.dtype.itemsize for p in parts if p is not None)
 
 
-def unpack_int4(packed: jax.Array) -> jax.Array:
-    """uint8 [in / 2, out] -> int32 values [in, out] (low nibble first)."""
-    p = packed.astype(jnp.int32)
-    both = jnp.stack([p & 0xF, p >> 4], axis=1)  # [in / 2, 2, out]
+INT4_MAX_SPAN = 64  # packed rows: a 128-row load of the kernel (one GPTQ g128 group)
+
+
+def int4_span(rows: int, group_rows: int) -> int:
+    """Packed rows per nibble block of an int4 weight: the largest power of two S <= 64 with
+    2 S input rows dividing a group (so a block never straddles one; `rows` even), else 1
+    (row pairs: a group of odd rows)."""
+    s = INT4_MAX_SPAN
+    while s > 1 and (group_rows % (2 * s) or rows % (2 * s)):
+        s //= 2
+    return s
+
+
+def unpack_int4(packed: jax.Array, span: int) -> jax.Array:
+    """uint8 [in / 2, out] in blocks of `span` packed rows -> int32 values [in, out]."""
+    p = packed.astype(jnp.int32).reshape(-1, span, packed.shape[-1])  # [in / 2S, S, out]
+    both = jnp.concatenate([p & 0xF, p >> 4], axis=1)  # [in / 2S, 2S, out]
     return both.reshape(-1, packed.shape[-1])
 
 
 def values(w: QuantizedWeight) -> jax.Array:
     """The stored values as float32 [in, out], before zeros and scales."""
-    v = unpack_int4(w.packed) if w.kind == "int4" else w.packed
+    v = unpack_int4(w.packed, w.span) if w.kind == "int4" else w.packed
     return v.astype(jnp.float32)
 
 
@@ -113,15 +135,20 @@ def quantize_int4(w: jax.Array, group_size: int) -> QuantizedWeight:
     g = w.astype(jnp.float32).reshape(rows // group_size, group_size, cols)
     scales = jnp.maximum(jnp.max(jnp.abs(g), axis=1), 1e-8) / 7.0  # [G, out]
     v = jnp.clip(jnp.round(g / scales[:, None, :]) + 8, 0, 15).astype(jnp.uint8)
-    v = v.reshape(rows // 2, 2, cols)
-    return QuantizedWeight(v[:, 0] | (v[:, 1] << 4), scales, kind="int4", zero_point=8.0)
+    span = int4_span(rows, group_size)
+    v = v.reshape(rows // (2 * span), 2, span, cols)  # [blocks, low / high, S, out]
+    packed = (v[:, 0] | (v[:, 1] << 4)).reshape(rows // 2, cols)
+    return QuantizedWeight(packed, scales, kind="int4", zero_point=8.0)
 
 
 # ---- host side: checkpoint formats build this with NumPy --------------------------------------
-def pack_int4_rows(v: np.ndarray) -> np.ndarray:
-    """Values 0..15 [in, out] -> uint8 [in / 2, out] in the canonical order."""
-    v = v.astype(np.uint8)
-    return v[0::2] | (v[1::2] << 4)
+def pack_int4_rows(v: np.ndarray, groups: int) -> np.ndarray:
+    """Values 0..15 [in, out] in `groups` groups along `in` -> uint8 [in / 2, out] in the
+    canonical order (nibble blocks of `int4_span` packed rows)."""
+    rows, cols = v.shape
+    span = int4_span(rows, rows // groups)
+    v = v.astype(np.uint8).reshape(rows // (2 * span), 2, span, cols)
+    return (v[:, 0] | (v[:, 1] << 4)).reshape(rows // 2, cols)
 
 
 def component_axes(weight_axes: Axes, part: str, groups: int) -> Axes:

@@ -46,3 +46,37 @@ def test_kernel_check_records_error_and_rate(tmp_path):
     assert rec["device"]["device_kind"]
     for kind in ("int4", "int8", "fp8"):
         assert rec[f"{kind}_T1"]["rel_err"] < 1e-2 and rec[f"{kind}_T1"]["TBps"] > 0
+
+
+def test_layers_times_grouped_and_per_weight_against_bf16(tmp_path):
+    from pjinfer.benchmarks import quant_layers
+
+    out = tmp_path / "l.json"
+    quant_layers.run(["--out", str(out), "--layers", "1", "--hidden", "128",
+                      "--intermediate", "256", "--q-width", "128", "--kv-width", "64",
+                      "--tokens", "16", "--kinds", "int4", "--group-size", "64",
+                      "--samples", "1", "--calls", "1"])
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["kind"], r["path"]) for r in runs] == [
+        ("bf16", "bf16"), ("int4", "grouped"), ("int4", "per_weight")]
+    # int4 values + float32 scales of 128 -> (128 + 64 + 64), 128 -> 128, 128 -> 2 x 256, 256 -> 128
+    weights = 128 * 256 + 128 * 128 + 128 * 512 + 256 * 128
+    assert runs[1]["weight_bytes"] == weights // 2 + 4 * weights // 64
+    assert all(r["ms_per_step"] > 0 and r["speedup_vs_bf16"] > 0 for r in runs)
+
+
+def test_kernel_ptx_reads_the_triton_ir_without_a_gpu(tmp_path):
+    from pjinfer.benchmarks import kernel_ptx
+
+    out = tmp_path / "p.json"
+    record = kernel_ptx.run(["--out", str(out), "--kind", "int4", "--tokens", "16",
+                             "--k", "256", "--n", "256", "--num-warps", "4"])
+    assert record["tiling"].startswith("t16 ") and record["block_sizes"]["num_warps"] == 4
+    assert record["ttir_ops"]["tt.dot"] >= 2 and record["ttir_ops"]["scf.for"] == 1
+    assert json.loads(out.read_text())["tiling"] == record["tiling"]
+    ptx = "\n".join(["$L__BB0_1:", "  shl.b32 %r1, %r2, 3;", "$L__BB0_2:", "  fma.rn.f32 %f1;",
+                     "  @%p1 ld.shared.u8 %rs1;", "  @%p2 bra $L__BB0_2;", "  bra.uni $L__BB0_1;"])
+    loop = kernel_ptx.main_loop(ptx)
+    assert loop[0] == "$L__BB0_1:" and loop[-1].strip() == "bra.uni $L__BB0_1;"
+    assert kernel_ptx.op_counts("\n".join(loop[3:5]), r"^\s+(?:@!?%p\d+ )?([a-z]+)") == {
+        "fma": 1, "ld": 1}

@@ -11,18 +11,25 @@ import pytest
 from pjinfer.kernels import ops
 from pjinfer.kernels.quantized_matmul import (
     QuantMatmulBlockSizes,
+    groupable,
     pick_block_sizes,
     quantized_matmul,
     quantized_matmul_reference,
+    quantized_matmuls,
     supported,
 )
 from pjinfer.kernels.quantized_matmul_tiling import (
-    MIN_PROGRAMS,
-    STEP_BYTES,
+    REGIMES,
     legacy_block_sizes,
     sweep_candidates,
 )
-from pjinfer.quantization.weight import QuantizedWeight, dequantize, pack_int4_rows
+from pjinfer.quantization.weight import (
+    QuantizedWeight,
+    dequantize,
+    int4_span,
+    pack_int4_rows,
+    unpack_int4,
+)
 from tests.kernels.paged_inputs import TOL, rel_err
 
 
@@ -30,7 +37,7 @@ def _weight(rng, kind: str, rows: int, cols: int, group: int, asym: bool) -> Qua
     groups = rows // group
     scales = jnp.asarray(rng.uniform(0.01, 0.05, (groups, cols)), jnp.float32)
     if kind == "int4":
-        packed = pack_int4_rows(rng.integers(0, 16, (rows, cols)))
+        packed = pack_int4_rows(rng.integers(0, 16, (rows, cols)), groups)
         zeros, zero_point = rng.integers(1, 16, (groups, cols)), 8.0
     elif kind == "int8":
         packed = rng.integers(-128, 128, (rows, cols)).astype(np.int8)
@@ -47,11 +54,14 @@ def _weight(rng, kind: str, rows: int, cols: int, group: int, asym: bool) -> Qua
 WEIGHTS = [("int4", True, 32, 256), ("int4", False, 128, 256), ("int8", True, 32, 256),
            ("int8", False, 256, 256), ("fp8", False, 192, 192)]
 # (tokens, tiling): elementwise for one token (K split, 2 loads a step) and for 3 tokens in a
-# tile of 4; dot for 7 tokens (K split) and 37 tokens (two token tiles)
+# tile of 4; dot for 7 tokens (K split) and 37 tokens (two token tiles); the weight as the
+# dot's first operand for 16
 TILINGS = [(1, QuantMatmulBlockSizes(block_t=1, block_n=32, block_k=32, unroll=2, k_splits=2)),
            (3, QuantMatmulBlockSizes(block_t=4, block_n=16, block_k=32, unroll=1, k_splits=3)),
            (7, QuantMatmulBlockSizes(block_t=16, block_n=32, block_k=32, unroll=1, k_splits=2)),
-           (37, QuantMatmulBlockSizes(block_t=32, block_n=64, block_k=32, unroll=2))]
+           (37, QuantMatmulBlockSizes(block_t=32, block_n=64, block_k=32, unroll=2)),
+           (16, QuantMatmulBlockSizes(block_t=16, block_n=32, block_k=32, unroll=2, k_splits=2,
+                                      weight_operand=1))]
 
 
 @pytest.mark.parametrize("kind, asym, group, rows", WEIGHTS)
@@ -133,13 +143,81 @@ def test_block_sizes_fill_the_gpu_at_decode(kind, group, rows, cols):
     x = jnp.zeros((1, rows), jnp.bfloat16)
     for tokens in (1, 16):
         b = pick_block_sizes(tokens, w)
+        regime = REGIMES[kind == "int4", tokens == 1]
         assert supported(x, w, b) and b.elementwise == (tokens == 1)
-        assert (cols // b.block_n) * b.k_splits >= MIN_PROGRAMS
+        assert (cols // b.block_n) * b.k_splits >= regime.programs
         load_bytes = b.block_k // (2 if kind == "int4" else 1) * b.block_n
-        assert load_bytes * b.unroll == STEP_BYTES
+        assert load_bytes * b.unroll == regime.step_bytes
         assert rows // (b.block_k * b.unroll * b.k_splits) >= 2
     prefill = pick_block_sizes(2048, w)
     assert (prefill.block_t, prefill.k_splits) == (64, 1)
     candidates = sweep_candidates(1, w, x)
     assert candidates[0] == pick_block_sizes(1, w) and len(set(candidates)) == len(candidates)
     assert legacy_block_sizes(1, w) in candidates and all(supported(x, w, c) for c in candidates)
+
+
+@pytest.mark.parametrize("rows, groups, span", [(4096, 32, 64), (256, 8, 16), (200, 1, 4),
+                                                (6, 2, 1), (64, 1, 32)])
+def test_int4_layout_round_trips(rows, groups, span):
+    """Nibble blocks of `span` packed rows: low nibbles one run of rows, high the next run;
+    packing on the host, unpacking on the device and quantize_int4 agree."""
+    from pjinfer.quantization.weight import quantize_int4
+
+    rng = np.random.default_rng(rows)
+    v = rng.integers(0, 16, (rows, 24))
+    assert int4_span(rows, rows // groups) == span
+    packed = pack_int4_rows(v, groups)
+    np.testing.assert_array_equal(unpack_int4(jnp.asarray(packed), span), v)
+    block = packed[:span]  # the first block: input rows [0, span) low, [span, 2 span) high
+    np.testing.assert_array_equal(block & 0xF, v[:span])
+    np.testing.assert_array_equal(block >> 4, v[span:2 * span])
+    w = jnp.asarray(rng.standard_normal((rows, 24)), jnp.float32)
+    q = quantize_int4(w, rows // groups)
+    assert q.span == span and rel_err(dequantize(q), w) < 0.2  # 4 bits: ~1/14 of the max
+
+
+# a q/k/v-like group (widths 64, 32, 32) and a gate/up-like pair
+GROUPS = [("int4", True, 32, 128, (64, 32, 32)), ("int4", False, 128, 256, (64, 64)),
+          ("int8", True, 64, 128, (32, 64, 32)), ("fp8", False, 96, 96, (32, 32, 64))]
+
+
+@pytest.mark.parametrize("kind, asym, group, rows, widths", GROUPS)
+@pytest.mark.parametrize("tokens", [1, 16, 5])
+def test_group_matches_each_reference(kind, asym, group, rows, widths, tokens):
+    """One kernel for weights sharing x: each output as its own dequantize-then-dot."""
+    rng = np.random.default_rng(tokens + rows)
+    ws = tuple(_weight(rng, kind, rows, n, group, asym) for n in widths)
+    x = jnp.asarray(rng.standard_normal((tokens, rows)), jnp.float32)
+    sizes = pick_block_sizes(tokens, ws[0], widths)
+    assert groupable(ws) and all(supported(x, w, sizes) for w in ws)
+    outs = quantized_matmuls(x, ws, interpret=True)
+    for out, w in zip(outs, ws, strict=True):
+        assert out.shape == (tokens, w.shape[1])
+        assert rel_err(out, quantized_matmul_reference(x, w)) < TOL[jnp.float32]
+
+
+def test_group_falls_back_per_weight():
+    """Act-order weights (a perm each) and mixed kinds run one call per weight."""
+    rng = np.random.default_rng(9)
+    w = _weight(rng, "int4", 64, 32, 32, asym=True)
+    perm = jnp.asarray(rng.permutation(64), jnp.int32)
+    act = QuantizedWeight(w.packed, w.scales, w.zeros, perm, kind="int4", zero_point=8.0)
+    other = _weight(rng, "int8", 64, 16, 64, asym=False)
+    x = jnp.asarray(rng.standard_normal((2, 64)), jnp.float32)
+    for ws in ((w, act), (w, other)):
+        assert not groupable(ws)
+        outs = ops.quantized_matmuls(x, list(ws), backend="pallas")
+        for out, wi in zip(outs, ws, strict=True):
+            assert rel_err(out, quantized_matmul_reference(x, wi)) < TOL[jnp.float32]
+
+
+@pytest.mark.parametrize("kind, tokens, best", [
+    ("int4", 1, "t1 n128 k128x2 s8 w8 st1 (sum)"), ("int4", 16, "t16 n256 k128x2 s4 w8 st3 (dot)"),
+    ("fp8", 1, "t1 n128 k64x4 s4 w8 st1 (sum)"), ("fp8", 16, "t16 n128 k64x2 s4 w4 st3 (dot)"),
+    ("int8", 1, "t1 n128 k64x4 s4 w8 st1 (sum)"), ("int8", 16, "t16 n128 k64x2 s4 w4 st3 (dot)")])
+def test_defaults_are_the_h200_sweeps_best(kind, tokens, best):
+    """benchmarks/results/round3/quant_sweep.json: 4096 x 14336, int4 g128, per channel."""
+    dtype = {"int4": jnp.uint8, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kind]
+    packed = jnp.zeros((2048 if kind == "int4" else 4096, 14336), dtype)
+    w = QuantizedWeight(packed, jnp.ones((32 if kind == "int4" else 1, 14336)), kind=kind)
+    assert pick_block_sizes(tokens, w).describe() == best

@@ -1,0 +1,164 @@
+"""The quantized matmul kernel as the H200 would run it, read without a GPU: Triton IR, PTX and
+ptxas' register count for one tiling.
+
+The decode kernels are bound by instructions more than bytes (int4: ~6 PTX instructions per
+weight element in the T=16 dot's loop, ~12 per packed byte), so a variant can be judged
+before device time: this exports `quantized_matmul` for CUDA (the Pallas -> Triton IR
+lowering), compiles that IR with the `triton` package for sm_90a, and records the main
+loop's instruction mix per weight element each thread handles, shared memory, registers and
+spills (ptxas -v). The device numbers (ms, TB/s) still come from `quant_matmul --sweep`.
+
+Needs the `triton` package (not a pjinfer dependency), e.g.
+    python -m pip install triton==3.9.0 --no-deps --target /tmp/triton
+    python -m pjinfer.benchmarks.kernel_ptx --triton-path /tmp/triton --kind int4 --tokens 16 \
+        --out int4_t16.json [--block-n 128 --num-warps 4 ...: tiling fields over the default]
+Without it only the Triton IR's op counts are recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+FIELDS = ("block_t", "block_n", "block_k", "unroll", "k_splits", "num_warps", "num_stages",
+          "weight_operand")
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="JSON record path")
+    p.add_argument("--kind", default="int4", choices=("int4", "int8", "fp8"))
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--k", type=int, default=4096)
+    p.add_argument("--n", type=int, default=14336)
+    p.add_argument("--group-size", type=int, default=128, help="int4 group (GPTQ g128)")
+    p.add_argument("--triton-path", default=None, help="folder holding the triton package")
+    for f in FIELDS:
+        p.add_argument(f"--{f.replace('_', '-')}", type=int, default=None)
+    return p.parse_args(argv)
+
+
+def kernel_ttir(kind: str, tokens: int, k: int, n: int, group_size: int,
+                overrides: dict[str, int]) -> tuple[str, object]:
+    """(Triton IR text, tiling) of `quantized_matmul` on a [k, n] weight of `kind`."""
+    import jax
+    import jax.numpy as jnp
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    from pjinfer.kernels.quantized_matmul import pick_block_sizes, quantized_matmul
+    from pjinfer.quantization.weight import FP8, QuantizedWeight
+
+    dtype = {"int4": jnp.uint8, "int8": jnp.int8, "fp8": FP8}[kind]
+    packed = jax.ShapeDtypeStruct((k // 2 if kind == "int4" else k, n), dtype)
+    groups = k // group_size if kind == "int4" else 1
+    w = QuantizedWeight(packed, jax.ShapeDtypeStruct((groups, n), jnp.float32), kind=kind,
+                        zero_point=8.0 if kind == "int4" else 0.0)
+    sizes = dataclasses.replace(pick_block_sizes(tokens, w), **overrides)
+    captured: list[str] = []
+    lower = registration.lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        captured.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    registration.lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        check = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+        jax.export.export(jax.jit(lambda x, w: quantized_matmul(x, w, block_sizes=sizes)),
+                          platforms=["cuda"], disabled_checks=[check])(
+            jax.ShapeDtypeStruct((tokens, k), jnp.bfloat16), w)
+    finally:
+        registration.lowering.lower_jaxpr_to_triton_module = lower
+    if not captured:
+        raise ValueError(f"{sizes.describe()} does not tile a {k} x {n} {kind} weight "
+                         "(the reference would run): pick other tiling fields")
+    return captured[0], sizes
+
+
+def op_counts(text: str, pattern: str) -> dict[str, int]:
+    """Occurrences of each op name `pattern` captures, most frequent first."""
+    return dict(collections.Counter(re.findall(pattern, text, re.M)).most_common())
+
+
+def main_loop(ptx: str) -> list[str]:
+    """The PTX lines of the longest loop (a label and the branch back to it)."""
+    lines = ptx.splitlines()
+    best = (0, len(lines) - 1)
+    found = False
+    for i, line in enumerate(lines):
+        label = re.match(r"^(\$L__BB\d+_\d+):", line)
+        if not label:
+            continue
+        back = re.compile(r"bra(\.uni)?\s+" + re.escape(label.group(1)) + ";")
+        j = next((j for j in range(i + 1, len(lines)) if back.search(lines[j])), None)
+        if j is not None and (not found or j - i > best[1] - best[0]):
+            best, found = (i, j), True
+    return lines[best[0]:best[1] + 1]
+
+
+def compile_sm90(ttir: str, sizes, workdir: Path) -> dict:
+    """Triton IR -> PTX (sm_90a) and ptxas -v: loop mix per element, smem, registers."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    src = workdir / "kernel.ttir"
+    src.write_text(ttir)
+    kernel = triton.compile(str(src), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": sizes.num_warps,
+                                     "num_stages": sizes.num_stages})
+    ptx = kernel.asm["ptx"]
+    (workdir / "kernel.ptx").write_text(ptx)
+    loop = "\n".join(main_loop(ptx))
+    mix = op_counts(loop, r"^\s+(?:@!?%p\d+ )?([a-z][a-z0-9_]*)")
+    # weight elements a thread dequantizes per loop step
+    elements = sizes.unroll * sizes.block_k * sizes.block_n // (32 * sizes.num_warps)
+    bins = sorted((Path(triton.__file__).parent / "backends" / "nvidia" / "bin").glob("ptxas*"))
+    ptxas = [b for b in bins if "blackwell" in b.name] or bins  # the newest PTX version
+    out = subprocess.run([str(ptxas[0]), "-v", "--gpu-name", "sm_90a", str(workdir / "kernel.ptx"),
+                          "-o", str(workdir / "kernel.cubin")], capture_output=True, text=True)
+    regs = re.search(r"Used (\d+) registers", out.stderr)
+    spill = re.search(r"(\d+) bytes spill stores", out.stderr)
+    return {"shared_bytes": kernel.metadata.shared, "loop_instructions": sum(mix.values()),
+            "elements_per_thread_step": elements,
+            "instructions_per_element": sum(mix.values()) / elements, "loop_mix": mix,
+            "registers": int(regs.group(1)) if regs else None,
+            "spill_store_bytes": int(spill.group(1)) if spill else None,
+            "ptxas": out.stderr.strip()[-400:]}
+
+
+def run(argv: list[str] | None = None) -> dict:
+    import tempfile
+
+    a = _args(argv)
+    if a.triton_path:
+        sys.path.insert(0, a.triton_path)
+    overrides = {f: getattr(a, f) for f in FIELDS if getattr(a, f) is not None}
+    ttir, sizes = kernel_ttir(a.kind, a.tokens, a.k, a.n, a.group_size, overrides)
+    record = {"kind": a.kind, "tokens": a.tokens, "k": a.k, "n": a.n,
+              "tiling": sizes.describe(), "block_sizes": dataclasses.asdict(sizes),
+              "ttir_ops": op_counts(ttir, r"= ([a-z_]+\.[a-z_\.]+)")}
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        record["sm90"] = None  # the IR only; see the module docstring
+    else:
+        record["sm90"] = compile_sm90(ttir, sizes, Path(tempfile.mkdtemp()))
+        sm = record["sm90"]
+        print(f"{sizes.describe()}: {sm['instructions_per_element']:.2f} instructions per "
+              f"element, {sm['registers']} registers, {sm['shared_bytes']} B shared", flush=True)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(record, indent=1))
+    return record
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,27 @@
+"""step_probe's quantized models: what the engine is handed for each `--quantization`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pjinfer.benchmarks.step_probe import quantized_model
+from pjinfer.quantization.config import QuantConfig
+
+DEMO = Path(__file__).resolve().parents[2] / "pjinfer" / "demo"
+
+
+def test_on_the_fly_methods_pass_through(tmp_path):
+    for method in ("fp8", "int8", None):
+        assert quantized_model(str(DEMO), method, str(tmp_path)) == (str(DEMO), method)
+
+
+def test_int4_gptq_is_the_model_declared_gptq_g128(tmp_path):
+    folder, method = quantized_model(str(DEMO), "int4-gptq", str(tmp_path))
+    assert method is None  # the checkpoint's quantization_config decides
+    config = json.loads((Path(folder) / "config.json").read_text())
+    q = QuantConfig.from_hf(config["quantization_config"])
+    assert (q.method, q.bits, q.group_size, q.desc_act) == ("gptq", 4, 128, False)
+    assert config["hidden_size"] == json.loads((DEMO / "config.json").read_text())["hidden_size"]
+    assert (Path(folder) / "tokenizer.json").resolve() == (DEMO / "tokenizer.json").resolve()
+    assert quantized_model(str(DEMO), "int4-gptq", str(tmp_path))[0] == folder  # reusable
