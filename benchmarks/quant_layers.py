@@ -21,7 +21,6 @@ of a W1 TPOT the projections account for. On a CPU it runs tiny shapes in interp
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -53,16 +52,11 @@ def layer_groups(a: argparse.Namespace) -> list[tuple[int, list[int]]]:
     return [(h, [a.q_width, a.kv_width, a.kv_width]), (a.q_width, [h]), (h, [f, f]), (f, [h])]
 
 
-def _quantize(kind: str, w, group_size: int):
-    from pjinfer.quantization.weight import quantize_int4, quantize_per_channel
-
-    return quantize_int4(w, group_size) if kind == "int4" else quantize_per_channel(w, kind)
-
-
 def run(argv: list[str] | None = None) -> dict:
     import jax
 
     from pjinfer.benchmarks.ceilings import _filled, timed_rate, timing_plan
+    from pjinfer.benchmarks.quant_matmul import quantize, write_record
     from pjinfer.kernels import ops
 
     a = _args(argv)
@@ -91,7 +85,7 @@ def run(argv: list[str] | None = None) -> dict:
         base = None
         for kind in ("bf16", *a.kinds):
             layers = bf16 if kind == "bf16" else [
-                [[_quantize(kind, w, a.group_size) for w in ws] for ws in layer]
+                [[quantize(kind, w, a.group_size) for w in ws] for ws in layer]
                 for layer in bf16]
             nbytes = sum(w.nbytes for w in jax.tree.leaves(
                 layers, is_leaf=lambda w: hasattr(w, "nbytes")))
@@ -111,8 +105,7 @@ def run(argv: list[str] | None = None) -> dict:
                       f"{row['gb_per_s']:8.1f} GB/s  x{row['speedup_vs_bf16']:.2f} vs bf16",
                       flush=True)
             del layers
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(record, indent=1))
+    write_record(a.out, record)
     return record
 
 

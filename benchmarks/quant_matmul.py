@@ -53,12 +53,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _weights(kind: str, stack, group_size: int) -> list:
+def quantize(kind: str, w, group_size: int):
+    """A bf16 weight [K, N] as the kind's QuantizedWeight (int4: groups of `group_size`)."""
     from pjinfer.quantization.weight import quantize_int4, quantize_per_channel
 
-    if kind == "int4":
-        return [quantize_int4(w, group_size) for w in stack]
-    return [quantize_per_channel(w, kind) for w in stack]
+    return quantize_int4(w, group_size) if kind == "int4" else quantize_per_channel(w, kind)
 
 
 def run(argv: list[str] | None = None) -> dict:
@@ -97,7 +96,7 @@ def run(argv: list[str] | None = None) -> dict:
         bf16 = measure("bf16", "bf16", lambda x, ws: [x @ w for w in ws], (x, stack),
                        a.matrices * a.k * a.n * 2, t)
         for kind in a.kinds:
-            ws = _weights(kind, stack, a.group_size)
+            ws = [quantize(kind, w, a.group_size) for w in stack]
             nbytes = sum(w.nbytes for w in ws)
             measure("xla", kind, lambda x, ws: [qmm.quantized_matmul_reference(x, w)
                                                 for w in ws], (x, ws), nbytes, t)
@@ -112,7 +111,7 @@ def run(argv: list[str] | None = None) -> dict:
                 r["speedup_vs_bf16"] = (bf16["seconds_per_call"]["best"]
                                         / r["seconds_per_call"]["best"])
             del ws
-    _write(a.out, record)
+    write_record(a.out, record)
     return record
 
 
@@ -129,7 +128,7 @@ def _sweep(a: argparse.Namespace, stack: list, measure, on_cpu: bool) -> dict:
     bf16 = {t: measure("bf16", "bf16", lambda x, ws: [x @ w for w in ws], (xs[t], stack),
                        a.matrices * a.k * a.n * 2, t, runs=[]) for t in a.tokens}
     for kind in a.kinds:
-        ws = _weights(kind, stack, a.group_size)
+        ws = [quantize(kind, w, a.group_size) for w in stack]
         for t, x in xs.items():
             candidates = sweep_candidates(t, ws[0], x)
             rows, failed = [], []
@@ -180,7 +179,7 @@ def _headline(summary: dict) -> dict:
             "failed": len(summary["failed"])}
 
 
-def _write(path: str, record: dict) -> None:
+def write_record(path: str, record: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(record, indent=1))
 

@@ -90,6 +90,12 @@ def test_default_tiling_runs_the_kernel(kind, asym, group, rows, tokens):
     assert rel_err(out, quantized_matmul_reference(x, w)) < TOL[jnp.float32]
 
 
+def _act_order(rng, w: QuantizedWeight) -> QuantizedWeight:
+    """`w` (int4) as an act-order weight: its input rows under a random permutation."""
+    perm = jnp.asarray(rng.permutation(w.shape[0]), jnp.int32)
+    return QuantizedWeight(w.packed, w.scales, w.zeros, perm, kind="int4", zero_point=8.0)
+
+
 def test_bfloat16_activations_per_channel_scales():
     rng = np.random.default_rng(3)
     w = _weight(rng, "int4", 256, 96, 256, asym=False)  # one group: per output channel
@@ -102,8 +108,7 @@ def test_bfloat16_activations_per_channel_scales():
 def test_act_order_permutes_the_input():
     rng = np.random.default_rng(4)
     w = _weight(rng, "int4", 64, 32, 32, asym=True)
-    perm = jnp.asarray(rng.permutation(64), jnp.int32)
-    act = QuantizedWeight(w.packed, w.scales, w.zeros, perm, kind="int4", zero_point=8.0)
+    act = _act_order(rng, w)
     x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
     sizes = QuantMatmulBlockSizes(block_t=1, block_n=16, block_k=32, unroll=2)
     assert supported(x, act, sizes)
@@ -200,8 +205,7 @@ def test_group_falls_back_per_weight():
     """Act-order weights (a perm each) and mixed kinds run one call per weight."""
     rng = np.random.default_rng(9)
     w = _weight(rng, "int4", 64, 32, 32, asym=True)
-    perm = jnp.asarray(rng.permutation(64), jnp.int32)
-    act = QuantizedWeight(w.packed, w.scales, w.zeros, perm, kind="int4", zero_point=8.0)
+    act = _act_order(rng, w)
     other = _weight(rng, "int8", 64, 16, 64, asym=False)
     x = jnp.asarray(rng.standard_normal((2, 64)), jnp.float32)
     for ws in ((w, act), (w, other)):
