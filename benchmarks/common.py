@@ -6,6 +6,7 @@ command, software and device that produced it.
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import math
@@ -131,3 +132,27 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:,.2f}" if abs(value) >= 1 else f"{value:.4g}"
     return str(value)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1, else a usage error naming the value."""
+    values = positive_ints(text)
+    if len(values) != 1:
+        _bad_int(text)
+    return values[0]
+
+
+def positive_ints(text: str) -> tuple[int, ...]:
+    """argparse type: comma-separated integers >= 1 (e.g. "1,16,64"), else a usage error."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        _bad_int(text)
+    return values
+
+
+def _bad_int(text: str):
+    raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, comma-separated "
+                                     "where a list is allowed (e.g. 16 or 1,16,64)")

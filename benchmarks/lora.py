@@ -47,7 +47,13 @@ from pjinfer.benchmarks.ceilings import (
     pipelined_seconds,
     timing_plan,
 )
-from pjinfer.benchmarks.common import finish_record, jax_device_info, new_record, print_table
+from pjinfer.benchmarks.common import (
+    finish_record,
+    jax_device_info,
+    new_record,
+    positive_ints,
+    print_table,
+)
 from pjinfer.benchmarks.datasets import random_requests
 from pjinfer.benchmarks.roofline import ModelShape
 
@@ -73,10 +79,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--compilation-cache-dir", default="/tmp/pjinfer-jax-cache",
                    help="persistent compilation cache ('' = off): a rerun skips the compiles")
-    p.add_argument("--micro-tokens", default=None,
+    p.add_argument("--micro-tokens", type=positive_ints, default=None,
                    help="token counts of the shrink/expand microbenchmark (default "
                    "1,16,64,256; --smoke: 1,16); the kernel runs up to LORA_PALLAS_MAX_ROWS")
-    p.add_argument("--kernel-k-ranges", default="",
+    p.add_argument("--kernel-k-ranges", type=positive_ints, default=(),
                    help="extra LoRA kernel tilings to time, e.g. 1024,4096 (input rows per "
                    "program, pjinfer.kernels.lora_matmul.pick_block_sizes)")
     p.add_argument("--skip-engine", action="store_true", help="microbenchmark only")
@@ -90,7 +96,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.num_prompts, args.input_len, args.output_len = 6, 16, 4
         args.w1_input_len, args.w1_output_len = 8, 4
         args.max_num_seqs, args.max_num_batched_tokens = 8, 64
-    args.micro_tokens = args.micro_tokens or ("1,16" if args.smoke else "1,16,64,256")
+    args.micro_tokens = args.micro_tokens or ((1, 16) if args.smoke else (1, 16, 64, 256))
     return args
 
 
@@ -309,10 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     shape = ModelShape.from_model_config(cfg, args.dtype)
     ceilings = measure_ceilings(shape, tokens=args.max_num_batched_tokens)
     record.update(device=jax_device_info(), ceilings=ceilings_record(ceilings))
-    tokens = [int(t) for t in args.micro_tokens.split(",")]
     record["shrink_expand"] = microbenchmark(
-        cfg, args.used_adapters, args.rank, tokens, ceilings, args.dtype,
-        tuple(int(n) for n in args.kernel_k_ranges.split(",") if n))
+        cfg, args.used_adapters, args.rank, list(args.micro_tokens), ceilings, args.dtype,
+        args.kernel_k_ranges)
     record["shrink_expand_per_step_s"] = step_totals(record["shrink_expand"])
     if not args.skip_engine:
         with tempfile.TemporaryDirectory(prefix="pjinfer-lora-bench-") as tmp:

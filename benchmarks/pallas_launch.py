@@ -21,7 +21,13 @@ import sys
 import time
 from typing import Any
 
-from pjinfer.benchmarks.common import finish_record, jax_device_info, new_record, print_table
+from pjinfer.benchmarks.common import (
+    finish_record,
+    jax_device_info,
+    new_record,
+    positive_int,
+    print_table,
+)
 
 
 def _chain(x, links: int, pallas: bool, interpret: bool):
@@ -69,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="pjinfer.benchmarks.pallas_launch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--links", type=int, default=32)
-    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--links", type=positive_int, default=32)
+    p.add_argument("--calls", type=positive_int, default=200)
     p.add_argument("--smoke", action="store_true", help="4 links, 3 calls (CPU plumbing)")
     p.add_argument("--out", default=None, help="JSON result path")
     args = p.parse_args(argv)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pjinfer.benchmarks import pallas_launch
 
 
@@ -14,3 +16,10 @@ def test_smoke_record(tmp_path):
     for form in ("xla_fusion", "pallas"):
         assert res[form]["pipelined_us"] > 0 and res[form]["synchronous_us"] > 0
     assert set(res["pallas_extra_us_per_call"]) == {"pipelined_us", "synchronous_us"}
+
+
+def test_bad_counts_are_usage_errors(capsys):
+    for argv in (["--links", "0"], ["--calls", "x"], ["--links", "2,3"]):
+        with pytest.raises(SystemExit):
+            pallas_launch.main(argv)
+        assert "give positive integers" in capsys.readouterr().err
