@@ -61,13 +61,14 @@ def init_lora_weights(cfg: ModelConfig, max_loras: int, max_rank: int, dtype,
              for m, (a, b) in modules.items()} for i, modules in enumerate(layout)]
 
 
-def attach(params: dict, weights: LoRAWeights, slots: jax.Array) -> dict:
-    """The params with every adaptable weight wrapped with its slots (inside the step)."""
+def attach(params: dict, weights: LoRAWeights, slots: jax.Array, backend: str = "auto") -> dict:
+    """The params with every adaptable weight wrapped with its slots (inside the step);
+    `backend`: of the LoRA term (`kernels.ops.lora_group_deltas`)."""
     layers = []
     for lp, modules in zip(params["layers"], weights, strict=True):
         lp = dict(lp)
         for m, (a, b) in modules.items():
-            lp[m] = AdaptedWeight(lp[m], a, b, slots)
+            lp[m] = AdaptedWeight(lp[m], a, b, slots, backend)
         layers.append(lp)
     return {**params, "layers": layers}
 
