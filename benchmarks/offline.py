@@ -132,15 +132,14 @@ def planned_shape(engine_args: dict[str, Any]) -> ModelShape:
     return ModelShape.from_model_config(cfg, engine_args.get("dtype", "auto"))
 
 
-ROUTED_EXPERTS = "experts_"  # MoE params [E, ...]: experts_gate_up, experts_down
-
-
 def model_shape(engine: Any) -> ModelShape:
     """The roofline's view of the loaded model, in the dtype the engine actually runs, with
     the bytes its layers and KV cache really take (quantized weights count packed)."""
     import dataclasses
 
     import jax
+
+    from pjinfer.models.moe import ROUTED_EXPERT_PARAMS
 
     runner = engine.runner
     shape = ModelShape.from_model_config(engine.model_config,
@@ -149,7 +148,7 @@ def model_shape(engine: Any) -> ModelShape:
     # chose), so the layers' bytes read every step leave them out.
     leaves = jax.tree_util.tree_leaves_with_path(runner.params["layers"])
     layers = sum(a.nbytes for path, a in leaves
-                 if not any(str(getattr(k, "key", "")).startswith(ROUTED_EXPERTS) for k in path))
+                 if not any(getattr(k, "key", None) in ROUTED_EXPERT_PARAMS for k in path))
     return dataclasses.replace(shape, layer_bytes=layers,
                                kv_dtype_bytes=np.dtype(runner.kv_dtype).itemsize)
 

@@ -37,6 +37,9 @@ from pjinfer.models.layers import gated_mlp, linear
 from pjinfer.sharding.attention import shard_map
 from pjinfer.sharding.mesh import traced_tp_mesh
 
+# A MoE layer's routed-expert params ([E, ...]): a step reads only the experts its tokens chose.
+ROUTED_EXPERT_PARAMS = ("experts_gate_up", "experts_down")
+
 
 @dataclass(frozen=True, slots=True)
 class MoeConfig:
