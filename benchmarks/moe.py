@@ -11,6 +11,10 @@ gate/up fused ([T*k, 2048] x [E, 2048, 1536]) and down ([T*k, 768] x [E, 768, 20
 - decode: 1-64 tokens. Bytes = the experts the routing actually touched (distinct experts x
   K x N x 2 B) + activations in and out, over the weight-streaming GEMV bandwidth measured
   here (16 GB stream, pipelined).
+- decode layer (`--decode-layer`): one whole MoE layer's experts (`models.moe.expert_ffn`: routing
+  bookkeeping, both GEMMs, the combine) on a 16-token decode step with 1-16 real tokens, the
+  sorted path against the unsorted one, and the unsorted kernel's tiling sweep (`--assign-n`,
+  `--assign-k`); bytes = the experts the real tokens chose.
 Each kernel is timed pipelined (`calls` back to back, one sync), best and median of `samples`;
 ratios divide by the best ceilings. Both `backend=auto` (the Pallas kernel on a GPU, ragged_dot
 elsewhere) and plain `jax.lax.ragged_dot` are measured; `--block-m/-n/-k` sweep the kernel's
@@ -123,6 +127,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                                 tokens=s["prefill_tokens"] * s["top_k"], calls=args.calls,
                                 samples=args.samples)
     record["ceilings"] = ceilings_record(ceilings)
+    if args.decode_layer:
+        record["decode_layer"] = _decode_layer(s, args, timing, ceilings.hbm_bytes_per_s)
+        return record
     sweep = [dict(block_m=m_, block_n=n_, block_k=k_, k_splits=s_) for m_, n_, k_, s_ in
              itertools.product(args.block_m, args.block_n, args.block_k, args.k_splits)]
     fns = _kernels(sweep)
@@ -169,6 +176,51 @@ def _decode(fns, s, timing, bandwidth, seed) -> list[dict[str, Any]]:
     return rows
 
 
+def _decode_layer(s, args, timing, bandwidth) -> list[dict[str, Any]]:
+    """One MoE layer's expert FFN per path, and the unsorted kernel per tiling, at 16 padded
+    tokens of which `real` route (the rest carry weight 0, as an engine step's padding)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from pjinfer.kernels.grouped_matmul import assignment_matmul
+    from pjinfer.models.moe import expert_ffn
+
+    d, inter, e, k = s["hidden"], s["inter"], s["experts"], s["top_k"]
+    padded = 16 if not args.smoke else 4
+    gate_up, down = _filled((e, d, 2, inter), 5), _filled((e, inter, d), 6)
+    x = _filled((padded, d), 7)
+    interpret = jax.default_backend() != "gpu"
+    paths = {p: jax.jit(functools.partial(expert_ffn, backend="pallas", path=p))
+             for p in ("sorted", "unsorted")}
+    rows = []
+    for real in sorted({1, 4, padded // 2 + 2, padded} & set(range(1, padded + 1))):
+        rng = np.random.default_rng(args.seed + real)
+        ids = jnp.asarray(np.argsort(rng.random((padded, e)), axis=1)[:, :k], jnp.int32)
+        weights = jnp.where(jnp.arange(padded)[:, None] < real, 1.0 / k, 0.0)
+        touched = len(set(np.asarray(ids[:real]).reshape(-1).tolist()))
+        moved = 2 * touched * 3 * d * inter  # the experts' gate, up and down weights
+        entry: dict[str, Any] = {"real_tokens": real, "experts_touched": touched,
+                                 "bytes": moved}
+        for name, fn in paths.items():
+            t = _time(fn, (x, weights, ids, gate_up, down), timing)
+            entry[name] = {**t, "vs_bandwidth": moved / t["best_s"] / bandwidth}
+        expert = jnp.where(weights > 0, ids, -1).reshape(-1)
+        rows_of = jnp.arange(padded * k, dtype=jnp.int32) // k
+        flat = gate_up.reshape(e, d, 2 * inter)
+        for bn, bk in itertools.product(args.assign_n, args.assign_k):
+            fn = jax.jit(functools.partial(assignment_matmul, block_n=bn, block_k=bk,
+                                           interpret=interpret))
+            t = _time(fn, (x, flat, expert, rows_of), timing)
+            entry[f"gate_up_n{bn}_k{bk}"] = {**t, "vs_bandwidth": 2 * touched * d * 2 * inter
+                                             / t["best_s"] / bandwidth}
+        rows.append(entry)
+        print(f"real {real}: sorted {entry['sorted']['best_s'] * 1e6:.1f} us, unsorted "
+              f"{entry['unsorted']['best_s'] * 1e6:.1f} us", flush=True)
+    return rows
+
+
 def _print(record: dict[str, Any]) -> None:
     c = record["ceilings"]
     rows = [("bf16 matmul, best (TFLOP/s)", c["matmul_tflops"]),
@@ -198,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-n", type=int, nargs="+", default=[128])
     parser.add_argument("--block-k", type=int, nargs="+", default=[64])
     parser.add_argument("--k-splits", type=int, nargs="+", default=[1])
+    parser.add_argument("--decode-layer", action="store_true",
+                        help="only the decode-layer comparison (sorted vs unsorted experts)")
+    parser.add_argument("--assign-n", type=int, nargs="+", default=[16, 32, 64, 128])
+    parser.add_argument("--assign-k", type=int, nargs="+", default=[128, 256, 512])
     parser.add_argument("--decode-sweep", action="store_true",
                         help="time the block-size sweep on the decode shapes too (default: "
                              "prefill only; decode times ragged_dot and auto)")

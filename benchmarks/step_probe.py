@@ -109,7 +109,7 @@ def _adapters(engine, count: int, rank: int, root: str) -> list:
 
 def probe(backend: str, model: str, layouts: list[str], profile: str | None,
           loras: int = 0, lora_rank: int = 16, max_model_len: int = 2048,
-          quantization: str | None = None) -> dict:
+          quantization: str | None = None, num_kv_blocks: int = 40000) -> dict:
     import tempfile
 
     from pjinfer.engine.config import EngineConfig
@@ -122,7 +122,7 @@ def probe(backend: str, model: str, layouts: list[str], profile: str | None,
     model, method = quantized_model(model, quantization, tempfile.mkdtemp())
     engine = LLMEngine(EngineConfig(
         model=model, load_format="dummy", dtype="bfloat16", max_model_len=max_model_len,
-        max_num_seqs=256, max_num_batched_tokens=2048, num_kv_blocks=40000, warmup=False,
+        max_num_seqs=256, max_num_batched_tokens=2048, num_kv_blocks=num_kv_blocks, warmup=False,
         attention_backend=backend, quantization=method, **lora_args))
     adapters = _adapters(engine, loras, lora_rank, tempfile.mkdtemp()) if loras else []
     params, rng, out = SamplingParams(temperature=0, max_tokens=4), np.random.default_rng(0), {}
@@ -179,12 +179,15 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                         help="quantized dummy weights (see module docstring)")
+    parser.add_argument("--num-kv-blocks", type=int, default=40000,
+                        help="KV cache blocks (a 30B model's weights leave room for fewer)")
     args = parser.parse_args()
     _import_repo()
     results = {}
     for backend in args.backends:
         results.update(probe(backend, args.model, args.layouts, args.profile, args.loras,
-                             args.lora_rank, args.max_model_len, args.quantization))
+                             args.lora_rank, args.max_model_len, args.quantization,
+                             args.num_kv_blocks))
     with open(args.out, "w") as f:
         json.dump({"unit": "ms per step (median of 5)", "model": args.model,
                    "loras": args.loras, "lora_rank": args.lora_rank,

@@ -22,6 +22,8 @@ from pjinfer.kernels.decode_attention import (
     decode_attention_reference,
     default_decode_block_sizes,
 )
+from pjinfer.kernels.grouped_matmul import assignment_matmul as pallas_assignment_matmul
+from pjinfer.kernels.grouped_matmul import assignment_matmul_reference
 from pjinfer.kernels.grouped_matmul import grouped_matmul as pallas_grouped_matmul
 from pjinfer.kernels.metadata import AttentionMetadata
 from pjinfer.kernels.ragged_attention import ragged_attention, ragged_attention_reference
@@ -124,6 +126,26 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     return pallas_grouped_matmul(lhs, rhs, group_sizes, out_dtype=out_dtype,
                                  interpret=jax.default_backend() != "gpu",
                                  **default_grouped_block_sizes(lhs.shape[0], *rhs.shape))
+
+
+def assignment_matmul(lhs: jax.Array, rhs: jax.Array, expert: jax.Array, lhs_row: jax.Array,
+                      *, backend: str = "auto", out_dtype=None) -> jax.Array:
+    """out[a] = lhs[lhs_row[a]] @ rhs[expert[a]] (0 where expert[a] < 0) -> [A, N]: the MoE
+    expert GEMMs of a decode step without sorting (`prefers_assignment_matmul` says when)."""
+    if not _use_pallas(backend):
+        return assignment_matmul_reference(lhs, rhs, expert, lhs_row, out_dtype=out_dtype)
+    k, n = rhs.shape[1:]
+    return pallas_assignment_matmul(lhs, rhs, expert, lhs_row, out_dtype=out_dtype,
+                                    interpret=jax.default_backend() != "gpu",
+                                    block_n=_dividing(32, n), block_k=_dividing(256, k))
+
+
+def prefers_assignment_matmul(backend: str, assignments: int, experts: int) -> bool:
+    """The unsorted expert GEMMs (Pallas only) when a step has no more (token, expert)
+    assignments than experts: a decode step, where sorting and tiling cost a dozen small
+    kernels per layer and few experts are read twice. Elsewhere the sorted grouped matmul
+    reads each expert once."""
+    return _use_pallas(backend) and assignments <= experts
 
 
 def default_grouped_block_sizes(rows: int, groups: int, k: int, n: int) -> dict[str, int]:

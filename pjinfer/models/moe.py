@@ -11,8 +11,10 @@ free to the [E, D, 2I/tp] of one fused grouped GEMM.
 Every (token, expert) assignment is computed (dropless: no capacity, nothing dropped);
 assignments are sorted by expert, the gate/up and the down projections run as one grouped
 matmul each (`kernels.ops.grouped_matmul`), then each token sums its k outputs times its
-routing weights. Padding tokens of a step (past `metadata.query_start_loc[-1]`) and, under
-expert parallelism, assignments to another shard's experts are sorted past the last group,
+routing weights. A decode step with no more assignments than experts skips the sort: each
+assignment multiplies its own row by its expert (`kernels.ops.assignment_matmul`). Padding
+tokens of a step (past `metadata.query_start_loc[-1]`) and, under expert parallelism,
+assignments to another shard's experts are sorted past the last group (or marked inactive),
 so no GEMM reads their rows and they carry weight 0.
 
 Tensor parallelism runs the experts under `shard_map` over "tp" with one all-reduce per MoE
@@ -77,29 +79,53 @@ def route(logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, 
 
 def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Array,
                down: jax.Array, first_expert: jax.Array | int = 0, *,
-               backend: str = "auto") -> jax.Array:
+               backend: str = "auto", path: str = "auto") -> jax.Array:
     """Sum over each token's k experts of weight * down(silu(gate(x)) * up(x)), float32 [T, D].
 
     x [T, D]; weights/ids [T, k] (weight 0: skipped); gate_up [E', D, 2, I']; down [E', I', D]
     hold experts first_expert .. first_expert + E' - 1 (all of them, or one EP shard's), each
     over I' columns (all of I, or one TP shard's: then the result is a partial sum).
+    `path` "sorted" / "unsorted" overrides `ops.prefers_assignment_matmul` (benchmarks).
     """
+    if path not in ("auto", "sorted", "unsorted"):
+        raise ValueError(f"path must be auto, sorted or unsorted, got {path!r}")
     t, k = ids.shape
     num_local, d, _, inter = gate_up.shape
     local = ids - first_expert
     mine = (local >= 0) & (local < num_local) & (weights > 0)  # [T, k]
-    key = jnp.where(mine, local, num_local).reshape(-1)  # [T*k]; others sort past the groups
+    gate_up = gate_up.reshape(num_local, d, 2 * inter)
+    if path == "unsorted" or (path == "auto"
+                              and ops.prefers_assignment_matmul(backend, t * k, num_local)):
+        y = _unsorted_experts(x, jnp.where(mine, local, -1).reshape(-1), gate_up, down, k,
+                              backend)
+    else:
+        y = _sorted_experts(x, jnp.where(mine, local, num_local).reshape(-1), gate_up, down,
+                            k, backend)
+    y = y.reshape(t, k, d).astype(jnp.float32)  # [T, k, D] in assignment order
+    w = jnp.where(mine, weights, 0.0)[..., None]  # [T, k, 1]
+    return jnp.sum(jnp.where(w > 0, y * w, 0.0), axis=1)
+
+
+def _sorted_experts(x, key, gate_up, down, k: int, backend: str) -> jax.Array:
+    """Assignments sorted by expert (key [T*k]: local expert, or E' for none), one grouped
+    matmul per projection, un-sorted back: [T*k, D]."""
+    num_local, inter = gate_up.shape[0], gate_up.shape[2] // 2
     order = jnp.argsort(key, stable=True)  # [T*k] sorted position -> assignment
     group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
-    xs = x[order // k]  # [T*k, D] rows sorted by expert
-    h = ops.grouped_matmul(xs, gate_up.reshape(num_local, d, 2 * inter), group_sizes,
-                           backend=backend)  # [T*k, 2I']
+    h = ops.grouped_matmul(x[order // k], gate_up, group_sizes, backend=backend)  # [T*k, 2I']
     h = jax.nn.silu(h[:, :inter]) * h[:, inter:]
     y = ops.grouped_matmul(h, down, group_sizes, backend=backend)  # [T*k, D] in x's dtype
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    y = y[inverse].reshape(t, k, d).astype(jnp.float32)  # back to assignment order
-    w = jnp.where(mine, weights, 0.0)[..., None]  # [T, k, 1]
-    return jnp.sum(jnp.where(w > 0, y * w, 0.0), axis=1)
+    return y[inverse]
+
+
+def _unsorted_experts(x, expert, gate_up, down, k: int, backend: str) -> jax.Array:
+    """Each assignment (expert [T*k]: local expert, or -1 for none) on its own: [T*k, D]."""
+    inter = gate_up.shape[2] // 2
+    rows = jnp.arange(expert.shape[0], dtype=jnp.int32)
+    h = ops.assignment_matmul(x, gate_up, expert, rows // k, backend=backend)  # [T*k, 2I']
+    h = jax.nn.silu(h[:, :inter]) * h[:, inter:]
+    return ops.assignment_matmul(h, down, expert, rows, backend=backend)
 
 
 def _sharded_expert_ffn(x, weights, ids, gate_up, down, *, expert_parallel: bool,

@@ -13,9 +13,10 @@ def test_smoke_record(tmp_path):
     out = tmp_path / "p.json"
     assert pallas_launch.main(["--smoke", "--out", str(out)]) == 0
     res = json.loads(out.read_text())["results"]
-    for form in ("xla_fusion", "pallas"):
+    for form in ("xla_fusion", "triton", "mosaic"):
         assert res[form]["pipelined_us"] > 0 and res[form]["synchronous_us"] > 0
-    assert set(res["pallas_extra_us_per_call"]) == {"pipelined_us", "synchronous_us"}
+    for backend in ("triton", "mosaic"):
+        assert set(res[backend]["extra_us_per_call"]) == {"pipelined_us", "synchronous_us"}
 
 
 def test_bad_counts_are_usage_errors(capsys):

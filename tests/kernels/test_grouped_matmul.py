@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 
 from pjinfer.kernels import ops
-from pjinfer.kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
+from pjinfer.kernels.grouped_matmul import (
+    assignment_matmul,
+    assignment_matmul_reference,
+    grouped_matmul,
+    grouped_matmul_reference,
+)
 
 INTERPRET = jax.default_backend() != "gpu"  # the compiled Triton kernel where there is a GPU
 
@@ -41,6 +46,29 @@ def test_kernel_matches_reference(m, k, n, g, bm, bn, bk, splits, tail):
     assert not np.any(np.asarray(out)[m - tail:])
 
 
+@pytest.mark.parametrize("rows, k, n, g, a, bn, bk", [
+    (3, 48, 40, 6, 7, 16, 16),  # K and N padded; repeated experts and rows
+    (16, 64, 96, 9, 24, 32, 32),  # more assignments than experts
+    (1, 128, 16, 4, 2, 16, 64),  # batch 1, one K step... of two
+])
+def test_assignment_kernel_matches_reference(rows, k, n, g, a, bn, bk):
+    """Unsorted assignments, some inactive (expert -1: they come out 0)."""
+    rng = np.random.default_rng(rows + k + a)
+    lhs = jnp.asarray(rng.normal(size=(rows, k)), jnp.float32)
+    rhs = jnp.asarray(rng.normal(size=(g, k, n)) / np.sqrt(k), jnp.float32)
+    expert = jnp.asarray(np.where(rng.random(a) < 0.3, -1, rng.integers(0, g, a)), jnp.int32)
+    row = jnp.asarray(rng.integers(0, rows, a), jnp.int32)
+    out = assignment_matmul(lhs, rhs, expert, row, block_n=bn, block_k=bk, interpret=INTERPRET)
+    ref = assignment_matmul_reference(lhs, rhs, expert, row)
+    want = np.stack([np.asarray(lhs[r]) @ np.asarray(rhs[e]) if e >= 0 else np.zeros(n)
+                     for e, r in zip(np.asarray(expert), np.asarray(row), strict=True)])
+    np.testing.assert_allclose(ref, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    for backend in ("reference", "pallas"):
+        np.testing.assert_allclose(ops.assignment_matmul(lhs, rhs, expert, row, backend=backend),
+                                   want, rtol=1e-5, atol=1e-5, err_msg=backend)
+
+
 def test_bfloat16_with_float32_output():
     lhs, rhs, sizes = _inputs(3, 24, 32, 32, 4, jnp.bfloat16)
     out = grouped_matmul(lhs, rhs, sizes, block_m=16, block_n=16, block_k=16,
@@ -65,6 +93,10 @@ def test_bad_shapes_and_block_sizes_are_refused():
         grouped_matmul_reference(lhs, rhs[:, :8], sizes)
     with pytest.raises(ValueError, match="block_m must be a power of two"):
         grouped_matmul(lhs, rhs, sizes, block_m=24, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="lhs_row \\[A\\]"):
+        assignment_matmul_reference(lhs, rhs, sizes, sizes[:1])
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        assignment_matmul(lhs, rhs, sizes, sizes, block_n=24, interpret=INTERPRET)
 
 
 def test_default_tiling_divides_a_tp_shards_weights():

@@ -13,6 +13,7 @@ import pytest
 
 from pjinfer.config import ModelConfig
 from pjinfer.errors import ModelLoadError
+from pjinfer.kernels import ops
 from pjinfer.models.dense import dense_logits
 from pjinfer.models.moe import MoeConfig, expert_ffn, moe_block, route
 from pjinfer.weights import load_model
@@ -112,6 +113,26 @@ def test_block_equals_per_token_loop_and_expert_shards_sum_to_it():
     halves = [expert_ffn(x, weights, ids, lp["experts_gate_up"][s:s + 3],
                          lp["experts_down"][s:s + 3], s) for s in (0, 3)]
     np.testing.assert_allclose(halves[0] + halves[1], want, rtol=1e-5, atol=1e-5)
+
+
+def test_unsorted_decode_path_equals_sorted_one():
+    """A step with no more assignments than experts takes the unsorted kernel (Pallas):
+    same result as the sorted path, with padding tokens and expert shards."""
+    lp = _block_params(0)  # 6 experts, top-2: 3 tokens make 6 assignments
+    gu, down = lp["experts_gate_up"], lp["experts_down"]
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(3, 16)), jnp.float32)
+    weights, ids = route(x @ lp["router"], 2, renormalize=True)
+    weights = weights.at[2].set(0.0)  # a padding token
+    assert ops.prefers_assignment_matmul("pallas", 6, 6)
+    assert not ops.prefers_assignment_matmul("pallas", 8, 6)
+    assert not ops.prefers_assignment_matmul("reference", 6, 6)
+    want = expert_ffn(x, weights, ids, gu, down)  # sorted, ragged_dot
+    got = expert_ffn(x, weights, ids, gu, down, backend="pallas")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert not np.any(np.asarray(got[2]))
+    halves = [expert_ffn(x[:1], weights[:1], ids[:1], gu[s:s + 3], down[s:s + 3], s,
+                         backend="pallas") for s in (0, 3)]  # 2 assignments, 3 experts each
+    np.testing.assert_allclose(halves[0] + halves[1], want[:1], rtol=1e-5, atol=1e-5)
 
 
 def test_padding_tokens_do_not_change_real_ones():
