@@ -184,7 +184,7 @@ def _decode_layer(s, args, timing, bandwidth) -> list[dict[str, Any]]:
     import jax
     import jax.numpy as jnp
 
-    from pjinfer.kernels.grouped_matmul import assignment_matmul
+    from pjinfer.kernels.grouped_matmul import assignment_matmul, routed_matmul
     from pjinfer.models.moe import expert_ffn
 
     d, inter, e, k = s["hidden"], s["inter"], s["experts"], s["top_k"]
@@ -193,7 +193,7 @@ def _decode_layer(s, args, timing, bandwidth) -> list[dict[str, Any]]:
     x = _filled((padded, d), 7)
     interpret = jax.default_backend() != "gpu"
     paths = {p: jax.jit(functools.partial(expert_ffn, backend="pallas", path=p))
-             for p in ("sorted", "unsorted")}
+             for p in ("sorted", "unsorted", "routed")}
     rows = []
     for real in sorted({1, 4, padded // 2 + 2, padded} & set(range(1, padded + 1))):
         rng = np.random.default_rng(args.seed + real)
@@ -209,15 +209,22 @@ def _decode_layer(s, args, timing, bandwidth) -> list[dict[str, Any]]:
         expert = jnp.where(weights > 0, ids, -1).reshape(-1)
         rows_of = jnp.arange(padded * k, dtype=jnp.int32) // k
         flat = gate_up.reshape(e, d, 2 * inter)
+        routed_ids = jnp.where(weights > 0, ids, -1)
         for bn, bk in itertools.product(args.assign_n, args.assign_k):
-            fn = jax.jit(functools.partial(assignment_matmul, block_n=bn, block_k=bk,
-                                           interpret=interpret))
-            t = _time(fn, (x, flat, expert, rows_of), timing)
-            entry[f"gate_up_n{bn}_k{bk}"] = {**t, "vs_bandwidth": 2 * touched * d * 2 * inter
-                                             / t["best_s"] / bandwidth}
+            for name, fn, operands in (
+                    ("gate_up_assign", functools.partial(assignment_matmul, block_n=bn,
+                                                         block_k=bk, interpret=interpret),
+                     (x, flat, expert, rows_of)),
+                    ("gate_up_routed", functools.partial(routed_matmul, per_assignment=False,
+                                                         block_n=bn, block_k=bk,
+                                                         interpret=interpret),
+                     (x, flat, routed_ids))):
+                t = _time(jax.jit(fn), operands, timing)
+                entry[f"{name}_n{bn}_k{bk}"] = {**t, "vs_bandwidth": 2 * touched * d * 2
+                                                * inter / t["best_s"] / bandwidth}
         rows.append(entry)
-        print(f"real {real}: sorted {entry['sorted']['best_s'] * 1e6:.1f} us, unsorted "
-              f"{entry['unsorted']['best_s'] * 1e6:.1f} us", flush=True)
+        print(f"real {real}: " + ", ".join(f"{p} {entry[p]['best_s'] * 1e6:.1f} us"
+                                           for p in paths), flush=True)
     return rows
 
 

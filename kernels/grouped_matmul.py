@@ -26,6 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from pjinfer.kernels import common
 
@@ -214,6 +215,78 @@ def assignment_matmul(lhs: jax.Array, rhs: jax.Array, expert: jax.Array, lhs_row
         name="assignment_matmul",
     )(expert.astype(jnp.int32), lhs_row.astype(jnp.int32), lhs_p, rhs_p)
     return out[:, :n]
+
+
+def _routed_kernel(ids_ref, lhs_ref, rhs_ref, o_ref, *, block_n: int, block_k: int,
+                   k_steps: int, per_assignment: bool):
+    """Program (expert e, column block): every token that chose e, as one dense [T, bk] x
+    [bk, bn] dot (other tokens' rows masked to 0), stored to those tokens' assignment rows.
+    An expert no token chose reads nothing."""
+    e, col = pl.program_id(0), pl.program_id(1)
+    num_tokens, top_k = ids_ref.shape
+    match = ids_ref[...] == e  # [T, k]: at most one hit per token
+    hit = jnp.max(match.astype(jnp.int32), axis=1) > 0  # [T]
+    slot = jnp.sum(jnp.where(match, jnp.arange(top_k, dtype=jnp.int32)[None, :], 0), axis=1)
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    out_rows = token * top_k + slot  # [T] assignment rows
+    rows = out_rows if per_assignment else token
+    cols = pl.ds(col * block_n, block_n)
+
+    def body(kb, acc):
+        ks = pl.ds(kb * block_k, block_k)
+        x = jnp.where(hit[:, None], lhs_ref[rows, ks], 0)  # [T, bk]
+        return acc + jnp.dot(x, rhs_ref[e, ks, cols], preferred_element_type=jnp.float32)
+
+    @pl.when(jnp.sum(hit.astype(jnp.int32)) > 0)
+    def _():
+        acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((num_tokens, block_n), jnp.float32))
+        col_ids = col * block_n + jnp.arange(block_n, dtype=jnp.int32)
+        pltriton.store(o_ref.at[out_rows[:, None], col_ids[None, :]], acc.astype(o_ref.dtype),
+                       mask=hit[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=("per_assignment", "block_n", "block_k",
+                                             "num_warps", "num_stages", "out_dtype",
+                                             "interpret"))
+def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignment: bool,
+                  block_n: int = 64, block_k: int = 128, num_warps: int = 4,
+                  num_stages: int = 3, out_dtype=None, interpret: bool = False) -> jax.Array:
+    """ids [T, k] (expert per token and choice, < 0: none) -> [T*k, N]: row t*k+j is
+    lhs[t] (lhs [T, K]) or lhs[t*k+j] (`per_assignment`, lhs [T*k, K]) times rhs[ids[t, j]],
+    0 where ids[t, j] < 0. One program per (expert, column block), so each expert's weights
+    are read once whatever number of tokens chose it; T and k are padded to powers of two
+    (>= 16 tokens: Triton's dot)."""
+    t, k = ids.shape
+    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1] \
+            or lhs.shape[0] != (t * k if per_assignment else t):
+        raise ValueError(f"routed matmul needs lhs [{'T*k' if per_assignment else 'T'}, K], "
+                         f"rhs [G, K, N], ids [T, k]; got {lhs.shape}, {rhs.shape}, {ids.shape}")
+    for name, size in (("block_n", block_n), ("block_k", block_k)):
+        if not common.is_pow2(size):
+            raise ValueError(f"{name} must be a power of two, got {size}")
+    n = rhs.shape[2]
+    tp, kp = max(16, common.next_pow2(t)), common.next_pow2(k)
+    ids_p = jnp.pad(ids.astype(jnp.int32), ((0, tp - t), (0, kp - k)), constant_values=-1)
+    lhs_p = _pad_to(lhs, 1, block_k)
+    if per_assignment:  # rows t*k + j -> t*kp + j of the padded [Tp, kp] layout
+        lhs_p = lhs_p.reshape(t, k, -1)
+        lhs_p = jnp.pad(lhs_p, ((0, tp - t), (0, kp - k), (0, 0))).reshape(tp * kp, -1)
+    rhs_p = _pad_to(_pad_to(rhs, 1, block_k), 2, block_n)  # [G, K', N']
+    width = rhs_p.shape[2]
+    whole = common.whole_spec
+    out = pl.pallas_call(
+        functools.partial(_routed_kernel, block_n=block_n, block_k=block_k,
+                          k_steps=lhs_p.shape[1] // block_k, per_assignment=per_assignment),
+        grid=(rhs.shape[0], width // block_n),
+        in_specs=[whole(ids_p.shape), whole(lhs_p.shape), whole(rhs_p.shape)],
+        out_specs=whole((tp * kp, width)),
+        out_shape=jax.ShapeDtypeStruct((tp * kp, width), out_dtype or lhs.dtype),
+        compiler_params=common.triton_params(num_warps, num_stages),
+        interpret=interpret,
+        name="routed_matmul",
+    )(ids_p, lhs_p, rhs_p)
+    out = out.reshape(tp, kp, width)[:t, :k, :n]  # rows no expert wrote hold garbage:
+    return jnp.where((ids >= 0)[..., None], out, 0).reshape(t * k, n)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype",))

@@ -25,6 +25,7 @@ from pjinfer.kernels.decode_attention import (
 from pjinfer.kernels.grouped_matmul import assignment_matmul as pallas_assignment_matmul
 from pjinfer.kernels.grouped_matmul import assignment_matmul_reference
 from pjinfer.kernels.grouped_matmul import grouped_matmul as pallas_grouped_matmul
+from pjinfer.kernels.grouped_matmul import routed_matmul as pallas_routed_matmul
 from pjinfer.kernels.metadata import AttentionMetadata
 from pjinfer.kernels.ragged_attention import ragged_attention, ragged_attention_reference
 from pjinfer.quantization.weight import QuantizedWeight
@@ -140,12 +141,31 @@ def assignment_matmul(lhs: jax.Array, rhs: jax.Array, expert: jax.Array, lhs_row
                                     block_n=_dividing(32, n), block_k=_dividing(256, k))
 
 
-def prefers_assignment_matmul(backend: str, assignments: int, experts: int) -> bool:
-    """The unsorted expert GEMMs (Pallas only) when a step has no more (token, expert)
-    assignments than experts: a decode step, where sorting and tiling cost a dozen small
-    kernels per layer and few experts are read twice. Elsewhere the sorted grouped matmul
-    reads each expert once."""
-    return _use_pallas(backend) and assignments <= experts
+def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignment: bool,
+                  backend: str = "auto", out_dtype=None) -> jax.Array:
+    """ids [T, k] -> [T*k, N]: row t*k+j = lhs[t] (or lhs[t*k+j] when `per_assignment`) @
+    rhs[ids[t, j]], 0 where ids[t, j] < 0; each chosen expert read once (Pallas)."""
+    t, k = ids.shape
+    rows = jnp.arange(t * k, dtype=jnp.int32)
+    if not _use_pallas(backend):
+        return assignment_matmul_reference(lhs, rhs, ids.reshape(-1),
+                                           rows if per_assignment else rows // k,
+                                           out_dtype=out_dtype)
+    kk, n = rhs.shape[1:]
+    return pallas_routed_matmul(lhs, rhs, ids, per_assignment=per_assignment,
+                                out_dtype=out_dtype, interpret=jax.default_backend() != "gpu",
+                                block_n=_dividing(64, n), block_k=_dividing(128, kk))
+
+
+def prefers_routed_matmul(backend: str, tokens: int) -> bool:
+    """The routed expert GEMMs (Pallas only) for a decode-sized step: no sort, group sizes or
+    tile plan (a dozen small kernels per MoE layer, more than the GEMMs cost at batch 1), each
+    chosen expert read once; their dense [T, bk] tiles waste compute as T grows, so larger
+    steps take the sorted grouped matmul."""
+    return _use_pallas(backend) and tokens <= ROUTED_MAX_TOKENS
+
+
+ROUTED_MAX_TOKENS = 32
 
 
 def default_grouped_block_sizes(rows: int, groups: int, k: int, n: int) -> dict[str, int]:

@@ -11,8 +11,8 @@ free to the [E, D, 2I/tp] of one fused grouped GEMM.
 Every (token, expert) assignment is computed (dropless: no capacity, nothing dropped);
 assignments are sorted by expert, the gate/up and the down projections run as one grouped
 matmul each (`kernels.ops.grouped_matmul`), then each token sums its k outputs times its
-routing weights. A decode step with no more assignments than experts skips the sort: each
-assignment multiplies its own row by its expert (`kernels.ops.assignment_matmul`). Padding
+routing weights. A decode-sized step skips the sort: each expert a token chose multiplies
+those tokens' rows (`kernels.ops.routed_matmul`). Padding
 tokens of a step (past `metadata.query_start_loc[-1]`) and, under expert parallelism,
 assignments to another shard's experts are sorted past the last group (or marked inactive),
 so no GEMM reads their rows and they carry weight 0.
@@ -85,17 +85,18 @@ def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Ar
     x [T, D]; weights/ids [T, k] (weight 0: skipped); gate_up [E', D, 2, I']; down [E', I', D]
     hold experts first_expert .. first_expert + E' - 1 (all of them, or one EP shard's), each
     over I' columns (all of I, or one TP shard's: then the result is a partial sum).
-    `path` "sorted" / "unsorted" overrides `ops.prefers_assignment_matmul` (benchmarks).
+    `path` "sorted" / "routed" / "unsorted" overrides `ops.prefers_routed_matmul` (benchmarks).
     """
-    if path not in ("auto", "sorted", "unsorted"):
-        raise ValueError(f"path must be auto, sorted or unsorted, got {path!r}")
+    if path not in ("auto", "sorted", "unsorted", "routed"):
+        raise ValueError(f"path must be auto, sorted, unsorted or routed, got {path!r}")
     t, k = ids.shape
     num_local, d, _, inter = gate_up.shape
     local = ids - first_expert
     mine = (local >= 0) & (local < num_local) & (weights > 0)  # [T, k]
     gate_up = gate_up.reshape(num_local, d, 2 * inter)
-    if path == "unsorted" or (path == "auto"
-                              and ops.prefers_assignment_matmul(backend, t * k, num_local)):
+    if path == "routed" or (path == "auto" and ops.prefers_routed_matmul(backend, t)):
+        y = _routed_experts(x, jnp.where(mine, local, -1), gate_up, down, backend)
+    elif path == "unsorted":
         y = _unsorted_experts(x, jnp.where(mine, local, -1).reshape(-1), gate_up, down, k,
                               backend)
     else:
@@ -117,6 +118,14 @@ def _sorted_experts(x, key, gate_up, down, k: int, backend: str) -> jax.Array:
     y = ops.grouped_matmul(h, down, group_sizes, backend=backend)  # [T*k, D] in x's dtype
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     return y[inverse]
+
+
+def _routed_experts(x, ids, gate_up, down, backend: str) -> jax.Array:
+    """Per expert, the tokens that chose it (ids [T, k]: local expert, or -1): [T*k, D]."""
+    inter = gate_up.shape[2] // 2
+    h = ops.routed_matmul(x, gate_up, ids, per_assignment=False, backend=backend)
+    h = jax.nn.silu(h[:, :inter]) * h[:, inter:]
+    return ops.routed_matmul(h, down, ids, per_assignment=True, backend=backend)
 
 
 def _unsorted_experts(x, expert, gate_up, down, k: int, backend: str) -> jax.Array:

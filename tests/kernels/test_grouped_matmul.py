@@ -14,6 +14,7 @@ from pjinfer.kernels.grouped_matmul import (
     assignment_matmul_reference,
     grouped_matmul,
     grouped_matmul_reference,
+    routed_matmul,
 )
 
 INTERPRET = jax.default_backend() != "gpu"  # the compiled Triton kernel where there is a GPU
@@ -67,6 +68,44 @@ def test_assignment_kernel_matches_reference(rows, k, n, g, a, bn, bk):
     for backend in ("reference", "pallas"):
         np.testing.assert_allclose(ops.assignment_matmul(lhs, rhs, expert, row, backend=backend),
                                    want, rtol=1e-5, atol=1e-5, err_msg=backend)
+
+
+@pytest.mark.parametrize("t, k, g, kk, n, per_assignment", [
+    (3, 2, 6, 48, 40, False),  # K and N padded, T padded to 16
+    (5, 3, 7, 64, 48, True),  # k not a power of two: padded; lhs per assignment
+    (16, 8, 20, 32, 16, False),  # Qwen3-like top-8
+    (17, 2, 4, 16, 32, True),  # T past 16: padded to 32
+])
+def test_routed_kernel_matches_reference(t, k, g, kk, n, per_assignment):
+    """Each token's k distinct experts, a quarter of the choices inactive (-1)."""
+    rng = np.random.default_rng(t * k + g)
+    ids = np.argsort(rng.random((t, g)), axis=1)[:, :k].astype(np.int32)
+    ids[rng.random((t, k)) < 0.25] = -1
+    lhs = jnp.asarray(rng.normal(size=(t * k if per_assignment else t, kk)), jnp.float32)
+    rhs = jnp.asarray(rng.normal(size=(g, kk, n)) / np.sqrt(kk), jnp.float32)
+    rows = np.arange(t * k) if per_assignment else np.arange(t * k) // k
+    want = assignment_matmul_reference(lhs, rhs, jnp.asarray(ids.reshape(-1)),
+                                       jnp.asarray(rows))
+    out = routed_matmul(lhs, rhs, jnp.asarray(ids), per_assignment=per_assignment,
+                        block_n=16, block_k=16, interpret=INTERPRET)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    got = ops.routed_matmul(lhs, rhs, jnp.asarray(ids), per_assignment=per_assignment,
+                            backend="reference")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_routed_kernel_lowers_to_triton_ir_for_qwen3_experts():
+    """Without a GPU: both Qwen3-30B-A3B expert GEMMs of a 16-token step lower through Pallas
+    to Triton IR (the gathered loads and the masked scattered store), which interpret mode
+    skips."""
+    check = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    for per_assignment, rows, kk, n in ((False, 16, 2048, 1536), (True, 128, 768, 2048)):
+        fn = jax.jit(lambda a, b, i, p=per_assignment: routed_matmul(a, b, i, per_assignment=p))
+        exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=[check])(
+            jax.ShapeDtypeStruct((rows, kk), jnp.bfloat16),
+            jax.ShapeDtypeStruct((128, kk, n), jnp.bfloat16),
+            jax.ShapeDtypeStruct((16, 8), jnp.int32))
+        assert "xla.gpu.triton" in exported.mlir_module()
 
 
 def test_bfloat16_with_float32_output():

@@ -115,23 +115,24 @@ def test_block_equals_per_token_loop_and_expert_shards_sum_to_it():
     np.testing.assert_allclose(halves[0] + halves[1], want, rtol=1e-5, atol=1e-5)
 
 
-def test_unsorted_decode_path_equals_sorted_one():
-    """A step with no more assignments than experts takes the unsorted kernel (Pallas):
-    same result as the sorted path, with padding tokens and expert shards."""
+@pytest.mark.parametrize("path", ["routed", "unsorted"])
+def test_decode_paths_equal_sorted_one(path):
+    """The decode paths without a sort (Pallas kernels in interpret mode): same result as the
+    sorted path, with padding tokens and expert shards."""
     lp = _block_params(0)  # 6 experts, top-2: 3 tokens make 6 assignments
     gu, down = lp["experts_gate_up"], lp["experts_down"]
     x = jnp.asarray(np.random.default_rng(3).normal(size=(3, 16)), jnp.float32)
     weights, ids = route(x @ lp["router"], 2, renormalize=True)
     weights = weights.at[2].set(0.0)  # a padding token
-    assert ops.prefers_assignment_matmul("pallas", 6, 6)
-    assert not ops.prefers_assignment_matmul("pallas", 8, 6)
-    assert not ops.prefers_assignment_matmul("reference", 6, 6)
+    assert ops.prefers_routed_matmul("pallas", 16)
+    assert not ops.prefers_routed_matmul("pallas", 2048)
+    assert not ops.prefers_routed_matmul("reference", 16)
     want = expert_ffn(x, weights, ids, gu, down)  # sorted, ragged_dot
-    got = expert_ffn(x, weights, ids, gu, down, backend="pallas")
+    got = expert_ffn(x, weights, ids, gu, down, backend="pallas", path=path)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert not np.any(np.asarray(got[2]))
     halves = [expert_ffn(x[:1], weights[:1], ids[:1], gu[s:s + 3], down[s:s + 3], s,
-                         backend="pallas") for s in (0, 3)]  # 2 assignments, 3 experts each
+                         backend="pallas", path=path) for s in (0, 3)]
     np.testing.assert_allclose(halves[0] + halves[1], want[:1], rtol=1e-5, atol=1e-5)
 
 
