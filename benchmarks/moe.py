@@ -13,8 +13,8 @@ gate/up fused ([T*k, 2048] x [E, 2048, 1536]) and down ([T*k, 768] x [E, 768, 20
   here (16 GB stream, pipelined).
 - decode layer (`--decode-layer`): one whole MoE layer's experts (`models.moe.expert_ffn`: routing
   bookkeeping, both GEMMs, the combine) on a 16-token decode step with 1-16 real tokens, the
-  sorted path against the unsorted one, and the unsorted kernel's tiling sweep (`--assign-n`,
-  `--assign-k`); bytes = the experts the real tokens chose.
+  sorted path against the routed one, and the routed kernel's tiling sweep (`--routed-n`,
+  `--routed-k`) on the gate/up GEMM; bytes = the experts the real tokens chose.
 Each kernel is timed pipelined (`calls` back to back, one sync), best and median of `samples`;
 ratios divide by the best ceilings. Both `backend=auto` (the Pallas kernel on a GPU, ragged_dot
 elsewhere) and plain `jax.lax.ragged_dot` are measured; `--block-m/-n/-k` sweep the kernel's
@@ -177,14 +177,14 @@ def _decode(fns, s, timing, bandwidth, seed) -> list[dict[str, Any]]:
 
 
 def _decode_layer(s, args, timing, bandwidth) -> list[dict[str, Any]]:
-    """One MoE layer's expert FFN per path, and the unsorted kernel per tiling, at 16 padded
+    """One MoE layer's expert FFN per path, and the routed kernel per tiling, at 16 padded
     tokens of which `real` route (the rest carry weight 0, as an engine step's padding)."""
     import functools
 
     import jax
     import jax.numpy as jnp
 
-    from pjinfer.kernels.grouped_matmul import assignment_matmul, routed_matmul
+    from pjinfer.kernels.grouped_matmul import routed_matmul
     from pjinfer.models.moe import expert_ffn
 
     d, inter, e, k = s["hidden"], s["inter"], s["experts"], s["top_k"]
@@ -193,7 +193,7 @@ def _decode_layer(s, args, timing, bandwidth) -> list[dict[str, Any]]:
     x = _filled((padded, d), 7)
     interpret = jax.default_backend() != "gpu"
     paths = {p: jax.jit(functools.partial(expert_ffn, backend="pallas", path=p))
-             for p in ("sorted", "unsorted", "routed")}
+             for p in ("sorted", "routed")}
     rows = []
     for real in sorted({1, 4, padded // 2 + 2, padded} & set(range(1, padded + 1))):
         rng = np.random.default_rng(args.seed + real)
@@ -206,22 +206,14 @@ def _decode_layer(s, args, timing, bandwidth) -> list[dict[str, Any]]:
         for name, fn in paths.items():
             t = _time(fn, (x, weights, ids, gate_up, down), timing)
             entry[name] = {**t, "vs_bandwidth": moved / t["best_s"] / bandwidth}
-        expert = jnp.where(weights > 0, ids, -1).reshape(-1)
-        rows_of = jnp.arange(padded * k, dtype=jnp.int32) // k
         flat = gate_up.reshape(e, d, 2 * inter)
         routed_ids = jnp.where(weights > 0, ids, -1)
-        for bn, bk in itertools.product(args.assign_n, args.assign_k):
-            for name, fn, operands in (
-                    ("gate_up_assign", functools.partial(assignment_matmul, block_n=bn,
-                                                         block_k=bk, interpret=interpret),
-                     (x, flat, expert, rows_of)),
-                    ("gate_up_routed", functools.partial(routed_matmul, per_assignment=False,
-                                                         block_n=bn, block_k=bk,
-                                                         interpret=interpret),
-                     (x, flat, routed_ids))):
-                t = _time(jax.jit(fn), operands, timing)
-                entry[f"{name}_n{bn}_k{bk}"] = {**t, "vs_bandwidth": 2 * touched * d * 2
-                                                * inter / t["best_s"] / bandwidth}
+        for bn, bk in itertools.product(args.routed_n, args.routed_k):
+            fn = jax.jit(functools.partial(routed_matmul, per_assignment=False, block_n=bn,
+                                           block_k=bk, interpret=interpret))
+            t = _time(fn, (x, flat, routed_ids), timing)
+            entry[f"gate_up_routed_n{bn}_k{bk}"] = {**t, "vs_bandwidth": 2 * touched * d * 2
+                                                    * inter / t["best_s"] / bandwidth}
         rows.append(entry)
         print(f"real {real}: " + ", ".join(f"{p} {entry[p]['best_s'] * 1e6:.1f} us"
                                            for p in paths), flush=True)
@@ -258,9 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-k", type=int, nargs="+", default=[64])
     parser.add_argument("--k-splits", type=int, nargs="+", default=[1])
     parser.add_argument("--decode-layer", action="store_true",
-                        help="only the decode-layer comparison (sorted vs unsorted experts)")
-    parser.add_argument("--assign-n", type=int, nargs="+", default=[16, 32, 64, 128])
-    parser.add_argument("--assign-k", type=int, nargs="+", default=[128, 256, 512])
+                        help="only the decode-layer comparison (sorted vs routed experts)")
+    parser.add_argument("--routed-n", type=int, nargs="+", default=[32, 64, 128])
+    parser.add_argument("--routed-k", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--decode-sweep", action="store_true",
                         help="time the block-size sweep on the decode shapes too (default: "
                              "prefill only; decode times ragged_dot and auto)")

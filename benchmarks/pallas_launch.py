@@ -14,8 +14,9 @@ small Pallas kernels (one per projection: the quantized matmul, the LoRA kernel)
 per kernel (issues 14 and 15).
 
 Each Pallas backend is timed (`--backends`): "triton" lowers to XLA's Triton custom call,
-"mosaic" (Mosaic GPU) to the `mosaic_gpu_v2` FFI handler; if that handler is command-buffer
-compatible its extra cost per call is ~0 and per-layer kernels belong on that backend.
+"mosaic" (Mosaic GPU) to the `mosaic_gpu_v2` FFI handler; were that handler command-buffer
+compatible its extra cost per call would be ~0. On the H200 (jax 0.11.2) it costs more than
+Triton's (benchmarks/RESULTS.md, "Pallas calls and command buffers").
 """
 
 from __future__ import annotations
@@ -36,33 +37,34 @@ from pjinfer.benchmarks.common import (
 BACKENDS = ("triton", "mosaic")
 
 
-def _compiler_params(backend: str):
+def _add_one(x, backend: str, interpret: bool):
+    """x + 1 as one Pallas kernel of `backend`: Triton through `pallas_call`, Mosaic GPU
+    through `plgpu.kernel` (jax 0.11's `pallas_call` finds no Mosaic GPU lowering rule)."""
+    import jax
+    from jax.experimental import pallas as pl
+
+    def body(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1.0
+
+    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
     if backend == "mosaic":
         from jax.experimental.pallas import mosaic_gpu as plgpu
 
-        return plgpu.CompilerParams()
+        return plgpu.kernel(body, out_type=out, interpret=interpret or None)(x)
     from jax.experimental.pallas import triton as pltriton
 
-    return pltriton.CompilerParams(num_warps=4, num_stages=1)
+    return pl.pallas_call(body, out_shape=out, interpret=interpret,
+                          compiler_params=pltriton.CompilerParams(num_warps=4,
+                                                                  num_stages=1))(x)
 
 
 def _chain(x, links: int, backend: str | None, interpret: bool):
     """`links` x (sin, +1 as XLA ops or a Pallas kernel of `backend`, tanh)."""
-    import jax
     import jax.numpy as jnp
-    from jax.experimental import pallas as pl
-
-    def add_one(x_ref, o_ref):
-        o_ref[...] = x_ref[...] + 1.0
 
     for _ in range(links):
         x = jnp.sin(x) * 1.0001
-        if backend is None:
-            x = jnp.cos(x) + 1.0
-        else:
-            x = pl.pallas_call(add_one, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-                               compiler_params=_compiler_params(backend),
-                               interpret=interpret)(x)
+        x = jnp.cos(x) + 1.0 if backend is None else _add_one(x, backend, interpret)
         x = jnp.tanh(x)
     return x
 

@@ -11,12 +11,13 @@ slice. Empty groups get no tile, so a decode step reads the weights of the exper
 chose and no others. The result is written in the tiled layout and gathered back to row
 order. The number of tiles is static: at most cdiv(M, block_m) + min(G, M).
 
-`assignment_matmul` is the unsorted form for a decode step: one program per (assignment,
-column block) multiplies the one lhs row an assignment names by its expert's weights, as a
-GEMV, with no sort, group sizes, tile plan or un-permutation around it (a dozen small XLA
-kernels per MoE layer, which cost more than the GEMMs at batch 1). Inactive assignments
-(expert < 0: padding tokens, another shard's experts) read no weights. Two assignments of
-one expert read its weights twice, so it is for steps with few assignments per expert.
+`routed_matmul` is the form for a decode step: one program per (expert, column block)
+multiplies the rows of the tokens that chose that expert (the step's [T, K] rows, the others
+masked to 0) by its weights and stores them to those tokens' assignment rows, with no sort,
+group sizes, tile plan or un-permutation around it (a dozen small XLA kernels per MoE layer,
+which cost more than the GEMMs at batch 1). An expert nobody chose reads nothing; one that
+several tokens chose is read once. Inactive choices (expert < 0: padding tokens, another
+shard's experts) are 0.
 """
 
 from __future__ import annotations
@@ -153,68 +154,15 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     return jnp.where(in_groups[:, None], tiled[tiled_row, :n], 0).astype(out_dtype)
 
 
-def _assignment_kernel(expert_ref, row_ref, lhs_ref, rhs_ref, o_ref, *, block_k: int,
-                       k_steps: int):
-    """lhs[row] @ rhs[expert][:, column block] for one assignment; zeros when inactive."""
-    a, col = pl.program_id(0), pl.program_id(1)
-    expert, row = expert_ref[a], row_ref[a]
-    block_n = o_ref.shape[-1]
-    cols = pl.ds(col * block_n, block_n)
-
-    def body(kb, acc):  # [bk, bn] float32 products, summed over K once at the end
-        ks = pl.ds(kb * block_k, block_k)
-        x = lhs_ref[row, ks].astype(jnp.float32)  # [bk]
-        return acc + x[:, None] * rhs_ref[expert, ks, cols].astype(jnp.float32)
-
-    @pl.when(expert >= 0)
-    def _():
-        acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((block_k, block_n), jnp.float32))
-        o_ref[...] = jnp.sum(acc, axis=0).astype(o_ref.dtype)
-
-    @pl.when(expert < 0)
-    def _():
-        o_ref[...] = jnp.zeros((block_n,), o_ref.dtype)
+ROUTED_MAX_TOKENS = 64  # one [T, block_k] x tile and [T, block_n] sums per program
 
 
-def _check_assignments(lhs: jax.Array, rhs: jax.Array, expert: jax.Array,
-                       lhs_row: jax.Array) -> None:
-    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1] or expert.ndim != 1 \
-            or lhs_row.shape != expert.shape:
-        raise ValueError(f"assignment matmul needs lhs [R, K], rhs [G, K, N], expert [A] and "
-                         f"lhs_row [A]; got {lhs.shape}, {rhs.shape}, {expert.shape}, "
-                         f"{lhs_row.shape}")
-
-
-@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "num_warps", "num_stages",
-                                             "out_dtype", "interpret"))
-def assignment_matmul(lhs: jax.Array, rhs: jax.Array, expert: jax.Array, lhs_row: jax.Array,
-                      *, block_n: int = 32, block_k: int = 256, num_warps: int = 4,
-                      num_stages: int = 3, out_dtype=None, interpret: bool = False
-                      ) -> jax.Array:
-    """out[a] = lhs[lhs_row[a]] @ rhs[expert[a]], 0 where expert[a] < 0: lhs [R, K], rhs
-    [G, K, N], expert / lhs_row [A] -> [A, N] in `out_dtype` (default lhs's), float32 sums.
-    Blocks are powers of two; K and N are padded to them when they do not divide."""
-    _check_assignments(lhs, rhs, expert, lhs_row)
-    for name, size in (("block_n", block_n), ("block_k", block_k)):
-        if not common.is_pow2(size):
-            raise ValueError(f"{name} must be a power of two, got {size}")
-    n = rhs.shape[2]
-    lhs_p = _pad_to(lhs, 1, block_k)  # [R, K']
-    rhs_p = _pad_to(_pad_to(rhs, 1, block_k), 2, block_n)  # [G, K', N']
-    num, width = expert.shape[0], rhs_p.shape[2]
-    whole = common.whole_spec
-    out = pl.pallas_call(
-        functools.partial(_assignment_kernel, block_k=block_k,
-                          k_steps=lhs_p.shape[1] // block_k),
-        grid=(num, width // block_n),
-        in_specs=[whole((num,)), whole((num,)), whole(lhs_p.shape), whole(rhs_p.shape)],
-        out_specs=pl.BlockSpec((None, block_n), lambda a, c: (a, c)),
-        out_shape=jax.ShapeDtypeStruct((num, width), out_dtype or lhs.dtype),
-        compiler_params=common.triton_params(num_warps, num_stages),
-        interpret=interpret,
-        name="assignment_matmul",
-    )(expert.astype(jnp.int32), lhs_row.astype(jnp.int32), lhs_p, rhs_p)
-    return out[:, :n]
+def _check_routed(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, per_assignment: bool) -> None:
+    t, k = ids.shape
+    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1] \
+            or lhs.shape[0] != (t * k if per_assignment else t):
+        raise ValueError(f"routed matmul needs lhs [{'T*k' if per_assignment else 'T'}, K], "
+                         f"rhs [G, K, N], ids [T, k]; got {lhs.shape}, {rhs.shape}, {ids.shape}")
 
 
 def _routed_kernel(ids_ref, lhs_ref, rhs_ref, o_ref, *, block_n: int, block_k: int,
@@ -257,10 +205,10 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
     are read once whatever number of tokens chose it; T and k are padded to powers of two
     (>= 16 tokens: Triton's dot)."""
     t, k = ids.shape
-    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1] \
-            or lhs.shape[0] != (t * k if per_assignment else t):
-        raise ValueError(f"routed matmul needs lhs [{'T*k' if per_assignment else 'T'}, K], "
-                         f"rhs [G, K, N], ids [T, k]; got {lhs.shape}, {rhs.shape}, {ids.shape}")
+    _check_routed(lhs, rhs, ids, per_assignment)
+    if t > ROUTED_MAX_TOKENS:
+        raise ValueError(f"routed matmul takes steps of at most {ROUTED_MAX_TOKENS} tokens (its "
+                         f"dense [T, block_k] tiles), got {t}; use grouped_matmul")
     for name, size in (("block_n", block_n), ("block_k", block_k)):
         if not common.is_pow2(size):
             raise ValueError(f"{name} must be a power of two, got {size}")
@@ -289,13 +237,17 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
     return jnp.where((ids >= 0)[..., None], out, 0).reshape(t * k, n)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype",))
-def assignment_matmul_reference(lhs: jax.Array, rhs: jax.Array, expert: jax.Array,
-                                lhs_row: jax.Array, *, out_dtype=None) -> jax.Array:
-    """Pure JAX: each assignment's row times its expert's matrix ([A, K, N] memory)."""
-    _check_assignments(lhs, rhs, expert, lhs_row)
-    w = rhs[jnp.clip(expert, 0, rhs.shape[0] - 1)]  # [A, K, N]
-    out = jnp.einsum("ak,akn->an", lhs[lhs_row], w, preferred_element_type=jnp.float32)
+@functools.partial(jax.jit, static_argnames=("per_assignment", "out_dtype"))
+def routed_matmul_reference(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *,
+                            per_assignment: bool, out_dtype=None) -> jax.Array:
+    """Pure JAX, obviously right: each assignment's row times its expert's matrix, gathered
+    per assignment ([T*k, K, N] memory: for tests and the CPU)."""
+    t, k = ids.shape
+    _check_routed(lhs, rhs, ids, per_assignment)
+    expert = ids.reshape(-1)
+    rows = jnp.arange(t * k) if per_assignment else jnp.arange(t * k) // k
+    w = rhs[jnp.clip(expert, 0, rhs.shape[0] - 1)]  # [T*k, K, N]
+    out = jnp.einsum("ak,akn->an", lhs[rows], w, preferred_element_type=jnp.float32)
     return jnp.where((expert >= 0)[:, None], out, 0).astype(out_dtype or lhs.dtype)
 
 

@@ -22,10 +22,9 @@ from pjinfer.kernels.decode_attention import (
     decode_attention_reference,
     default_decode_block_sizes,
 )
-from pjinfer.kernels.grouped_matmul import assignment_matmul as pallas_assignment_matmul
-from pjinfer.kernels.grouped_matmul import assignment_matmul_reference
 from pjinfer.kernels.grouped_matmul import grouped_matmul as pallas_grouped_matmul
 from pjinfer.kernels.grouped_matmul import routed_matmul as pallas_routed_matmul
+from pjinfer.kernels.grouped_matmul import routed_matmul_reference
 from pjinfer.kernels.metadata import AttentionMetadata
 from pjinfer.kernels.ragged_attention import ragged_attention, ragged_attention_reference
 from pjinfer.quantization.weight import QuantizedWeight
@@ -129,28 +128,13 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                                  **default_grouped_block_sizes(lhs.shape[0], *rhs.shape))
 
 
-def assignment_matmul(lhs: jax.Array, rhs: jax.Array, expert: jax.Array, lhs_row: jax.Array,
-                      *, backend: str = "auto", out_dtype=None) -> jax.Array:
-    """out[a] = lhs[lhs_row[a]] @ rhs[expert[a]] (0 where expert[a] < 0) -> [A, N]: the MoE
-    expert GEMMs of a decode step without sorting (`prefers_assignment_matmul` says when)."""
-    if not _use_pallas(backend):
-        return assignment_matmul_reference(lhs, rhs, expert, lhs_row, out_dtype=out_dtype)
-    k, n = rhs.shape[1:]
-    return pallas_assignment_matmul(lhs, rhs, expert, lhs_row, out_dtype=out_dtype,
-                                    interpret=jax.default_backend() != "gpu",
-                                    block_n=_dividing(32, n), block_k=_dividing(256, k))
-
-
 def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignment: bool,
                   backend: str = "auto", out_dtype=None) -> jax.Array:
     """ids [T, k] -> [T*k, N]: row t*k+j = lhs[t] (or lhs[t*k+j] when `per_assignment`) @
     rhs[ids[t, j]], 0 where ids[t, j] < 0; each chosen expert read once (Pallas)."""
-    t, k = ids.shape
-    rows = jnp.arange(t * k, dtype=jnp.int32)
     if not _use_pallas(backend):
-        return assignment_matmul_reference(lhs, rhs, ids.reshape(-1),
-                                           rows if per_assignment else rows // k,
-                                           out_dtype=out_dtype)
+        return routed_matmul_reference(lhs, rhs, ids, per_assignment=per_assignment,
+                                       out_dtype=out_dtype)
     kk, n = rhs.shape[1:]
     return pallas_routed_matmul(lhs, rhs, ids, per_assignment=per_assignment,
                                 out_dtype=out_dtype, interpret=jax.default_backend() != "gpu",
@@ -162,10 +146,10 @@ def prefers_routed_matmul(backend: str, tokens: int) -> bool:
     tile plan (a dozen small kernels per MoE layer, more than the GEMMs cost at batch 1), each
     chosen expert read once; their dense [T, bk] tiles waste compute as T grows, so larger
     steps take the sorted grouped matmul."""
-    return _use_pallas(backend) and tokens <= ROUTED_MAX_TOKENS
+    return _use_pallas(backend) and tokens <= ROUTED_DECODE_TOKENS
 
 
-ROUTED_MAX_TOKENS = 32
+ROUTED_DECODE_TOKENS = 32  # the decode buckets of up to 32 sequences
 
 
 def default_grouped_block_sizes(rows: int, groups: int, k: int, n: int) -> dict[str, int]:

@@ -85,10 +85,10 @@ def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Ar
     x [T, D]; weights/ids [T, k] (weight 0: skipped); gate_up [E', D, 2, I']; down [E', I', D]
     hold experts first_expert .. first_expert + E' - 1 (all of them, or one EP shard's), each
     over I' columns (all of I, or one TP shard's: then the result is a partial sum).
-    `path` "sorted" / "routed" / "unsorted" overrides `ops.prefers_routed_matmul` (benchmarks).
+    `path` "sorted" / "routed" overrides `ops.prefers_routed_matmul` (benchmarks).
     """
-    if path not in ("auto", "sorted", "unsorted", "routed"):
-        raise ValueError(f"path must be auto, sorted, unsorted or routed, got {path!r}")
+    if path not in ("auto", "sorted", "routed"):
+        raise ValueError(f"path must be auto, sorted or routed, got {path!r}")
     t, k = ids.shape
     num_local, d, _, inter = gate_up.shape
     local = ids - first_expert
@@ -96,9 +96,6 @@ def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Ar
     gate_up = gate_up.reshape(num_local, d, 2 * inter)
     if path == "routed" or (path == "auto" and ops.prefers_routed_matmul(backend, t)):
         y = _routed_experts(x, jnp.where(mine, local, -1), gate_up, down, backend)
-    elif path == "unsorted":
-        y = _unsorted_experts(x, jnp.where(mine, local, -1).reshape(-1), gate_up, down, k,
-                              backend)
     else:
         y = _sorted_experts(x, jnp.where(mine, local, num_local).reshape(-1), gate_up, down,
                             k, backend)
@@ -126,15 +123,6 @@ def _routed_experts(x, ids, gate_up, down, backend: str) -> jax.Array:
     h = ops.routed_matmul(x, gate_up, ids, per_assignment=False, backend=backend)
     h = jax.nn.silu(h[:, :inter]) * h[:, inter:]
     return ops.routed_matmul(h, down, ids, per_assignment=True, backend=backend)
-
-
-def _unsorted_experts(x, expert, gate_up, down, k: int, backend: str) -> jax.Array:
-    """Each assignment (expert [T*k]: local expert, or -1 for none) on its own: [T*k, D]."""
-    inter = gate_up.shape[2] // 2
-    rows = jnp.arange(expert.shape[0], dtype=jnp.int32)
-    h = ops.assignment_matmul(x, gate_up, expert, rows // k, backend=backend)  # [T*k, 2I']
-    h = jax.nn.silu(h[:, :inter]) * h[:, inter:]
-    return ops.assignment_matmul(h, down, expert, rows, backend=backend)
 
 
 def _sharded_expert_ffn(x, weights, ids, gate_up, down, *, expert_parallel: bool,

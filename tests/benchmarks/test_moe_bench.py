@@ -27,3 +27,16 @@ def test_smoke_record(tmp_path):
         assert all(d[name]["auto"]["vs_bandwidth"] > 0 for d in rec["decode"])
     assert [d["tokens"] for d in rec["decode"]] == [1, 4]
     assert rec["decode"][0]["experts_touched"] == 2
+
+
+def test_decode_layer_record(tmp_path):
+    """--decode-layer: both expert paths and the routed tiling, per number of real tokens."""
+    out = tmp_path / "layer.json"
+    assert main(["--smoke", "--decode-layer", "--calls", "1", "--samples", "1",
+                 "--routed-n", "16", "--routed-k", "16", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["decode_layer"]
+    assert [r["real_tokens"] for r in rows] == [1, 4]
+    for r in rows:
+        assert 0 < r["experts_touched"] <= 2 * r["real_tokens"]
+        for key in ("sorted", "routed", "gate_up_routed_n16_k16"):
+            assert r[key]["best_s"] > 0 and r[key]["vs_bandwidth"] > 0

@@ -10,11 +10,10 @@ import pytest
 
 from pjinfer.kernels import ops
 from pjinfer.kernels.grouped_matmul import (
-    assignment_matmul,
-    assignment_matmul_reference,
     grouped_matmul,
     grouped_matmul_reference,
     routed_matmul,
+    routed_matmul_reference,
 )
 
 INTERPRET = jax.default_backend() != "gpu"  # the compiled Triton kernel where there is a GPU
@@ -47,29 +46,6 @@ def test_kernel_matches_reference(m, k, n, g, bm, bn, bk, splits, tail):
     assert not np.any(np.asarray(out)[m - tail:])
 
 
-@pytest.mark.parametrize("rows, k, n, g, a, bn, bk", [
-    (3, 48, 40, 6, 7, 16, 16),  # K and N padded; repeated experts and rows
-    (16, 64, 96, 9, 24, 32, 32),  # more assignments than experts
-    (1, 128, 16, 4, 2, 16, 64),  # batch 1, one K step... of two
-])
-def test_assignment_kernel_matches_reference(rows, k, n, g, a, bn, bk):
-    """Unsorted assignments, some inactive (expert -1: they come out 0)."""
-    rng = np.random.default_rng(rows + k + a)
-    lhs = jnp.asarray(rng.normal(size=(rows, k)), jnp.float32)
-    rhs = jnp.asarray(rng.normal(size=(g, k, n)) / np.sqrt(k), jnp.float32)
-    expert = jnp.asarray(np.where(rng.random(a) < 0.3, -1, rng.integers(0, g, a)), jnp.int32)
-    row = jnp.asarray(rng.integers(0, rows, a), jnp.int32)
-    out = assignment_matmul(lhs, rhs, expert, row, block_n=bn, block_k=bk, interpret=INTERPRET)
-    ref = assignment_matmul_reference(lhs, rhs, expert, row)
-    want = np.stack([np.asarray(lhs[r]) @ np.asarray(rhs[e]) if e >= 0 else np.zeros(n)
-                     for e, r in zip(np.asarray(expert), np.asarray(row), strict=True)])
-    np.testing.assert_allclose(ref, want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
-    for backend in ("reference", "pallas"):
-        np.testing.assert_allclose(ops.assignment_matmul(lhs, rhs, expert, row, backend=backend),
-                                   want, rtol=1e-5, atol=1e-5, err_msg=backend)
-
-
 @pytest.mark.parametrize("t, k, g, kk, n, per_assignment", [
     (3, 2, 6, 48, 40, False),  # K and N padded, T padded to 16
     (5, 3, 7, 64, 48, True),  # k not a power of two: padded; lhs per assignment
@@ -84,14 +60,17 @@ def test_routed_kernel_matches_reference(t, k, g, kk, n, per_assignment):
     lhs = jnp.asarray(rng.normal(size=(t * k if per_assignment else t, kk)), jnp.float32)
     rhs = jnp.asarray(rng.normal(size=(g, kk, n)) / np.sqrt(kk), jnp.float32)
     rows = np.arange(t * k) if per_assignment else np.arange(t * k) // k
-    want = assignment_matmul_reference(lhs, rhs, jnp.asarray(ids.reshape(-1)),
-                                       jnp.asarray(rows))
+    want = np.stack([np.asarray(lhs[r]) @ np.asarray(rhs[e]) if e >= 0 else np.zeros(n)
+                     for e, r in zip(ids.reshape(-1), rows, strict=True)])
+    ref = routed_matmul_reference(lhs, rhs, jnp.asarray(ids), per_assignment=per_assignment)
+    np.testing.assert_allclose(ref, want, rtol=1e-5, atol=1e-5)
     out = routed_matmul(lhs, rhs, jnp.asarray(ids), per_assignment=per_assignment,
                         block_n=16, block_k=16, interpret=INTERPRET)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
-    got = ops.routed_matmul(lhs, rhs, jnp.asarray(ids), per_assignment=per_assignment,
-                            backend="reference")
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for backend in ("reference", "pallas"):
+        got = ops.routed_matmul(lhs, rhs, jnp.asarray(ids), per_assignment=per_assignment,
+                                backend=backend)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=backend)
 
 
 def test_routed_kernel_lowers_to_triton_ir_for_qwen3_experts():
@@ -132,10 +111,14 @@ def test_bad_shapes_and_block_sizes_are_refused():
         grouped_matmul_reference(lhs, rhs[:, :8], sizes)
     with pytest.raises(ValueError, match="block_m must be a power of two"):
         grouped_matmul(lhs, rhs, sizes, block_m=24, interpret=INTERPRET)
-    with pytest.raises(ValueError, match="lhs_row \\[A\\]"):
-        assignment_matmul_reference(lhs, rhs, sizes, sizes[:1])
+    ids = jnp.zeros((8, 1), jnp.int32)
+    with pytest.raises(ValueError, match="ids \\[T, k\\]"):
+        routed_matmul_reference(lhs, rhs, ids[:4], per_assignment=False)
     with pytest.raises(ValueError, match="block_n must be a power of two"):
-        assignment_matmul(lhs, rhs, sizes, sizes, block_n=24, interpret=INTERPRET)
+        routed_matmul(lhs, rhs, ids, per_assignment=False, block_n=24, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="at most 64 tokens"):
+        routed_matmul(jnp.zeros((65, 16)), rhs, jnp.zeros((65, 1), jnp.int32),
+                      per_assignment=False, interpret=INTERPRET)
 
 
 def test_default_tiling_divides_a_tp_shards_weights():
