@@ -17,6 +17,10 @@
 #                                         # W3 bf16 vs fp8, W4 bf16 vs fp8 KV (~25 min)
 #   bash benchmarks/run_h200.sh lora      # multi-LoRA: W3 and W1 with/without 8-of-16
 #                                         # adapters, shrink/expand vs roofline (~8 min)
+#   bash benchmarks/run_h200.sh graphs    # W1 TPOT with XLA's default command-buffer runs vs
+#                                         # --xla_gpu_graph_min_graph_size=1: Llama-3-8B bf16
+#                                         # and fp8, Qwen3-30B-A3B; two runs each, alternated
+#                                         # (~12 min: GRAPH_MODELS picks a subset)
 #   bash benchmarks/run_h200.sh --smoke pjinfer hf serve   # the same plumbing, tiny, on CPU
 #
 # Each stage fits one 10-minute device command; every step has its own time limit, and a
@@ -220,6 +224,34 @@ stage_quant() {
   done
 }
 
+# Kernels between two Pallas calls form short runs, which XLA launches one by one unless a run
+# reaches --xla_gpu_graph_min_graph_size (RESULTS.md, MoE round 4): the A/B of that flag on
+# batch-1 TPOT, the figure the issue 13/14/15 W1 targets are stated in.
+stage_graphs() {
+  local w1=(--batch-size 1 --input-len $IN_W1 --output-len $OUT_W1 --num-iters $ITERS
+            --num-iters-warmup 1)
+  local name
+  for name in ${GRAPH_MODELS:-bf16 fp8 qwen3}; do
+    local m=("${MODEL[@]}") eng=("${ENGINE[@]}")
+    case $name in
+      fp8) m+=(--quantization fp8);;
+      qwen3) [ $SMOKE = 0 ] && m=(--model configs/models/qwen3-30b-a3b --load-format dummy
+                                  --dtype bfloat16) && eng=(--max-num-seqs 256
+                                  --max-num-batched-tokens 8192);;
+    esac
+    local run flags
+    for run in 1 2; do
+      for flags in default min1; do
+        local xla=${XLA_FLAGS:-}
+        [ $flags = min1 ] && xla="$xla --xla_gpu_graph_min_graph_size=1"
+        step "graphs_${name}_${flags}_$run" 200 env XLA_FLAGS="$xla" "${BENCH[@]}" latency \
+            "${m[@]}" "${eng[@]}" --compilation-cache-dir "$CACHE" "${w1[@]}" \
+            --output-json "$JSON/graphs_${name}_${flags}_$run.json"
+      done
+    done
+  done
+}
+
 stage_hf() {
   step hf_w1_latency 120 "${HF[@]}" latency --model "$HF_MODEL" --batch-size 1 \
       --input-len $IN_W1 --output-len $OUT_W1 --num-iters 1 --num-iters-warmup 1 \
@@ -285,7 +317,8 @@ for stage in "${STAGES[@]}"; do
     structured) stage_structured ;;
     moe) stage_moe ;;
     quant) stage_quant ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant)" ;;
+    graphs) stage_graphs ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs)" ;;
   esac
 done
 pack
