@@ -203,9 +203,15 @@ def _decode_layer(s, args, timing, bandwidth) -> list[dict[str, Any]]:
         moved = 2 * touched * 3 * d * inter  # the experts' gate, up and down weights
         entry: dict[str, Any] = {"real_tokens": real, "experts_touched": touched,
                                  "bytes": moved}
+        outs = {}
         for name, fn in paths.items():
+            outs[name] = fn(x, weights, ids, gate_up, down)
             t = _time(fn, (x, weights, ids, gate_up, down), timing)
             entry[name] = {**t, "vs_bandwidth": moved / t["best_s"] / bandwidth}
+        # the compiled kernels checked against each other (bf16 sums in another order)
+        scale = float(jnp.max(jnp.abs(outs["sorted"]))) or 1.0
+        entry["max_rel_diff_routed_vs_sorted"] = float(
+            jnp.max(jnp.abs(outs["routed"] - outs["sorted"]))) / scale
         flat = gate_up.reshape(e, d, 2 * inter)
         routed_ids = jnp.where(weights > 0, ids, -1)
         for bn, bk in itertools.product(args.routed_n, args.routed_k):
@@ -216,7 +222,8 @@ def _decode_layer(s, args, timing, bandwidth) -> list[dict[str, Any]]:
                                                     * inter / t["best_s"] / bandwidth}
         rows.append(entry)
         print(f"real {real}: " + ", ".join(f"{p} {entry[p]['best_s'] * 1e6:.1f} us"
-                                           for p in paths), flush=True)
+                                           for p in paths)
+              + f" (routed vs sorted: {entry['max_rel_diff_routed_vs_sorted']:.1e})", flush=True)
     return rows
 
 

@@ -165,9 +165,14 @@ stage_moe() {
   fi
   local eng=(--max-num-seqs 256 --max-num-batched-tokens 8192 --compilation-cache-dir "$CACHE")
   [ $SMOKE = 1 ] && eng=("${ENGINE[@]}" --compilation-cache-dir "$CACHE")
+  # the kernel tests compiled (not interpreted) where a GPU is: sorted and routed kernels
+  step moe_kernel_tests 300 $PY -m pytest -q -p no:cacheprovider \
+      tests/kernels/test_grouped_matmul.py tests/models/test_moe.py
   step moe_grouped_matmul 400 $PY -m pjinfer.benchmarks.moe "${smoke_gmm[@]}" \
       --block-m 32 64 128 --block-n 64 128 --block-k 64 \
       --out "$JSON/moe_grouped_matmul.json"
+  step moe_decode_layer 200 $PY -m pjinfer.benchmarks.moe "${smoke_gmm[@]}" --decode-layer \
+      --out "$JSON/moe_decode_layer.json"
   step moe_mixtral_b1 400 "${BENCH[@]}" latency "${mixtral[@]}" "${eng[@]}" --batch-size 1 \
       "${b1[@]}" --num-iters 2 --num-iters-warmup 1 --output-json "$JSON/moe_mixtral_b1.json"
   step moe_qwen3_b1 300 "${BENCH[@]}" latency "${qwen[@]}" "${eng[@]}" --batch-size 1 \

@@ -38,5 +38,6 @@ def test_decode_layer_record(tmp_path):
     assert [r["real_tokens"] for r in rows] == [1, 4]
     for r in rows:
         assert 0 < r["experts_touched"] <= 2 * r["real_tokens"]
+        assert r["max_rel_diff_routed_vs_sorted"] < 2e-2
         for key in ("sorted", "routed", "gate_up_routed_n16_k16"):
             assert r[key]["best_s"] > 0 and r[key]["vs_bandwidth"] > 0
