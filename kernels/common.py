@@ -63,6 +63,14 @@ def is_pow2(n: int) -> bool:
     return n >= 1 and not n & (n - 1)
 
 
+def check_pow2(**sizes: int) -> None:
+    """Static tile sizes a Triton kernel needs as powers of two: a clear error naming the
+    first that is not, while tracing."""
+    for name, size in sizes.items():
+        if not is_pow2(size):
+            raise ValueError(f"{name} must be a power of two, got {size}")
+
+
 def next_pow2(x: int) -> int:
     """Smallest power of two >= x (Triton tiles must be powers of two)."""
     return 1 << max(0, (x - 1).bit_length())

@@ -125,10 +125,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     keep every SM streaming weights, and splitting K multiplies them.
     """
     _check(lhs, rhs, group_sizes)
-    for name, size in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k),
-                       ("k_splits", k_splits)):
-        if not common.is_pow2(size):
-            raise ValueError(f"{name} must be a power of two, got {size}")
+    common.check_pow2(block_m=block_m, block_n=block_n, block_k=block_k, k_splits=k_splits)
     num_rows, n = lhs.shape[0], rhs.shape[2]
     lhs_p = _pad_to(lhs, 1, block_k * k_splits)  # [M, K']
     rhs_p = _pad_to(_pad_to(rhs, 1, block_k * k_splits), 2, block_n)  # [G, K', N']
@@ -209,9 +206,7 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
     if t > ROUTED_MAX_TOKENS:
         raise ValueError(f"routed matmul takes steps of at most {ROUTED_MAX_TOKENS} tokens (its "
                          f"dense [T, block_k] tiles), got {t}; use grouped_matmul")
-    for name, size in (("block_n", block_n), ("block_k", block_k)):
-        if not common.is_pow2(size):
-            raise ValueError(f"{name} must be a power of two, got {size}")
+    common.check_pow2(block_n=block_n, block_k=block_k)
     n = rhs.shape[2]
     tp, kp = max(16, common.next_pow2(t)), common.next_pow2(k)
     ids_p = jnp.pad(ids.astype(jnp.int32), ((0, tp - t), (0, kp - k)), constant_values=-1)
@@ -233,7 +228,8 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
         interpret=interpret,
         name="routed_matmul",
     )(ids_p, lhs_p, rhs_p)
-    out = out.reshape(tp, kp, width)[:t, :k, :n]  # rows no expert wrote hold garbage:
+    out = out.reshape(tp, kp, width)[:t, :k, :n]
+    # rows of inactive choices were never written (garbage): 0, as the reference says
     return jnp.where((ids >= 0)[..., None], out, 0).reshape(t * k, n)
 
 

@@ -12,10 +12,10 @@ Every (token, expert) assignment is computed (dropless: no capacity, nothing dro
 assignments are sorted by expert, the gate/up and the down projections run as one grouped
 matmul each (`kernels.ops.grouped_matmul`), then each token sums its k outputs times its
 routing weights. A decode-sized step skips the sort: each expert a token chose multiplies
-those tokens' rows (`kernels.ops.routed_matmul`). Padding
-tokens of a step (past `metadata.query_start_loc[-1]`) and, under expert parallelism,
-assignments to another shard's experts are sorted past the last group (or marked inactive),
-so no GEMM reads their rows and they carry weight 0.
+those tokens' rows (`kernels.ops.routed_matmul`). Padding tokens of a step (past
+`metadata.query_start_loc[-1]`) and, under expert parallelism, assignments to another shard's
+experts are sorted past the last group (or marked inactive), so no GEMM reads their rows and
+they carry weight 0.
 
 Tensor parallelism runs the experts under `shard_map` over "tp" with one all-reduce per MoE
 layer: without expert parallelism each shard holds every expert's slice of I (a row-parallel
@@ -107,22 +107,25 @@ def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Ar
 def _sorted_experts(x, key, gate_up, down, k: int, backend: str) -> jax.Array:
     """Assignments sorted by expert (key [T*k]: local expert, or E' for none), one grouped
     matmul per projection, un-sorted back: [T*k, D]."""
-    num_local, inter = gate_up.shape[0], gate_up.shape[2] // 2
+    num_local = gate_up.shape[0]
     order = jnp.argsort(key, stable=True)  # [T*k] sorted position -> assignment
     group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
     h = ops.grouped_matmul(x[order // k], gate_up, group_sizes, backend=backend)  # [T*k, 2I']
-    h = jax.nn.silu(h[:, :inter]) * h[:, inter:]
-    y = ops.grouped_matmul(h, down, group_sizes, backend=backend)  # [T*k, D] in x's dtype
+    y = ops.grouped_matmul(_silu_and_mul(h), down, group_sizes, backend=backend)  # [T*k, D]
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     return y[inverse]
 
 
 def _routed_experts(x, ids, gate_up, down, backend: str) -> jax.Array:
     """Per expert, the tokens that chose it (ids [T, k]: local expert, or -1): [T*k, D]."""
-    inter = gate_up.shape[2] // 2
-    h = ops.routed_matmul(x, gate_up, ids, per_assignment=False, backend=backend)
-    h = jax.nn.silu(h[:, :inter]) * h[:, inter:]
-    return ops.routed_matmul(h, down, ids, per_assignment=True, backend=backend)
+    h = ops.routed_matmul(x, gate_up, ids, per_assignment=False, backend=backend)  # [T*k, 2I']
+    return ops.routed_matmul(_silu_and_mul(h), down, ids, per_assignment=True, backend=backend)
+
+
+def _silu_and_mul(h: jax.Array) -> jax.Array:
+    """[rows, 2I'] gate then up columns -> silu(gate) * up [rows, I']."""
+    inter = h.shape[1] // 2
+    return jax.nn.silu(h[:, :inter]) * h[:, inter:]
 
 
 def _sharded_expert_ffn(x, weights, ids, gate_up, down, *, expert_parallel: bool,
