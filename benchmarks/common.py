@@ -153,6 +153,15 @@ def positive_ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def power_of_two(text: str) -> int:
+    """argparse type: a kernel tile size, a power of two >= 1, else a usage error."""
+    value = positive_int(text)
+    if value & (value - 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: tile sizes are powers of two "
+                                         "(16, 32, 64, ...)")
+    return value
+
+
 def _bad_int(text: str):
     raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, comma-separated "
                                      "where a list is allowed (e.g. 16 or 1,16,64)")

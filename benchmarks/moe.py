@@ -37,7 +37,13 @@ from pjinfer.benchmarks.ceilings import (
     pipelined_seconds,
     timing_plan,
 )
-from pjinfer.benchmarks.common import finish_record, jax_device_info, new_record, print_table
+from pjinfer.benchmarks.common import (
+    finish_record,
+    jax_device_info,
+    new_record,
+    power_of_two,
+    print_table,
+)
 
 QWEN3_30B = dict(hidden=2048, inter=768, experts=128, top_k=8, prefill_tokens=8192,
                  decode_tokens=(1, 2, 4, 8, 16, 32, 64))
@@ -252,14 +258,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--samples", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--block-m", type=int, nargs="+", default=[64])
-    parser.add_argument("--block-n", type=int, nargs="+", default=[128])
-    parser.add_argument("--block-k", type=int, nargs="+", default=[64])
-    parser.add_argument("--k-splits", type=int, nargs="+", default=[1])
+    parser.add_argument("--block-m", type=power_of_two, nargs="+", default=[64])
+    parser.add_argument("--block-n", type=power_of_two, nargs="+", default=[128])
+    parser.add_argument("--block-k", type=power_of_two, nargs="+", default=[64])
+    parser.add_argument("--k-splits", type=power_of_two, nargs="+", default=[1])
     parser.add_argument("--decode-layer", action="store_true",
                         help="only the decode-layer comparison (sorted vs routed experts)")
-    parser.add_argument("--routed-n", type=int, nargs="+", default=[32, 64, 128])
-    parser.add_argument("--routed-k", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--routed-n", type=power_of_two, nargs="+", default=[32, 64, 128])
+    parser.add_argument("--routed-k", type=power_of_two, nargs="+", default=[64, 128, 256])
     parser.add_argument("--decode-sweep", action="store_true",
                         help="time the block-size sweep on the decode shapes too (default: "
                              "prefill only; decode times ragged_dot and auto)")

@@ -182,6 +182,8 @@ def main() -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=40000,
                         help="KV cache blocks (a 30B model's weights leave room for fewer)")
     args = parser.parse_args()
+    if args.num_kv_blocks < 1:
+        parser.error(f"--num-kv-blocks must be a positive integer, got {args.num_kv_blocks}")
     _import_repo()
     results = {}
     for backend in args.backends:

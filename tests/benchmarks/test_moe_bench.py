@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pjinfer.benchmarks.moe import main, routed_group_sizes
 
 
@@ -41,3 +43,12 @@ def test_decode_layer_record(tmp_path):
         assert r["max_rel_diff_routed_vs_sorted"] < 2e-2
         for key in ("sorted", "routed", "gate_up_routed_n16_k16"):
             assert r[key]["best_s"] > 0 and r[key]["vs_bandwidth"] > 0
+
+
+def test_tile_flags_must_be_powers_of_two(capsys):
+    for argv, said in ((["--routed-n", "24"], "tile sizes are powers of two"),
+                       (["--block-m", "48"], "tile sizes are powers of two"),
+                       (["--k-splits", "0"], "give positive integers")):
+        with pytest.raises(SystemExit):
+            main(["--smoke", *argv])
+        assert said in capsys.readouterr().err
