@@ -3,7 +3,8 @@
 Isolates where a run's time goes: each layout is run through `ModelRunner.execute` (model step,
 sampler, one device-to-host copy) five times after a compile, median reported ("synchronous");
 then launched ten times back to back with one wait at the end ("pipelined", what the
-asynchronous engine's device sees). The difference is host time per step.
+asynchronous engine's device sees), with the host's time to launch them ("host": input building
+and enqueueing; a step is host-bound when it is near "pipelined").
 Run from the repo root on the device (the repo maps itself as `pjinfer`):
 
     python3 benchmarks/step_probe.py --out $OUT/prefill_probe.json
@@ -142,15 +143,19 @@ def probe(backend: str, model: str, layouts: list[str], profile: str | None,
         # Back to back without waiting (as the asynchronous engine runs): the device's time.
         start = time.perf_counter()
         launched = [step() for _ in range(PIPELINED)]
+        issued = time.perf_counter()
         runner.fetch(launched[-1])
         out[f"{backend}/{kind}"] = float(np.median(times)) * 1e3
+        # The host's share: building inputs and enqueueing a step (the device bound, if lower).
+        out[f"{backend}/{kind}/host"] = (issued - start) / PIPELINED * 1e3
         out[f"{backend}/{kind}/pipelined"] = (time.perf_counter() - start) / PIPELINED * 1e3
         if profile:
             out[f"{backend}/{kind}/profile"] = _profiled(runner, step,
                                                          f"{profile}/{backend}-{kind}")
         runner.free_rows([c.request_id for c in chunks])
         print(f"{backend} {kind} {out[f'{backend}/{kind}']:.1f} ms synchronous, "
-              f"{out[f'{backend}/{kind}/pipelined']:.1f} ms pipelined", flush=True)
+              f"{out[f'{backend}/{kind}/pipelined']:.1f} ms pipelined, "
+              f"{out[f'{backend}/{kind}/host']:.1f} ms of it to launch", flush=True)
     return out
 
 

@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 from pjinfer.config import ModelConfig
 from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.executable_cache import ExecutableCache, served_by_jax_cache
+from pjinfer.engine.host_pack import Packed, pack, unpack
 from pjinfer.engine.input_batch import InputBatch
 from pjinfer.engine.inputs import (
     BatchLayout,
@@ -213,7 +214,7 @@ class ModelRunner:
 
     def _compile(self, opts: StepOptions, args: tuple):
         """Trace, lower and compile one step; whether JAX's persistent cache served it."""
-        jitted = jax.jit(partial(model_step, opts=opts), donate_argnums=(1,),
+        jitted = jax.jit(partial(_packed_step, opts=opts), donate_argnums=(1,),
                          **self._step_shardings(opts))
         with served_by_jax_cache() as served:
             fn = jitted.lower(*args).compile()
@@ -221,7 +222,7 @@ class ModelRunner:
 
     def _step_args(self, inputs: StepInputs) -> tuple:
         lora = () if self.lora_weights is None else (self.lora_weights,)
-        return (self.params, self.kv_caches, inputs, *lora)
+        return (self.params, self.kv_caches, pack(inputs), *lora)
 
     def write_lora_slot(self, row: int, adapter: LoRAAdapter) -> None:
         """Put `adapter` into device row `row` (slot row + 1) of every adapted layer."""
@@ -285,7 +286,7 @@ class ModelRunner:
         logits = jax.device_put(np.zeros((seqs, self.cfg.vocab_size), np.float32))
         row = SamplingRow(SamplingParams(temperature=temperature), [0], [], 0)
         md = SamplingMetadata.build([row], seqs)
-        jax.block_until_ready(self._sample(logits, md, self._no_prev_tokens, None,
+        jax.block_until_ready(self._sample(logits, pack((md, None)), self._no_prev_tokens,
                                            max_logprobs=0))
 
     def _dummy(self, tokens: int, seqs: int, decode_only: bool):
@@ -350,8 +351,8 @@ class ModelRunner:
         """Dispatch the sampler of a launched forward. `bitmask` [S, ceil(V/32)] i32 (bit v
         of row s: token v allowed) masks the structured-output rows; None when no row is
         constrained, which compiles a sampler without the mask at all."""
-        sampled, next_tokens = self._sample(fwd.logits, fwd.md, fwd.prev_tokens, bitmask,
-                                            max_logprobs=fwd.max_logprobs)
+        sampled, next_tokens = self._sample(fwd.logits, pack((fwd.md, bitmask)),
+                                            fwd.prev_tokens, max_logprobs=fwd.max_logprobs)
         return LaunchedStep(sampled, fwd.prompt_logprobs, next_tokens, fwd.layout)
 
     def _from_batch(self, chunks: list[Chunk], rows: list[SamplingRow], refresh: bool):
@@ -377,11 +378,17 @@ class ModelRunner:
                           prompt_logprobs=None if p is None else tuple(a[:t] for a in p))
 
 
-def _sample_padded(logits: jax.Array, md: SamplingMetadata, prev_tokens: jax.Array,
-                   bitmask: jax.Array | None, *, max_logprobs: int,
-                   width: int) -> tuple[SamplerOutput, jax.Array]:
+def _packed_step(params, kv_caches, inputs: Packed, *lora, opts: StepOptions):
+    """`model_step` with its StepInputs arriving packed (one host-to-device copy)."""
+    return model_step(params, kv_caches, unpack(inputs), *lora, opts=opts)
+
+
+def _sample_padded(logits: jax.Array, packed: Packed, prev_tokens: jax.Array, *,
+                   max_logprobs: int, width: int) -> tuple[SamplerOutput, jax.Array]:
     """The sampler (pending tokens of the previous step filled into the penalties' history),
-    plus its tokens padded to `width` rows: a fixed shape for the next step."""
+    plus its tokens padded to `width` rows: a fixed shape for the next step. `packed`: the
+    step's SamplingMetadata and structured-output bitmask (or None)."""
+    md, bitmask = unpack(packed)
     out = sample(logits, md.with_pending(prev_tokens), max_logprobs=max_logprobs,
                  bitmask=bitmask)
     return out, jnp.zeros(width, jnp.int32).at[:out.token_ids.shape[0]].set(out.token_ids)

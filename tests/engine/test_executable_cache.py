@@ -69,7 +69,7 @@ def test_warm_restart_loads_every_step_and_generates_the_same(cold, tmp_path):
     opts, inputs = warm._dummy(16, 8, False)
     step = warm._compiled_step(opts, inputs)
     caches = warm.kv_caches
-    warm.kv_caches = step(warm.params, caches, inputs)[1]
+    warm.kv_caches = step(*warm._step_args(inputs))[1]
     assert all(k.is_deleted() and v.is_deleted() for k, v in caches)
 
 
