@@ -165,11 +165,14 @@ stage_moe() {
   fi
   local eng=(--max-num-seqs 256 --max-num-batched-tokens 8192 --compilation-cache-dir "$CACHE")
   [ $SMOKE = 1 ] && eng=("${ENGINE[@]}" --compilation-cache-dir "$CACHE")
-  # the kernel tests compiled (not interpreted) where a GPU is: sorted and routed kernels
-  # (--import-mode=append: the checkout's pjinfer/, without the mapped subpackages, must not
+  # the kernel tests compiled (not interpreted) where a GPU is: sorted and routed kernels, and
+  # the MoE block's two paths (JAX_PLATFORMS: tests/conftest.py picks the CPU unless told;
+  # --import-mode=append: the checkout's pjinfer/, without the mapped subpackages, must not
   # shadow the shim's on sys.path)
-  step moe_kernel_tests 300 $PY -m pytest -q -p no:cacheprovider --import-mode=append \
-      tests/kernels/test_grouped_matmul.py tests/models/test_moe.py
+  local gpu=$([ $SMOKE = 1 ] && echo cpu || echo cuda)
+  step moe_kernel_tests 300 env JAX_PLATFORMS=$gpu $PY -m pytest -q -p no:cacheprovider \
+      --import-mode=append tests/kernels/test_grouped_matmul.py \
+      tests/models/test_moe.py -k "kernel or routed or padding"
   step moe_grouped_matmul 400 $PY -m pjinfer.benchmarks.moe "${smoke_gmm[@]}" \
       --block-m 32 64 128 --block-n 64 128 --block-k 64 \
       --out "$JSON/moe_grouped_matmul.json"
