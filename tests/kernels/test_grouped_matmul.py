@@ -17,6 +17,8 @@ from pjinfer.kernels.grouped_matmul import (
 )
 
 INTERPRET = jax.default_backend() != "gpu"  # the compiled Triton kernel where there is a GPU
+# float32 dots run as TF32 on the GPU (Triton and XLA alike): ~1e-3 off the exact sum there
+F32_TOL = dict(rtol=1e-5, atol=1e-5) if INTERPRET else dict(rtol=2e-2, atol=5e-3)
 
 
 def _inputs(seed: int, m: int, k: int, n: int, g: int, dtype=jnp.float32, tail: int = 0):
@@ -41,8 +43,8 @@ def test_kernel_matches_reference(m, k, n, g, bm, bn, bk, splits, tail):
     out = grouped_matmul(lhs, rhs, sizes, block_m=bm, block_n=bn, block_k=bk, k_splits=splits,
                          interpret=INTERPRET)
     ref = grouped_matmul_reference(lhs, rhs, sizes)
-    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(jax.lax.ragged_dot(lhs, rhs, sizes), ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, ref, **F32_TOL)
+    np.testing.assert_allclose(jax.lax.ragged_dot(lhs, rhs, sizes), ref, **F32_TOL)
     assert not np.any(np.asarray(out)[m - tail:])
 
 
@@ -63,14 +65,14 @@ def test_routed_kernel_matches_reference(t, k, g, kk, n, per_assignment):
     want = np.stack([np.asarray(lhs[r]) @ np.asarray(rhs[e]) if e >= 0 else np.zeros(n)
                      for e, r in zip(ids.reshape(-1), rows, strict=True)])
     ref = routed_matmul_reference(lhs, rhs, jnp.asarray(ids), per_assignment=per_assignment)
-    np.testing.assert_allclose(ref, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ref, want, **F32_TOL)
     out = routed_matmul(lhs, rhs, jnp.asarray(ids), per_assignment=per_assignment,
                         block_n=16, block_k=16, interpret=INTERPRET)
-    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, want, **F32_TOL)
     for backend in ("reference", "pallas"):
         got = ops.routed_matmul(lhs, rhs, jnp.asarray(ids), per_assignment=per_assignment,
                                 backend=backend)
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=backend)
+        np.testing.assert_allclose(got, want, **F32_TOL, err_msg=backend)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="on a GPU the compiled kernel tests run the lowering")
@@ -103,7 +105,7 @@ def test_dispatch_backends_agree():
     ref = grouped_matmul_reference(lhs, rhs, sizes)
     for backend in ("auto", "reference", "pallas"):
         out = ops.grouped_matmul(lhs, rhs, sizes, backend=backend)
-        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5, err_msg=backend)
+        np.testing.assert_allclose(out, ref, **F32_TOL, err_msg=backend)
 
 
 def test_bad_shapes_and_block_sizes_are_refused():

@@ -17,6 +17,7 @@ from pjinfer.kernels import ops
 from pjinfer.models.dense import dense_logits
 from pjinfer.models.moe import MoeConfig, expert_ffn, moe_block, route
 from pjinfer.weights import load_model
+from tests.kernels.test_grouped_matmul import F32_TOL
 from tests.models.test_parity import PROMPTS, _hf_logits, _pad, _rel_err
 
 
@@ -106,13 +107,13 @@ def test_block_equals_per_token_loop_and_expert_shards_sum_to_it():
             gate, up = np.asarray(x[t]) @ gu[e, :, 0], np.asarray(x[t]) @ gu[e, :, 1]
             want[t] += w * ((gate / (1 + np.exp(-gate)) * up) @ down[e])
     got = expert_ffn(x, weights, ids, lp["experts_gate_up"], lp["experts_down"])
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, want, **F32_TOL)
     pallas = expert_ffn(x, weights, ids, lp["experts_gate_up"], lp["experts_down"],
                         backend="pallas")  # the GPU kernel, in interpret mode
-    np.testing.assert_allclose(pallas, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(pallas, want, **F32_TOL)
     halves = [expert_ffn(x, weights, ids, lp["experts_gate_up"][s:s + 3],
                          lp["experts_down"][s:s + 3], s) for s in (0, 3)]
-    np.testing.assert_allclose(halves[0] + halves[1], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(halves[0] + halves[1], want, **F32_TOL)
 
 
 def test_routed_decode_path_equals_sorted_one():
@@ -128,11 +129,11 @@ def test_routed_decode_path_equals_sorted_one():
     assert not ops.prefers_routed_matmul("reference", 16)
     want = expert_ffn(x, weights, ids, gu, down)  # sorted, ragged_dot
     got = expert_ffn(x, weights, ids, gu, down, backend="pallas", path="routed")
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, want, **F32_TOL)
     assert not np.any(np.asarray(got[2]))
     halves = [expert_ffn(x[:1], weights[:1], ids[:1], gu[s:s + 3], down[s:s + 3], s,
                          backend="pallas", path="routed") for s in (0, 3)]
-    np.testing.assert_allclose(halves[0] + halves[1], want[:1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(halves[0] + halves[1], want[:1], **F32_TOL)
 
 
 def test_padding_tokens_do_not_change_real_ones():
