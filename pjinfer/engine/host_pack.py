@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-# One entry per leaf: ("host", offset, shape, dtype name) or ("device", index into `device`).
+# One entry per leaf: ("host", offset, shape, dtype) or ("device", index into `device`).
 LeafSpec = tuple
 
 
@@ -43,17 +43,17 @@ def pack(tree: Any) -> Packed:
     leaves, treedef = jax.tree.flatten(tree)
     words, device, specs, offset = [], [], [], 0
     for leaf in leaves:
-        if isinstance(leaf, jax.Array):
-            specs.append(("device", len(device)))
-            device.append(leaf)
-            continue
-        arr = np.asarray(leaf)
-        if arr.dtype.itemsize != 4:
-            raise TypeError(f"pack takes 4-byte host arrays, got {arr.dtype} {arr.shape}")
-        flat = np.ascontiguousarray(arr).reshape(-1).view(np.int32)
-        specs.append(("host", offset, arr.shape, arr.dtype.name))
-        words.append(flat)
-        offset += flat.size
+        if type(leaf) is not np.ndarray:  # cheaper than isinstance(leaf, jax.Array) first
+            if isinstance(leaf, jax.Array):
+                specs.append(("device", len(device)))
+                device.append(leaf)
+                continue
+            leaf = np.asarray(leaf)
+        if leaf.itemsize != 4:
+            raise TypeError(f"pack takes 4-byte host arrays, got {leaf.dtype} {leaf.shape}")
+        specs.append(("host", offset, leaf.shape, leaf.dtype))
+        words.append(leaf.reshape(-1).view(np.int32))
+        offset += leaf.size
     buffer = np.concatenate(words) if words else np.zeros(0, np.int32)
     return Packed(buffer, tuple(device), treedef, tuple(specs))
 
@@ -68,7 +68,7 @@ def unpack(packed: Packed) -> Any:
         _, offset, shape, dtype = spec
         size = int(np.prod(shape, dtype=np.int64))
         flat = packed.words[offset:offset + size]
-        if dtype != "int32":
-            flat = jax.lax.bitcast_convert_type(flat, np.dtype(dtype))
+        if dtype != np.int32:
+            flat = jax.lax.bitcast_convert_type(flat, dtype)
         leaves.append(flat.reshape(shape))
     return jax.tree.unflatten(packed.treedef, leaves)
