@@ -21,6 +21,9 @@
 #                                         # --xla_gpu_graph_min_graph_size=1: Llama-3-8B bf16
 #                                         # and fp8, Qwen3-30B-A3B; two runs each, alternated
 #                                         # (~12 min: GRAPH_MODELS picks a subset)
+#   bash benchmarks/run_h200.sh host      # host time per call's arguments; batch-1 decode step
+#                                         # launch time vs device time: bf16, fp8, int4, LoRA,
+#                                         # Qwen3-30B-A3B (~4 min)
 #   bash benchmarks/run_h200.sh --smoke pjinfer hf serve   # the same plumbing, tiny, on CPU
 #
 # Each stage fits one 10-minute device command; every step has its own time limit, and a
@@ -234,6 +237,22 @@ stage_quant() {
   done
 }
 
+# The host's side of a batch-1 step (RESULTS.md, round 5): what a call's arguments cost, then
+# each model's decode step with the time its launch takes ("host") beside the device's.
+stage_host() {
+  step host_launch 120 $PY -m pjinfer.benchmarks.host_launch \
+      $([ $SMOKE = 1 ] && echo --smoke) --out "$JSON/host_launch.json"
+  if [ $SMOKE = 1 ]; then log "SKIP host probes in smoke mode (H200 model shapes only)"; return 0; fi
+  local probe=($PY benchmarks/step_probe.py --layouts decode_1x768 --backends auto)
+  step host_probe_bf16 120 "${probe[@]}" --out "$JSON/host_probe_bf16.json"
+  step host_probe_fp8 120 "${probe[@]}" --quantization fp8 --out "$JSON/host_probe_fp8.json"
+  step host_probe_int4 150 "${probe[@]}" --quantization int4-gptq \
+      --out "$JSON/host_probe_int4.json"
+  step host_probe_lora 150 "${probe[@]}" --loras 8 --out "$JSON/host_probe_lora.json"
+  step host_probe_qwen3 150 "${probe[@]}" --model configs/models/qwen3-30b-a3b \
+      --num-kv-blocks 4096 --out "$JSON/host_probe_qwen3.json"
+}
+
 # Kernels between two Pallas calls form short runs, which XLA launches one by one unless a run
 # reaches --xla_gpu_graph_min_graph_size (RESULTS.md, MoE round 4): the A/B of that flag on
 # batch-1 TPOT, the figure the issue 13/14/15 W1 targets are stated in.
@@ -328,7 +347,8 @@ for stage in "${STAGES[@]}"; do
     moe) stage_moe ;;
     quant) stage_quant ;;
     graphs) stage_graphs ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs)" ;;
+    host) stage_host ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host)" ;;
   esac
 done
 pack
