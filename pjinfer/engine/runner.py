@@ -74,7 +74,7 @@ class LaunchedForward:
 class LaunchedStep:
     """A dispatched step whose outputs are still on (or on their way to) the device."""
 
-    sampled: SamplerOutput
+    sampled: jax.Array  # SamplerOutput.to_words() of the padded rows
     prompt_logprobs: tuple[jax.Array, ...] | None
     next_tokens: jax.Array  # [P] sampled tokens padded to max_padded_seqs: the next prev_tokens
     layout: BatchLayout
@@ -372,7 +372,8 @@ class ModelRunner:
     def fetch(self, step: LaunchedStep) -> StepResult:
         """Wait for a launched step and copy what it produced to the host (one transfer)."""
         n, t = step.layout.num_seqs, step.layout.num_tokens
-        s, p = jax.device_get((step.sampled, step.prompt_logprobs))
+        words, p = jax.device_get((step.sampled, step.prompt_logprobs))
+        s = SamplerOutput.from_words(words, step.layout.padded_seqs)
         return StepResult(token_ids=s.token_ids[:n], logprobs=s.logprobs[:n],
                           logprob_token_ids=s.logprob_token_ids[:n], ranks=s.ranks[:n],
                           prompt_logprobs=None if p is None else tuple(a[:t] for a in p))
@@ -384,11 +385,13 @@ def _packed_step(params, kv_caches, inputs: Packed, *lora, opts: StepOptions):
 
 
 def _sample_padded(logits: jax.Array, packed: Packed, prev_tokens: jax.Array, *,
-                   max_logprobs: int, width: int) -> tuple[SamplerOutput, jax.Array]:
-    """The sampler (pending tokens of the previous step filled into the penalties' history),
-    plus its tokens padded to `width` rows: a fixed shape for the next step. `packed`: the
-    step's SamplingMetadata and structured-output bitmask (or None)."""
+                   max_logprobs: int, width: int) -> tuple[jax.Array, jax.Array]:
+    """The sampler (pending tokens of the previous step filled into the penalties' history):
+    its output as one array (`SamplerOutput.to_words`), and its tokens padded to `width` rows,
+    a fixed shape for the next step. `packed`: the step's SamplingMetadata and
+    structured-output bitmask (or None)."""
     md, bitmask = unpack(packed)
     out = sample(logits, md.with_pending(prev_tokens), max_logprobs=max_logprobs,
                  bitmask=bitmask)
-    return out, jnp.zeros(width, jnp.int32).at[:out.token_ids.shape[0]].set(out.token_ids)
+    return out.to_words(), \
+        jnp.zeros(width, jnp.int32).at[:out.token_ids.shape[0]].set(out.token_ids)

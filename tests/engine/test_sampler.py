@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from pjinfer.engine.sampler import (
+    SamplerOutput,
     apply_logit_bias,
     apply_penalties,
     sample,
@@ -218,3 +219,23 @@ def test_two_stage_top_k_matches_lax_top_k() -> None:
     want_values, want_ids = jax.lax.top_k(x, 20)
     np.testing.assert_array_equal(values, want_values)
     np.testing.assert_array_equal(ids, want_ids)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_sampler_output_travels_as_one_array(k):
+    """to_words on the device, from_words on the host: every field back bit for bit."""
+    rng = np.random.default_rng(k)
+    s = 5
+    lp = rng.normal(size=(s, 1 + k)).astype(np.float32)
+    lp[0, -1] = -np.inf  # a masked token's logprob
+    out = SamplerOutput(token_ids=jnp.asarray(rng.integers(0, 99, s), jnp.int32),
+                        logprobs=jnp.asarray(lp),
+                        logprob_token_ids=jnp.asarray(rng.integers(0, 99, (s, 1 + k)), jnp.int32),
+                        ranks=jnp.asarray(rng.integers(1, 9, s), jnp.int32))
+    words = np.asarray(jax.jit(SamplerOutput.to_words)(out))
+    back = SamplerOutput.from_words(words, s)
+    for name in ("token_ids", "logprobs", "logprob_token_ids", "ranks"):
+        want = np.asarray(getattr(out, name))
+        got = getattr(back, name)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
