@@ -1,12 +1,12 @@
 """A step's host arrays as one buffer: one host-to-device copy per executable call.
 
-Every NumPy argument of a jitted call is its own host-to-device transfer, and on the H200's
-host each costs ~30 us of the launching thread's time (RESULTS.md, "Host launch cost"): the
-model step's ten input arrays and the sampler's fifteen made a batch-1 decode step's launch
-~0.75 ms longer. `pack` lays a pytree's host leaves (4-byte dtypes) end to end in one int32
-buffer and keeps its device leaves as they are; `unpack`, traced inside the executable,
-slices the arrays back out (static offsets: free for XLA). The layout is the pytree's static
-part, so each distinct layout keys its own trace, as the shapes it encodes would.
+Every NumPy argument of a jitted call is its own host-to-device copy, and on the H200's host
+each cost ~33 us of the launching thread's time (RESULTS.md, round 5; measured on a trivial
+call, `benchmarks/host_launch.py`): the model step passes ten such arrays and the sampler
+fifteen. `pack` lays a pytree's host leaves (4-byte dtypes) end to end in one int32 buffer and
+keeps its device leaves as they are; `unpack`, traced inside the executable, slices the
+arrays back out (static offsets: free for XLA). The layout is the pytree's static part, so
+each distinct layout keys its own trace, as the shapes it encodes would.
 """
 
 from __future__ import annotations
