@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -15,6 +14,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from pjinfer.config import ModelConfig
+from pjinfer.engine.compile_pool import compile_all
 from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.executable_cache import ExecutableCache, served_by_jax_cache
 from pjinfer.engine.host_pack import Packed, pack, unpack
@@ -251,8 +251,9 @@ class ModelRunner:
     def warmup(self, phases: dict[str, float] | None = None) -> int:
         """Load the warm-up shapes from the executable cache (serially: threads do not speed
         up loading), then compile the missing ones and the sampler's variants together in a
-        thread pool (XLA compiles release the GIL); returns how many step shapes are ready.
-        Seconds per phase go to `phases` (step_load, compile)."""
+        thread pool (`compile_pool.compile_all`: any that fail there, once more alone);
+        returns how many step shapes are ready. Seconds per phase go to `phases` (step_load,
+        compile)."""
         phases = {} if phases is None else phases
         with timed(phases, "step_load"):
             shapes = self.warmup_shapes()
@@ -260,13 +261,13 @@ class ModelRunner:
                        if self._compiled_step(*self._dummy(*shape), compile=False) is None]
         samplers = [(seqs, t) for seqs in sorted({seqs for _, seqs, _ in shapes})
                     for t in (0.0, 1.0)]
-        with timed(phases, "compile"), ThreadPoolExecutor(
-                max_workers=min(16, os.cpu_count() or 1)) as pool:
-            jobs = [pool.submit(self._compiled_step, *self._dummy(*shape), load=False)
-                    for shape in missing]
-            jobs += [pool.submit(self._warm_sampler, *variant) for variant in samplers]
-            for job in jobs:
-                job.result()
+        work = [(f"the step of {t} tokens / {s} sequences",
+                 partial(self._compiled_step, *self._dummy(t, s, d), load=False))
+                for t, s, d in missing]
+        work += [(f"the sampler of {s} sequences", partial(self._warm_sampler, s, t))
+                 for s, t in samplers]
+        with timed(phases, "compile"):
+            compile_all(work)
         return len(shapes)
 
     def warmup_shapes(self) -> list[tuple[int, int, bool]]:
