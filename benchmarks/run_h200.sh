@@ -244,13 +244,13 @@ stage_host() {
       $([ $SMOKE = 1 ] && echo --smoke) --out "$JSON/host_launch.json"
   if [ $SMOKE = 1 ]; then log "SKIP host probes in smoke mode (H200 model shapes only)"; return 0; fi
   local probe=($PY benchmarks/step_probe.py --layouts decode_1x768 --backends auto)
-  step host_probe_bf16 120 "${probe[@]}" --out "$JSON/host_probe_bf16.json"
+  step host_probe_bf16 120 "${probe[@]}" --same-args --out "$JSON/host_probe_bf16.json"
   step host_probe_fp8 120 "${probe[@]}" --quantization fp8 --out "$JSON/host_probe_fp8.json"
   step host_probe_int4 150 "${probe[@]}" --quantization int4-gptq \
       --out "$JSON/host_probe_int4.json"
   step host_probe_lora 150 "${probe[@]}" --loras 8 --out "$JSON/host_probe_lora.json"
   step host_probe_qwen3 150 "${probe[@]}" --model configs/models/qwen3-30b-a3b \
-      --num-kv-blocks 4096 --out "$JSON/host_probe_qwen3.json"
+      --num-kv-blocks 4096 --same-args --out "$JSON/host_probe_qwen3.json"
 }
 
 # Kernels between two Pallas calls form short runs, which XLA launches one by one unless a run

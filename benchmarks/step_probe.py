@@ -20,6 +20,10 @@ configs/models/llama3-8b-gptq-int4 has):
     python3 benchmarks/step_probe.py --layouts decode_1x768 --backends auto --quantization fp8 \
         --profile /tmp/prof-fp8 --out $OUT/w1_fp8_profile.json
 
+`--same-args` also times the bare model step's launch with a new device copy of its inputs
+per call against the same copy every call (does XLA re-record command buffers whose argument
+buffers moved? RESULTS.md, round 5).
+
 `--loras N` runs the multi-LoRA step instead: N dummy adapters (rank `--lora-rank`, all seven
 projections) resident, the rows spread over them round robin (issue 15's W1 overhead):
 
@@ -110,7 +114,8 @@ def _adapters(engine, count: int, rank: int, root: str) -> list:
 
 def probe(backend: str, model: str, layouts: list[str], profile: str | None,
           loras: int = 0, lora_rank: int = 16, max_model_len: int = 2048,
-          quantization: str | None = None, num_kv_blocks: int = 40000) -> dict:
+          quantization: str | None = None, num_kv_blocks: int = 40000,
+          same_args: bool = False) -> dict:
     import tempfile
 
     from pjinfer.engine.config import EngineConfig
@@ -149,6 +154,9 @@ def probe(backend: str, model: str, layouts: list[str], profile: str | None,
         # The host's share: building inputs and enqueueing a step (the device bound, if lower).
         out[f"{backend}/{kind}/host"] = (issued - start) / PIPELINED * 1e3
         out[f"{backend}/{kind}/pipelined"] = (time.perf_counter() - start) / PIPELINED * 1e3
+        if same_args:
+            out.update({f"{backend}/{kind}/{k}": v
+                        for k, v in _argument_addresses(runner, chunks, rows, slots).items()})
         if profile:
             out[f"{backend}/{kind}/profile"] = _profiled(runner, step,
                                                          f"{profile}/{backend}-{kind}")
@@ -156,7 +164,45 @@ def probe(backend: str, model: str, layouts: list[str], profile: str | None,
         print(f"{backend} {kind} {out[f'{backend}/{kind}']:.1f} ms synchronous, "
               f"{out[f'{backend}/{kind}/pipelined']:.1f} ms pipelined, "
               f"{out[f'{backend}/{kind}/host']:.1f} ms of it to launch", flush=True)
+        if same_args:
+            print(f"{backend} {kind} bare step launch: "
+                  f"{out[f'{backend}/{kind}/host_fresh_args']:.2f} ms with new input buffers, "
+                  f"{out[f'{backend}/{kind}/host_same_args']:.2f} ms with the same", flush=True)
     return out
+
+
+def _argument_addresses(runner, chunks, rows, slots) -> dict:
+    """The bare model step issued PIPELINED times, each call given its own device copy of the
+    inputs (new addresses, as the engine's calls are) vs the same copy every call: were XLA
+    re-recording the command buffers whose arguments moved (RESULTS.md, round 5), the second
+    would launch faster. ms per step to issue."""
+    import jax
+
+    from pjinfer.engine.host_pack import pack
+
+    seen = {}
+    compiled, step_args = runner._compiled_step, runner._step_args
+    runner._compiled_step = lambda o, i, **kw: seen.setdefault("fn", compiled(o, i, **kw))
+    runner._step_args = lambda i: step_args(seen.setdefault("inputs", i))
+    try:
+        runner.fetch(runner.sample(runner.forward(chunks, rows, lora_slots=slots)))
+    finally:
+        runner._compiled_step, runner._step_args = compiled, step_args
+    lora = () if runner.lora_weights is None else (runner.lora_weights,)
+    copies = [jax.device_put(pack(seen["inputs"])) for _ in range(PIPELINED)]
+
+    def issue(pick) -> float:
+        start = time.perf_counter()
+        for i in range(PIPELINED):
+            out = seen["fn"](runner.params, runner.kv_caches, pick(i), *lora)
+            runner.kv_caches = out[1]
+        issued = time.perf_counter() - start
+        jax.block_until_ready(out[0])
+        return issued / PIPELINED * 1e3
+
+    issue(lambda i: copies[i])  # warm both paths once
+    return {"host_fresh_args": issue(lambda i: copies[i]),
+            "host_same_args": issue(lambda i: copies[0])}
 
 
 def _profiled(runner, step, log_dir: str) -> dict:
@@ -184,6 +230,9 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                         help="quantized dummy weights (see module docstring)")
+    parser.add_argument("--same-args", action="store_true",
+                        help="also time the bare step's launch with the same input buffers "
+                             "every call vs new ones (see _argument_addresses)")
     parser.add_argument("--num-kv-blocks", type=int, default=40000,
                         help="KV cache blocks (a 30B model's weights leave room for fewer)")
     args = parser.parse_args()
@@ -194,7 +243,7 @@ def main() -> None:
     for backend in args.backends:
         results.update(probe(backend, args.model, args.layouts, args.profile, args.loras,
                              args.lora_rank, args.max_model_len, args.quantization,
-                             args.num_kv_blocks))
+                             args.num_kv_blocks, args.same_args))
     with open(args.out, "w") as f:
         json.dump({"unit": "ms per step (median of 5)", "model": args.model,
                    "loras": args.loras, "lora_rank": args.lora_rank,
