@@ -155,8 +155,10 @@ def positive_ints(text: str) -> tuple[int, ...]:
 
 def power_of_two(text: str) -> int:
     """argparse type: a kernel tile size, a power of two >= 1, else a usage error."""
+    from pjinfer.kernels.common import is_pow2
+
     value = positive_int(text)
-    if value & (value - 1):
+    if not is_pow2(value):
         raise argparse.ArgumentTypeError(f"{text!r}: tile sizes are powers of two "
                                          "(16, 32, 64, ...)")
     return value

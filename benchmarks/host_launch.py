@@ -9,7 +9,8 @@ without waiting, and the time to issue the calls is divided by their number. Its
 already on the device, or packed into one buffer by `engine.host_pack` (one copy); and a
 pytree of `--leaves` device arrays (what the model step's params and KV caches cost to pass).
 An engine step is issued while the step before runs, so this time is what bounds a batch-1
-decode when it exceeds the device's step time (RESULTS.md, "Host launch cost").
+decode when it exceeds the device's step time (RESULTS.md, "Round 5: the host's
+launch time per step").
 """
 
 from __future__ import annotations

@@ -22,10 +22,12 @@ def compile_all(work: list[tuple[str, Callable[[], object]]], *,
     with ThreadPoolExecutor(max_workers=workers) as pool:
         jobs = [(what, fn, pool.submit(fn)) for what, fn in work]
     for what, fn, job in jobs:
-        if job.exception() is None:
+        error = job.exception()
+        if error is None:
             continue
+        first_line = (str(error).splitlines() or [type(error).__name__])[0]
         log.warning("compiling %s failed alongside other compiles (%s); retrying it alone",
-                    what, str(job.exception()).splitlines()[0][:200])
+                    what, first_line[:200])
         try:
             fn()
         except Exception as e:

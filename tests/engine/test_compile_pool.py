@@ -42,3 +42,17 @@ def test_a_second_failure_says_what_to_change():
     with pytest.raises(ValueError, match=r"compiling the step of 512 tokens / 512 sequences "
                                            r"failed: RESOURCE_EXHAUSTED.*gpu_memory_utilization"):
         compile_all(work, max_workers=2)
+
+
+def test_a_failure_without_a_message_is_retried_too(caplog):
+    """An exception with an empty message still gets its warning (named by its type)."""
+    calls = []
+
+    def compile_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError
+
+    with caplog.at_level(logging.WARNING, logger="pjinfer"):
+        compile_all([("shape 0", compile_once)], max_workers=1)
+    assert len(calls) == 2 and "(MemoryError)" in caplog.text
