@@ -1,6 +1,6 @@
 """The one dispatch module for the kernels: paged attention (cache layout, KV writes,
-attention), the grouped matmul (MoE experts), the weight-only quantized matmul, the
-multi-LoRA term and the copy that stages a step's packed inputs.
+attention), the grouped matmul (MoE experts), the weight-only quantized matmul and the
+multi-LoRA term.
 
 The engine calls only these functions (and builds `AttentionParams`, re-exported here, so
 it needs no other kernel module); backends are swapped with `backend=`:
@@ -27,7 +27,6 @@ from pjinfer.kernels.grouped_matmul import routed_matmul as pallas_routed_matmul
 from pjinfer.kernels.grouped_matmul import routed_matmul_reference
 from pjinfer.kernels.metadata import AttentionMetadata
 from pjinfer.kernels.ragged_attention import ragged_attention, ragged_attention_reference
-from pjinfer.kernels.word_copy import copy_words
 from pjinfer.quantization.weight import QuantizedWeight
 from pjinfer.sharding.mesh import traced_tp_mesh
 
@@ -78,15 +77,6 @@ def _use_pallas(backend: str) -> bool:
     if backend == "auto":
         return jax.default_backend() == "gpu"
     return backend in ("pallas", "triton")
-
-
-def stage_words(words: jax.Array, backend: str = "auto") -> jax.Array:
-    """The step's packed inputs [n] int32, copied into the executable's own buffer on the GPU
-    (so its command buffers stop re-recording when the argument moves; kernels/word_copy.py);
-    unchanged elsewhere, where nothing is recorded."""
-    if not _use_pallas(backend) or jax.default_backend() != "gpu":
-        return words
-    return copy_words(words)
 
 
 def paged_attention(

@@ -17,8 +17,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from pjinfer.kernels.word_copy import WORD_ALIGN
-
 # One entry per leaf: ("host", offset, shape, dtype) or ("device", index into `device`).
 LeafSpec = tuple
 
@@ -56,9 +54,7 @@ def pack(tree: Any) -> Packed:
         specs.append(("host", offset, leaf.shape, leaf.dtype))
         words.append(leaf.reshape(-1).view(np.int32))
         offset += leaf.size
-    # Padded so the step's staging copy (kernels/word_copy.py) tiles it evenly.
-    words.append(np.zeros(-offset % WORD_ALIGN, np.int32))
-    buffer = np.concatenate(words)
+    buffer = np.concatenate(words) if words else np.zeros(0, np.int32)
     return Packed(buffer, tuple(device), treedef, tuple(specs))
 
 

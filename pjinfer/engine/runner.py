@@ -37,7 +37,7 @@ from pjinfer.engine.step import (
     copy_blocks,
     init_kv_caches,
     kv_bytes_per_block,
-    packed_model_step,
+    model_step,
 )
 from pjinfer.kernels.metadata import AttentionMetadata
 from pjinfer.lora.adapter import LoRAAdapter
@@ -214,7 +214,7 @@ class ModelRunner:
 
     def _compile(self, opts: StepOptions, args: tuple):
         """Trace, lower and compile one step; whether JAX's persistent cache served it."""
-        jitted = jax.jit(partial(packed_model_step, opts=opts), donate_argnums=(1,),
+        jitted = jax.jit(partial(_packed_step, opts=opts), donate_argnums=(1,),
                          **self._step_shardings(opts))
         with served_by_jax_cache() as served:
             fn = jitted.lower(*args).compile()
@@ -378,6 +378,11 @@ class ModelRunner:
         return StepResult(token_ids=s.token_ids[:n], logprobs=s.logprobs[:n],
                           logprob_token_ids=s.logprob_token_ids[:n], ranks=s.ranks[:n],
                           prompt_logprobs=None if p is None else tuple(a[:t] for a in p))
+
+
+def _packed_step(params, kv_caches, inputs: Packed, *lora, opts: StepOptions):
+    """`model_step` with its StepInputs arriving packed (one host-to-device copy)."""
+    return model_step(params, kv_caches, unpack(inputs), *lora, opts=opts)
 
 
 def _sample_padded(logits: jax.Array, packed: Packed, prev_tokens: jax.Array, *,

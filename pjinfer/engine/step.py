@@ -7,7 +7,7 @@ jitted function (see runner), so the many sampler variants never multiply the mo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +15,6 @@ import numpy as np
 from jax.sharding import Mesh
 
 from pjinfer.config import ModelConfig
-from pjinfer.engine.host_pack import Packed, unpack
 from pjinfer.engine.inputs import StepInputs
 from pjinfer.kernels import ops
 from pjinfer.lora.weights import attach as attach_lora
@@ -71,14 +70,6 @@ def model_step(params, kv_caches: KVCaches, inputs: StepInputs, lora=None, *,
         return logits, kv_caches
     return logits, kv_caches, token_logprobs(spec.compute_logits(params, hidden),
                                              inputs.next_token_ids, opts.prompt_logprobs)
-
-
-def packed_model_step(params, kv_caches: KVCaches, inputs: Packed, *lora, opts: StepOptions):
-    """`model_step` with its StepInputs arriving packed (one host-to-device copy), staged
-    into the executable's own buffer first (`ops.stage_words`: on the GPU only that copy
-    reads the argument, which moves every call)."""
-    staged = replace(inputs, words=ops.stage_words(inputs.words, opts.backend))
-    return model_step(params, kv_caches, unpack(staged), *lora, opts=opts)
 
 
 def _paged_attention(opts: StepOptions):
