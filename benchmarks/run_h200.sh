@@ -21,9 +21,10 @@
 #                                         # --xla_gpu_graph_min_graph_size=1: Llama-3-8B bf16
 #                                         # and fp8, Qwen3-30B-A3B; two runs each, alternated
 #                                         # (~12 min: GRAPH_MODELS picks a subset)
-#   bash benchmarks/run_h200.sh host      # host time per call's arguments; batch-1 decode step
-#                                         # launch time vs device time: bf16, fp8, int4, LoRA,
-#                                         # Qwen3-30B-A3B (~4 min)
+#   bash benchmarks/run_h200.sh host      # host time per call's arguments; command-buffer
+#                                         # re-records; batch-1 decode step launch time vs
+#                                         # device time: bf16, fp8, int4, LoRA, Qwen3-30B-A3B
+#                                         # (~5 min)
 #   bash benchmarks/run_h200.sh --smoke pjinfer hf serve   # the same plumbing, tiny, on CPU
 #
 # Each stage fits one 10-minute device command; every step has its own time limit, and a
@@ -242,6 +243,9 @@ stage_quant() {
 stage_host() {
   step host_launch 120 $PY -m pjinfer.benchmarks.host_launch \
       $([ $SMOKE = 1 ] && echo --smoke) --out "$JSON/host_launch.json"
+  # what makes XLA re-record the step's command buffers, and what a re-record costs
+  step cmdbuf_updates 90 $PY -m pjinfer.benchmarks.command_buffer_updates \
+      $([ $SMOKE = 1 ] && echo --smoke) --out "$JSON/cmdbuf_updates.json"
   if [ $SMOKE = 1 ]; then log "SKIP host probes in smoke mode (H200 model shapes only)"; return 0; fi
   local probe=($PY benchmarks/step_probe.py --layouts decode_1x768 --backends auto)
   step host_probe_bf16 120 "${probe[@]}" --same-args --out "$JSON/host_probe_bf16.json"
