@@ -6,6 +6,7 @@
 #   bash benchmarks/run_ab.sh .bench_base probe    # step probe + W1 (ABBA) + W2, both trees
 #                                                  # (~9 min)
 #   bash benchmarks/run_ab.sh .bench_base w3       # W3, both trees                (~6 min)
+#   bash benchmarks/run_ab.sh .bench_base qwen3    # Qwen3-30B-A3B W1, ABBA        (~7 min)
 #   bash benchmarks/run_ab.sh --smoke .bench_base probe   # the same plumbing, tiny, on CPU
 #
 # JSON records land in $OUT as {base,head}_<workload>.json (W1: w1_1 and w1_2 per side), the
@@ -70,5 +71,13 @@ case $STAGE in
     for t in base head; do bench $t w2 latency "${W2[@]}" --num-iters-warmup 1; done ;;
   w3)
     for t in base head; do bench $t w3 throughput "${W3[@]}" --warmup-requests 8; done ;;
-  *) echo "unknown stage $STAGE (probe | w3)"; exit 2 ;;
+  qwen3)  # W1 on Qwen3-30B-A3B shapes, whose batch-1 step is host-bound (RESULTS.md, round 5)
+    if [ $SMOKE = 0 ]; then
+      MODEL=(--model configs/models/qwen3-30b-a3b --load-format dummy --dtype bfloat16)
+      ENGINE=(--max-num-seqs 256 --max-num-batched-tokens 8192); LIMIT=140
+    fi
+    for run in base:1 head:1 head:2 base:2; do
+      bench ${run%:*} w1_qwen3_${run#*:} latency "${W1[@]}" --num-iters 2 --num-iters-warmup 1
+    done ;;
+  *) echo "unknown stage $STAGE (probe | w3 | qwen3)"; exit 2 ;;
 esac
