@@ -5,7 +5,7 @@
 
 XLA replays a jitted step's kernels as command buffers and, before each replay, updates the
 recorded commands whose buffers moved since the last call. On the H200 a Llama-3-8B decode
-step's ~490-command buffer was re-recorded before every call, 0.6-1.3 ms of the launching
+step's ~490-command buffer was re-recorded before every call, 0.8-1.35 ms of the launching
 thread's time (RESULTS.md, "Round 6"). A chain of `--layers` matmul layers with a donated
 state (as the KV cache is) is called here in the ways an engine can call its step:
 
@@ -45,7 +45,8 @@ _UPDATED = re.compile(r"Updated command buffer in (\d+)")
 
 
 def _steps(layers: int, width: int):
-    """(step, step returning h, reader): jitted, the state [8, width] f32 donated."""
+    """(step, step also returning h, step writing h over a donated buffer, reader of h):
+    jitted, the state [8, width] f32 donated."""
     import jax
     import jax.numpy as jnp
 
@@ -66,8 +67,9 @@ def _steps(layers: int, width: int):
     return step, with_h, into, reader
 
 
-def _case(name: str, fns, width: int, calls: int) -> dict:
-    """Time `calls` calls of one case; markers on stderr bracket XLA's log lines."""
+def _case(name: str, fns, width: int, calls: int) -> None:
+    """Time `calls` calls of one case and print the timings between two markers on stderr,
+    where they bracket XLA's log lines of the case (`parse_log` reads them back)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -104,7 +106,6 @@ def _case(name: str, fns, width: int, calls: int) -> dict:
     done = time.perf_counter() - start
     result = {"issue_us": issued / calls * 1e6, "pipelined_us": done / calls * 1e6}
     print(f"CASE_END {name} {json.dumps(result)}", file=sys.stderr, flush=True)
-    return result
 
 
 def parse_log(text: str) -> dict[str, dict]:
