@@ -1,0 +1,176 @@
+"""The routed expert GEMMs at decode sizes as a step runs them, per tiling, as JSON.
+
+  python -m pjinfer.benchmarks.moe_decode_stack --out moe_decode_stack.json      # H200
+  python -m pjinfer.benchmarks.moe_decode_stack --smoke --out /tmp/stack.json    # CPU plumbing
+
+One jitted call runs `layers` MoE layers' routed GEMMs back to back (gate/up, then down, each
+layer its own weights and its own random top-k routing), as a decode step does. Timing one GEMM
+per call would time JAX's dispatch at 1-4 tokens, not the kernel (RESULTS.md, MoE round 4).
+Bytes = the distinct experts each layer's tokens chose x K x N x 2 B; the bandwidth ceiling is
+the weight-streaming GEMV measured in the same process (`benchmarks/ceilings.py`). Shapes:
+Qwen3-30B-A3B (2048 -> 2 x 768, 128 experts, top-8) and Mixtral-8x7B (4096 -> 2 x 14336, 8
+experts, top-2), with fewer layers than the models (the weights must be read from HBM, not L2,
+and fit beside each other).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import sys
+from typing import Any
+
+import numpy as np
+
+from pjinfer.benchmarks.ceilings import (
+    _filled,
+    ceilings_record,
+    measure_ceilings,
+    pipelined_seconds,
+    timing_plan,
+)
+from pjinfer.benchmarks.common import (
+    finish_record,
+    jax_device_info,
+    new_record,
+    positive_int,
+    power_of_two,
+    print_table,
+)
+
+MODELS = {
+    "qwen3-30b-a3b": dict(hidden=2048, inter=768, experts=128, top_k=8, layers=24),
+    "mixtral-8x7b": dict(hidden=4096, inter=14336, experts=8, top_k=2, layers=6),
+}
+SMOKE = {"tiny": dict(hidden=64, inter=32, experts=8, top_k=2, layers=2)}
+
+
+class _Shape:
+    """What `measure_ceilings` reads: a GEMV stream of [hidden, 2 x inter] matrices."""
+
+    def __init__(self, hidden: int, inter: int):
+        self.hidden_size, self.intermediate_size = hidden, 2 * inter
+
+    def matmul_shapes(self, tokens: int) -> list[tuple[int, int, int]]:
+        return [(tokens, self.hidden_size, self.intermediate_size)]
+
+
+def routing(tokens: int, experts: int, top_k: int, rng: np.random.Generator) -> np.ndarray:
+    """[tokens, top_k] distinct experts per token, uniformly at random."""
+    return np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k].astype(np.int32)
+
+
+def stack_fn(tiling: dict[str, int], interpret: bool):
+    """Jitted f(x, ids per layer, gate_up per layer, down per layer): every layer's two routed
+    GEMMs in order, each layer's input the previous layer's output (so none is skipped)."""
+    import jax
+
+    from pjinfer.kernels.grouped_matmul import routed_matmul
+
+    gemm = functools.partial(routed_matmul, interpret=interpret, **tiling)
+
+    def run(x, ids, gate_up, down):
+        for layer_ids, gu, dn in zip(ids, gate_up, down, strict=True):
+            h = gemm(x, gu, layer_ids, per_assignment=False)  # [T*k, 2I]
+            inter = h.shape[1] // 2
+            y = gemm(h[:, :inter] * h[:, inter:], dn, layer_ids, per_assignment=True)
+            x = y.reshape(x.shape[0], -1, x.shape[1]).sum(axis=1).astype(x.dtype)
+        return x
+
+    return jax.jit(run)
+
+
+def run_model(name: str, s: dict, tokens: list[int], tilings: list[dict], timing: dict,
+              bandwidth: float, seed: int) -> list[dict[str, Any]]:
+    import jax
+    import jax.numpy as jnp
+
+    d, inter, e, k, n_layers = s["hidden"], s["inter"], s["experts"], s["top_k"], s["layers"]
+    gate_up = [_filled((e, d, 2 * inter), 10 + i) for i in range(n_layers)]
+    down = [_filled((e, inter, d), 100 + i) for i in range(n_layers)]
+    interpret = jax.default_backend() != "gpu"
+    rows = []
+    for t in tokens:
+        rng = np.random.default_rng(seed + t)
+        ids = [routing(t, e, k, rng) for _ in range(n_layers)]
+        touched = sum(len(np.unique(i)) for i in ids)
+        moved = 2 * touched * 3 * d * inter  # gate, up and down of every expert read
+        x = _filled((t, d), 7)
+        dev_ids = [jnp.asarray(i) for i in ids]
+        entry: dict[str, Any] = {"model": name, "tokens": t, "experts_read": touched,
+                                 "bytes": moved, "tilings": {}}
+        for tiling in tilings:
+            fn = stack_fn(tiling, interpret)
+            try:
+                sec = pipelined_seconds(fn, (x, dev_ids, gate_up, down),
+                                        sync=jax.block_until_ready, **timing)
+            except Exception as err:  # a tiling that does not compile (shared memory)
+                entry["tilings"][_name(tiling)] = {"error": f"{type(err).__name__}: {err}"[:300]}
+                continue
+            best, median = min(sec), float(np.median(sec))
+            entry["tilings"][_name(tiling)] = {
+                "best_s": best, "median_s": median, "us_per_layer": best / n_layers * 1e6,
+                "vs_bandwidth": moved / best / bandwidth}
+        ok = {n: r for n, r in entry["tilings"].items() if "best_s" in r}
+        if ok:
+            entry["best_tiling"] = min(ok, key=lambda n: ok[n]["best_s"])
+        rows.append(entry)
+        print(f"{name} T={t}: " + ", ".join(
+            f"{n} {r['us_per_layer']:.1f} us/layer {r['vs_bandwidth']:.2f}"
+            for n, r in ok.items()), flush=True)
+    del gate_up, down
+    return rows
+
+
+def _name(tiling: dict[str, int]) -> str:
+    return "n{block_n}_k{block_k}_w{num_warps}_s{num_stages}".format(**tiling)
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    import jax
+
+    models = SMOKE if args.smoke else {m: MODELS[m] for m in args.models}
+    record = new_record("moe_decode_stack", argv, vars(args))
+    record.update(device=jax_device_info(), models=models)
+    first = next(iter(models.values()))
+    ceilings = measure_ceilings(_Shape(first["hidden"], first["inter"]), tokens=16,
+                                calls=args.calls, samples=args.samples)
+    record["ceilings"] = ceilings_record(ceilings)
+    timing = timing_plan(args.calls, args.samples, 2, on_cpu=jax.default_backend() == "cpu")
+    tilings = [dict(block_n=n, block_k=k, num_warps=w, num_stages=st) for n, k, w, st in
+               itertools.product(args.block_n, args.block_k, args.num_warps, args.num_stages)]
+    record["rows"] = [row for name, s in models.items()
+                      for row in run_model(name, s, args.tokens, tilings, timing,
+                                           ceilings.hbm_bytes_per_s, args.seed)]
+    best = [(r, r["tilings"][r["best_tiling"]]) for r in record["rows"] if "best_tiling" in r]
+    print_table("Routed expert GEMMs, all layers in one call (best tiling)", [
+        (f"{r['model']} T={r['tokens']} {r['best_tiling']}",
+         f"{t['us_per_layer']:.1f} us/layer, {t['vs_bandwidth']:.2f} of bandwidth")
+        for r, t in best])
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=None, help="write the JSON record here")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check)")
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS))
+    parser.add_argument("--tokens", type=positive_int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--block-n", type=power_of_two, nargs="+", default=[64])
+    parser.add_argument("--block-k", type=power_of_two, nargs="+", default=[128])
+    parser.add_argument("--num-warps", type=power_of_two, nargs="+", default=[4])
+    parser.add_argument("--num-stages", type=positive_int, nargs="+", default=[3])
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--samples", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if any(t < 1 or t > 64 for t in args.tokens):
+        parser.error("--tokens must be in 1..64 (the routed kernel's decode sizes)")
+    finish_record(run(args, argv), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
