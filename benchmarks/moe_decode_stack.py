@@ -38,6 +38,7 @@ from pjinfer.benchmarks.common import (
     power_of_two,
     print_table,
 )
+from pjinfer.kernels.grouped_matmul import ROUTED_SPLITS
 
 MODELS = {
     "qwen3-30b-a3b": dict(hidden=2048, inter=768, experts=128, top_k=8, layers=24),
@@ -124,7 +125,7 @@ def run_model(name: str, s: dict, tokens: list[int], tilings: list[dict], timing
 
 
 def _name(tiling: dict[str, int]) -> str:
-    return "n{block_n}_k{block_k}_w{num_warps}_s{num_stages}".format(**tiling)
+    return "n{block_n}_k{block_k}_w{num_warps}_s{num_stages}_p{splits}".format(**tiling)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
@@ -138,8 +139,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                                 calls=args.calls, samples=args.samples)
     record["ceilings"] = ceilings_record(ceilings)
     timing = timing_plan(args.calls, args.samples, 2, on_cpu=jax.default_backend() == "cpu")
-    tilings = [dict(block_n=n, block_k=k, num_warps=w, num_stages=st) for n, k, w, st in
-               itertools.product(args.block_n, args.block_k, args.num_warps, args.num_stages)]
+    tilings = [dict(block_n=n, block_k=k, num_warps=w, num_stages=st, splits=sp)
+               for n, k, w, st, sp in itertools.product(args.block_n, args.block_k,
+                                                        args.num_warps, args.num_stages,
+                                                        args.splits)]
     record["rows"] = [row for name, s in models.items()
                       for row in run_model(name, s, args.tokens, tilings, timing,
                                            ceilings.hbm_bytes_per_s, args.seed)]
@@ -158,10 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check)")
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS))
     parser.add_argument("--tokens", type=positive_int, nargs="+", default=[1, 4, 16, 64])
-    parser.add_argument("--block-n", type=power_of_two, nargs="+", default=[64])
+    parser.add_argument("--block-n", type=power_of_two, nargs="+", default=[128])
     parser.add_argument("--block-k", type=power_of_two, nargs="+", default=[128])
     parser.add_argument("--num-warps", type=power_of_two, nargs="+", default=[4])
     parser.add_argument("--num-stages", type=positive_int, nargs="+", default=[3])
+    parser.add_argument("--splits", type=positive_int, nargs="+", default=[ROUTED_SPLITS],
+                        help="programs per column block (at most one per assignment)")
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--samples", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)

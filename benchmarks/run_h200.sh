@@ -182,6 +182,11 @@ stage_moe() {
       --out "$JSON/moe_grouped_matmul.json"
   step moe_decode_layer 200 $PY -m pjinfer.benchmarks.moe "${smoke_gmm[@]}" --decode-layer \
       --out "$JSON/moe_decode_layer.json"
+  # the routed GEMMs of many layers in one call: the decode target's kernel rate at 1-64 tokens
+  local stack=(--tokens 1 4 16 32 64)
+  [ $SMOKE = 1 ] && stack=(--smoke --tokens 1 4 --calls 1 --samples 1)
+  step moe_decode_stack 150 $PY -m pjinfer.benchmarks.moe_decode_stack "${stack[@]}" \
+      --out "$JSON/moe_decode_stack.json"
   step moe_mixtral_b1 400 "${BENCH[@]}" latency "${mixtral[@]}" "${eng[@]}" --batch-size 1 \
       "${b1[@]}" --num-iters 2 --num-iters-warmup 1 --output-json "$JSON/moe_mixtral_b1.json"
   step moe_qwen3_b1 300 "${BENCH[@]}" latency "${qwen[@]}" "${eng[@]}" --batch-size 1 \

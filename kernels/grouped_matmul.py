@@ -11,9 +11,10 @@ slice. Empty groups get no tile, so a decode step reads the weights of the exper
 chose and no others. The result is written in the tiled layout and gathered back to row
 order. The number of tiles is static: at most cdiv(M, block_m) + min(G, M).
 
-`routed_matmul` is the form for a decode step: one program per (expert, column block)
-multiplies the rows of the tokens that chose that expert (the step's [T, K] rows, the others
-masked to 0) by its weights and stores them to those tokens' assignment rows, with no sort,
+`routed_matmul` is the form for a decode step: per column block, a few programs share the
+step's token-expert assignments; for each expert chosen, one multiplies the rows of the tokens
+that chose it (the step's [T, K] rows, the others masked to 0) by its weights and stores them
+to those tokens' assignment rows, with no sort,
 group sizes, tile plan or un-permutation around it (a dozen small XLA kernels per MoE layer,
 which cost more than the GEMMs at batch 1). An expert nobody chose reads nothing; one that
 several tokens chose is read once. Inactive choices (expert < 0: padding tokens, another
@@ -162,45 +163,67 @@ def _check_routed(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, per_assignment
                          f"rhs [G, K, N], ids [T, k]; got {lhs.shape}, {rhs.shape}, {ids.shape}")
 
 
+# Programs per column block: one per assignment up to this many. On the H200 (RESULTS.md,
+# round 7) 128 was best or within 8% of the best at 1-32 tokens, Qwen3 and Mixtral shapes.
+ROUTED_SPLITS = 128
+
+
 def _routed_kernel(ids_ref, lhs_ref, rhs_ref, o_ref, *, block_n: int, block_k: int,
-                   k_steps: int, per_assignment: bool):
-    """Program (expert e, column block): every token that chose e, as one dense [T, bk] x
-    [bk, bn] dot (other tokens' rows masked to 0), stored to those tokens' assignment rows.
-    An expert no token chose reads nothing."""
-    e, col = pl.program_id(0), pl.program_id(1)
+                   k_steps: int, per_assignment: bool, splits: int):
+    """Program (column block, split s): assignments s, s + splits, ... of the flat [T*k] ids.
+    Each one that is its expert's first (and not inactive) multiplies every token that chose
+    that expert, as one dense [T, bk] x [bk, bn] dot (other tokens' rows masked to 0), and
+    stores to those tokens' assignment rows; later assignments of the same expert do nothing,
+    so each chosen expert is read once and no program waits on an expert nobody chose."""
+    col, split = pl.program_id(0), pl.program_id(1)
     num_tokens, top_k = ids_ref.shape
-    match = ids_ref[...] == e  # [T, k]: at most one hit per token
-    hit = jnp.max(match.astype(jnp.int32), axis=1) > 0  # [T]
-    slot = jnp.sum(jnp.where(match, jnp.arange(top_k, dtype=jnp.int32)[None, :], 0), axis=1)
+    ids = ids_ref[...]  # [T, k]
     token = jnp.arange(num_tokens, dtype=jnp.int32)
-    out_rows = token * top_k + slot  # [T] assignment rows
-    rows = out_rows if per_assignment else token
+    position = token[:, None] * top_k + jnp.arange(top_k, dtype=jnp.int32)[None, :]  # [T, k]
     cols = pl.ds(col * block_n, block_n)
+    col_ids = col * block_n + jnp.arange(block_n, dtype=jnp.int32)
 
-    def body(kb, acc):
-        ks = pl.ds(kb * block_k, block_k)
-        x = jnp.where(hit[:, None], lhs_ref[rows, ks], 0)  # [T, bk]
-        return acc + jnp.dot(x, rhs_ref[e, ks, cols], preferred_element_type=jnp.float32)
+    def assignment(i, carry):
+        a = split + i * splits
+        e = jnp.sum(jnp.where(position == a, ids, 0))
+        first = jnp.sum(jnp.where((position < a) & (ids == e), 1, 0)) == 0
 
-    @pl.when(jnp.sum(hit.astype(jnp.int32)) > 0)
-    def _():
-        acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((num_tokens, block_n), jnp.float32))
-        col_ids = col * block_n + jnp.arange(block_n, dtype=jnp.int32)
-        pltriton.store(o_ref.at[out_rows[:, None], col_ids[None, :]], acc.astype(o_ref.dtype),
-                       mask=hit[:, None])
+        @pl.when((a < num_tokens * top_k) & first & (e >= 0))
+        def _():
+            match = ids == e  # [T, k]: at most one hit per token
+            hit = jnp.max(match.astype(jnp.int32), axis=1) > 0  # [T]
+            slot = jnp.sum(jnp.where(match, jnp.arange(top_k, dtype=jnp.int32)[None, :], 0),
+                           axis=1)
+            out_rows = token * top_k + slot  # [T] assignment rows
+            rows = out_rows if per_assignment else token
+
+            def body(kb, acc):
+                ks = pl.ds(kb * block_k, block_k)
+                x = jnp.where(hit[:, None], lhs_ref[rows, ks], 0)  # [T, bk]
+                return acc + jnp.dot(x, rhs_ref[e, ks, cols], preferred_element_type=jnp.float32)
+
+            acc = jax.lax.fori_loop(0, k_steps, body,
+                                    jnp.zeros((num_tokens, block_n), jnp.float32))
+            pltriton.store(o_ref.at[out_rows[:, None], col_ids[None, :]],
+                           acc.astype(o_ref.dtype), mask=hit[:, None])
+        return carry
+
+    jax.lax.fori_loop(0, -(-num_tokens * top_k // splits), assignment, 0)
 
 
 @functools.partial(jax.jit, static_argnames=("per_assignment", "block_n", "block_k",
-                                             "num_warps", "num_stages", "out_dtype",
+                                             "num_warps", "num_stages", "splits", "out_dtype",
                                              "interpret"))
 def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignment: bool,
-                  block_n: int = 64, block_k: int = 128, num_warps: int = 4,
-                  num_stages: int = 3, out_dtype=None, interpret: bool = False) -> jax.Array:
+                  block_n: int = 128, block_k: int = 128, num_warps: int = 4,
+                  num_stages: int = 3, splits: int = ROUTED_SPLITS, out_dtype=None,
+                  interpret: bool = False) -> jax.Array:
     """ids [T, k] (expert per token and choice, < 0: none) -> [T*k, N]: row t*k+j is
     lhs[t] (lhs [T, K]) or lhs[t*k+j] (`per_assignment`, lhs [T*k, K]) times rhs[ids[t, j]],
-    0 where ids[t, j] < 0. One program per (expert, column block), so each expert's weights
-    are read once whatever number of tokens chose it; T and k are padded to powers of two
-    (>= 16 tokens: Triton's dot)."""
+    0 where ids[t, j] < 0. Grid (column block, split): the programs of a column block share
+    the step's assignments (`splits` of them, at most one per assignment), each expert is
+    read once whatever number of tokens chose it; T and k are padded to powers of two (>= 16
+    tokens: Triton's dot)."""
     t, k = ids.shape
     _check_routed(lhs, rhs, ids, per_assignment)
     if t > ROUTED_MAX_TOKENS:
@@ -216,11 +239,13 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
         lhs_p = jnp.pad(lhs_p, ((0, tp - t), (0, kp - k), (0, 0))).reshape(tp * kp, -1)
     rhs_p = _pad_to(_pad_to(rhs, 1, block_k), 2, block_n)  # [G, K', N']
     width = rhs_p.shape[2]
+    splits = min(splits, tp * kp)
     whole = common.whole_spec
     out = pl.pallas_call(
         functools.partial(_routed_kernel, block_n=block_n, block_k=block_k,
-                          k_steps=lhs_p.shape[1] // block_k, per_assignment=per_assignment),
-        grid=(rhs.shape[0], width // block_n),
+                          k_steps=lhs_p.shape[1] // block_k, per_assignment=per_assignment,
+                          splits=splits),
+        grid=(width // block_n, splits),
         in_specs=[whole(ids_p.shape), whole(lhs_p.shape), whole(rhs_p.shape)],
         out_specs=whole((tp * kp, width)),
         out_shape=jax.ShapeDtypeStruct((tp * kp, width), out_dtype or lhs.dtype),

@@ -25,7 +25,7 @@ def test_smoke_record(tmp_path):
     assert [r["tokens"] for r in rows] == [1, 3]
     assert rows[0]["experts_read"] == 2 * 2  # 2 layers, top-2 of one token
     for r in rows:
-        assert set(r["tilings"]) == {"n16_k16_w4_s3", "n32_k16_w4_s3"}
+        assert set(r["tilings"]) == {"n16_k16_w4_s3_p128", "n32_k16_w4_s3_p128"}
         assert all(t["vs_bandwidth"] > 0 for t in r["tilings"].values())
         assert r["best_tiling"] in r["tilings"]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -110,7 +111,9 @@ def rel_err(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+# float32 on a GPU: XLA's dots there are TF32 (the interpreted kernels' and the references'),
+# ~4e-5 relative on the H200 (RESULTS.md, round 7)
+TOL = {jnp.float32: 1e-5 if jax.default_backend() == "cpu" else 1e-4, jnp.bfloat16: 1e-2}
 
 
 def to_fp8(batch: PagedBatch, k_scale: float, v_scale: float) -> tuple[PagedBatch, PagedBatch]:

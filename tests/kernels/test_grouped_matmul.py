@@ -48,13 +48,15 @@ def test_kernel_matches_reference(m, k, n, g, bm, bn, bk, splits, tail):
     assert not np.any(np.asarray(out)[m - tail:])
 
 
-@pytest.mark.parametrize("t, k, g, kk, n, per_assignment", [
-    (3, 2, 6, 48, 40, False),  # K and N padded, T padded to 16
-    (5, 3, 7, 64, 48, True),  # k not a power of two: padded; lhs per assignment
-    (16, 8, 20, 32, 16, False),  # Qwen3-like top-8
-    (17, 2, 4, 16, 32, True),  # T past 16: padded to 32
+@pytest.mark.parametrize("t, k, g, kk, n, per_assignment, splits", [
+    (3, 2, 6, 48, 40, False, 128),  # K and N padded, T padded to 16
+    (5, 3, 7, 64, 48, True, 128),  # k not a power of two: padded; lhs per assignment
+    (16, 8, 20, 32, 16, False, 128),  # Qwen3-like top-8
+    (17, 2, 4, 16, 32, True, 128),  # T past 16: padded to 32
+    (16, 8, 20, 32, 48, True, 37),  # each program walks 3 or 4 assignments
+    (4, 2, 8, 32, 64, False, 3),  # Mixtral-like top-2, 11 assignments a program
 ])
-def test_routed_kernel_matches_reference(t, k, g, kk, n, per_assignment):
+def test_routed_kernel_matches_reference(t, k, g, kk, n, per_assignment, splits):
     """Each token's k distinct experts, a quarter of the choices inactive (-1)."""
     rng = np.random.default_rng(t * k + g)
     ids = np.argsort(rng.random((t, g)), axis=1)[:, :k].astype(np.int32)
@@ -67,7 +69,7 @@ def test_routed_kernel_matches_reference(t, k, g, kk, n, per_assignment):
     ref = routed_matmul_reference(lhs, rhs, jnp.asarray(ids), per_assignment=per_assignment)
     np.testing.assert_allclose(ref, want, **F32_TOL)
     out = routed_matmul(lhs, rhs, jnp.asarray(ids), per_assignment=per_assignment,
-                        block_n=16, block_k=16, interpret=INTERPRET)
+                        block_n=16, block_k=16, splits=splits, interpret=INTERPRET)
     np.testing.assert_allclose(out, want, **F32_TOL)
     for backend in ("reference", "pallas"):
         got = ops.routed_matmul(lhs, rhs, jnp.asarray(ids), per_assignment=per_assignment,
