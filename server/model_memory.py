@@ -15,7 +15,7 @@ import numpy as np
 
 from pjinfer.config import ModelConfig, resolve_dtype
 from pjinfer.demo import DEMO_MODEL_DIR
-from pjinfer.engine.runner import CPU_KV_CACHE_BYTES
+from pjinfer.engine.kv_budget import CPU_KV_CACHE_BYTES
 from pjinfer.engine.step import kv_bytes_per_block
 from pjinfer.errors import ModelLoadError
 from pjinfer.quantization.config import resolve as resolve_quantization

@@ -93,6 +93,11 @@ class EngineConfig:
     max_logprobs: int = arg(20, "largest logprobs/top_logprobs a request may ask", "model")
     attention_backend: str = arg("auto", "attention kernels: auto = Pallas on GPU, pure JAX "
                                  "(reference) elsewhere", "compilation", choices=BACKENDS)
+    num_scheduler_steps: int = arg(1, "decode steps per device call when every scheduled "
+                                   "sequence is decoding (vLLM's multi-step scheduling): one "
+                                   "launch and one copy back per N tokens; sequences with "
+                                   "penalties, structured outputs or min_tokens still to go "
+                                   "run one step at a time", "scheduler")
     async_scheduling: bool = arg(True, "schedule and build step t+1 while step t runs on the "
                                  "device; off runs every step to completion first", "scheduler")
     warmup: bool = arg(True, "compile every step shape at start-up (a model under 64 MiB: "
@@ -110,7 +115,7 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of "
                              f"{', '.join(scheduling_policies())}, got {self.scheduling_policy!r}")
         _positive_ints(self, "block_size", "max_num_seqs", "max_num_batched_tokens",
-                       "tensor_parallel_size", "max_waiting_requests")
+                       "tensor_parallel_size", "max_waiting_requests", "num_scheduler_steps")
         _positive_ints(self, *(n for n in ("max_model_len", "num_kv_blocks", "kv_cache_memory")
                                if getattr(self, n) is not None))
         _positive_ints(self, "max_loras", "max_lora_rank")

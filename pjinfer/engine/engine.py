@@ -111,7 +111,8 @@ class LLMEngine:
             config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
             config.enable_prefix_caching, self.max_model_len,
             tuple(self.model_config.eos_token_ids),
-            max_loras=config.max_loras if config.enable_lora else 0)
+            max_loras=config.max_loras if config.enable_lora else 0,
+            num_scheduler_steps=config.num_scheduler_steps)
         self.lora = None if not config.enable_lora else LoRAManager(
             self.model_config, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
             max_cpu_loras=config.max_cpu_loras or config.max_loras,
@@ -325,6 +326,11 @@ class LLMEngine:
         wants_prompt_lp = any(c.next_token_ids is not None for c in sched.chunks)
         prev = self._in_flight.step if self._in_flight is not None else None
         lora_slots = self._lora_slots(sched)
+        if sched.num_steps is not None:  # a multi-step decode: no constrained rows
+            return _Launched(sched, None, self.runner.launch_multi(
+                sched.chunks, sched.rows, sched.num_steps,
+                max_logprobs=self.config.max_logprobs if wants_lp else 0, prev=prev,
+                refresh_tables=bool(sched.copy_ops), lora_slots=lora_slots), start)
         forward = self.runner.forward(
             sched.chunks, sched.rows, max_logprobs=self.config.max_logprobs if wants_lp else 0,
             prompt_logprobs=self.config.max_logprobs if wants_prompt_lp else None, prev=prev,
@@ -370,8 +376,9 @@ class LLMEngine:
         """Wait for a launched step and apply its tokens to the requests and their grammars:
         all the next constrained step's mask needs (its text comes after, `_process`)."""
         result = self.runner.fetch(launched.step)
-        update = self.scheduler.update_from_output(launched.sched,
-                                                   result.token_ids[:, None].tolist())
+        update = self.scheduler.update_from_output(launched.sched, [
+            tokens[:c.num_steps] for tokens, c in zip(result.token_ids.tolist(),
+                                                      launched.sched.scheduled, strict=True)])
         self.scheduler.finish_requests(self.structured_output.advance(update.new_tokens),
                                        RequestStatus.FINISHED_STOPPED)  # grammar complete
         return launched, result, update

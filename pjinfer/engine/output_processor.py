@@ -8,6 +8,7 @@ what a stream sends, with no diffing downstream) and FINAL_ONLY (one output at t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,8 +115,12 @@ class OutputProcessor:
             if seq is None or nt.request.group_id in self._failed:
                 continue
             try:
+                stopped, used = self._detokenize(seq, nt.token_ids)
+                if used < len(nt.token_ids):  # a multi-step decode ran past a stop string
+                    del nt.request.output_token_ids[used - len(nt.token_ids):]
+                    nt = dataclasses.replace(nt, token_ids=nt.token_ids[:used])
                 self._token_logprobs(seq, nt, result)
-                if self._detokenize(seq, nt.token_ids):
+                if stopped:
                     stops.append((nt.request, seq.detokenizer.stop_reason))
             except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
                 self._failed[nt.request.group_id] = e
@@ -130,41 +135,47 @@ class OutputProcessor:
         r = seq.request
         if nt.token_ids and len(r.output_token_ids) == len(nt.token_ids):
             self.metrics.on_first_token(r.first_token_time - r.arrival_time)
-        # The sampler scores one position per row, so every accepted token is credited with
-        # that row's logprobs: exact for the one token a sampling step accepts today; a
-        # multi-token update (speculative decoding) must bring a row per token first.
-        for token in nt.token_ids:
-            seq.cumulative_logprob += float(result.logprobs[nt.row, 0])
+        # token j of a row comes from the step's j-th decode step (a multi-step decode)
+        for j, token in enumerate(nt.token_ids):
+            seq.cumulative_logprob += float(result.logprobs[nt.row, j, 0])
             if r.params.logprobs is not None:
-                seq.logprobs.append(self._position_logprobs(r.params.logprobs, nt.row, token,
-                                                            result))
+                seq.logprobs.append(self._position_logprobs(r.params.logprobs, nt.row, j,
+                                                            token, result))
 
-    def _detokenize(self, seq: _Sequence, token_ids: list[int]) -> bool:
-        """Add the text; True when a stop string ends a request the scheduler left running
-        (or ended by length: a stop string in the same token wins, as it did before EOS/ids
-        were checked)."""
+    def _detokenize(self, seq: _Sequence, token_ids: list[int]) -> tuple[bool, int]:
+        """Add the text, a token at a time; (a stop string ends a request the scheduler left
+        running, the tokens used: all, or those up to the one that completed a stop string).
+        A stop string wins over a length stop in the same token, as it did before EOS/ids
+        were checked."""
         detok, r = seq.detokenizer, seq.request
         if detok is None:
-            return False
+            return False, len(token_ids)
+        shown = token_ids
         if r.stopped_by_token and not r.params.include_stop_str_in_output:
-            token_ids = token_ids[:-1]  # vLLM's rule: the EOS or stop token's text is not shown
-        detok.add_tokens(token_ids)
-        if detok.finished and r.status in (RequestStatus.RUNNING,
-                                           RequestStatus.FINISHED_LENGTH):
+            shown = token_ids[:-1]  # vLLM's rule: the EOS or stop token's text is not shown
+        used = len(token_ids)
+        for j in range(max(len(shown), 1)):
+            detok.add_tokens(shown[j:j + 1])
+            if detok.finished:
+                used = min(j + 1, used)
+                break
+        if detok.finished and (used < len(token_ids) or r.status in (
+                RequestStatus.RUNNING, RequestStatus.FINISHED_LENGTH)):
             if r.is_finished:
                 r.finish(RequestStatus.FINISHED_STOPPED, detok.stop_reason)
-                return False
-            return True
+                return False, used
+            return True, used
         if r.is_finished and not detok.finished:
             detok.flush()
-        return False
+        return False, used
 
-    def _position_logprobs(self, k: int, i: int, token: int,
+    def _position_logprobs(self, k: int, i: int, j: int, token: int,
                            result: StepResult) -> PositionLogprobs:
-        entry = {token: Logprob(float(result.logprobs[i, 0]), int(result.ranks[i]),
+        """Row i's logprobs at its j-th decode step of the step."""
+        entry = {token: Logprob(float(result.logprobs[i, j, 0]), int(result.ranks[i, j]),
                                 self._decode(token))}
-        for rank, (tid, lp) in enumerate(zip(result.logprob_token_ids[i, 1:k + 1],
-                                             result.logprobs[i, 1:k + 1], strict=True), 1):
+        for rank, (tid, lp) in enumerate(zip(result.logprob_token_ids[i, j, 1:k + 1],
+                                             result.logprobs[i, j, 1:k + 1], strict=True), 1):
             entry.setdefault(int(tid), Logprob(float(lp), rank, self._decode(int(tid))))
         return entry
 

@@ -82,9 +82,10 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     # Asynchronous scheduling: tokens sampled by a launched step that are not on the host yet
-    # (0 or 1). They count in num_tokens, so the next step already computes them.
+    # (1, or up to num_scheduler_steps from a multi-step decode). They count in num_tokens,
+    # so the next step already computes them.
     num_pending_tokens: int = 0
-    final_token_pending: bool = False  # the pending token is its last (length limit)
+    final_token_pending: bool = False  # the last pending token is its last (length limit)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
@@ -142,6 +143,15 @@ class Request:
         (Penalty histories get a pending token on the device.)"""
         p = self.params
         return p.n == 1 and p.prompt_logprobs is None
+
+    @property
+    def allows_multi_step(self) -> bool:
+        """Can its decode run several steps in one device call? Not when a step's sampling
+        needs the tokens of the steps before it on the host or in a history: penalties, a
+        grammar's token mask, min_tokens still suppressing stop tokens."""
+        p = self.params
+        return self.allows_async and not p.uses_penalties and p.structured_outputs is None \
+            and self.num_output_tokens >= p.min_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, replace
 from functools import partial
@@ -29,6 +28,8 @@ from pjinfer.engine.inputs import (
     seq_buckets,
     token_buckets,
 )
+from pjinfer.engine.kv_budget import num_kv_blocks
+from pjinfer.engine.multi_step import jit_multi_decode
 from pjinfer.engine.phase_timer import timed
 from pjinfer.engine.sampler import SamplerOutput, sample
 from pjinfer.engine.sampling_metadata import SamplingMetadata, SamplingRow
@@ -36,7 +37,6 @@ from pjinfer.engine.step import (
     StepOptions,
     copy_blocks,
     init_kv_caches,
-    kv_bytes_per_block,
     model_step,
 )
 from pjinfer.kernels.metadata import AttentionMetadata
@@ -48,8 +48,6 @@ from pjinfer.sharding.mesh import tp_size
 from pjinfer.sharding.rules import kv_cache_sharding, layout_config, replicated
 
 log = logging.getLogger("pjinfer")
-CPU_KV_CACHE_BYTES = 256 << 20
-GiB = 1 << 30
 # Below this many parameter bytes a step compiles in about a second and runs in milliseconds:
 # warm-up compiles only what a first short request needs, and the other shapes compile (or load
 # from the executable cache) on first use. Above it, a lazy compile would stall every running
@@ -74,7 +72,7 @@ class LaunchedForward:
 class LaunchedStep:
     """A dispatched step whose outputs are still on (or on their way to) the device."""
 
-    sampled: jax.Array  # SamplerOutput.to_words() of the padded rows
+    sampled: jax.Array  # SamplerOutput.to_words() of the padded rows ([J, W]: J steps)
     prompt_logprobs: tuple[jax.Array, ...] | None
     next_tokens: jax.Array  # [P] sampled tokens padded to max_padded_seqs: the next prev_tokens
     layout: BatchLayout
@@ -82,12 +80,13 @@ class LaunchedStep:
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    """Host copies of what one step produced, for the real (unpadded) sequences."""
+    """Host copies of what one step produced, for the real (unpadded) sequences; J = the
+    step's decode steps (1, or num_scheduler_steps for a multi-step decode)."""
 
-    token_ids: np.ndarray  # [S]
-    logprobs: np.ndarray  # [S, 1+K], column 0 = chosen token
-    logprob_token_ids: np.ndarray  # [S, 1+K]
-    ranks: np.ndarray  # [S]
+    token_ids: np.ndarray  # [S, J]
+    logprobs: np.ndarray  # [S, J, 1+K], column 0 = chosen token
+    logprob_token_ids: np.ndarray  # [S, J, 1+K]
+    ranks: np.ndarray  # [S, J]
     prompt_logprobs: tuple[np.ndarray, ...] | None = None  # per token: (lp, rank, top, ids)
 
 
@@ -112,7 +111,9 @@ class ModelRunner:
             self.lora_weights = init_lora_weights(self.cfg, ecfg.max_loras, ecfg.max_lora_rank,
                                                   self.act_dtype, mesh)
             self._write_lora = slot_writer(self.lora_weights)
-        self.num_blocks = self._num_blocks()
+        self.num_blocks = num_kv_blocks(self.cfg, ecfg, kv_dtype=self.kv_dtype,
+                                        act_dtype=self.act_dtype, mesh=mesh,
+                                        max_model_len=max_model_len)
         kv_sharding = None if mesh is None else kv_cache_sharding(self.cfg, mesh)
         self.kv_caches = init_kv_caches(self.cfg, self.num_blocks, self.block_size,
                                         self.kv_dtype, kv_sharding)
@@ -120,6 +121,7 @@ class ModelRunner:
                                       backend=ecfg.attention_backend, mesh=mesh,
                                       kv_scales=kv_scales if self.kv_dtype.itemsize == 1 else ())
         self._compiled: dict[tuple, object] = {}
+        self._multi_steps: dict[int, object] = {}  # max_logprobs -> jitted multi-step decode
         width = max_padded_seqs(ecfg.max_num_seqs)
         self._sample = jax.jit(partial(_sample_padded, width=width),
                                static_argnames=("max_logprobs",))
@@ -134,55 +136,6 @@ class ModelRunner:
     def _replicate(self, x):
         """On the device (every device of the mesh): step inputs the step reads as is."""
         return jax.device_put(x, None if self.mesh is None else replicated(self.mesh))
-
-    # ---- memory sizing ----------------------------------------------------------------
-    def _num_blocks(self) -> int:
-        ecfg = self.ecfg
-        # bytes on each device: the cache is split over tp
-        per_block = kv_bytes_per_block(self.cfg, self.block_size, self.kv_dtype) \
-            // tp_size(self.mesh)
-        if ecfg.num_kv_blocks is not None:
-            blocks = ecfg.num_kv_blocks
-        elif ecfg.kv_cache_memory is not None:
-            blocks = ecfg.kv_cache_memory // per_block
-        elif jax.default_backend() == "cpu":
-            blocks = CPU_KV_CACHE_BYTES // per_block
-        else:
-            blocks = self._device_kv_budget() // per_block
-        if blocks < self.max_blocks_per_seq + 1:
-            raise ValueError(
-                f"the KV cache holds {max(blocks - 1, 0) * self.block_size} tokens but "
-                f"max_model_len is {self.max_model_len}: lower max_model_len, or give the cache "
-                "more memory (gpu_memory_utilization, kv_cache_memory or num_kv_blocks)")
-        return int(blocks)
-
-    def _device_kv_budget(self) -> int:
-        """Bytes left for the KV cache in JAX's device pool after weights and activations."""
-        stats = jax.local_devices()[0].memory_stats() or {}
-        limit = stats.get("bytes_limit", 0)
-        pool_fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75))
-        budget = min(limit, limit / pool_fraction * self.ecfg.gpu_memory_utilization)
-        weights = stats.get("bytes_in_use", 0)
-        activations = self._activation_bytes()
-        free = budget - weights - activations
-        if free <= 0:
-            raise ValueError(
-                f"the model does not fit: weights {weights / GiB:.1f} GiB + activations "
-                f"{activations / GiB:.1f} GiB exceed the {budget / GiB:.1f} GiB budget by "
-                f"{-free / GiB:.1f} GiB; raise gpu_memory_utilization, lower "
-                "max_num_batched_tokens, or use tensor_parallel_size > 1")
-        return int(free)
-
-    def _activation_bytes(self) -> int:
-        """Upper estimate of the largest step's temporaries (2x the live activations + 1 GiB)."""
-        c, t, s = self.cfg, self.ecfg.max_num_batched_tokens, self.ecfg.max_num_seqs
-        width = 4 * c.hidden_size + 2 * c.intermediate_size + \
-            (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
-        moe = c.option("moe")
-        if moe is not None:  # top_k rows per token: sorted x, gate/up, h, f32 expert outputs
-            width += moe.top_k * (3 * c.hidden_size + 3 * moe.intermediate_size)
-        per_token = width * np.dtype(self.act_dtype).itemsize
-        return 2 * (t * per_token + 3 * s * c.vocab_size * 4) + GiB
 
     # ---- compiled steps -----------------------------------------------------------------
     def _compiled_step(self, opts: StepOptions, inputs: StepInputs, *, load: bool = True,
@@ -332,6 +285,19 @@ class ModelRunner:
         persistent batch (`refresh_tables` after copy-on-write rewrote a table). `lora_slots`:
         each chunk's adapter slot (LoRA on; None runs every chunk on the base model).
         """
+        inputs, layout, prev_tokens, metadata = self._inputs(chunks, rows, prev, refresh_tables,
+                                                             lora_slots)
+        opts = replace(self._base_opts, decode_only=layout.decode_only,
+                       prompt_logprobs=prompt_logprobs)
+        fn = self._compiled_step(opts, inputs)
+        out = fn(*self._step_args(inputs))
+        logits, self.kv_caches = out[0], out[1]
+        return LaunchedForward(logits, metadata(), prev_tokens, out[2] if len(out) > 2 else None,
+                               layout, max_logprobs)
+
+    def _inputs(self, chunks: list[Chunk], rows: list[SamplingRow], prev: LaunchedStep | None,
+                refresh_tables: bool, lora_slots: list[int] | None) -> tuple:
+        """(step inputs, layout, prev_tokens, a maker of the SamplingMetadata) of a batch."""
         prev_tokens = self._no_prev_tokens if prev is None else prev.next_tokens
         tables, columns, history = self._from_batch(chunks, rows, refresh_tables)
         inputs, layout = build_step_inputs(
@@ -339,14 +305,36 @@ class ModelRunner:
             max_num_batched_tokens=self.ecfg.max_num_batched_tokens,
             max_num_seqs=self.ecfg.max_num_seqs, prev_tokens=prev_tokens, block_tables=tables,
             lora_slots=None if self.lora_weights is None else (lora_slots or [0] * len(chunks)))
-        opts = replace(self._base_opts, decode_only=layout.decode_only,
-                       prompt_logprobs=prompt_logprobs)
-        fn = self._compiled_step(opts, inputs)
-        out = fn(*self._step_args(inputs))
-        logits, self.kv_caches = out[0], out[1]
-        md = SamplingMetadata.build(rows, layout.padded_seqs, columns, history)
-        return LaunchedForward(logits, md, prev_tokens, out[2] if len(out) > 2 else None,
-                               layout, max_logprobs)
+        return inputs, layout, prev_tokens, partial(SamplingMetadata.build, rows,
+                                                    layout.padded_seqs, columns, history)
+
+    def launch_multi(self, chunks: list[Chunk], rows: list[SamplingRow], num_steps: list[int],
+                     *, max_logprobs: int = 0, prev: LaunchedStep | None = None,
+                     refresh_tables: bool = False, lora_slots: list[int] | None = None
+                     ) -> LaunchedStep:
+        """Dispatch a multi-step decode (`multi_step`): row r runs `num_steps[r]` steps, all
+        in one call of num_scheduler_steps steps (one trace however many a row takes)."""
+        inputs, layout, _, metadata = self._inputs(chunks, rows, prev, refresh_tables,
+                                                   lora_slots)
+        row_steps = np.zeros(layout.padded_seqs, np.int32)
+        row_steps[:len(num_steps)] = num_steps
+        fn = self._multi_steps.get(max_logprobs)
+        if fn is None:  # JAX keys its compiles by the shapes and the sampling flags
+            fn = self._multi_steps[max_logprobs] = jit_multi_decode(
+                replace(self._base_opts, decode_only=True), self.ecfg.num_scheduler_steps,
+                max_logprobs, max_padded_seqs(self.ecfg.max_num_seqs), self.block_size,
+                self._multi_step_shardings())
+        lora = () if self.lora_weights is None else (self.lora_weights,)
+        words, next_tokens, self.kv_caches = fn(self.params, self.kv_caches,
+                                                pack((inputs, metadata(), row_steps)), *lora)
+        return LaunchedStep(words, None, next_tokens, layout)
+
+    def _multi_step_shardings(self) -> dict:
+        if self.mesh is None:
+            return {}
+        rep = replicated(self.mesh)
+        return dict(in_shardings=self._step_shardings(self._base_opts)["in_shardings"],
+                    out_shardings=(rep, rep, self._cache_shardings()))
 
     def sample(self, fwd: LaunchedForward, bitmask: np.ndarray | None = None) -> LaunchedStep:
         """Dispatch the sampler of a launched forward. `bitmask` [S, ceil(V/32)] i32 (bit v
@@ -374,9 +362,13 @@ class ModelRunner:
         """Wait for a launched step and copy what it produced to the host (one transfer)."""
         n, t = step.layout.num_seqs, step.layout.num_tokens
         words, p = jax.device_get((step.sampled, step.prompt_logprobs))
-        s = SamplerOutput.from_words(words, step.layout.padded_seqs)
-        return StepResult(token_ids=s.token_ids[:n], logprobs=s.logprobs[:n],
-                          logprob_token_ids=s.logprob_token_ids[:n], ranks=s.ranks[:n],
+        steps = [SamplerOutput.from_words(w, step.layout.padded_seqs)
+                 for w in words.reshape(-1, words.shape[-1])]
+        return StepResult(token_ids=np.stack([s.token_ids[:n] for s in steps], 1),
+                          logprobs=np.stack([s.logprobs[:n] for s in steps], 1),
+                          logprob_token_ids=np.stack([s.logprob_token_ids[:n] for s in steps],
+                                                     1),
+                          ranks=np.stack([s.ranks[:n] for s in steps], 1),
                           prompt_logprobs=None if p is None else tuple(a[:t] for a in p))
 
 

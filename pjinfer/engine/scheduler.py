@@ -35,6 +35,7 @@ class ScheduledChunk:
     num_computed: int  # tokens whose KV was in the cache before this step
     num_new: int  # tokens this step computes
     samples: bool  # the chunk reaches the request's end: its last logits give a new token
+    num_steps: int = 1  # a multi-step decode's steps for this sequence (tokens it samples)
 
 
 @dataclass
@@ -65,6 +66,12 @@ class SchedulerOutput:
         """May the step stay in flight while the next one is scheduled?"""
         return all(c.request.allows_async for c in self.scheduled)
 
+    @property
+    def num_steps(self) -> list[int] | None:
+        """Per row, the decode steps of a multi-step step; None for a plain step."""
+        steps = [c.num_steps for c in self.scheduled]
+        return steps if any(n > 1 for n in steps) else None
+
 
 @dataclass(frozen=True, slots=True)
 class NewTokens:
@@ -92,6 +99,7 @@ class SchedulerConfig:
     max_model_len: int = 1 << 30
     eos_token_ids: tuple[int, ...] = ()  # the model's (generation_config); any of them stops
     max_loras: int = 0  # most distinct LoRA adapters among running requests (0: LoRA off)
+    num_scheduler_steps: int = 1  # decode steps per step when every sequence decodes
 
 
 class Scheduler:
@@ -172,20 +180,50 @@ class Scheduler:
         budget = self._schedule_running(picked, out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(picked, budget)
+        steps = self._multi_steps(picked) if not out.preempted else {}
         out.copy_ops = self.kv.take_copy_ops()  # after every allocation of this step
         sampled_rows: dict[str, int] = {}
         for row, (request, num_new, table) in enumerate(picked):
-            self._pick(out, request, num_new, table)
+            num_steps, table = steps.get(request.request_id, (1, table))
+            self._pick(out, request, num_new, table, num_steps)
             if out.scheduled[-1].samples:
                 sampled_rows[request.request_id] = row
         self._sampled_rows = sampled_rows
         out.freed_request_ids, self._freed = self._freed, []
         return out
 
-    def _pick(self, out: SchedulerOutput, r: Request, num_new: int, table: list[int]) -> None:
+    def _multi_steps(self, picked: list) -> dict[str, tuple[int, list[int]]]:
+        """A batch of decodes only, none of which needs the host between its tokens, runs
+        several steps in one device call: request id -> (its steps, its block table with
+        room for them). Each runs at most num_scheduler_steps, and no further than its
+        length limit; one whose extra blocks do not fit runs one step. {} for a plain step."""
+        limit = self.config.num_scheduler_steps
+        if limit == 1 or not picked or not all(
+                num_new == 1 and r.num_computed_tokens + 1 == r.num_tokens and r.allows_multi_step
+                for r, num_new, _ in picked):
+            return {}
+        out = {}
+        for r, _, _ in picked:
+            n = min(limit, self._tokens_left(r))
+            table = self.kv.allocate_slots(r.request_id, r.all_token_ids, r.num_computed_tokens,
+                                           n) if n > 1 else None
+            if table is not None:
+                out[r.request_id] = (n, table)
+        return out
+
+    def _tokens_left(self, r: Request) -> int:
+        """Tokens it may still sample before its length limit (max_tokens, max_model_len)."""
+        left = self.config.max_model_len - r.num_tokens
+        if r.params.max_tokens is not None:
+            left = min(left, r.params.max_tokens - r.num_output_tokens)
+        return max(left, 1)
+
+    def _pick(self, out: SchedulerOutput, r: Request, num_new: int, table: list[int],
+              num_steps: int = 1) -> None:
         """Hand one request to the runner and advance it as if the step had run. A pending
         last token is read on the device from the step before (its row there), so the host
-        never waits for it. (Runs for every sequence every step: kept lean.)"""
+        never waits for it. A multi-step decode (`num_steps` > 1) computes its token and the
+        next num_steps - 1 it samples. (Runs for every sequence every step: kept lean.)"""
         first = r.num_computed_tokens
         prev_row = self._sampled_rows[r.request_id] if r.num_pending_tokens else -1
         following = None
@@ -197,9 +235,10 @@ class Scheduler:
         r.num_computed_tokens = computed = first + num_new
         samples = computed == r.num_tokens  # not a prompt chunk
         if samples:
-            r.num_pending_tokens += 1
+            r.num_computed_tokens += num_steps - 1
+            r.num_pending_tokens += num_steps
             r.final_token_pending = self._at_length_limit(r, r.num_output_tokens)
-        out.scheduled.append(ScheduledChunk(r, first, num_new, samples))
+        out.scheduled.append(ScheduledChunk(r, first, num_new, samples, num_steps))
 
     def _at_length_limit(self, r: Request, num_output: int) -> bool:
         """The one length rule: max_tokens outputs, or max_model_len tokens in all."""
@@ -316,7 +355,7 @@ class Scheduler:
             r = chunk.request
             if not chunk.samples:
                 continue  # a prompt chunk: its sample is not a token yet
-            r.num_pending_tokens -= 1
+            r.num_pending_tokens -= chunk.num_steps
             if r.is_finished:
                 continue  # stopped, aborted or timed out while this step ran: drop it
             if r.index == 0:

@@ -1,0 +1,68 @@
+"""Several decode steps in one jitted call: model step, sampler, next step's token, on device.
+
+At batch 1 the host's launch of a step (argument handling, XLA re-recording the step's CUDA
+graph) can take longer than the device's work; the same tree ran Qwen3-30B-A3B shapes at 4.98
+and 10.44 ms a token on two H200 machines whose hosts differed (RESULTS.md, round 7). With
+`num_scheduler_steps` = N, a batch of decodes runs N steps in a `fori_loop`: one launch and one
+copy back per N tokens. Step i of row r writes K/V at position p_r + i and samples with PRNG
+step s_r + i, exactly what N single steps would do, so outputs are unchanged. A row that may
+take fewer steps (`row_steps`: its length limit) repeats its last step after them with its
+K/V write sent to the null block; those samples are not returned. Sampling that needs the
+host or a token history between steps (structured outputs, penalties, pending min_tokens)
+never comes here (`Request.allows_multi_step`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pjinfer.engine.host_pack import Packed, unpack
+from pjinfer.engine.sampler import sample
+from pjinfer.engine.step import StepOptions, model_step
+
+
+def jit_multi_decode(opts: StepOptions, num_steps: int, max_logprobs: int, width: int,
+                     block_size: int, shardings: dict):
+    """`multi_decode_step` jitted for one engine: the caches donated, `shardings` its in/out
+    shardings under a mesh ({} on one device)."""
+    return jax.jit(functools.partial(multi_decode_step, opts=opts, num_steps=num_steps,
+                                     max_logprobs=max_logprobs, width=width,
+                                     block_size=block_size),
+                   donate_argnums=(1,), **shardings)
+
+
+def multi_decode_step(params, kv_caches, packed: Packed, *lora, opts: StepOptions,
+                      num_steps: int, max_logprobs: int, width: int, block_size: int):
+    """`packed`: (StepInputs of a decode-only step, SamplingMetadata, row_steps [S] i32).
+    Returns (words [num_steps, W]: each step's `SamplerOutput.to_words()`, the last token of
+    each row padded to `width` (the next step's prev_tokens), the caches)."""
+    inputs, md, row_steps = unpack(packed)
+    tables = inputs.attn.block_tables  # [S, MB]
+    rows = jnp.arange(tables.shape[0])
+    first = inputs.resolved_token_ids()  # [S]: one token per row in a decode step
+
+    def step(i, carry):
+        kv, tokens, last, words = carry
+        live = i < row_steps  # [S]
+        at = jnp.clip(i, 0, jnp.maximum(row_steps - 1, 0))  # a row past its steps repeats
+        pos = inputs.positions + at
+        slot = tables[rows, pos // block_size] * block_size + pos % block_size
+        attn = dataclasses.replace(inputs.attn, slot_mapping=jnp.where(live, slot, 0),
+                                   seq_lens=inputs.attn.seq_lens + at)
+        step_inputs = dataclasses.replace(inputs, token_ids=tokens, positions=pos, attn=attn,
+                                          prev_rows=jnp.full_like(inputs.prev_rows, -1))
+        logits, kv = model_step(params, kv, step_inputs, *lora, opts=opts)
+        out = sample(logits, dataclasses.replace(md, steps=md.steps + i),
+                     max_logprobs=max_logprobs)
+        last = jnp.where(live, out.token_ids, last)
+        return kv, jnp.where(live, out.token_ids, tokens), last, words.at[i].set(out.to_words())
+
+    num_words = rows.shape[0] * (4 + 2 * max_logprobs)  # SamplerOutput.to_words' length
+    carry = (kv_caches, first, first, jnp.zeros((num_steps, num_words), jnp.int32))
+    kv_caches, _, last, words = jax.lax.fori_loop(0, num_steps, step, carry)
+    next_tokens = jnp.zeros(width, jnp.int32).at[:last.shape[0]].set(last)
+    return words, next_tokens, kv_caches

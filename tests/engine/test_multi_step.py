@@ -1,0 +1,77 @@
+"""Multi-step decoding (num_scheduler_steps > 1: several decode steps in one device call) must
+not change a single output: tokens, text, finish reasons and logprobs equal one step at a
+time, through EOS, stop ids and strings met mid-way, length limits that are not a multiple of
+the steps, seeded sampling, chunked prefill, preemption and prefix caching; rows that need the
+host between tokens (penalties, min_tokens, structured outputs) run single steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from pjinfer import LLM, SamplingParams
+from pjinfer.demo import zen_lines
+from pjinfer.engine.config import EngineConfig
+
+PROMPTS = [" ".join(line.split()[:n]) for line, n in zip(zen_lines()[1:13], [2, 3, 4] * 4,
+                                                          strict=True)]
+MULTI = [  # every one may run several steps a call
+    SamplingParams(temperature=0.0, max_tokens=40),  # stops at EOS (demo lines end)
+    SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),  # 7 = 4 + 3
+    SamplingParams(temperature=0.8, seed=3, max_tokens=25, logprobs=2),
+    SamplingParams(temperature=0.0, max_tokens=40, stop=["than"]),  # a stop string mid-call
+    SamplingParams(temperature=1.0, top_k=5, top_p=0.9, seed=11, max_tokens=30),
+    SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[13]),
+    SamplingParams(temperature=0.0, max_tokens=1, logprobs=1),
+]
+SINGLE = [  # each of these keeps its step a single one
+    SamplingParams(temperature=1.0, top_k=5, seed=11, max_tokens=30, min_tokens=12),
+    SamplingParams(temperature=0.9, seed=5, max_tokens=30, presence_penalty=0.7,
+                   frequency_penalty=0.9, repetition_penalty=1.4),
+]
+
+
+def _run(steps: int, params: list[SamplingParams], **engine_args) -> tuple[list, int]:
+    llm = LLM(num_scheduler_steps=steps, warmup=False, **engine_args)
+    calls = []
+    launch = llm.engine.runner.launch_multi
+    llm.engine.runner.launch_multi = lambda *a, **k: calls.append(a[2]) or launch(*a, **k)
+    outputs = llm.generate(PROMPTS, [params[i % len(params)] for i in range(len(PROMPTS))])
+    stats = llm.engine.get_stats()
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks, "KV blocks leaked"
+    assert not llm.engine.has_unfinished_requests()
+    return [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.cumulative_logprob
+             and pytest.approx(c.cumulative_logprob, abs=1e-3),
+             None if c.logprobs is None else [
+                 [(tid, lp.rank, pytest.approx(lp.logprob, abs=1e-4))
+                  for tid, lp in sorted(e.items())] for e in c.logprobs])
+            for out in outputs for c in out.outputs], calls
+
+
+@pytest.mark.parametrize("engine_args", [
+    {},
+    {"async_scheduling": False},
+    {"max_num_batched_tokens": 8, "max_num_seqs": 4},  # chunked prefill, few seqs per step
+    {"num_kv_blocks": 8, "block_size": 16, "max_model_len": 64},  # preemption
+    {"enable_prefix_caching": True, "block_size": 4},
+], ids=["default", "sync", "chunked", "preempted", "prefix-cached"])
+def test_multi_step_equals_single_steps(engine_args):
+    single, none = _run(1, MULTI, **engine_args)
+    multi, calls = _run(4, MULTI, **engine_args)
+    assert not none and calls, "the multi-step decode never ran"
+    assert max(max(steps) for steps in calls) == 4 and min(min(s) for s in calls) >= 1
+    assert multi == single
+    assert {"stop", "length"} <= {o[2] for o in single}  # both endings exercised
+
+
+def test_rows_needing_the_host_between_tokens_run_single_steps():
+    single, _ = _run(1, MULTI + SINGLE)
+    multi, _ = _run(3, MULTI + SINGLE)
+    assert multi == single
+    _, calls = _run(3, SINGLE)
+    assert not calls
+
+
+def test_num_scheduler_steps_must_be_positive():
+    with pytest.raises(ValueError, match="num_scheduler_steps must be a positive integer"):
+        EngineConfig(num_scheduler_steps=0)
