@@ -25,6 +25,10 @@
 #                                         # re-records; batch-1 decode step launch time vs
 #                                         # device time: bf16, fp8, int4, LoRA, Qwen3-30B-A3B
 #                                         # (~5 min)
+#   bash benchmarks/run_h200.sh multistep # W1 TPOT with one decode step per device call vs 8
+#                                         # (--num-scheduler-steps), ABBA: Llama-3-8B bf16 and
+#                                         # Qwen3-30B-A3B (~9 min; MULTISTEP_MODELS adds fp8,
+#                                         # int4)
 #   bash benchmarks/run_h200.sh --smoke pjinfer hf serve   # the same plumbing, tiny, on CPU
 #
 # Each stage fits one 10-minute device command; every step has its own time limit, and a
@@ -290,6 +294,32 @@ stage_graphs() {
   done
 }
 
+# Several decode steps per executable call (RESULTS.md, round 7: the same tree ran Qwen3 W1 at
+# 4.98 and 10.44 ms on two machines): W1 with 1 and 8 steps a call, alternated per model.
+stage_multistep() {
+  local w1=(--batch-size 1 --input-len $IN_W1 --output-len $OUT_W1 --num-iters $ITERS
+            --num-iters-warmup 1)
+  local name
+  for name in ${MULTISTEP_MODELS:-bf16 qwen3}; do
+    local m=("${MODEL[@]}") eng=("${ENGINE[@]}")
+    case $name in
+      fp8) m+=(--quantization fp8);;
+      int4) [ $SMOKE = 0 ] && m=(--model configs/models/llama3-8b-gptq-int4 --load-format dummy
+                                 --dtype bfloat16);;
+      qwen3) [ $SMOKE = 0 ] && m=(--model configs/models/qwen3-30b-a3b --load-format dummy
+                                  --dtype bfloat16) && eng=(--max-num-seqs 256
+                                  --max-num-batched-tokens 8192);;
+    esac
+    local run steps
+    for run in 1:1 8:1 8:2 1:2; do  # ABBA: a device call's first engine process runs slow
+      steps=${run%:*}
+      step "multistep_${name}_${steps}_${run#*:}" 200 "${BENCH[@]}" latency "${m[@]}" "${eng[@]}" \
+          --num-scheduler-steps $steps --compilation-cache-dir "$CACHE" "${w1[@]}" \
+          --output-json "$JSON/multistep_${name}_${steps}_${run#*:}.json"
+    done
+  done
+}
+
 stage_hf() {
   step hf_w1_latency 120 "${HF[@]}" latency --model "$HF_MODEL" --batch-size 1 \
       --input-len $IN_W1 --output-len $OUT_W1 --num-iters 1 --num-iters-warmup 1 \
@@ -357,7 +387,8 @@ for stage in "${STAGES[@]}"; do
     quant) stage_quant ;;
     graphs) stage_graphs ;;
     host) stage_host ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host)" ;;
+    multistep) stage_multistep ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep)" ;;
   esac
 done
 pack

@@ -323,38 +323,31 @@ class LLMEngine:
             return None
         self.runner.apply_copy_ops(sched.copy_ops)
         wants_lp = any(row.params.logprobs is not None for row in sched.rows)
-        wants_prompt_lp = any(c.next_token_ids is not None for c in sched.chunks)
-        prev = self._in_flight.step if self._in_flight is not None else None
-        lora_slots = self._lora_slots(sched)
+        batch = dict(chunks=sched.chunks, rows=sched.rows, lora_slots=self._lora_slots(sched),
+                     max_logprobs=self.config.max_logprobs if wants_lp else 0,
+                     prev=self._in_flight.step if self._in_flight is not None else None,
+                     refresh_tables=bool(sched.copy_ops))
         if sched.num_steps is not None:  # a multi-step decode: no constrained rows
             return _Launched(sched, None, self.runner.launch_multi(
-                sched.chunks, sched.rows, sched.num_steps,
-                max_logprobs=self.config.max_logprobs if wants_lp else 0, prev=prev,
-                refresh_tables=bool(sched.copy_ops), lora_slots=lora_slots), start)
-        forward = self.runner.forward(
-            sched.chunks, sched.rows, max_logprobs=self.config.max_logprobs if wants_lp else 0,
-            prompt_logprobs=self.config.max_logprobs if wants_prompt_lp else None, prev=prev,
-            refresh_tables=bool(sched.copy_ops), lora_slots=lora_slots)
+                num_steps=sched.num_steps, **batch), start)
+        wants_prompt_lp = any(c.next_token_ids is not None for c in sched.chunks)
+        forward = self.runner.forward(prompt_logprobs=self.config.max_logprobs
+                                      if wants_prompt_lp else None, **batch)
         if self.structured_output.constrained(sched):
             return _Launched(sched, forward, None, start)
         return _Launched(sched, None, self.runner.sample(forward), start)
 
     def _lora_slots(self, sched: SchedulerOutput) -> list[int] | None:
-        """Each chunk's adapter slot. An adapter that can no longer be read (evicted from the
-        host cache, its folder gone since its requests arrived) fails those requests alone:
-        their chunks run on the base model this step and their tokens are dropped."""
+        """Each chunk's adapter slot; the requests of an adapter that can no longer be read
+        fail alone (their chunks run on the base model, their tokens are dropped)."""
         if self.lora is None:
             return None
-        loras = [c.request.lora_request for c in sched.scheduled]
-        for lora in dict.fromkeys(r for r in loras if r is not None):
-            try:
-                self.lora.load(lora)  # a host-cache hit unless it was evicted
-            except ValueError as e:
-                for group_id in {c.request.group_id for c in sched.scheduled
-                                 if c.request.lora_request == lora}:
-                    self._fail(group_id, e)
-                loras = [None if r == lora else r for r in loras]
-        return self.lora.activate(loras)
+
+        def fail(lora: LoRARequest, error: Exception) -> None:
+            for c in sched.scheduled:
+                if c.request.lora_request == lora:
+                    self._fail(c.request.group_id, error)
+        return self.lora.step_slots([c.request.lora_request for c in sched.scheduled], fail)
 
     def _fill_mask(self, launched: _Launched) -> None:
         """Start filling a constrained step's token mask (on the mask thread). Called once the
@@ -376,9 +369,9 @@ class LLMEngine:
         """Wait for a launched step and apply its tokens to the requests and their grammars:
         all the next constrained step's mask needs (its text comes after, `_process`)."""
         result = self.runner.fetch(launched.step)
-        update = self.scheduler.update_from_output(launched.sched, [
-            tokens[:c.num_steps] for tokens, c in zip(result.token_ids.tolist(),
-                                                      launched.sched.scheduled, strict=True)])
+        tokens = [row[:c.num_steps] for row, c in zip(result.token_ids.tolist(),  # [S, J]
+                                                       launched.sched.scheduled, strict=True)]
+        update = self.scheduler.update_from_output(launched.sched, tokens)
         self.scheduler.finish_requests(self.structured_output.advance(update.new_tokens),
                                        RequestStatus.FINISHED_STOPPED)  # grammar complete
         return launched, result, update

@@ -25,14 +25,36 @@ from pjinfer.engine.sampler import sample
 from pjinfer.engine.step import StepOptions, model_step
 
 
-def jit_multi_decode(opts: StepOptions, num_steps: int, max_logprobs: int, width: int,
-                     block_size: int, shardings: dict):
-    """`multi_decode_step` jitted for one engine: the caches donated, `shardings` its in/out
-    shardings under a mesh ({} on one device)."""
-    return jax.jit(functools.partial(multi_decode_step, opts=opts, num_steps=num_steps,
-                                     max_logprobs=max_logprobs, width=width,
-                                     block_size=block_size),
-                   donate_argnums=(1,), **shardings)
+class MultiStepExecutables:
+    """The compiled multi-step decodes of one engine, one per packed argument layout (its
+    step shapes, sampling flags and tables): compiled ahead of the call, so warm-up can
+    compile them in its thread pool as it does the single steps."""
+
+    def __init__(self, opts: StepOptions, num_steps: int, width: int, block_size: int,
+                 shardings: dict):
+        """`shardings`: in/out shardings under a mesh ({} on one device)."""
+        self._jitted = {}  # max_logprobs -> jax.jit of multi_decode_step, caches donated
+        self._compiled = {}
+        self._static = dict(opts=opts, num_steps=num_steps, width=width,
+                            block_size=block_size)
+        self._shardings = shardings
+
+    def get(self, max_logprobs: int, args: tuple):
+        """The executable for these arguments (params, caches, packed, *lora), compiled on
+        first use."""
+        packed = args[2]
+        key = (max_logprobs, packed.treedef, packed.specs,
+               tuple(a.shape for a in packed.device))
+        fn = self._compiled.get(key)
+        if fn is None:
+            jitted = self._jitted.get(max_logprobs)
+            if jitted is None:
+                jitted = self._jitted[max_logprobs] = jax.jit(
+                    functools.partial(multi_decode_step, max_logprobs=max_logprobs,
+                                      **self._static),
+                    donate_argnums=(1,), **self._shardings)
+            fn = self._compiled[key] = jitted.lower(*args).compile()
+        return fn
 
 
 def multi_decode_step(params, kv_caches, packed: Packed, *lora, opts: StepOptions,

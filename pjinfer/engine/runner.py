@@ -29,7 +29,7 @@ from pjinfer.engine.inputs import (
     token_buckets,
 )
 from pjinfer.engine.kv_budget import num_kv_blocks
-from pjinfer.engine.multi_step import jit_multi_decode
+from pjinfer.engine.multi_step import MultiStepExecutables
 from pjinfer.engine.phase_timer import timed
 from pjinfer.engine.sampler import SamplerOutput, sample
 from pjinfer.engine.sampling_metadata import SamplingMetadata, SamplingRow
@@ -121,7 +121,6 @@ class ModelRunner:
                                       backend=ecfg.attention_backend, mesh=mesh,
                                       kv_scales=kv_scales if self.kv_dtype.itemsize == 1 else ())
         self._compiled: dict[tuple, object] = {}
-        self._multi_steps: dict[int, object] = {}  # max_logprobs -> jitted multi-step decode
         width = max_padded_seqs(ecfg.max_num_seqs)
         self._sample = jax.jit(partial(_sample_padded, width=width),
                                static_argnames=("max_logprobs",))
@@ -129,6 +128,9 @@ class ModelRunner:
         self._no_prev_tokens = self._replicate(np.zeros(width, np.int32))
         self._copy = jax.jit(copy_blocks, donate_argnums=0, **(
             {} if mesh is None else dict(out_shardings=self._cache_shardings())))
+        self._multi = None if ecfg.num_scheduler_steps == 1 else MultiStepExecutables(
+            replace(self._base_opts, decode_only=True), ecfg.num_scheduler_steps, width,
+            self.block_size, self._multi_step_shardings())
         self.num_compiles = 0
         self.num_cache_loads = 0  # step executables read from the executable cache
         self.batch = InputBatch(ecfg.max_num_seqs, self.max_blocks_per_seq, max_model_len)
@@ -173,7 +175,7 @@ class ModelRunner:
             fn = jitted.lower(*args).compile()
         return fn, served()
 
-    def _step_args(self, inputs: StepInputs) -> tuple:
+    def _step_args(self, inputs) -> tuple:  # inputs: any pytree of the step's host arrays
         lora = () if self.lora_weights is None else (self.lora_weights,)
         return (self.params, self.kv_caches, pack(inputs), *lora)
 
@@ -219,6 +221,9 @@ class ModelRunner:
                 for t, s, d in missing]
         work += [(f"the sampler of {s} sequences", partial(self._warm_sampler, s, t))
                  for s, t in samplers]
+        if self._multi is not None:  # the multi-step decode of each sequence bucket
+            work += [(f"the multi-step decode of {s} sequences",
+                      partial(self._warm_multi_step, s, t)) for s, t in samplers]
         with timed(phases, "compile"):
             compile_all(work)
         return len(shapes)
@@ -242,6 +247,14 @@ class ModelRunner:
         md = SamplingMetadata.build([row], seqs)
         jax.block_until_ready(self._sample(logits, pack((md, None)), self._no_prev_tokens,
                                            max_logprobs=0))
+
+    def _warm_multi_step(self, seqs: int, temperature: float) -> None:
+        """Compile the multi-step decode of a decode bucket for one of the sampler's common
+        variants (greedy; plain temperature sampling)."""
+        _, inputs = self._dummy(seqs, seqs, True)
+        row = SamplingRow(SamplingParams(temperature=temperature), [0], [], 0)
+        self._multi.get(0, self._multi_step_args(inputs, SamplingMetadata.build([row], seqs),
+                                                 []))
 
     def _dummy(self, tokens: int, seqs: int, decode_only: bool):
         """An empty batch of exactly these bucket shapes: only shapes matter to the compile."""
@@ -316,18 +329,15 @@ class ModelRunner:
         in one call of num_scheduler_steps steps (one trace however many a row takes)."""
         inputs, layout, _, metadata = self._inputs(chunks, rows, prev, refresh_tables,
                                                    lora_slots)
-        row_steps = np.zeros(layout.padded_seqs, np.int32)
-        row_steps[:len(num_steps)] = num_steps
-        fn = self._multi_steps.get(max_logprobs)
-        if fn is None:  # JAX keys its compiles by the shapes and the sampling flags
-            fn = self._multi_steps[max_logprobs] = jit_multi_decode(
-                replace(self._base_opts, decode_only=True), self.ecfg.num_scheduler_steps,
-                max_logprobs, max_padded_seqs(self.ecfg.max_num_seqs), self.block_size,
-                self._multi_step_shardings())
-        lora = () if self.lora_weights is None else (self.lora_weights,)
-        words, next_tokens, self.kv_caches = fn(self.params, self.kv_caches,
-                                                pack((inputs, metadata(), row_steps)), *lora)
+        args = self._multi_step_args(inputs, metadata(), num_steps)
+        words, next_tokens, self.kv_caches = self._multi.get(max_logprobs, args)(*args)
         return LaunchedStep(words, None, next_tokens, layout)
+
+    def _multi_step_args(self, inputs: StepInputs, md: SamplingMetadata,
+                         num_steps: list[int]) -> tuple:
+        pad = md.temperature.shape[0] - len(num_steps)
+        row_steps = np.pad(np.asarray(num_steps, np.int32), (0, pad))
+        return self._step_args((inputs, md, row_steps))
 
     def _multi_step_shardings(self) -> dict:
         if self.mesh is None:
@@ -364,7 +374,7 @@ class ModelRunner:
         words, p = jax.device_get((step.sampled, step.prompt_logprobs))
         steps = [SamplerOutput.from_words(w, step.layout.padded_seqs)
                  for w in words.reshape(-1, words.shape[-1])]
-        return StepResult(token_ids=np.stack([s.token_ids[:n] for s in steps], 1),
+        return StepResult(token_ids=np.stack([s.token_ids[:n] for s in steps], 1),  # [S, J]
                           logprobs=np.stack([s.logprobs[:n] for s in steps], 1),
                           logprob_token_ids=np.stack([s.logprob_token_ids[:n] for s in steps],
                                                      1),

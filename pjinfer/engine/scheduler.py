@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pjinfer.cache.kv_cache_manager import KVCacheManager
+from pjinfer.engine.decode_steps import plan_decode_steps
 from pjinfer.engine.inputs import Chunk
 from pjinfer.engine.request import Request, RequestStatus
 from pjinfer.engine.sampling_metadata import SamplingRow
@@ -180,7 +181,8 @@ class Scheduler:
         budget = self._schedule_running(picked, out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(picked, budget)
-        steps = self._multi_steps(picked) if not out.preempted else {}
+        steps = {} if out.preempted else plan_decode_steps(
+            picked, self.kv, self.config.num_scheduler_steps, self.config.max_model_len)
         out.copy_ops = self.kv.take_copy_ops()  # after every allocation of this step
         sampled_rows: dict[str, int] = {}
         for row, (request, num_new, table) in enumerate(picked):
@@ -191,32 +193,6 @@ class Scheduler:
         self._sampled_rows = sampled_rows
         out.freed_request_ids, self._freed = self._freed, []
         return out
-
-    def _multi_steps(self, picked: list) -> dict[str, tuple[int, list[int]]]:
-        """A batch of decodes only, none of which needs the host between its tokens, runs
-        several steps in one device call: request id -> (its steps, its block table with
-        room for them). Each runs at most num_scheduler_steps, and no further than its
-        length limit; one whose extra blocks do not fit runs one step. {} for a plain step."""
-        limit = self.config.num_scheduler_steps
-        if limit == 1 or not picked or not all(
-                num_new == 1 and r.num_computed_tokens + 1 == r.num_tokens and r.allows_multi_step
-                for r, num_new, _ in picked):
-            return {}
-        out = {}
-        for r, _, _ in picked:
-            n = min(limit, self._tokens_left(r))
-            table = self.kv.allocate_slots(r.request_id, r.all_token_ids, r.num_computed_tokens,
-                                           n) if n > 1 else None
-            if table is not None:
-                out[r.request_id] = (n, table)
-        return out
-
-    def _tokens_left(self, r: Request) -> int:
-        """Tokens it may still sample before its length limit (max_tokens, max_model_len)."""
-        left = self.config.max_model_len - r.num_tokens
-        if r.params.max_tokens is not None:
-            left = min(left, r.params.max_tokens - r.num_output_tokens)
-        return max(left, 1)
 
     def _pick(self, out: SchedulerOutput, r: Request, num_new: int, table: list[int],
               num_steps: int = 1) -> None:
@@ -347,8 +323,8 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput,
                            sampled: Sequence[Sequence[int]]) -> StepUpdate:
         """Apply a finished step: `sampled[row]` are the new tokens of the request in that row
-        (0, 1 or more: a speculative or beam step may accept several). Every token-level stop
-        check runs here; tokens after a stop are dropped; finished requests are freed."""
+        (0, 1 or more: a multi-step decode's, a speculative or beam step's). Every token-level
+        stop check runs here; tokens after a stop are dropped; finished requests are freed."""
         new_tokens, finished = [], []
         now = time.monotonic()
         for row, chunk in enumerate(sched.scheduled):

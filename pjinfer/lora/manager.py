@@ -57,6 +57,19 @@ class LoRAManager:
         with self._lock:
             return self._host.pop(request, None) is not None
 
+    def step_slots(self, requests: Sequence[LoRARequest | None],
+                   fail: Callable[[LoRARequest, Exception], None]) -> list[int]:
+        """A step's slot per entry. An adapter that can no longer be read (evicted from the
+        host cache, its folder gone since its requests arrived) goes to `fail` and its
+        entries run on the base model (slot 0)."""
+        for lora in dict.fromkeys(r for r in requests if r is not None):
+            try:
+                self.load(lora)  # a host-cache hit unless it was evicted
+            except ValueError as e:
+                fail(lora, e)
+                requests = [None if r == lora else r for r in requests]
+        return self.activate(requests)
+
     def activate(self, requests: Sequence[LoRARequest | None]) -> list[int]:
         """Slot of each entry (0 = base model, row + 1 otherwise), loading what is missing."""
         needed = dict.fromkeys(r for r in requests if r is not None)

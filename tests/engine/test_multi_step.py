@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from pjinfer import LLM, SamplingParams
+from pjinfer import LLM, SamplingParams, StructuredOutputsParams
 from pjinfer.demo import zen_lines
 from pjinfer.engine.config import EngineConfig
 
@@ -70,6 +70,14 @@ def test_rows_needing_the_host_between_tokens_run_single_steps():
     assert multi == single
     _, calls = _run(3, SINGLE)
     assert not calls
+
+
+def test_structured_outputs_run_single_steps():
+    params = SamplingParams(temperature=0.0, max_tokens=12,
+                            structured_outputs=StructuredOutputsParams(regex="[a-z ]+"))
+    single, _ = _run(1, [params])
+    multi, calls = _run(4, [params])
+    assert multi == single and not calls
 
 
 def test_num_scheduler_steps_must_be_positive():

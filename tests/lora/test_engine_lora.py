@@ -47,6 +47,16 @@ def test_mixed_batch_matches_peft_llama(llama_lora, llama_llm):
     assert kv.num_free_blocks == kv.pool.num_blocks - 1  # nothing held after the batch
 
 
+def test_multi_step_decode_matches_peft(llama_lora):
+    """Three adapters and the base model decoding 4 steps per call (num_scheduler_steps)."""
+    llm = LLM(str(llama_lora.base), enable_lora=True, max_loras=4, max_lora_rank=16,
+              max_model_len=128, max_num_seqs=8, max_num_batched_tokens=256, dtype="float32",
+              num_scheduler_steps=4)
+    reqs = _requests(llama_lora)
+    outs = llm.generate(PROMPTS, GREEDY, lora_request=[reqs.get(n) for n in ORDER])
+    check_against_peft(llama_lora, outs)
+
+
 def test_new_adapters_reuse_slots_without_recompiling(llama_lora, llama_llm):
     """Four more adapters (new ids: new slots) evict the LRU rows; same shapes, no compile."""
     llama_llm.generate(PROMPTS[:2], GREEDY, lora_request=[None, _requests(llama_lora)["all7"]])

@@ -31,6 +31,11 @@ def test_greedy_tokens_match_tp1(gqa8_model, tp):
     assert _generate(gqa8_model, tp) == expected
 
 
+def test_multi_step_decode_under_tp(gqa8_model):
+    """Several decode steps per call (num_scheduler_steps) on a sharded cache: tp=1's tokens."""
+    assert _generate(gqa8_model, 2, num_scheduler_steps=5) == _generate(gqa8_model, 1)
+
+
 @pytest.mark.parametrize("name", ["gpt2", "gpt2_relu", "phi3", "phi3_sw"])
 def test_other_architectures_match_tp1(hf_models, name):
     """GPT-2 (split c_attn, LayerNorm biases, learned positions, per-layer scale) and Phi-3
