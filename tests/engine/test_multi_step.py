@@ -83,3 +83,14 @@ def test_structured_outputs_run_single_steps():
 def test_num_scheduler_steps_must_be_positive():
     with pytest.raises(ValueError, match="num_scheduler_steps must be a positive integer"):
         EngineConfig(num_scheduler_steps=0)
+
+
+def test_warmup_compiles_the_multi_step_decode():
+    """A greedy and a temperature request in the smallest bucket find their executables."""
+    llm = LLM(num_scheduler_steps=4, warmup=True)  # the demo model: its smallest buckets
+    compiled = llm.engine.runner._multi._compiled
+    warmed = dict(compiled)
+    assert len(warmed) == 2
+    llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=9))
+    llm.generate(PROMPTS[:1], SamplingParams(temperature=0.7, seed=1, max_tokens=9))
+    assert compiled == warmed
