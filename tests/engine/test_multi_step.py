@@ -34,7 +34,7 @@ def _run(steps: int, params: list[SamplingParams], **engine_args) -> tuple[list,
     llm = LLM(num_scheduler_steps=steps, warmup=False, **engine_args)
     calls = []
     launch = llm.engine.runner.launch_multi
-    llm.engine.runner.launch_multi = lambda *a, **k: calls.append(a[2]) or launch(*a, **k)
+    llm.engine.runner.launch_multi = lambda **k: calls.append(k["num_steps"]) or launch(**k)
     outputs = llm.generate(PROMPTS, [params[i % len(params)] for i in range(len(PROMPTS))])
     stats = llm.engine.get_stats()
     assert stats.num_running == stats.num_waiting == 0

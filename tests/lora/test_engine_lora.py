@@ -54,6 +54,7 @@ def test_multi_step_decode_matches_peft(llama_lora):
               num_scheduler_steps=4)
     reqs = _requests(llama_lora)
     outs = llm.generate(PROMPTS, GREEDY, lora_request=[reqs.get(n) for n in ORDER])
+    assert llm.engine.runner._multi._compiled, "the multi-step decode never ran"
     check_against_peft(llama_lora, outs)
 
 
