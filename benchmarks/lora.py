@@ -86,6 +86,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="extra LoRA kernel tilings to time, e.g. 1024,4096 (input rows per "
                    "program, pjinfer.kernels.lora_matmul.pick_block_sizes)")
     p.add_argument("--skip-engine", action="store_true", help="microbenchmark only")
+    p.add_argument("--skip-micro", action="store_true", help="engine passes only")
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="decode steps per device call, both engines (EngineConfig)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny sizes on the embedded demo model (CPU plumbing check)")
     p.add_argument("--out", default=None, help="JSON result path")
@@ -252,7 +255,8 @@ def build_llm(args: argparse.Namespace, *, lora: bool) -> Any:
                gpu_memory_utilization=args.gpu_memory_utilization,
                max_model_len=max(args.input_len + args.output_len,
                                  args.w1_input_len + args.w1_output_len),
-               warmup=True, compilation_cache_dir=args.compilation_cache_dir or None, **extra)
+               num_scheduler_steps=args.num_scheduler_steps, warmup=True,
+               compilation_cache_dir=args.compilation_cache_dir or None, **extra)
 
 
 def run_batch(engine: Any, prompts: list[list[int]], output_len: int, loras: list) -> float:
@@ -315,10 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     shape = ModelShape.from_model_config(cfg, args.dtype)
     ceilings = measure_ceilings(shape, tokens=args.max_num_batched_tokens)
     record.update(device=jax_device_info(), ceilings=ceilings_record(ceilings))
-    record["shrink_expand"] = microbenchmark(
-        cfg, args.used_adapters, args.rank, list(args.micro_tokens), ceilings, args.dtype,
-        args.kernel_k_ranges)
-    record["shrink_expand_per_step_s"] = step_totals(record["shrink_expand"])
+    if not args.skip_micro:
+        record["shrink_expand"] = microbenchmark(
+            cfg, args.used_adapters, args.rank, list(args.micro_tokens), ceilings, args.dtype,
+            args.kernel_k_ranges)
+        record["shrink_expand_per_step_s"] = step_totals(record["shrink_expand"])
     if not args.skip_engine:
         with tempfile.TemporaryDirectory(prefix="pjinfer-lora-bench-") as tmp:
             folders = write_adapters(cfg, Path(tmp), args.num_adapters, args.rank)
@@ -340,10 +345,10 @@ def _print(record: dict[str, Any]) -> None:
     def us(x: dict | None) -> str:
         return "-" if x is None else f"{x['best_s'] * 1e6:.1f} us ({x['fraction_of_roofline']:.0%})"
     rows = [(f"{r['group']} {r['layout']} T={r['tokens']} xla / pallas",
-             f"{us(r['xla'])} / {us(r['pallas'])}") for r in record["shrink_expand"]]
+             f"{us(r['xla'])} / {us(r['pallas'])}") for r in record.get("shrink_expand", [])]
     rows += [(f"step {t} xla / pallas", " / ".join(
         "-" if v is None else f"{v * 1e3:.3f} ms" for v in forms.values()))
-        for t, forms in record["shrink_expand_per_step_s"].items()]
+        for t, forms in record.get("shrink_expand_per_step_s", {}).items()]
     res = record.get("results")
     if res:
         base, lora = res["base"], res["lora"]

@@ -69,13 +69,16 @@ def stack_fn(tiling: dict[str, int], interpret: bool):
 
     from pjinfer.kernels.grouped_matmul import routed_matmul
 
-    gemm = functools.partial(routed_matmul, interpret=interpret, **tiling)
+    shared = {k: v for k, v in tiling.items() if k != "down_k_splits"}
+    gemm = functools.partial(routed_matmul, interpret=interpret, **shared)
+    down_k_splits = tiling.get("down_k_splits", shared.get("k_splits", 1))
 
     def run(x, ids, gate_up, down):
         for layer_ids, gu, dn in zip(ids, gate_up, down, strict=True):
             h = gemm(x, gu, layer_ids, per_assignment=False)  # [T*k, 2I]
             inter = h.shape[1] // 2
-            y = gemm(h[:, :inter] * h[:, inter:], dn, layer_ids, per_assignment=True)
+            y = gemm(h[:, :inter] * h[:, inter:], dn, layer_ids, per_assignment=True,
+                     k_splits=down_k_splits)
             x = y.reshape(x.shape[0], -1, x.shape[1]).sum(axis=1).astype(x.dtype)
         return x
 
@@ -125,7 +128,10 @@ def run_model(name: str, s: dict, tokens: list[int], tilings: list[dict], timing
 
 
 def _name(tiling: dict[str, int]) -> str:
-    return "n{block_n}_k{block_k}_w{num_warps}_s{num_stages}_p{splits}".format(**tiling)
+    name = "n{block_n}_k{block_k}_w{num_warps}_s{num_stages}_p{splits}".format(**tiling)
+    if tiling["k_splits"] > 1 or tiling["down_k_splits"] > 1:  # names of earlier records kept
+        name += "_q{k_splits}_{down_k_splits}".format(**tiling)
+    return name
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
@@ -139,10 +145,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                                 calls=args.calls, samples=args.samples)
     record["ceilings"] = ceilings_record(ceilings)
     timing = timing_plan(args.calls, args.samples, 2, on_cpu=jax.default_backend() == "cpu")
-    tilings = [dict(block_n=n, block_k=k, num_warps=w, num_stages=st, splits=sp)
-               for n, k, w, st, sp in itertools.product(args.block_n, args.block_k,
-                                                        args.num_warps, args.num_stages,
-                                                        args.splits)]
+    tilings = [dict(block_n=n, block_k=k, num_warps=w, num_stages=st, splits=sp, k_splits=q,
+                    down_k_splits=dq)
+               for n, k, w, st, sp, q, dq in itertools.product(
+                   args.block_n, args.block_k, args.num_warps, args.num_stages, args.splits,
+                   args.k_splits, args.down_k_splits)]
     record["rows"] = [row for name, s in models.items()
                       for row in run_model(name, s, args.tokens, tilings, timing,
                                            ceilings.hbm_bytes_per_s, args.seed)]
@@ -167,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-stages", type=positive_int, nargs="+", default=[3])
     parser.add_argument("--splits", type=positive_int, nargs="+", default=[ROUTED_SPLITS],
                         help="programs per column block (at most one per assignment)")
+    parser.add_argument("--k-splits", type=positive_int, nargs="+", default=[1],
+                        help="K ranges of the gate/up GEMM (float32 partials summed after)")
+    parser.add_argument("--down-k-splits", type=positive_int, nargs="+", default=[1],
+                        help="K ranges of the down GEMM")
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--samples", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)

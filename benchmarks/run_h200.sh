@@ -29,6 +29,10 @@
 #                                         # (--num-scheduler-steps), ABBA: Llama-3-8B bf16 and
 #                                         # Qwen3-30B-A3B (~9 min; MULTISTEP_MODELS adds fp8,
 #                                         # int4)
+#   bash benchmarks/run_h200.sh loramulti # the lora stage's engine passes (200 prompts) with
+#                                         # --num-scheduler-steps 8 (~6 min)
+#   bash benchmarks/run_h200.sh routed    # the routed expert GEMMs (decode) with K cut into
+#                                         # 1, 2 or 4 ranges, gate/up and down apart (~4 min)
 #   bash benchmarks/run_h200.sh --smoke pjinfer hf serve   # the same plumbing, tiny, on CPU
 #
 # Each stage fits one 10-minute device command; every step has its own time limit, and a
@@ -202,11 +206,30 @@ stage_moe() {
       --output-json "$JSON/moe_qwen3_throughput.json"
 }
 
+# At one token the chosen experts x column blocks can leave SMs idle (RESULTS.md, round 7:
+# Mixtral's down projection runs 64 programs): the routed kernel's K ranges (`k_splits`).
+stage_routed() {
+  local sweep=(--samples 8 --tokens 1 4 16 32)
+  [ $SMOKE = 1 ] && sweep=(--smoke --tokens 1 4 --calls 1 --samples 1)
+  step moe_routed_k_splits 300 $PY -m pjinfer.benchmarks.moe_decode_stack "${sweep[@]}" \
+      --k-splits 1 2 4 --down-k-splits 1 2 4 --out "$JSON/moe_routed_k_splits.json"
+}
+
 stage_lora() {
   local smoke=()
   [ $SMOKE = 1 ] && smoke=(--smoke)
   step lora 580 $PY -m pjinfer.benchmarks.lora "${smoke[@]}" --compilation-cache-dir "$CACHE" \
       --out "$JSON/lora.json"
+}
+
+# The engine passes alone with 8 decode steps a device call (--num-scheduler-steps): a LoRA
+# step carries 448 more argument arrays than the base's, whose host cost the call amortizes.
+stage_loramulti() {
+  local smoke=() n=200
+  [ $SMOKE = 1 ] && smoke=(--smoke) && n=6
+  step lora_multistep 500 $PY -m pjinfer.benchmarks.lora "${smoke[@]}" --skip-micro \
+      --num-prompts $n --num-scheduler-steps 8 --compilation-cache-dir "$CACHE" \
+      --out "$JSON/lora_multistep.json"
 }
 
 # Issue 14: quantized matmul kernel, then batch-1 TPOT (bf16, GPTQ int4 g128, fp8, int8), W3
@@ -388,7 +411,9 @@ for stage in "${STAGES[@]}"; do
     graphs) stage_graphs ;;
     host) stage_host ;;
     multistep) stage_multistep ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep)" ;;
+    routed) stage_routed ;;
+    loramulti) stage_loramulti ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | routed | loramulti)" ;;
   esac
 done
 pack

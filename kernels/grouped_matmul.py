@@ -18,7 +18,9 @@ to those tokens' assignment rows, with no sort,
 group sizes, tile plan or un-permutation around it (a dozen small XLA kernels per MoE layer,
 which cost more than the GEMMs at batch 1). An expert nobody chose reads nothing; one that
 several tokens chose is read once. Inactive choices (expert < 0: padding tokens, another
-shard's experts) are 0.
+shard's experts) are 0. At one token the chosen experts times the column blocks can be fewer
+programs than the GPU has SMs (Mixtral's down projection: 2 x 32); `k_splits` then cuts K into
+ranges, each program writing a float32 partial that XLA sums.
 """
 
 from __future__ import annotations
@@ -170,12 +172,13 @@ ROUTED_SPLITS = 128
 
 def _routed_kernel(ids_ref, lhs_ref, rhs_ref, o_ref, *, block_n: int, block_k: int,
                    k_steps: int, per_assignment: bool, splits: int):
-    """Program (column block, split s): assignments s, s + splits, ... of the flat [T*k] ids.
-    Each one that is its expert's first (and not inactive) multiplies every token that chose
-    that expert, as one dense [T, bk] x [bk, bn] dot (other tokens' rows masked to 0), and
-    stores to those tokens' assignment rows; later assignments of the same expert do nothing,
-    so each chosen expert is read once and no program waits on an expert nobody chose."""
-    col, split = pl.program_id(0), pl.program_id(1)
+    """Program (column block, split s, K range q): assignments s, s + splits, ... of the flat
+    [T*k] ids. Each one that is its expert's first (and not inactive) multiplies every token
+    that chose that expert over K range q (`k_steps` blocks), as one dense [T, bk] x [bk, bn]
+    dot (other tokens' rows masked to 0), and stores to those tokens' assignment rows of
+    range q's partial; later assignments of the same expert do nothing, so each chosen
+    expert is read once and no program waits on an expert nobody chose."""
+    col, split, k_range = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_tokens, top_k = ids_ref.shape
     ids = ids_ref[...]  # [T, k]
     token = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -198,13 +201,14 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, o_ref, *, block_n: int, block_k: i
             rows = out_rows if per_assignment else token
 
             def body(kb, acc):
-                ks = pl.ds(kb * block_k, block_k)
+                ks = pl.ds((k_range * k_steps + kb) * block_k, block_k)
                 x = jnp.where(hit[:, None], lhs_ref[rows, ks], 0)  # [T, bk]
                 return acc + jnp.dot(x, rhs_ref[e, ks, cols], preferred_element_type=jnp.float32)
 
             acc = jax.lax.fori_loop(0, k_steps, body,
                                     jnp.zeros((num_tokens, block_n), jnp.float32))
-            pltriton.store(o_ref.at[out_rows[:, None], col_ids[None, :]],
+            partial_rows = k_range * num_tokens * top_k + out_rows  # range q's [T*k] block
+            pltriton.store(o_ref.at[partial_rows[:, None], col_ids[None, :]],
                            acc.astype(o_ref.dtype), mask=hit[:, None])
         return carry
 
@@ -212,18 +216,20 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, o_ref, *, block_n: int, block_k: i
 
 
 @functools.partial(jax.jit, static_argnames=("per_assignment", "block_n", "block_k",
-                                             "num_warps", "num_stages", "splits", "out_dtype",
-                                             "interpret"))
+                                             "num_warps", "num_stages", "splits", "k_splits",
+                                             "out_dtype", "interpret"))
 def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignment: bool,
                   block_n: int = 128, block_k: int = 128, num_warps: int = 4,
-                  num_stages: int = 3, splits: int = ROUTED_SPLITS, out_dtype=None,
-                  interpret: bool = False) -> jax.Array:
+                  num_stages: int = 3, splits: int = ROUTED_SPLITS, k_splits: int = 1,
+                  out_dtype=None, interpret: bool = False) -> jax.Array:
     """ids [T, k] (expert per token and choice, < 0: none) -> [T*k, N]: row t*k+j is
     lhs[t] (lhs [T, K]) or lhs[t*k+j] (`per_assignment`, lhs [T*k, K]) times rhs[ids[t, j]],
-    0 where ids[t, j] < 0. Grid (column block, split): the programs of a column block share
-    the step's assignments (`splits` of them, at most one per assignment), each expert is
-    read once whatever number of tokens chose it; T and k are padded to powers of two (>= 16
-    tokens: Triton's dot)."""
+    0 where ids[t, j] < 0. Grid (column block, split, K range): the programs of a column
+    block share the step's assignments (`splits` of them, at most one per assignment), each
+    expert is read once whatever number of tokens chose it; T and k are padded to powers of
+    two (>= 16 tokens: Triton's dot). `k_splits` > 1 cuts K into that many ranges (the
+    largest count <= it that divides K's blocks), each program's float32 partial summed
+    after: more programs for a step whose chosen experts x column blocks leave SMs idle."""
     t, k = ids.shape
     _check_routed(lhs, rhs, ids, per_assignment)
     if t > ROUTED_MAX_TOKENS:
@@ -238,22 +244,25 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
         lhs_p = lhs_p.reshape(t, k, -1)
         lhs_p = jnp.pad(lhs_p, ((0, tp - t), (0, kp - k), (0, 0))).reshape(tp * kp, -1)
     rhs_p = _pad_to(_pad_to(rhs, 1, block_k), 2, block_n)  # [G, K', N']
-    width = rhs_p.shape[2]
+    width, k_blocks = rhs_p.shape[2], lhs_p.shape[1] // block_k
+    k_splits = max(d for d in range(1, min(k_splits, k_blocks) + 1) if k_blocks % d == 0)
     splits = min(splits, tp * kp)
     whole = common.whole_spec
+    dtype = out_dtype or lhs.dtype
     out = pl.pallas_call(
         functools.partial(_routed_kernel, block_n=block_n, block_k=block_k,
-                          k_steps=lhs_p.shape[1] // block_k, per_assignment=per_assignment,
+                          k_steps=k_blocks // k_splits, per_assignment=per_assignment,
                           splits=splits),
-        grid=(width // block_n, splits),
+        grid=(width // block_n, splits, k_splits),
         in_specs=[whole(ids_p.shape), whole(lhs_p.shape), whole(rhs_p.shape)],
-        out_specs=whole((tp * kp, width)),
-        out_shape=jax.ShapeDtypeStruct((tp * kp, width), out_dtype or lhs.dtype),
+        out_specs=whole((k_splits * tp * kp, width)),
+        out_shape=jax.ShapeDtypeStruct((k_splits * tp * kp, width),
+                                       dtype if k_splits == 1 else jnp.float32),
         compiler_params=common.triton_params(num_warps, num_stages),
         interpret=interpret,
         name="routed_matmul",
     )(ids_p, lhs_p, rhs_p)
-    out = out.reshape(tp, kp, width)[:t, :k, :n]
+    out = out.reshape(k_splits, tp, kp, width)[:, :t, :k, :n].sum(axis=0).astype(dtype)
     # rows of inactive choices were never written (garbage): 0, as the reference says
     return jnp.where((ids >= 0)[..., None], out, 0).reshape(t * k, n)
 

@@ -20,12 +20,14 @@ def test_routing_gives_each_token_top_k_distinct_experts():
 def test_smoke_record(tmp_path):
     out = tmp_path / "stack.json"
     assert main(["--smoke", "--tokens", "1", "3", "--block-n", "16", "32", "--block-k", "16",
-                 "--calls", "1", "--samples", "1", "--out", str(out)]) == 0
+                 "--down-k-splits", "1", "2", "--calls", "1", "--samples", "1",
+                 "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["tokens"] for r in rows] == [1, 3]
     assert rows[0]["experts_read"] == 2 * 2  # 2 layers, top-2 of one token
     for r in rows:
-        assert set(r["tilings"]) == {"n16_k16_w4_s3_p128", "n32_k16_w4_s3_p128"}
+        assert set(r["tilings"]) == {"n16_k16_w4_s3_p128", "n32_k16_w4_s3_p128",
+                                     "n16_k16_w4_s3_p128_q1_2", "n32_k16_w4_s3_p128_q1_2"}
         assert all(t["vs_bandwidth"] > 0 for t in r["tilings"].values())
         assert r["best_tiling"] in r["tilings"]
 

@@ -48,15 +48,19 @@ def test_kernel_matches_reference(m, k, n, g, bm, bn, bk, splits, tail):
     assert not np.any(np.asarray(out)[m - tail:])
 
 
-@pytest.mark.parametrize("t, k, g, kk, n, per_assignment, splits", [
-    (3, 2, 6, 48, 40, False, 128),  # K and N padded, T padded to 16
-    (5, 3, 7, 64, 48, True, 128),  # k not a power of two: padded; lhs per assignment
-    (16, 8, 20, 32, 16, False, 128),  # Qwen3-like top-8
-    (17, 2, 4, 16, 32, True, 128),  # T past 16: padded to 32
-    (16, 8, 20, 32, 48, True, 37),  # each program walks 3 or 4 assignments
-    (4, 2, 8, 32, 64, False, 3),  # Mixtral-like top-2, 11 assignments a program
+@pytest.mark.parametrize("t, k, g, kk, n, per_assignment, splits, k_splits", [
+    (3, 2, 6, 48, 40, False, 128, 1),  # K and N padded, T padded to 16
+    (5, 3, 7, 64, 48, True, 128, 1),  # k not a power of two: padded; lhs per assignment
+    (16, 8, 20, 32, 16, False, 128, 1),  # Qwen3-like top-8
+    (17, 2, 4, 16, 32, True, 128, 1),  # T past 16: padded to 32
+    (16, 8, 20, 32, 48, True, 37, 1),  # each program walks 3 or 4 assignments
+    (4, 2, 8, 32, 64, False, 3, 1),  # Mixtral-like top-2, 11 assignments a program
+    (3, 2, 6, 48, 40, False, 128, 3),  # K in 3 ranges of one block (K padded to 48)
+    (5, 3, 7, 64, 48, True, 37, 4),  # 4 ranges asked, K's 4 blocks: one each
+    (4, 2, 8, 80, 64, False, 3, 4),  # 5 blocks of K: 4 does not divide, 1 range taken
+    (17, 8, 20, 96, 16, True, 128, 2),  # T padded to 32, 2 ranges of 3 blocks
 ])
-def test_routed_kernel_matches_reference(t, k, g, kk, n, per_assignment, splits):
+def test_routed_kernel_matches_reference(t, k, g, kk, n, per_assignment, splits, k_splits):
     """Each token's k distinct experts, a quarter of the choices inactive (-1)."""
     rng = np.random.default_rng(t * k + g)
     ids = np.argsort(rng.random((t, g)), axis=1)[:, :k].astype(np.int32)
@@ -69,7 +73,8 @@ def test_routed_kernel_matches_reference(t, k, g, kk, n, per_assignment, splits)
     ref = routed_matmul_reference(lhs, rhs, jnp.asarray(ids), per_assignment=per_assignment)
     np.testing.assert_allclose(ref, want, **F32_TOL)
     out = routed_matmul(lhs, rhs, jnp.asarray(ids), per_assignment=per_assignment,
-                        block_n=16, block_k=16, splits=splits, interpret=INTERPRET)
+                        block_n=16, block_k=16, splits=splits, k_splits=k_splits,
+                        interpret=INTERPRET)
     np.testing.assert_allclose(out, want, **F32_TOL)
     for backend in ("reference", "pallas"):
         got = ops.routed_matmul(lhs, rhs, jnp.asarray(ids), per_assignment=per_assignment,
@@ -83,8 +88,10 @@ def test_routed_kernel_lowers_to_triton_ir_for_qwen3_experts():
     to Triton IR (the gathered loads and the masked scattered store), which interpret mode
     skips."""
     check = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    for per_assignment, rows, kk, n in ((False, 16, 2048, 1536), (True, 128, 768, 2048)):
-        fn = jax.jit(lambda a, b, i, p=per_assignment: routed_matmul(a, b, i, per_assignment=p))
+    for per_assignment, rows, kk, n, ks in ((False, 16, 2048, 1536, 1), (True, 128, 768, 2048, 1),
+                                            (False, 16, 2048, 1536, 4)):
+        fn = jax.jit(lambda a, b, i, p=per_assignment, s=ks: routed_matmul(
+            a, b, i, per_assignment=p, k_splits=s))
         exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=[check])(
             jax.ShapeDtypeStruct((rows, kk), jnp.bfloat16),
             jax.ShapeDtypeStruct((128, kk, n), jnp.bfloat16),
