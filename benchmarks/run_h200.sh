@@ -27,8 +27,8 @@
 #                                         # (~5 min)
 #   bash benchmarks/run_h200.sh multistep # W1 TPOT with one decode step per device call vs 8
 #                                         # (--num-scheduler-steps), ABBA: Llama-3-8B bf16 and
-#                                         # Qwen3-30B-A3B (~9 min; MULTISTEP_MODELS adds fp8,
-#                                         # int4)
+#                                         # Qwen3-30B-A3B (~9 min; MULTISTEP_MODELS picks from
+#                                         # bf16 fp8 int4 qwen3 qwen3c10 mixtral)
 #   bash benchmarks/run_h200.sh loramulti # the lora stage's engine passes (200 prompts) with
 #                                         # --num-scheduler-steps 8 (~6 min)
 #   bash benchmarks/run_h200.sh routed    # the routed expert GEMMs (decode) with K cut into
@@ -320,25 +320,34 @@ stage_graphs() {
 # Several decode steps per executable call (RESULTS.md, round 7: the same tree ran Qwen3 W1 at
 # 4.98 and 10.44 ms on two machines): W1 with 1 and 8 steps a call, alternated per model.
 stage_multistep() {
-  local w1=(--batch-size 1 --input-len $IN_W1 --output-len $OUT_W1 --num-iters $ITERS
-            --num-iters-warmup 1)
   local name
   for name in ${MULTISTEP_MODELS:-bf16 qwen3}; do
-    local m=("${MODEL[@]}") eng=("${ENGINE[@]}")
+    local m=("${MODEL[@]}") eng=("${ENGINE[@]}") limit=200
+    local run_args=(--batch-size 1 --input-len $IN_W1 --output-len $OUT_W1 --num-iters $ITERS
+                    --num-iters-warmup 1)
+    local qwen=(--model configs/models/qwen3-30b-a3b --load-format dummy --dtype bfloat16)
+    local moe_eng=(--max-num-seqs 256 --max-num-batched-tokens 8192)
     case $name in
       fp8) m+=(--quantization fp8);;
       int4) [ $SMOKE = 0 ] && m=(--model configs/models/llama3-8b-gptq-int4 --load-format dummy
                                  --dtype bfloat16);;
-      qwen3) [ $SMOKE = 0 ] && m=(--model configs/models/qwen3-30b-a3b --load-format dummy
-                                  --dtype bfloat16) && eng=(--max-num-seqs 256
-                                  --max-num-batched-tokens 8192);;
+      qwen3) [ $SMOKE = 0 ] && m=("${qwen[@]}") && eng=("${moe_eng[@]}");;
+      # issue 13's "10 concurrent, 2,048 in / 1,024 out" TPOT target
+      qwen3c10) limit=300
+        [ $SMOKE = 0 ] && m=("${qwen[@]}") && eng=("${moe_eng[@]}") && run_args=(
+            --batch-size 10 --input-len 2048 --output-len 1024 --num-iters 1
+            --num-iters-warmup 1);;
+      mixtral) [ $SMOKE = 0 ] && m=(--model configs/models/mixtral-8x7b --load-format dummy
+                                    --dtype bfloat16) && eng=("${moe_eng[@]}") && run_args=(
+            --batch-size 1 --input-len $IN_W1 --output-len $OUT_W1 --num-iters 2
+            --num-iters-warmup 1);;
     esac
     local run steps
     for run in 1:1 8:1 8:2 1:2; do  # ABBA: a device call's first engine process runs slow
       steps=${run%:*}
-      step "multistep_${name}_${steps}_${run#*:}" 200 "${BENCH[@]}" latency "${m[@]}" "${eng[@]}" \
-          --num-scheduler-steps $steps --compilation-cache-dir "$CACHE" "${w1[@]}" \
-          --output-json "$JSON/multistep_${name}_${steps}_${run#*:}.json"
+      step "multistep_${name}_${steps}_${run#*:}" $limit "${BENCH[@]}" latency "${m[@]}" \
+          "${eng[@]}" --num-scheduler-steps $steps --compilation-cache-dir "$CACHE" \
+          "${run_args[@]}" --output-json "$JSON/multistep_${name}_${steps}_${run#*:}.json"
     done
   done
 }
