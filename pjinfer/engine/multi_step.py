@@ -7,9 +7,10 @@ and 10.44 ms a token on two H200 machines whose hosts differed (RESULTS.md, roun
 copy back per N tokens. Step i of row r writes K/V at position p_r + i and samples with PRNG
 step s_r + i, exactly what N single steps would do, so outputs are unchanged. A row that may
 take fewer steps (`row_steps`: its length limit) repeats its last step after them with its
-K/V write sent to the null block; those samples are not returned. Sampling that needs the
-host or a token history between steps (structured outputs, penalties, pending min_tokens)
-never comes here (`Request.allows_multi_step`).
+K/V write sent to the null block; those samples are not returned. A row short of its
+min_tokens keeps its stop ids suppressed for as many of the call's steps as it is short
+(`suppress_steps`). Sampling that needs the host or a token history between steps
+(structured outputs, penalties) never comes here (`Request.allows_multi_step`).
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pjinfer.engine.host_pack import Packed, unpack
 from pjinfer.engine.sampler import sample
+from pjinfer.engine.sampling_metadata import SamplingRow
 from pjinfer.engine.step import StepOptions, model_step
+from pjinfer.engine.token_history import PAD_TOKEN_ID
 
 
 class MultiStepExecutables:
@@ -57,12 +61,22 @@ class MultiStepExecutables:
         return fn
 
 
+def row_step_counts(rows: list[SamplingRow], num_steps: list[int], size: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """(row_steps, suppress_steps), [size] i32 each: the steps each row runs, and for how
+    many of them its stop ids stay suppressed (min_tokens not yet reached); 0 for padding."""
+    short = [max(0, r.params.min_tokens - r.num_output_tokens) for r in rows]
+    return (np.pad(np.asarray(num_steps, np.int32), (0, size - len(num_steps))),
+            np.pad(np.asarray(short, np.int32), (0, size - len(short))))
+
+
 def multi_decode_step(params, kv_caches, packed: Packed, *lora, opts: StepOptions,
                       num_steps: int, max_logprobs: int, width: int, block_size: int):
-    """`packed`: (StepInputs of a decode-only step, SamplingMetadata, row_steps [S] i32).
+    """`packed`: (StepInputs of a decode-only step, SamplingMetadata, row_steps [S] i32,
+    suppress_steps [S] i32; see `row_step_counts`).
     Returns (words [num_steps, W]: each step's `SamplerOutput.to_words()`, the last token of
     each row padded to `width` (the next step's prev_tokens), the caches)."""
-    inputs, md, row_steps = unpack(packed)
+    inputs, md, row_steps, suppress_steps = unpack(packed)
     tables = inputs.attn.block_tables  # [S, MB]
     rows = jnp.arange(tables.shape[0])
     first = inputs.resolved_token_ids()  # [S]: one token per row in a decode step
@@ -78,8 +92,11 @@ def multi_decode_step(params, kv_caches, packed: Packed, *lora, opts: StepOption
         step_inputs = dataclasses.replace(inputs, token_ids=tokens, positions=pos, attn=attn,
                                           prev_rows=jnp.full_like(inputs.prev_rows, -1))
         logits, kv = model_step(params, kv, step_inputs, *lora, opts=opts)
-        out = sample(logits, dataclasses.replace(md, steps=md.steps + i),
-                     max_logprobs=max_logprobs)
+        quiet = (i < suppress_steps)[:, None]  # [S, 1]: still short of min_tokens
+        out = sample(logits, dataclasses.replace(
+            md, steps=md.steps + i,
+            suppress_token_ids=jnp.where(quiet, md.suppress_token_ids, PAD_TOKEN_ID)),
+            max_logprobs=max_logprobs)
         last = jnp.where(live, out.token_ids, last)
         return kv, jnp.where(live, out.token_ids, tokens), last, words.at[i].set(out.to_words())
 

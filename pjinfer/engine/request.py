@@ -148,10 +148,9 @@ class Request:
     def allows_multi_step(self) -> bool:
         """Can its decode run several steps in one device call? Not when a step's sampling
         needs the tokens of the steps before it on the host or in a history: penalties, a
-        grammar's token mask, min_tokens still suppressing stop tokens."""
+        grammar's token mask. (min_tokens only counts steps: `multi_step.row_step_counts`.)"""
         p = self.params
-        return self.allows_async and not p.uses_penalties and p.structured_outputs is None \
-            and self.num_output_tokens >= p.min_tokens
+        return self.allows_async and not p.uses_penalties and p.structured_outputs is None
 
     @property
     def is_finished(self) -> bool:

@@ -29,7 +29,7 @@ from pjinfer.engine.inputs import (
     token_buckets,
 )
 from pjinfer.engine.kv_budget import num_kv_blocks
-from pjinfer.engine.multi_step import MultiStepExecutables
+from pjinfer.engine.multi_step import MultiStepExecutables, row_step_counts
 from pjinfer.engine.phase_timer import timed
 from pjinfer.engine.sampler import SamplerOutput, sample
 from pjinfer.engine.sampling_metadata import SamplingMetadata, SamplingRow
@@ -254,7 +254,7 @@ class ModelRunner:
         _, inputs = self._dummy(seqs, seqs, True)
         row = SamplingRow(SamplingParams(temperature=temperature), [0], [], 0)
         self._multi.get(0, self._multi_step_args(inputs, SamplingMetadata.build([row], seqs),
-                                                 []))
+                                                 [], []))
 
     def _dummy(self, tokens: int, seqs: int, decode_only: bool):
         """An empty batch of exactly these bucket shapes: only shapes matter to the compile."""
@@ -329,15 +329,14 @@ class ModelRunner:
         in one call of num_scheduler_steps steps (one trace however many a row takes)."""
         inputs, layout, _, metadata = self._inputs(chunks, rows, prev, refresh_tables,
                                                    lora_slots)
-        args = self._multi_step_args(inputs, metadata(), num_steps)
+        args = self._multi_step_args(inputs, metadata(), rows, num_steps)
         words, next_tokens, self.kv_caches = self._multi.get(max_logprobs, args)(*args)
         return LaunchedStep(words, None, next_tokens, layout)
 
     def _multi_step_args(self, inputs: StepInputs, md: SamplingMetadata,
-                         num_steps: list[int]) -> tuple:
-        pad = md.temperature.shape[0] - len(num_steps)
-        row_steps = np.pad(np.asarray(num_steps, np.int32), (0, pad))
-        return self._step_args((inputs, md, row_steps))
+                         rows: list[SamplingRow], num_steps: list[int]) -> tuple:
+        counts = row_step_counts(rows, num_steps, md.temperature.shape[0])
+        return self._step_args((inputs, md, *counts))
 
     def _multi_step_shardings(self) -> dict:
         if self.mesh is None:

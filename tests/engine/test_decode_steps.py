@@ -62,9 +62,13 @@ def test_a_batch_with_a_prompt_or_a_row_needing_the_host_runs_one_step():
     s = _scheduler(4)
     _prefilled(s, _request("a", 5), _request("p", 5, presence_penalty=0.5))
     assert s.schedule().num_steps is None
+
+
+def test_a_row_short_of_min_tokens_runs_several_steps():
+    """The device counts its steps with stop ids suppressed (multi_step.row_step_counts)."""
     s = _scheduler(4)
-    _prefilled(s, _request("m", 5, min_tokens=3))  # stop tokens still suppressed
-    assert s.schedule().num_steps is None
+    _prefilled(s, _request("m", 5, min_tokens=3))
+    assert s.schedule().num_steps == [4]
 
 
 def test_a_request_whose_extra_blocks_do_not_fit_runs_one_step():

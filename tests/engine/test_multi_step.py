@@ -1,8 +1,9 @@
 """Multi-step decoding (num_scheduler_steps > 1: several decode steps in one device call) must
 not change a single output: tokens, text, finish reasons and logprobs equal one step at a
 time, through EOS, stop ids and strings met mid-way, length limits that are not a multiple of
-the steps, seeded sampling, chunked prefill, preemption and prefix caching; rows that need the
-host between tokens (penalties, min_tokens, structured outputs) run single steps."""
+the steps, seeded sampling, min_tokens reached mid-call, chunked prefill, preemption and prefix
+caching; rows that need the host between tokens (penalties, structured outputs) run single
+steps."""
 
 from __future__ import annotations
 
@@ -14,17 +15,22 @@ from pjinfer.engine.config import EngineConfig
 
 PROMPTS = [" ".join(line.split()[:n]) for line, n in zip(zen_lines()[1:13], [2, 3, 4] * 4,
                                                           strict=True)]
+NEWLINE, PERIOD = 204, 19  # the demo tokenizer's "\n" and "."
 MULTI = [  # every one may run several steps a call
     SamplingParams(temperature=0.0, max_tokens=40),  # stops at EOS (demo lines end)
     SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),  # 7 = 4 + 3
     SamplingParams(temperature=0.8, seed=3, max_tokens=25, logprobs=2),
     SamplingParams(temperature=0.0, max_tokens=40, stop=["than"]),  # a stop string mid-call
     SamplingParams(temperature=1.0, top_k=5, top_p=0.9, seed=11, max_tokens=30),
-    SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[13]),
+    SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[NEWLINE]),  # the line's end
     SamplingParams(temperature=0.0, max_tokens=1, logprobs=1),
+    # stop ids suppressed until min_tokens, which a call reaches mid-way
+    SamplingParams(temperature=0.0, max_tokens=40, min_tokens=9, stop_token_ids=[NEWLINE]),
+    SamplingParams(temperature=1.0, top_k=5, seed=11, max_tokens=30, min_tokens=14,
+                   stop_token_ids=[PERIOD]),
+    SamplingParams(temperature=0.0, max_tokens=40, min_tokens=6, stop=["is"]),
 ]
 SINGLE = [  # each of these keeps its step a single one
-    SamplingParams(temperature=1.0, top_k=5, seed=11, max_tokens=30, min_tokens=12),
     SamplingParams(temperature=0.9, seed=5, max_tokens=30, presence_penalty=0.7,
                    frequency_penalty=0.9, repetition_penalty=1.4),
 ]
