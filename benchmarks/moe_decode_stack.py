@@ -71,7 +71,7 @@ def stack_fn(tiling: dict[str, int], interpret: bool):
 
     shared = {k: v for k, v in tiling.items() if k != "down_k_splits"}
     gemm = functools.partial(routed_matmul, interpret=interpret, **shared)
-    down_k_splits = tiling.get("down_k_splits", shared.get("k_splits", 1))
+    down_k_splits = tiling["down_k_splits"]
 
     def run(x, ids, gate_up, down):
         for layer_ids, gu, dn in zip(ids, gate_up, down, strict=True):
@@ -175,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--splits", type=positive_int, nargs="+", default=[ROUTED_SPLITS],
                         help="programs per column block (at most one per assignment)")
     parser.add_argument("--k-splits", type=positive_int, nargs="+", default=[1],
-                        help="K ranges of the gate/up GEMM (float32 partials summed after)")
+                        help="K ranges of the gate/up GEMM (float32 partials summed after; "
+                        "the kernel takes the largest count <= this that divides K's blocks, "
+                        "the name keeps the count asked)")
     parser.add_argument("--down-k-splits", type=positive_int, nargs="+", default=[1],
                         help="K ranges of the down GEMM")
     parser.add_argument("--calls", type=int, default=10)

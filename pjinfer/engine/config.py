@@ -96,8 +96,8 @@ class EngineConfig:
     num_scheduler_steps: int = arg(1, "decode steps per device call when every scheduled "
                                    "sequence is decoding (vLLM's multi-step scheduling): one "
                                    "launch and one copy back per N tokens; sequences with "
-                                   "penalties, structured outputs or min_tokens still to go "
-                                   "run one step at a time", "scheduler")
+                                   "penalties or structured outputs run one step at a time",
+                                   "scheduler")
     async_scheduling: bool = arg(True, "schedule and build step t+1 while step t runs on the "
                                  "device; off runs every step to completion first", "scheduler")
     warmup: bool = arg(True, "compile every step shape at start-up (a model under 64 MiB: "

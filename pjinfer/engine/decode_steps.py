@@ -20,18 +20,9 @@ def plan_decode_steps(picked: list[tuple[Request, int, list[int]]], kv: KVCacheM
         return {}
     out = {}
     for r, _, _ in picked:
-        n = min(limit, tokens_left(r, max_model_len))
+        n = min(limit, max(r.outputs_left(max_model_len, r.num_output_tokens), 1))
         table = kv.allocate_slots(r.request_id, r.all_token_ids, r.num_computed_tokens,
                                   n) if n > 1 else None
         if table is not None:
             out[r.request_id] = (n, table)
     return out
-
-
-def tokens_left(r: Request, max_model_len: int) -> int:
-    """Tokens it may still sample before its length limit (max_tokens, max_model_len), at
-    least 1: the scheduler's length rule, counted ahead."""
-    left = max_model_len - r.num_tokens
-    if r.params.max_tokens is not None:
-        left = min(left, r.params.max_tokens - r.num_output_tokens)
-    return max(left, 1)

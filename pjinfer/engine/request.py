@@ -144,6 +144,13 @@ class Request:
         p = self.params
         return p.n == 1 and p.prompt_logprobs is None
 
+    def outputs_left(self, max_model_len: int, num_output: int) -> int:
+        """Tokens it may still sample, having `num_output`, before the one length rule ends
+        it: max_tokens outputs, or max_model_len tokens in all (<= 0: reached)."""
+        left = max_model_len - self.num_prompt_tokens - num_output
+        max_tokens = self.params.max_tokens
+        return left if max_tokens is None else min(left, max_tokens - num_output)
+
     @property
     def allows_multi_step(self) -> bool:
         """Can its decode run several steps in one device call? Not when a step's sampling

@@ -217,10 +217,8 @@ class Scheduler:
         out.scheduled.append(ScheduledChunk(r, first, num_new, samples, num_steps))
 
     def _at_length_limit(self, r: Request, num_output: int) -> bool:
-        """The one length rule: max_tokens outputs, or max_model_len tokens in all."""
-        max_tokens = r.params.max_tokens
-        return (max_tokens is not None and num_output >= max_tokens) \
-            or r.num_prompt_tokens + num_output >= self.config.max_model_len
+        """The one length rule (`Request.outputs_left`) reached with `num_output` outputs."""
+        return r.outputs_left(self.config.max_model_len, num_output) <= 0
 
     def _expire(self, now: float) -> list[Request]:
         if not self._deadlines:  # spare the per-step scan of every queue
