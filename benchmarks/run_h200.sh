@@ -343,7 +343,8 @@ stage_multistep() {
             --num-iters-warmup 1);;
     esac
     local run steps
-    for run in 1:1 8:1 8:2 1:2; do  # ABBA: a device call's first engine process runs slow
+    # ABBA: a device call's first engine process runs slow (MULTISTEP_RUNS=steps:run ... overrides)
+    for run in ${MULTISTEP_RUNS:-1:1 8:1 8:2 1:2}; do
       steps=${run%:*}
       step "multistep_${name}_${steps}_${run#*:}" $limit "${BENCH[@]}" latency "${m[@]}" \
           "${eng[@]}" --num-scheduler-steps $steps --compilation-cache-dir "$CACHE" \

@@ -135,12 +135,34 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
     if not _use_pallas(backend):
         return routed_matmul_reference(lhs, rhs, ids, per_assignment=per_assignment,
                                        out_dtype=out_dtype)
-    kk, n = rhs.shape[1:]
-    # n128 / k128, K whole: round 7's sweep on the H200 (RESULTS.md) found them best or within
-    # 9% of the best at 1-16 tokens for Qwen3-30B-A3B and Mixtral-8x7B experts
+    groups, kk, n = rhs.shape
+    # n128 / k128: round 7's sweep on the H200 (RESULTS.md) found them best or within 9% of
+    # the best at 1-16 tokens for Qwen3-30B-A3B and Mixtral-8x7B experts
+    bn, bk = _dividing(128, n), _dividing(128, kk)
+    # programs with an expert to read when one real token fills the step: decode buckets pad
+    # T with inactive rows, so T cannot tell how many experts a step reads
+    busy = -(-n // bn) * min(ids.shape[1], groups)
     return pallas_routed_matmul(lhs, rhs, ids, per_assignment=per_assignment,
                                 out_dtype=out_dtype, interpret=jax.default_backend() != "gpu",
-                                block_n=_dividing(128, n), block_k=_dividing(128, kk))
+                                block_n=bn, block_k=bk,
+                                k_splits=routed_k_splits(busy, -(-kk // bk)))
+
+
+def routed_k_splits(busy_programs: int, k_blocks: int) -> int:
+    """K ranges for a routed GEMM: split until ~`ROUTED_BUSY_PROGRAMS` programs stream
+    weights, at most 4 ranges of >= 8 K blocks each. Round 9's sweep on the H200 (RESULTS.md):
+    at one token Mixtral's down projection (64 busy programs, 112 K blocks) ran 211 -> 179
+    us/layer with 4 ranges (and no slower at 4-32 tokens), Qwen3-30B-A3B's gate/up (96, 16
+    blocks) 34.3 -> 31.6 with 2 (3% slower at 16-32 tokens); every split of a GEMM with >= 256
+    busy programs or a short K was slower or no faster."""
+    splits = 1
+    while busy_programs * splits < ROUTED_BUSY_PROGRAMS and splits < 4 \
+            and k_blocks // (2 * splits) >= 8:
+        splits *= 2
+    return splits
+
+
+ROUTED_BUSY_PROGRAMS = 256  # ~2 per SM of an H100/H200
 
 
 def prefers_routed_matmul(backend: str, tokens: int) -> bool:

@@ -82,6 +82,17 @@ def test_routed_kernel_matches_reference(t, k, g, kk, n, per_assignment, splits,
         np.testing.assert_allclose(got, want, **F32_TOL, err_msg=backend)
 
 
+@pytest.mark.parametrize("busy, k_blocks, want", [
+    (64, 112, 4),  # Mixtral-8x7B down, one token: 2 experts x 32 column blocks, K 14336
+    (448, 32, 1),  # Mixtral-8x7B gate/up: enough programs already
+    (96, 16, 2),  # Qwen3-30B-A3B gate/up: 8 experts x 12 column blocks; 4 ranges too short
+    (128, 6, 1),  # Qwen3-30B-A3B down: K 768 is too short to split
+])
+def test_routed_k_splits_follow_the_h200_sweep(busy, k_blocks, want):
+    """The choices round 9's H200 sweep (RESULTS.md) found best at one token."""
+    assert ops.routed_k_splits(busy, k_blocks) == want
+
+
 @pytest.mark.skipif(not INTERPRET, reason="on a GPU the compiled kernel tests run the lowering")
 def test_routed_kernel_lowers_to_triton_ir_for_qwen3_experts():
     """Without a GPU: both Qwen3-30B-A3B expert GEMMs of a 16-token step lower through Pallas
