@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pjinfer.engine.executable_cache import ExecutableCache, served_by_jax_cache
 from pjinfer.engine.host_pack import Packed, unpack
 from pjinfer.engine.sampler import sample
 from pjinfer.engine.sampling_metadata import SamplingRow
@@ -32,33 +33,56 @@ from pjinfer.engine.token_history import PAD_TOKEN_ID
 class MultiStepExecutables:
     """The compiled multi-step decodes of one engine, one per packed argument layout (its
     step shapes, sampling flags and tables): compiled ahead of the call, so warm-up can
-    compile them in its thread pool as it does the single steps."""
+    compile them in its thread pool as it does the single steps, and kept in the executable
+    cache (`disk`) like the single steps, so a warm restart neither traces nor compiles
+    them."""
 
     def __init__(self, opts: StepOptions, num_steps: int, width: int, block_size: int,
-                 shardings: dict):
+                 shardings: dict, disk: ExecutableCache | None = None):
         """`shardings`: in/out shardings under a mesh ({} on one device)."""
         self._jitted = {}  # max_logprobs -> jax.jit of multi_decode_step, caches donated
         self._compiled = {}
         self._static = dict(opts=opts, num_steps=num_steps, width=width,
                             block_size=block_size)
         self._shardings = shardings
+        self._disk = disk
+        self.num_compiles = 0
+        self.num_cache_loads = 0
 
     def get(self, max_logprobs: int, args: tuple):
-        """The executable for these arguments (params, caches, packed, *lora), compiled on
-        first use."""
+        """The executable for these arguments (params, caches, packed, *lora): from memory,
+        else from the executable cache, else compiled (and stored there)."""
         packed = args[2]
         key = (max_logprobs, packed.treedef, packed.specs,
                tuple(a.shape for a in packed.device))
         fn = self._compiled.get(key)
-        if fn is None:
-            jitted = self._jitted.get(max_logprobs)
-            if jitted is None:
-                jitted = self._jitted[max_logprobs] = jax.jit(
-                    functools.partial(multi_decode_step, max_logprobs=max_logprobs,
-                                      **self._static),
-                    donate_argnums=(1,), **self._shardings)
-            fn = self._compiled[key] = jitted.lower(*args).compile()
+        if fn is not None:
+            return fn
+        static = (max_logprobs, *self._static.values())
+        fn = self._disk.load(NAME, static, args) if self._disk else None
+        if fn is not None:
+            self.num_cache_loads += 1
+        else:
+            fn, from_jax_cache = self._compile(max_logprobs, args)
+            self.num_compiles += 1
+            if self._disk and not from_jax_cache:  # see `served_by_jax_cache`
+                self._disk.store(NAME, static, args, fn)
+        self._compiled[key] = fn
         return fn
+
+    def _compile(self, max_logprobs: int, args: tuple):
+        jitted = self._jitted.get(max_logprobs)
+        if jitted is None:
+            jitted = self._jitted[max_logprobs] = jax.jit(
+                functools.partial(multi_decode_step, max_logprobs=max_logprobs,
+                                  **self._static),
+                donate_argnums=(1,), **self._shardings)
+        with served_by_jax_cache() as served:
+            fn = jitted.lower(*args).compile()
+        return fn, served()
+
+
+NAME = "multi_decode_step"  # the executable cache's name for these entries
 
 
 def row_step_counts(rows: list[SamplingRow], num_steps: list[int], size: int

@@ -130,7 +130,8 @@ class ModelRunner:
             {} if mesh is None else dict(out_shardings=self._cache_shardings())))
         self._multi = None if ecfg.num_scheduler_steps == 1 else MultiStepExecutables(
             replace(self._base_opts, decode_only=True), ecfg.num_scheduler_steps, width,
-            self.block_size, self._multi_step_shardings())
+            self.block_size, self._multi_step_shardings(),
+            ExecutableCache.under(ecfg.compilation_cache_dir))
         self.num_compiles = 0
         self.num_cache_loads = 0  # step executables read from the executable cache
         self.batch = InputBatch(ecfg.max_num_seqs, self.max_blocks_per_seq, max_model_len)

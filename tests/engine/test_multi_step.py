@@ -100,3 +100,22 @@ def test_warmup_compiles_the_multi_step_decode():
     llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=9))
     llm.generate(PROMPTS[:1], SamplingParams(temperature=0.7, seed=1, max_tokens=9))
     assert compiled == warmed
+
+
+def test_warm_restart_loads_the_multi_step_decode(tmp_path, restore_jax_cache_flags):
+    """The executable cache keeps the multi-step executables too: a restart on the same
+    directory loads them (no compile) and generates the same tokens."""
+    params = [SamplingParams(temperature=0.0, max_tokens=9),
+              SamplingParams(temperature=0.8, seed=2, max_tokens=9)]
+
+    def run():
+        llm = LLM(num_scheduler_steps=4, warmup=False, compilation_cache_dir=str(tmp_path))
+        outs = [c.token_ids for o in llm.generate(PROMPTS[:2], params) for c in o.outputs]
+        return llm.engine.runner._multi, outs
+
+    cold, cold_outs = run()
+    assert cold.num_compiles >= 1 and cold.num_cache_loads == 0
+    assert len(list(tmp_path.rglob("multi_decode_step-*.jaxexec"))) == cold.num_compiles
+    warm, warm_outs = run()
+    assert warm.num_compiles == 0 and warm.num_cache_loads == cold.num_compiles
+    assert warm_outs == cold_outs and all(len(t) == 9 for t in warm_outs)
