@@ -31,6 +31,8 @@
 #                                         # bf16 fp8 int4 qwen3 qwen3c10 mixtral)
 #   bash benchmarks/run_h200.sh loramulti # the lora stage's engine passes (200 prompts) with
 #                                         # --num-scheduler-steps 8 (~6 min)
+#   bash benchmarks/run_h200.sh moeprofile  # Qwen3-30B-A3B (batch 1, 10 x 2,560) and
+#                                           # Mixtral-8x7B decode steps profiled (~6 min)
 #   bash benchmarks/run_h200.sh routed    # the routed expert GEMMs (decode) with K cut into
 #                                         # 1, 2 or 4 ranges, gate/up and down apart (~4 min)
 #   bash benchmarks/run_h200.sh --smoke pjinfer hf serve   # the same plumbing, tiny, on CPU
@@ -152,6 +154,19 @@ stage_profile() {
       --out "$JSON/w1_probe_no_command_buffer.json"
   step prefill_attention 200 $PY benchmarks/bench_attention.py --skip-tune --skip-decode \
       --quick --layouts prefill_1x2048 prefill_1x8192 --out "$JSON/prefill_attention.json"
+}
+
+# Issue 13's MoE decode steps under the profiler: kernels per step, busy time, the heaviest
+# kernels (Qwen3-30B-A3B at batch 1 and 10 concurrent at 2,560 tokens; Mixtral-8x7B batch 1).
+stage_moeprofile() {
+  if [ $SMOKE = 1 ]; then log "SKIP moeprofile in smoke mode (MoE shapes only)"; return 0; fi
+  step qwen3_step_profile 240 $PY benchmarks/step_probe.py --model configs/models/qwen3-30b-a3b \
+      --layouts decode_1x768 decode_10x2560 --backends auto --num-kv-blocks 4096 \
+      --max-model-len 4096 \
+      --profile /tmp/pjinfer-prof-qwen3 --out "$JSON/qwen3_step_profile.json"
+  step mixtral_step_profile 240 $PY benchmarks/step_probe.py --model configs/models/mixtral-8x7b \
+      --layouts decode_1x768 --backends auto --num-kv-blocks 2048 \
+      --profile /tmp/pjinfer-prof-mixtral --out "$JSON/mixtral_step_profile.json"
 }
 
 stage_long() {
@@ -421,9 +436,10 @@ for stage in "${STAGES[@]}"; do
     graphs) stage_graphs ;;
     host) stage_host ;;
     multistep) stage_multistep ;;
+    moeprofile) stage_moeprofile ;;
     routed) stage_routed ;;
     loramulti) stage_loramulti ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | routed | loramulti)" ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moeprofile | routed | loramulti)" ;;
   esac
 done
 pack

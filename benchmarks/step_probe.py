@@ -43,8 +43,8 @@ from functools import partial
 import numpy as np
 
 MODEL = "configs/models/llama3-8b"
-LAYOUTS = ("decode_1x768", "decode_8x160", "prefill_2x1024", "mixed_1792+255dec",
-           "decode_256x1024")
+LAYOUTS = ("decode_1x768", "decode_8x160", "decode_10x2560", "prefill_2x1024",
+           "mixed_1792+255dec", "decode_256x1024")
 
 
 def _import_repo() -> None:
@@ -87,6 +87,8 @@ def _chunks(kind: str, rng: np.random.Generator) -> list:
     from pjinfer.engine.inputs import Chunk
 
     specs = {"decode_1x768": [(769, 768, 1)], "decode_8x160": [(161, 160, 1)] * 8,
+             # issue 13's 10 concurrent 2,048 / 1,024 at mid-generation
+             "decode_10x2560": [(2561, 2560, 1)] * 10,
              "prefill_2x1024": [(1024, 0, 1024)] * 2,
              "mixed_1792+255dec": [(1025, 1024, 1)] * 255 + [(1792, 0, 1792)],
              "decode_256x1024": [(1025, 1024, 1)] * 256}[kind]
