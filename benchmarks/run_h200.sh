@@ -33,6 +33,7 @@
 #                                         # --num-scheduler-steps 8 (~6 min)
 #   bash benchmarks/run_h200.sh moeprofile  # Qwen3-30B-A3B (batch 1, 10 x 2,560) and
 #                                           # Mixtral-8x7B decode steps profiled (~6 min)
+#   bash benchmarks/run_h200.sh w8a8      # fp8 W8A8 forms at 1, 16, 2,048 tokens (~3 min)
 #   bash benchmarks/run_h200.sh routed    # the routed expert GEMMs (decode) with K cut into
 #                                         # 1, 2 or 4 ranges, gate/up and down apart (~4 min)
 #   bash benchmarks/run_h200.sh --smoke pjinfer hf serve   # the same plumbing, tiny, on CPU
@@ -250,6 +251,15 @@ stage_loramulti() {
 # Issue 14: quantized matmul kernel, then batch-1 TPOT (bf16, GPTQ int4 g128, fp8, int8), W3
 # with fp8 weights, W4 with an fp8 KV cache (the records' num_kv_blocks give the 8k capacity).
 # Dummy weights: quantized runs draw bf16 weights and quantize them at load.
+# fp8 W8A8 at decode and prefill sizes, three forms (quant_matmul's _w8a8_forms): which one
+# XLA turns into an fp8 GEMM (issue 14's W3 fp8 target needs one faster than bf16).
+stage_w8a8() {
+  local kernel=(--tokens 1 16 2048)
+  [ $SMOKE = 1 ] && kernel=(--matrices 2 --k 256 --n 256 --tokens 1 256 --samples 1 --calls 1)
+  step w8a8_forms 300 $PY -m pjinfer.benchmarks.quant_matmul --kinds fp8 "${kernel[@]}" \
+      --out "$JSON/w8a8_forms.json"
+}
+
 stage_quant() {
   local gptq=(--model configs/models/llama3-8b-gptq-int4 --load-format dummy --dtype bfloat16)
   local kernel=() w1=(--input-len $IN_W1 --output-len $OUT_W1 --num-iters $ITERS)
@@ -437,9 +447,10 @@ for stage in "${STAGES[@]}"; do
     host) stage_host ;;
     multistep) stage_multistep ;;
     moeprofile) stage_moeprofile ;;
+    w8a8) stage_w8a8 ;;
     routed) stage_routed ;;
     loramulti) stage_loramulti ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moeprofile | routed | loramulti)" ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moeprofile | w8a8 | routed | loramulti)" ;;
   esac
 done
 pack
