@@ -36,6 +36,8 @@
 #   bash benchmarks/run_h200.sh w8a8      # fp8 W8A8 forms at 1, 16, 2,048 tokens (~3 min)
 #   bash benchmarks/run_h200.sh routed    # the routed expert GEMMs (decode) with K cut into
 #                                         # 1, 2 or 4 ranges, gate/up and down apart (~4 min)
+#   bash benchmarks/run_h200.sh routedwide  # Mixtral's down projection in 4, 8, 16 K ranges
+#                                           # at 1 and 4 tokens (~2 min)
 #   bash benchmarks/run_h200.sh --smoke pjinfer hf serve   # the same plumbing, tiny, on CPU
 #
 # Each stage fits one 10-minute device command; every step has its own time limit, and a
@@ -229,6 +231,15 @@ stage_routed() {
   [ $SMOKE = 1 ] && sweep=(--smoke --tokens 1 4 --calls 1 --samples 1)
   step moe_routed_k_splits 300 $PY -m pjinfer.benchmarks.moe_decode_stack "${sweep[@]}" \
       --k-splits 1 2 4 --down-k-splits 1 2 4 --out "$JSON/moe_routed_k_splits.json"
+}
+
+# Round 9 found 4 K ranges best for Mixtral's one-token down projection, the largest tried:
+# 8 and 16 ranges (112 K blocks: 14 and 7 a range) at 1 and 4 tokens.
+stage_routedwide() {
+  local sweep=(--samples 8 --tokens 1 4)
+  [ $SMOKE = 1 ] && sweep=(--smoke --tokens 1 --calls 1 --samples 1)
+  step moe_routed_wide_splits 240 $PY -m pjinfer.benchmarks.moe_decode_stack "${sweep[@]}" \
+      --k-splits 1 2 --down-k-splits 4 8 16 --out "$JSON/moe_routed_wide_splits.json"
 }
 
 stage_lora() {
@@ -449,8 +460,9 @@ for stage in "${STAGES[@]}"; do
     moeprofile) stage_moeprofile ;;
     w8a8) stage_w8a8 ;;
     routed) stage_routed ;;
+    routedwide) stage_routedwide ;;
     loramulti) stage_loramulti ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moeprofile | w8a8 | routed | loramulti)" ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moeprofile | w8a8 | routed | routedwide | loramulti)" ;;
   esac
 done
 pack
