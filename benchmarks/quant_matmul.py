@@ -7,7 +7,8 @@ weight kind and token count this times, pipelined like the ceilings (`ceilings.t
   xla    `quantized_matmul_reference`: the whole weight dequantized, then one dot
   pallas `quantized_matmul`: packed bytes streamed, dequantized in registers
   w8a8   fp8 only (every T on a GPU, >= 256 tokens on a CPU): activations quantized per
-         token, XLA's fp8 dot; also with a bf16 dot output and with the weight stored [N, K]
+         token, XLA's fp8 dot; also with a bf16 dot output, with the weight stored [N, K],
+         and as the Pallas GEMM (`pallas_fp8_matmul`)
 and reports bytes moved as stored (packed values + scales + zeros + x + out), GB/s, the fraction
 of the bf16 GEMV's bandwidth (the roofline's ceiling), and TFLOP/s. On a CPU it runs tiny
 shapes in interpret mode (the plumbing only).
@@ -120,11 +121,12 @@ def _w8a8_forms(measure, x, ws: list, nbytes: int, t: int) -> list[dict]:
     bf16 8.1, although one 8192^3 fp8 dot ran 1.31x bf16): as `fp8_w8a8_matmul` does it
     (float32 dot output), with the dot writing bf16 (scales applied after, in float32), and
     with the weight stored [N, K] (both operands K-contiguous, cuBLASLt's fp8 layout), so a
-    miss of XLA's fp8 GEMM rewrite shows as which form is fast."""
+    miss of XLA's fp8 GEMM rewrite shows as which form is fast; and the Pallas GEMM
+    (`pallas_fp8_matmul`) where 128-wide tiles divide the weight."""
     import jax
     import jax.numpy as jnp
 
-    from pjinfer.kernels.fp8_matmul import fp8_w8a8_matmul
+    from pjinfer.kernels.fp8_matmul import fp8_w8a8_matmul, pallas_fp8_matmul
     from pjinfer.quantization.weight import FP8, FP8_MAX
 
     def quantized_x(x):
@@ -145,10 +147,19 @@ def _w8a8_forms(measure, x, ws: list, nbytes: int, t: int) -> list[dict]:
                  ).astype(x.dtype) for w, s in wts]
 
     transposed = [(jnp.asarray(w.packed.T), w.scales) for w in ws]  # outside the timed call
-    return [measure("w8a8", "fp8", lambda x, ws: [fp8_w8a8_matmul(x, w) for w in ws],
+    rows = [measure("w8a8", "fp8", lambda x, ws: [fp8_w8a8_matmul(x, w) for w in ws],
                     (x, ws), nbytes, t),
             measure("w8a8_bf16out", "fp8", bf16_out, (x, ws), nbytes, t),
             measure("w8a8_nk", "fp8", nk, (x, transposed), nbytes, t)]
+    k, n = ws[0].packed.shape
+    if k % 128 == 0 and n % 128 == 0:  # the Pallas GEMM's default tiles
+        interpret = jax.default_backend() == "cpu"
+        try:  # not yet compiled on a GPU: a failure goes to the log, the other forms still count
+            rows.append(measure("w8a8_pallas", "fp8", lambda x, ws: [
+                pallas_fp8_matmul(x, w, interpret=interpret) for w in ws], (x, ws), nbytes, t))
+        except Exception as e:  # noqa: BLE001 (Triton compile errors have no common type)
+            print(f"w8a8_pallas T={t}: failed: {type(e).__name__}: {e}", flush=True)
+    return rows
 
 
 def _sweep(a: argparse.Namespace, stack: list, measure, on_cpu: bool) -> dict:

@@ -1,10 +1,14 @@
-"""fp8 W8A8: activations quantized per token at run time, one fp8 x fp8 dot in XLA.
+"""fp8 W8A8: activations quantized per token at run time, an fp8 x fp8 dot, float32 sums
+rescaled by the token and channel scales.
 
-On the H200 XLA's fp8 dot runs 1.31x bf16 on one 8192^3 matmul (943 vs 718 TFLOP/s), but on
-the quantized-matmul benchmark's MLP stack (24 x 4096 x 14336, 2,048 tokens) this path took
-14.2 ms against 10.8 ms for dequantize-then-dot and 8.1 ms for bf16, so `ops.quantized_matmul`
-does not dispatch it; `benchmarks/quant_matmul.py` keeps measuring it (the quantization of the
-activations, one fusion per call, is the first thing to fuse next).
+Two forms. `fp8_w8a8_matmul` leaves the dot to XLA: on the H200 XLA's fp8 dot ran 1.31x bf16 on
+one 8192^3 matmul (943 vs 718 TFLOP/s), but on the quantized-matmul benchmark's MLP stack
+(24 x 4096 x 14336, 2,048 tokens) this path took 14.2 ms against 10.8 ms for dequantize-then-dot
+and 8.1 ms for bf16, so `ops.quantized_matmul` does not dispatch it. `pallas_fp8_matmul` is a
+Pallas (Triton) GEMM whose dot takes the e4m3 tiles as they are (Hopper's fp8 tensor cores) and
+whose epilogue applies both scales, so neither the weight nor the float32 product is ever
+written at full size. `benchmarks/quant_matmul.py` times both against bf16 (`_w8a8_forms`);
+neither is dispatched until one beats bf16 there.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
+from pjinfer.kernels import common
 from pjinfer.quantization.weight import FP8, FP8_MAX, QuantizedWeight
 
 W8A8_MIN_TOKENS = 256
@@ -25,13 +31,67 @@ def fp8_w8a8_applies(x: jax.Array, w: QuantizedWeight) -> bool:
             and x.shape[0] >= W8A8_MIN_TOKENS)
 
 
+def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [T, K] -> (e4m3 [T, K], float32 scale [T, 1]): per token, absmax / 448."""
+    x32 = x.astype(jnp.float32)
+    x_scale = jnp.max(jnp.abs(x32), axis=1, keepdims=True) / FP8_MAX  # [T, 1]
+    x_scale = jnp.where(x_scale > 0, x_scale, 1.0)
+    return (x32 / x_scale).astype(FP8), x_scale
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype",))
 def fp8_w8a8_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None) -> jax.Array:
     """x [T, K] -> per-token e4m3 (scale absmax / 448), dot with w.packed [K, N] (e4m3),
     float32 sums rescaled by the token scale [T, 1] and the channel scale [1, N]."""
-    x32 = x.astype(jnp.float32)
-    x_scale = jnp.max(jnp.abs(x32), axis=1, keepdims=True) / FP8_MAX  # [T, 1]
-    x_scale = jnp.where(x_scale > 0, x_scale, 1.0)
-    xq = (x32 / x_scale).astype(FP8)
+    xq, x_scale = quantize_activations(x)
     y = jnp.dot(xq, w.packed, preferred_element_type=jnp.float32)  # [T, N]
     return (y * x_scale * w.scales).astype(out_dtype or x.dtype)
+
+
+def _gemm_kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, *, block_k: int, k_steps: int):
+    """One [bm, bn] output tile: e4m3 tiles straight into the dot, float32 sums, both
+    scales in the epilogue."""
+    def body(i, acc):
+        ks = pl.ds(i * block_k, block_k)
+        return acc + jnp.dot(x_ref[:, ks], w_ref[ks, :], preferred_element_type=jnp.float32)
+
+    acc = jax.lax.fori_loop(0, k_steps, body,
+                            jnp.zeros((x_ref.shape[0], w_ref.shape[1]), jnp.float32))
+    o_ref[...] = (acc * xs_ref[...] * ws_ref[...]).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "block_m", "block_n", "block_k",
+                                             "num_warps", "num_stages", "interpret"))
+def pallas_fp8_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None, block_m: int = 128,
+                      block_n: int = 128, block_k: int = 128, num_warps: int = 8,
+                      num_stages: int = 4, interpret: bool = False) -> jax.Array:
+    """`fp8_w8a8_matmul` as one Pallas GEMM: grid (row tile, column tile), K walked in
+    `block_k` steps. Rows are padded to `block_m`; K and N must divide by their blocks (a
+    clear error otherwise: the caller keeps XLA's form for such weights)."""
+    if w.kind != "fp8" or w.scales.shape[0] != 1 or w.zeros is not None or w.perm is not None:
+        raise ValueError("pallas_fp8_matmul needs an fp8 weight with one scale per channel")
+    common.check_pow2(block_m=block_m, block_n=block_n, block_k=block_k)
+    t, k = x.shape
+    n = w.packed.shape[1]
+    if k % block_k or n % block_n:
+        raise ValueError(f"pallas_fp8_matmul: K {k} and N {n} must divide by block_k "
+                         f"{block_k} and block_n {block_n}")
+    xq, x_scale = quantize_activations(x)
+    rows = -(-t // block_m) * block_m
+    xq = jnp.pad(xq, ((0, rows - t), (0, 0)))
+    x_scale = jnp.pad(x_scale, ((0, rows - t), (0, 0)), constant_values=1.0)
+    scales = w.scales.astype(jnp.float32)  # [1, N]
+    out = pl.pallas_call(
+        functools.partial(_gemm_kernel, block_k=block_k, k_steps=k // block_k),
+        grid=(rows // block_m, n // block_n),
+        in_specs=[pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
+                  pl.BlockSpec((block_m, 1), lambda i, j: (i, 0)),
+                  pl.BlockSpec((k, block_n), lambda i, j: (0, j)),
+                  pl.BlockSpec((1, block_n), lambda i, j: (0, j))],
+        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((rows, n), out_dtype or x.dtype),
+        compiler_params=common.triton_params(num_warps, num_stages),
+        interpret=interpret,
+        name="fp8_w8a8_gemm",
+    )(xq, x_scale, w.packed, scales)
+    return out[:t]
