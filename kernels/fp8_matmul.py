@@ -7,8 +7,13 @@ one 8192^3 matmul (943 vs 718 TFLOP/s), but on the quantized-matmul benchmark's 
 and 8.1 ms for bf16, so `ops.quantized_matmul` does not dispatch it. `pallas_fp8_matmul` is a
 Pallas (Triton) GEMM whose dot takes the e4m3 tiles as they are (Hopper's fp8 tensor cores) and
 whose epilogue applies both scales, so neither the weight nor the float32 product is ever
-written at full size. `benchmarks/quant_matmul.py` times both against bf16 (`_w8a8_forms`);
-neither is dispatched until one beats bf16 there.
+written at full size. But compiled offline for sm_90a (`triton` 3.9, the path of
+`benchmarks/kernel_ptx.py`) its dot becomes `mma.sync` m16n8k16 on float16 with the e4m3 tiles
+converted first, not Hopper's fp8 `wgmma` (a bf16 dot of the same kernel does get `wgmma`):
+Triton keeps an fp8 dot with float32 sums off `wgmma` unless the dot allows imprecise
+accumulation (`max_num_imprecise_acc` >= 32), which Pallas' Triton lowering never sets. So this
+form is not expected to beat bf16 either. `benchmarks/quant_matmul.py` times both against
+bf16 (`_w8a8_forms`); neither is dispatched until one beats bf16 there.
 """
 
 from __future__ import annotations
