@@ -7,18 +7,23 @@ one 8192^3 matmul (943 vs 718 TFLOP/s), but on the quantized-matmul benchmark's 
 and 8.1 ms for bf16, so `ops.quantized_matmul` does not dispatch it. `pallas_fp8_matmul` is a
 Pallas (Triton) GEMM whose dot takes the e4m3 tiles as they are (Hopper's fp8 tensor cores) and
 whose epilogue applies both scales, so neither the weight nor the float32 product is ever
-written at full size. But compiled offline for sm_90a (`triton` 3.9, the path of
-`benchmarks/kernel_ptx.py`) its dot becomes `mma.sync` m16n8k16 on float16 with the e4m3 tiles
-converted first, not Hopper's fp8 `wgmma` (a bf16 dot of the same kernel does get `wgmma`):
-Triton keeps an fp8 dot with float32 sums off `wgmma` unless the dot allows imprecise
-accumulation (`max_num_imprecise_acc` >= 32), which Pallas' Triton lowering never sets. So this
-form is not expected to beat bf16 either. `benchmarks/quant_matmul.py` times both against
-bf16 (`_w8a8_forms`); neither is dispatched until one beats bf16 there.
+written at full size.
+
+Triton puts an fp8 dot with float32 sums on Hopper's fp8 `wgmma` only when the dot allows
+imprecise accumulation (`maxNumImpreciseAcc`), which Triton's own `tl.dot` sets (2^30) for fp8
+and Pallas' Triton lowering never does: compiled offline for sm_90a (`triton` 3.9, as
+`benchmarks/kernel_ptx.py` does) the Pallas dot became float16 `mma.sync` after converting the
+e4m3 tiles, and the same IR with the attribute `wgmma.m64n128k32.f32.e4m3.e4m3`.
+`pallas_fp8_matmul` therefore wraps Pallas' dot lowering once (`_fp8_dots_accumulate_like_triton`)
+so that dots of two fp8 operands carry Triton's default; other dots are untouched.
+`benchmarks/quant_matmul.py` times both forms against bf16 (`_w8a8_forms`); neither is
+dispatched until one beats bf16 there.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +31,8 @@ from jax.experimental import pallas as pl
 
 from pjinfer.kernels import common
 from pjinfer.quantization.weight import FP8, FP8_MAX, QuantizedWeight
+
+log = logging.getLogger("pjinfer")
 
 W8A8_MIN_TOKENS = 256
 
@@ -65,6 +72,41 @@ def _gemm_kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, *, block_k: int, k_steps: 
     o_ref[...] = (acc * xs_ref[...] * ws_ref[...]).astype(o_ref.dtype)
 
 
+IMPRECISE_ACC = 1 << 30  # what Triton's tl.dot sets for fp8 operands
+
+
+@functools.cache
+def _fp8_dots_accumulate_like_triton() -> bool:
+    """Wrap Pallas' Triton lowering of dot_general (once per process) so that a dot of two
+    fp8 operands carries `maxNumImpreciseAcc` as Triton's own `tl.dot` would; False (logged)
+    where this JAX's lowering does not have the expected shape (the dot then still runs,
+    on float16 `mma.sync`)."""
+    try:
+        from jax import lax
+        from jax._src.lib.mlir import ir
+        from jax._src.pallas.triton import lowering
+
+        rules = lowering.triton_lowering_rules
+        original = rules[lax.dot_general_p]
+    except (ImportError, AttributeError, KeyError) as e:
+        log.warning("fp8 GEMM: cannot reach Pallas' dot lowering (%s); fp8 dots stay off "
+                    "wgmma", e)
+        return False
+    fp8 = {jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)}
+
+    def rule(ctx, a, b, **params):
+        out = original(ctx, a, b, **params)
+        dot = getattr(getattr(out, "owner", None), "operation", None)  # the op making `out`
+        if all(aval.dtype in fp8 for aval in ctx.avals_in) and dot is not None \
+                and dot.name == "tt.dot":
+            dot.attributes["maxNumImpreciseAcc"] = ir.IntegerAttr.get(
+                ir.IntegerType.get_signless(32), IMPRECISE_ACC)
+        return out
+
+    rules[lax.dot_general_p] = rule
+    return True
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_m", "block_n", "block_k",
                                              "num_warps", "num_stages", "interpret"))
 def pallas_fp8_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None, block_m: int = 128,
@@ -81,6 +123,7 @@ def pallas_fp8_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None, block
     if k % block_k or n % block_n:
         raise ValueError(f"pallas_fp8_matmul: K {k} and N {n} must divide by block_k "
                          f"{block_k} and block_n {block_n}")
+    _fp8_dots_accumulate_like_triton()  # before this jit lowers the kernel
     xq, x_scale = quantize_activations(x)
     rows = -(-t // block_m) * block_m
     xq = jnp.pad(xq, ((0, rows - t), (0, 0)))
