@@ -126,7 +126,11 @@ def _w8a8_forms(measure, x, ws: list, nbytes: int, t: int) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from pjinfer.kernels.fp8_matmul import fp8_w8a8_matmul, pallas_fp8_matmul
+    from pjinfer.kernels.fp8_matmul import (
+        fp8_dots_accumulate_like_triton,
+        fp8_w8a8_matmul,
+        pallas_fp8_matmul,
+    )
     from pjinfer.quantization.weight import FP8, FP8_MAX
 
     def quantized_x(x):
@@ -154,6 +158,8 @@ def _w8a8_forms(measure, x, ws: list, nbytes: int, t: int) -> list[dict]:
     k, n = ws[0].packed.shape
     if k % 128 == 0 and n % 128 == 0:  # the Pallas GEMM's default tiles
         interpret = jax.default_backend() == "cpu"
+        print(f"w8a8_pallas: fp8 dots marked for wgmma: {fp8_dots_accumulate_like_triton()}",
+              flush=True)
         try:  # not yet compiled on a GPU: a failure goes to the log, the other forms still count
             rows.append(measure("w8a8_pallas", "fp8", lambda x, ws: [
                 pallas_fp8_matmul(x, w, interpret=interpret) for w in ws], (x, ws), nbytes, t))

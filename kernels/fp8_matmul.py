@@ -14,7 +14,7 @@ imprecise accumulation (`maxNumImpreciseAcc`), which Triton's own `tl.dot` sets 
 and Pallas' Triton lowering never does: compiled offline for sm_90a (`triton` 3.9, as
 `benchmarks/kernel_ptx.py` does) the Pallas dot became float16 `mma.sync` after converting the
 e4m3 tiles, and the same IR with the attribute `wgmma.m64n128k32.f32.e4m3.e4m3`.
-`pallas_fp8_matmul` therefore wraps Pallas' dot lowering once (`_fp8_dots_accumulate_like_triton`)
+`pallas_fp8_matmul` therefore wraps Pallas' dot lowering once (`fp8_dots_accumulate_like_triton`)
 so that dots of two fp8 operands carry Triton's default; other dots are untouched.
 `benchmarks/quant_matmul.py` times both forms against bf16 (`_w8a8_forms`); neither is
 dispatched until one beats bf16 there.
@@ -76,7 +76,7 @@ IMPRECISE_ACC = 1 << 30  # what Triton's tl.dot sets for fp8 operands
 
 
 @functools.cache
-def _fp8_dots_accumulate_like_triton() -> bool:
+def fp8_dots_accumulate_like_triton() -> bool:
     """Wrap Pallas' Triton lowering of dot_general (once per process) so that a dot of two
     fp8 operands carries `maxNumImpreciseAcc` as Triton's own `tl.dot` would; False (logged)
     where this JAX's lowering does not have the expected shape (the dot then still runs,
@@ -123,7 +123,7 @@ def pallas_fp8_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None, block
     if k % block_k or n % block_n:
         raise ValueError(f"pallas_fp8_matmul: K {k} and N {n} must divide by block_k "
                          f"{block_k} and block_n {block_n}")
-    _fp8_dots_accumulate_like_triton()  # before this jit lowers the kernel
+    fp8_dots_accumulate_like_triton()  # before this jit lowers the kernel
     xq, x_scale = quantize_activations(x)
     rows = -(-t // block_m) * block_m
     xq = jnp.pad(xq, ((0, rows - t), (0, 0)))
