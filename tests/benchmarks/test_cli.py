@@ -44,7 +44,9 @@ def test_throughput_random(tmp_path):
     # the tokenizer loads beside the other phases: tokenizer_wait is what it added
     engine = sum(v for k, v in phases.items() if k not in ("process_before_engine",
                                                            "first_token", "tokenizer"))
-    assert engine == pytest.approx(rec["startup_s"], rel=0.05)
+    # phases cover the start-up but for the moments between them: 5%, or 0.1 s on a busy
+    # 2-core machine where a 0.5 s start-up left 26 ms between phases
+    assert engine == pytest.approx(rec["startup_s"], rel=0.05, abs=0.1)
     assert rec["process_to_first_token_s"] > rec["startup_s"]
     assert rec["engine_args"]["max_num_seqs"] == 8
     assert rec["ceilings"]["source"] == "given"
