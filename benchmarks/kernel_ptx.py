@@ -51,7 +51,6 @@ def kernel_ttir(kind: str, tokens: int, k: int, n: int, group_size: int,
     """(Triton IR text, tiling) of `quantized_matmul` on a [k, n] weight of `kind`."""
     import jax
     import jax.numpy as jnp
-    from jax._src.pallas.triton import pallas_call_registration as registration
 
     from pjinfer.kernels.quantized_matmul import pick_block_sizes, quantized_matmul
     from pjinfer.quantization.weight import FP8, QuantizedWeight
@@ -62,26 +61,35 @@ def kernel_ttir(kind: str, tokens: int, k: int, n: int, group_size: int,
     w = QuantizedWeight(packed, jax.ShapeDtypeStruct((groups, n), jnp.float32), kind=kind,
                         zero_point=8.0 if kind == "int4" else 0.0)
     sizes = dataclasses.replace(pick_block_sizes(tokens, w), **overrides)
-    captured: list[str] = []
-    lower = registration.lowering.lower_jaxpr_to_triton_module
-
-    def capture(*args, **kwargs):
-        result = lower(*args, **kwargs)
-        captured.append(result.module.operation.get_asm(enable_debug_info=False))
-        return result
-
-    registration.lowering.lower_jaxpr_to_triton_module = capture
-    try:
-        check = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-        jax.export.export(jax.jit(lambda x, w: quantized_matmul(x, w, block_sizes=sizes)),
-                          platforms=["cuda"], disabled_checks=[check])(
-            jax.ShapeDtypeStruct((tokens, k), jnp.bfloat16), w)
-    finally:
-        registration.lowering.lower_jaxpr_to_triton_module = lower
+    captured = triton_ir(lambda x, w: quantized_matmul(x, w, block_sizes=sizes),
+                         jax.ShapeDtypeStruct((tokens, k), jnp.bfloat16), w)
     if not captured:
         raise ValueError(f"{sizes.describe()} does not tile a {k} x {n} {kind} weight "
                          "(the reference would run): pick other tiling fields")
     return captured[0], sizes
+
+
+def triton_ir(fn, *args) -> list[str]:
+    """The Triton IR text of every Pallas kernel `fn(*args)` lowers to for CUDA (exported,
+    so no GPU is needed)."""
+    import jax
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    captured: list[str] = []
+    lower = registration.lowering.lower_jaxpr_to_triton_module
+
+    def capture(*a, **kw):
+        result = lower(*a, **kw)
+        captured.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    check = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    registration.lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[check])(*args)
+    finally:
+        registration.lowering.lower_jaxpr_to_triton_module = lower
+    return captured
 
 
 def op_counts(text: str, pattern: str) -> dict[str, int]:

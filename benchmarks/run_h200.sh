@@ -259,11 +259,8 @@ stage_loramulti() {
       --out "$JSON/lora_multistep.json"
 }
 
-# Issue 14: quantized matmul kernel, then batch-1 TPOT (bf16, GPTQ int4 g128, fp8, int8), W3
-# with fp8 weights, W4 with an fp8 KV cache (the records' num_kv_blocks give the 8k capacity).
-# Dummy weights: quantized runs draw bf16 weights and quantize them at load.
-# fp8 W8A8 at decode and prefill sizes, three forms (quant_matmul's _w8a8_forms): which one
-# XLA turns into an fp8 GEMM (issue 14's W3 fp8 target needs one faster than bf16).
+# fp8 W8A8 at decode and prefill sizes, four forms (quant_matmul's _w8a8_forms): XLA's
+# three and the Pallas GEMM (issue 14's W3 fp8 target needs one faster than bf16).
 stage_w8a8() {
   local kernel=(--tokens 1 16 2048)
   [ $SMOKE = 1 ] && kernel=(--matrices 2 --k 256 --n 256 --tokens 1 256 --samples 1 --calls 1)
@@ -271,6 +268,9 @@ stage_w8a8() {
       --out "$JSON/w8a8_forms.json"
 }
 
+# Issue 14: quantized matmul kernel, then batch-1 TPOT (bf16, GPTQ int4 g128, fp8, int8), W3
+# with fp8 weights, W4 with an fp8 KV cache (the records' num_kv_blocks give the 8k capacity).
+# Dummy weights: quantized runs draw bf16 weights and quantize them at load.
 stage_quant() {
   local gptq=(--model configs/models/llama3-8b-gptq-int4 --load-format dummy --dtype bfloat16)
   local kernel=() w1=(--input-len $IN_W1 --output-len $OUT_W1 --num-iters $ITERS)

@@ -39,8 +39,13 @@ W8A8_MIN_TOKENS = 256
 
 def fp8_w8a8_applies(x: jax.Array, w: QuantizedWeight) -> bool:
     """An fp8 weight with one scale per output channel (or tensor), at a compute-bound size."""
-    return (w.kind == "fp8" and w.scales.shape[0] == 1 and w.zeros is None and w.perm is None
-            and x.shape[0] >= W8A8_MIN_TOKENS)
+    return _per_channel_fp8(w) and x.shape[0] >= W8A8_MIN_TOKENS
+
+
+def _per_channel_fp8(w: QuantizedWeight) -> bool:
+    """What both W8A8 forms multiply: e4m3 values with one scale per output channel (or
+    tensor), no zeros, rows in order."""
+    return w.kind == "fp8" and w.scales.shape[0] == 1 and w.zeros is None and w.perm is None
 
 
 def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -115,7 +120,7 @@ def pallas_fp8_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None, block
     """`fp8_w8a8_matmul` as one Pallas GEMM: grid (row tile, column tile), K walked in
     `block_k` steps. Rows are padded to `block_m`; K and N must divide by their blocks (a
     clear error otherwise: the caller keeps XLA's form for such weights)."""
-    if w.kind != "fp8" or w.scales.shape[0] != 1 or w.zeros is not None or w.perm is not None:
+    if not _per_channel_fp8(w):
         raise ValueError("pallas_fp8_matmul needs an fp8 weight with one scale per channel")
     common.check_pow2(block_m=block_m, block_n=block_n, block_k=block_k)
     t, k = x.shape

@@ -174,42 +174,23 @@ def test_pallas_fp8_gemm_rejects_what_it_cannot_tile():
         pallas_fp8_matmul(jnp.ones((4, 128)), int8, interpret=True)
 
 
-def _triton_ir(fn, *args) -> list[str]:
-    """The Triton IR of every Pallas kernel `fn(*args)` lowers to for CUDA (no GPU needed)."""
-    from jax._src.pallas.triton import pallas_call_registration as registration
-
-    captured, lower = [], registration.lowering.lower_jaxpr_to_triton_module
-
-    def capture(*a, **k):
-        result = lower(*a, **k)
-        captured.append(result.module.operation.get_asm(enable_debug_info=False))
-        return result
-
-    check = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    registration.lowering.lower_jaxpr_to_triton_module = capture
-    try:
-        jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[check])(*args)
-    finally:
-        registration.lowering.lower_jaxpr_to_triton_module = lower
-    return captured
-
-
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the GPU runs the compiled kernel")
 def test_pallas_fp8_gemm_lowers_to_an_fp8_dot_triton_may_put_on_wgmma():
     """Without a GPU: a Llama-3-8B gate projection of a 2,048-token step lowers to Triton IR
     whose e4m3 x e4m3 dot allows imprecise accumulation as Triton's tl.dot does (without it
     Triton runs the dot as float16 mma.sync); a bf16 Pallas dot keeps Pallas' IR."""
+    from pjinfer.benchmarks.kernel_ptx import triton_ir
     from pjinfer.kernels.fp8_matmul import IMPRECISE_ACC, pallas_fp8_matmul
     from pjinfer.kernels.grouped_matmul import routed_matmul
     from pjinfer.quantization.weight import FP8
 
     w = QuantizedWeight(jax.ShapeDtypeStruct((4096, 14336), FP8),
                         jax.ShapeDtypeStruct((1, 14336), jnp.float32), kind="fp8")
-    (ir,) = _triton_ir(pallas_fp8_matmul, jax.ShapeDtypeStruct((2048, 4096), jnp.bfloat16), w)
+    (ir,) = triton_ir(pallas_fp8_matmul, jax.ShapeDtypeStruct((2048, 4096), jnp.bfloat16), w)
     dots = [line for line in ir.splitlines() if "tt.dot" in line]
     assert dots and all("f8E4M3FN" in d and f"maxNumImpreciseAcc = {IMPRECISE_ACC}" in d
                         for d in dots)
-    (bf16,) = _triton_ir(lambda a, b, i: routed_matmul(a, b, i, per_assignment=False),
+    (bf16,) = triton_ir(lambda a, b, i: routed_matmul(a, b, i, per_assignment=False),
                          jax.ShapeDtypeStruct((16, 256), jnp.bfloat16),
                          jax.ShapeDtypeStruct((8, 256, 256), jnp.bfloat16),
                          jax.ShapeDtypeStruct((16, 2), jnp.int32))
