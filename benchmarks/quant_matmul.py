@@ -6,9 +6,8 @@ weight kind and token count this times, pipelined like the ceilings (`ceilings.t
   bf16   x @ W (XLA), the weight-streaming yardstick
   xla    `quantized_matmul_reference`: the whole weight dequantized, then one dot
   pallas `quantized_matmul`: packed bytes streamed, dequantized in registers
-  w8a8   fp8 only (every T on a GPU, >= 256 tokens on a CPU): activations quantized per
-         token, XLA's fp8 dot; also with a bf16 dot output, with the weight stored [N, K],
-         and as the Pallas GEMM (`pallas_fp8_matmul`)
+  w8a8   fp8 only: `fp8_w8a8_matmul`, activations quantized per token and XLA's fp8 dot
+         (the engine's form above decode sizes)
 and reports bytes moved as stored (packed values + scales + zeros + x + out), GB/s, the fraction
 of the bf16 GEMV's bandwidth (the roofline's ceiling), and TFLOP/s. On a CPU it runs tiny
 shapes in interpret mode (the plumbing only).
@@ -67,7 +66,7 @@ def run(argv: list[str] | None = None) -> dict:
 
     from pjinfer.benchmarks.ceilings import _filled, timed_rate, timing_plan
     from pjinfer.kernels import quantized_matmul as qmm
-    from pjinfer.kernels.fp8_matmul import W8A8_MIN_TOKENS
+    from pjinfer.kernels.fp8_matmul import fp8_w8a8_matmul
 
     a = _args(argv)
     on_cpu = jax.default_backend() == "cpu"
@@ -105,8 +104,9 @@ def run(argv: list[str] | None = None) -> dict:
             row = measure("pallas", kind, lambda x, ws: [qmm.quantized_matmul(
                 x, w, interpret=on_cpu) for w in ws], (x, ws), nbytes, t)
             rows = [row]
-            if kind == "fp8" and (t >= W8A8_MIN_TOKENS or not on_cpu):
-                rows += _w8a8_forms(measure, x, ws, nbytes, t)
+            if kind == "fp8":
+                rows.append(measure("w8a8", kind, lambda x, ws: [fp8_w8a8_matmul(x, w)
+                                                                 for w in ws], (x, ws), nbytes, t))
             for r in rows:
                 r["fraction_of_bf16_gemv_bandwidth"] = r["best_per_s"] / bf16["best_per_s"]
                 r["speedup_vs_bf16"] = (bf16["seconds_per_call"]["best"]
@@ -114,52 +114,6 @@ def run(argv: list[str] | None = None) -> dict:
             del ws
     write_record(a.out, record)
     return record
-
-
-def _w8a8_forms(measure, x, ws: list, nbytes: int, t: int) -> list[dict]:
-    """fp8 W8A8 four ways (round 2: the engine's form ran the 2,048-token stack at 14.2 ms,
-    bf16 8.1, although one 8192^3 fp8 dot ran 1.31x bf16): as `fp8_w8a8_matmul` does it
-    (float32 dot output), with the dot writing bf16 (scales applied after, in float32), and
-    with the weight stored [N, K] (both operands K-contiguous, cuBLASLt's fp8 layout), so a
-    miss of XLA's fp8 GEMM rewrite shows as which form is fast; and the Pallas GEMM
-    (`pallas_fp8_matmul`) where 128-wide tiles divide the weight."""
-    import jax
-    import jax.numpy as jnp
-
-    from pjinfer.kernels.fp8_matmul import (
-        fp8_dots_accumulate_like_triton,
-        fp8_w8a8_matmul,
-        pallas_fp8_matmul,
-        quantize_activations,
-    )
-
-    def bf16_out(x, ws):
-        xq, sx = quantize_activations(x)
-        return [(jnp.dot(xq, w.packed, preferred_element_type=jnp.bfloat16) * sx
-                 * w.scales).astype(x.dtype) for w in ws]
-
-    def nk(x, wts):  # wts: ([N, K] fp8, scales [1, N]) per matrix
-        xq, sx = quantize_activations(x)
-        return [(jax.lax.dot_general(xq, w, (((1,), (1,)), ((), ())),
-                                     preferred_element_type=jnp.float32) * sx * s
-                 ).astype(x.dtype) for w, s in wts]
-
-    transposed = [(jnp.asarray(w.packed.T), w.scales) for w in ws]  # outside the timed call
-    rows = [measure("w8a8", "fp8", lambda x, ws: [fp8_w8a8_matmul(x, w) for w in ws],
-                    (x, ws), nbytes, t),
-            measure("w8a8_bf16out", "fp8", bf16_out, (x, ws), nbytes, t),
-            measure("w8a8_nk", "fp8", nk, (x, transposed), nbytes, t)]
-    k, n = ws[0].packed.shape
-    if k % 128 == 0 and n % 128 == 0:  # the Pallas GEMM's default tiles
-        interpret = jax.default_backend() == "cpu"
-        print(f"w8a8_pallas: fp8 dots marked for wgmma: {fp8_dots_accumulate_like_triton()}",
-              flush=True)
-        try:  # not yet compiled on a GPU: a failure goes to the log, the other forms still count
-            rows.append(measure("w8a8_pallas", "fp8", lambda x, ws: [
-                pallas_fp8_matmul(x, w, interpret=interpret) for w in ws], (x, ws), nbytes, t))
-        except Exception as e:  # noqa: BLE001 (Triton compile errors have no common type)
-            print(f"w8a8_pallas T={t}: failed: {type(e).__name__}: {e}", flush=True)
-    return rows
 
 
 def _sweep(a: argparse.Namespace, stack: list, measure, on_cpu: bool) -> dict:

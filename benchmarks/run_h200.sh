@@ -33,7 +33,9 @@
 #                                         # --num-scheduler-steps 8 (~6 min)
 #   bash benchmarks/run_h200.sh moeprofile  # Qwen3-30B-A3B (batch 1, 10 x 2,560) and
 #                                           # Mixtral-8x7B decode steps profiled (~6 min)
-#   bash benchmarks/run_h200.sh w8a8      # fp8 W8A8 forms at 1, 16, 2,048 tokens (~3 min)
+#   bash benchmarks/run_h200.sh w8a8      # fp8 weights [N, K]: kernel vs W8A8 vs bf16 at 1 to
+#                                         # 2,048 tokens, W3 bf16 vs fp8, W1 fp8 (~9 min with
+#                                         # N_W3=300)
 #   bash benchmarks/run_h200.sh routed    # the routed expert GEMMs (decode) with K cut into
 #                                         # 1, 2 or 4 ranges, gate/up and down apart (~4 min)
 #   bash benchmarks/run_h200.sh routedwide  # Mixtral's down projection in 4, 8, 16 K ranges
@@ -259,24 +261,52 @@ stage_loramulti() {
       --out "$JSON/lora_multistep.json"
 }
 
-# fp8 W8A8 at decode and prefill sizes, four forms (quant_matmul's _w8a8_forms): XLA's
-# three and the Pallas GEMM (issue 14's W3 fp8 target needs one faster than bf16).
+# fp8 weights stored [N, K] (round 10): the weight-only kernel up to 64 tokens and W8A8 (XLA's
+# fp8 GEMM) above, against bf16; then the engine's W3 bf16 vs fp8 and W1 fp8.
 stage_w8a8() {
-  local kernel=(--tokens 1 16 2048)
-  [ $SMOKE = 1 ] && kernel=(--matrices 2 --k 256 --n 256 --tokens 1 256 --samples 1 --calls 1)
-  step w8a8_forms 300 $PY -m pjinfer.benchmarks.quant_matmul --kinds fp8 "${kernel[@]}" \
-      --out "$JSON/w8a8_forms.json"
+  local kernel=(--tokens 1 16 64 128 512 2048)
+  [ $SMOKE = 1 ] && kernel=(--matrices 2 --k 256 --n 256 --tokens 1 128 --samples 1 --calls 1)
+  local sweep=(--tokens 1 16)
+  [ $SMOKE = 1 ] && sweep=(--matrices 1 --k 256 --n 256 --tokens 1 --samples 1 --calls 1)
+  step w8a8_kernel 240 $PY -m pjinfer.benchmarks.quant_matmul --kinds fp8 "${kernel[@]}" \
+      --out "$JSON/w8a8_kernel.json"
+  step w8a8_sweep 150 $PY -m pjinfer.benchmarks.quant_matmul --sweep --kinds fp8 "${sweep[@]}" \
+      --out "$JSON/w8a8_sweep.json"
+  quant_w3 bf16 fp8
+  quant_w1 fp8
+}
+
+# quant_w1 VARIANT...: batch-1 TPOT (W1) of Llama-3-8B as bf16 / int4 (GPTQ g128) / fp8 / int8.
+quant_w1() {
+  local gptq=(--model configs/models/llama3-8b-gptq-int4 --load-format dummy --dtype bfloat16)
+  [ $SMOKE = 1 ] && gptq=(--quantization int8)
+  for v in "$@"; do
+    local m=("${MODEL[@]}")
+    case $v in int4) m=("${gptq[@]}");; fp8|int8) m+=(--quantization $v);; esac
+    step "quant_w1_$v" 150 "${BENCH[@]}" latency "${m[@]}" "${ENGINE[@]}" \
+        --compilation-cache-dir "$CACHE" --batch-size 1 --input-len $IN_W1 \
+        --output-len $OUT_W1 --num-iters $ITERS --num-iters-warmup 1 \
+        --output-json "$JSON/quant_w1_$v.json"
+  done
+}
+
+# quant_w3 VARIANT...: W3 throughput of Llama-3-8B as bf16 / fp8 weights.
+quant_w3() {
+  for v in "$@"; do
+    local m=("${MODEL[@]}")
+    [ $v = fp8 ] && m+=(--quantization fp8)
+    step "quant_w3_$v" 270 "${BENCH[@]}" throughput "${m[@]}" "${ENGINE[@]}" \
+        --compilation-cache-dir "$CACHE" --num-prompts $N_W3 --input-len $W3_IN \
+        --output-len $W3_OUT --warmup-requests 8 --output-json "$JSON/quant_w3_$v.json"
+  done
 }
 
 # Issue 14: quantized matmul kernel, then batch-1 TPOT (bf16, GPTQ int4 g128, fp8, int8), W3
 # with fp8 weights, W4 with an fp8 KV cache (the records' num_kv_blocks give the 8k capacity).
 # Dummy weights: quantized runs draw bf16 weights and quantize them at load.
 stage_quant() {
-  local gptq=(--model configs/models/llama3-8b-gptq-int4 --load-format dummy --dtype bfloat16)
-  local kernel=() w1=(--input-len $IN_W1 --output-len $OUT_W1 --num-iters $ITERS)
-  if [ $SMOKE = 1 ]; then
-    gptq=(--quantization int8); kernel=(--matrices 2 --k 256 --n 256 --tokens 1 16 --samples 1 --calls 1)
-  fi
+  local kernel=()
+  [ $SMOKE = 1 ] && kernel=(--matrices 2 --k 256 --n 256 --tokens 1 16 --samples 1 --calls 1)
   local layers=()
   [ $SMOKE = 1 ] && layers=(--layers 1 --hidden 256 --intermediate 512 --q-width 256 \
       --kv-width 128 --samples 1 --calls 1)
@@ -285,20 +315,8 @@ stage_quant() {
   # a decode step's projections, all layers: grouped kernels vs per weight vs bf16
   step quant_layers 240 $PY -m pjinfer.benchmarks.quant_layers "${layers[@]}" \
       --out "$JSON/quant_layers.json"
-  for v in bf16 int4 fp8 int8; do
-    local m=("${MODEL[@]}")
-    case $v in int4) m=("${gptq[@]}");; fp8|int8) m+=(--quantization $v);; esac
-    step "quant_w1_$v" 150 "${BENCH[@]}" latency "${m[@]}" "${ENGINE[@]}" \
-        --compilation-cache-dir "$CACHE" --batch-size 1 "${w1[@]}" --num-iters-warmup 1 \
-        --output-json "$JSON/quant_w1_$v.json"
-  done
-  for v in bf16 fp8; do
-    local m=("${MODEL[@]}")
-    [ $v = fp8 ] && m+=(--quantization fp8)
-    step "quant_w3_$v" 270 "${BENCH[@]}" throughput "${m[@]}" "${ENGINE[@]}" \
-        --compilation-cache-dir "$CACHE" --num-prompts $N_W3 --input-len $W3_IN \
-        --output-len $W3_OUT --warmup-requests 8 --output-json "$JSON/quant_w3_$v.json"
-  done
+  quant_w1 bf16 int4 fp8 int8
+  quant_w3 bf16 fp8
   for kv in auto fp8; do
     step "quant_w4_kv_$kv" 180 "${BENCH[@]}" throughput "${MODEL[@]}" "${ENGINE[@]}" \
         --kv-cache-dtype $kv --compilation-cache-dir "$CACHE" --dataset synthetic-sharegpt \

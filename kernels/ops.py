@@ -22,6 +22,7 @@ from pjinfer.kernels.decode_attention import (
     decode_attention_reference,
     default_decode_block_sizes,
 )
+from pjinfer.kernels.fp8_matmul import fp8_w8a8_matmul, per_channel_fp8
 from pjinfer.kernels.grouped_matmul import grouped_matmul as pallas_grouped_matmul
 from pjinfer.kernels.grouped_matmul import routed_matmul as pallas_routed_matmul
 from pjinfer.kernels.grouped_matmul import routed_matmul_reference
@@ -210,12 +211,13 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None,
                      backend: str = "auto") -> jax.Array:
     """x [T, K] @ a quantized weight [K, N] -> [T, N]. Up to `QUANT_PALLAS_MAX_ROWS` rows
     (decode) the weight-only Pallas kernel streams the packed bytes of an unsharded weight;
-    above, and off GPU, XLA's dequantize-then-dot (`quantized_matmul_reference`).
+    above, per-channel fp8 weights run W8A8 (`fp8_matmul`, XLA's fp8 GEMM) and the others,
+    like everything off GPU, XLA's dequantize-then-dot (`quantized_matmul_reference`).
 
     Measured on the H200 (24 x 4096 x 14336, `benchmarks/quant_matmul.py`) with the first,
     pre-split-K tiling: Pallas 0.87 ms (int4) / 1.39 ms (int8, fp8) vs XLA 4.6 / 2.96 ms at
-    T=1, about the same at T=16; at T=2048 XLA 10.8-10.9 ms vs Pallas 18.7-22.8 ms and fp8
-    W8A8 (`fp8_matmul`) 14.2 ms, so neither is dispatched there. The split-K tiling
+    T=1, about the same at T=16; at T=2048 XLA 10.8-10.9 ms vs Pallas 18.7-22.8 ms, and fp8
+    W8A8 with the weight [N, K] 5.1 ms (bf16 7.7; round 10). The split-K tiling
     (`quantized_matmul_tiling`), per 4096 x 14336 matrix at T=1: int4 0.038 ms, int8 0.039,
     fp8 0.047 vs bf16 0.037 (benchmarks/results/round2/quant_kernel_check_h200.json)."""
     return quantized_matmuls(x, [w], out_dtype=out_dtype, backend=backend)[0]
@@ -226,8 +228,11 @@ def quantized_matmuls(x: jax.Array, ws: list[QuantizedWeight], *, out_dtype=None
     """x [T, K] @ each of several quantized weights sharing it (q/k/v; gate/up) -> [T, N_m]
     each. Where the Pallas kernel applies (see `quantized_matmul`) the group runs as one
     kernel when `qmm.groupable` (one launch and one K-split sum for the group), else one
-    kernel per weight; elsewhere XLA's reference per weight."""
-    if _use_pallas(backend) and x.shape[0] <= QUANT_PALLAS_MAX_ROWS:
+    kernel per weight; elsewhere W8A8 or XLA's reference per weight."""
+    if _use_pallas(backend) and x.shape[0] > QUANT_PALLAS_MAX_ROWS:
+        return [fp8_w8a8_matmul(x, w, out_dtype=out_dtype) if per_channel_fp8(w)
+                else qmm.quantized_matmul_reference(x, w, out_dtype=out_dtype) for w in ws]
+    if _use_pallas(backend):
         interpret = jax.default_backend() != "gpu"
         if qmm.groupable(ws):
             return qmm.quantized_matmuls(x, tuple(ws), out_dtype=out_dtype,

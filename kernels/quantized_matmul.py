@@ -34,7 +34,8 @@ their low nibbles are one contiguous run of input rows and the high ones the run
 later, so the kernel reads x as it is (the first layout paired even / odd rows, which cost an
 XLA split of x per call).
 
-Layout: pjinfer.quantization.weight (packed [K/2 or K, N], scales / zeros [G, N]).
+Layout: pjinfer.quantization.weight (packed [K/2 or K, N], fp8 [N, K]; scales / zeros
+[G, N]). fp8 tiles are loaded [bn, bk] and multiplied as they are (no transpose in registers).
 Act-order weights are stored with their rows sorted by group (`perm`): x's columns are
 permuted the same way first. Shapes the tiles do not divide take the reference.
 """
@@ -118,13 +119,15 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
     z_ref = z[0] if z else None
     bt, bn, bk = sizes.block_t, sizes.block_n, sizes.block_k
     load_rows = bk // 2 if kind == "int4" else bk  # stored rows per load
+    out_major = kind == "fp8"  # stored [N, K]: a load reads [bn, bk]
     cols = pl.ds(ids[1] * bn, bn)
     tok0 = ids[0] * bt
     first = ids[2] * steps * sizes.unroll  # this range's first load
 
     def load(step):
-        """The raw tiles of one loop step: per load (packed [load_rows, bn], scale row [bn],
-        zero row [bn] or None, x [bt, load_rows] per x run (elementwise: [load_rows] each))."""
+        """The raw tiles of one loop step: per load (packed [load_rows, bn] (fp8: [bn,
+        load_rows]), scale row [bn], zero row [bn] or None, x [bt, load_rows] per x run
+        (elementwise: [load_rows] each))."""
         tiles = []
         for u in range(sizes.unroll):
             i = first + step * sizes.unroll + u  # global load index
@@ -136,15 +139,18 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
                 x = tuple(tuple(x_ref[tok0 + t, r] for t in range(bt)) for r in runs)
             else:
                 x = tuple(x_ref[pl.ds(tok0, bt), r] for r in runs)
-            tiles.append((p_ref[pl.ds(i * load_rows, load_rows), cols], s_ref[g, cols], z, x))
+            stored = pl.ds(i * load_rows, load_rows)
+            p = p_ref[cols, stored] if out_major else p_ref[stored, cols]
+            tiles.append((p, s_ref[g, cols], z, x))
         return tuple(tiles)
 
     def dequant(p, s, z):
-        """Packed tile -> float32 weight tiles [load_rows, bn] (int4: low, high nibbles):
-        (v - z) s = f (scale s) - (offset + z) s, one FMA an element."""
+        """Packed tile -> float32 weight tiles [load_rows, bn] (int4: low, high nibbles;
+        fp8: [bn, load_rows]): (v - z) s = f (scale s) - (offset + z) s, one FMA an element."""
         fs, scale, offset = _values(p, kind)
-        s = s.astype(jnp.float32)[None, :]  # [1, bn]
-        zero = z.astype(jnp.float32)[None, :] if z is not None else zero_point
+        per_column = (slice(None), None) if out_major else (None, slice(None))
+        s = s.astype(jnp.float32)[per_column]  # [1, bn] (fp8: [bn, 1])
+        zero = z.astype(jnp.float32)[per_column] if z is not None else zero_point
         shift = (offset + zero) * s if z is not None or offset + zero_point else None
         return [f * (scale * s) if shift is None else f * (scale * s) - shift for f in fs]
 
@@ -153,18 +159,24 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
         for p, s, z, x in tiles:
             for xp, w in zip(x, dequant(p, s, z), strict=True):
                 if sizes.elementwise:  # [load_rows, bn] += x[t, rows, None] * w
-                    for t in range(bt):
-                        acc[t] = acc[t] + xp[t].astype(jnp.float32)[:, None] * w
-                elif sizes.weight_lhs:  # [bn, bt] += w^T [bn, rows] @ x^T [rows, bt]
-                    acc[0] = acc[0] + jnp.dot(w.astype(xp.dtype).T, xp.T,
-                                              preferred_element_type=jnp.float32)
+                    for t in range(bt):  # (fp8: [bn, load_rows] += w * x[t, None, rows])
+                        xt = xp[t].astype(jnp.float32)
+                        acc[t] = acc[t] + (xt[None, :] if out_major else xt[:, None]) * w
+                    continue
+                w = w.astype(xp.dtype)
+                w_nk = w if out_major else w.T  # [bn, rows]
+                if sizes.weight_lhs:  # [bn, bt] += w^T [bn, rows] @ x^T [rows, bt]
+                    acc[0] = acc[0] + jnp.dot(w_nk, xp.T, preferred_element_type=jnp.float32)
+                elif out_major:  # [bt, bn] += x [bt, rows] . w [bn, rows] over rows
+                    acc[0] = acc[0] + jax.lax.dot_general(
+                        xp, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
                 else:  # [bt, bn] += x [bt, rows] @ w [rows, bn]
-                    acc[0] = acc[0] + jnp.dot(xp, w.astype(xp.dtype),
-                                              preferred_element_type=jnp.float32)
+                    acc[0] = acc[0] + jnp.dot(xp, w, preferred_element_type=jnp.float32)
         return tuple(acc)
 
     if sizes.elementwise:
-        acc = tuple(jnp.zeros((load_rows, bn), jnp.float32) for _ in range(bt))
+        acc_shape = (bn, load_rows) if out_major else (load_rows, bn)
+        acc = tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(bt))
         if sizes.num_stages == 1:  # load, then use: latency hidden by occupancy alone
             acc = jax.lax.fori_loop(0, steps, lambda k, acc: consume(acc, load(k)), acc)
         else:  # no dot, so Triton pipelines nothing: the next step's tiles are loaded
@@ -175,7 +187,7 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
 
             acc, _ = jax.lax.fori_loop(0, steps, body, (acc, load(0)))
         for t in range(bt):
-            o_ref[t, :] = acc[t].sum(axis=0).astype(o_ref.dtype)
+            o_ref[t, :] = acc[t].sum(axis=1 if out_major else 0).astype(o_ref.dtype)
     else:  # Triton's pipeliner stages the loads that feed the dots (`num_stages`)
         shape = (bn, bt) if sizes.weight_lhs else (bt, bn)
         acc = jax.lax.fori_loop(0, steps, lambda k, acc: consume(acc, load(k)),

@@ -2,7 +2,8 @@
 
   weight        float8_e4m3fn [out, in]
   weight_scale  float32 [] or [1] (per tensor), [out] or [out, 1] (per output channel)
-Weights are dequantized to the model dtype for the matmul (weight-only).
+Kept [out, in] (`QuantizedWeight`'s fp8 layout): decode steps stream them through the
+weight-only kernel, larger steps quantize the activations too (`kernels.fp8_matmul`).
 """
 
 from __future__ import annotations
@@ -28,4 +29,4 @@ def read(get: Getter, prefix: str, shape: tuple[int, int], q: QuantConfig) -> Ho
         raise ModelLoadError(f"tensor {prefix}.weight_scale has shape {scale.shape}: expected "
                              f"one scale per tensor or one per output channel ({cols})")
     scales = np.broadcast_to(scale.reshape(1, -1), (1, cols)).copy()  # [1, out]
-    return HostQuant(np.ascontiguousarray(weight.T), scales, None, None, "fp8", 0.0)
+    return HostQuant(np.ascontiguousarray(weight), scales, None, None, "fp8", 0.0)

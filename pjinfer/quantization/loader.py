@@ -2,21 +2,23 @@
 
 Which params are quantized: the decoder layers' Linear weights (`*_proj`); embeddings, norms,
 biases and the head stay in the model dtype. Pre-quantized formats replace HF Linear weights
-(one `.weight`, transposed to input-major); a checkpoint may leave some of them float (an
-`ignore` list, `modules_to_not_convert`): a layer is read as quantized when its format's
-marker tensor is there. Every part is placed with its weight's logical axes
-(`component_axes`), so a tp mesh splits scales and zeros with their weight; row-parallel
-splits must keep whole groups.
+(one `.weight`, transposed to input-major except fp8's, which stay [out, in]); a checkpoint
+may leave some of them float (an `ignore` list, `modules_to_not_convert`): a layer is read as
+quantized when its format's marker tensor is there. Every part is placed with its weight's
+logical axes (`component_axes`), so a tp mesh splits scales and zeros with their weight;
+row-parallel splits must keep whole groups.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import lru_cache
 from types import ModuleType
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from pjinfer.errors import ModelLoadError
@@ -116,10 +118,29 @@ def place_host(host: HostQuant, p: ParamSpec, placer: Placer) -> QuantizedWeight
     _check_whole_groups(p, placer, groups)
     parts = {}
     for name, arr in host.parts().items():
-        axes = component_axes(placer.axes(p), name, groups)
+        if name == "packed" and host.kind == "fp8" and placer.mesh is not None:
+            parts[name] = _place_out_major(arr, p, placer)
+            continue
+        axes = component_axes(placer.axes(p), name, groups, host.kind)
         parts[name] = placer.from_host(ParamSpec((*p.path, name), arr.shape, axes=axes), arr)
     return QuantizedWeight(**parts, kind=host.kind, zero_point=host.zero_point,
                            kernel=placer.mesh is None)
+
+
+def _place_out_major(packed: Any, p: ParamSpec, placer: Placer) -> jax.Array:
+    """fp8 values [out, in] onto a mesh: placed as the [in, out] weight they are (kv heads
+    duplicated along out, as the placer does for every weight), then turned back on the
+    devices, each keeping its own slice."""
+    w = placer.from_host(ParamSpec((*p.path, "packed"), p.shape, axes=placer.axes(p)), packed.T)
+    axes = component_axes(placer.axes(p), "packed", 1, "fp8")
+    return _transpose_into(NamedSharding(placer.mesh, spec_for(axes, w.shape[::-1],
+                                                               placer.mesh)))(w)
+
+
+@lru_cache(maxsize=64)
+def _transpose_into(sharding: NamedSharding) -> Callable[[jax.Array], jax.Array]:
+    """A jitted 2-D transpose landing in `sharding`: one compile per (shape, sharding)."""
+    return jax.jit(jnp.transpose, out_shardings=sharding)
 
 
 def quantize_on_device(w: jax.Array, p: ParamSpec, q: QuantConfig,
@@ -140,7 +161,7 @@ def quantize_on_device(w: jax.Array, p: ParamSpec, q: QuantConfig,
     for name in ("packed", "scales", "zeros"):
         arr = getattr(qw, name)
         if arr is not None:
-            axes = component_axes(placer.axes(p), name, groups)
+            axes = component_axes(placer.axes(p), name, groups, qw.kind)
             moved[name] = jax.device_put(arr, NamedSharding(placer.mesh,
                                                             spec_for(axes, arr.shape,
                                                                      placer.mesh)))

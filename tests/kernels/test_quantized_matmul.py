@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -44,7 +43,7 @@ def _weight(rng, kind: str, rows: int, cols: int, group: int, asym: bool) -> Qua
         packed = rng.integers(-128, 128, (rows, cols)).astype(np.int8)
         zeros, zero_point = rng.integers(-20, 20, (groups, cols)), 0.0
     else:
-        packed = jnp.asarray(rng.normal(0, 50, (rows, cols)), jnp.float8_e4m3fn)
+        packed = jnp.asarray(rng.normal(0, 50, (cols, rows)), jnp.float8_e4m3fn)  # [out, in]
         zeros, zero_point = None, 0.0
     zeros = jnp.asarray(zeros, jnp.float32) if asym and zeros is not None else None
     return QuantizedWeight(jnp.asarray(packed), scales, zeros, kind=kind, zero_point=zero_point)
@@ -128,73 +127,37 @@ def test_untiled_shapes_take_the_reference():
 
 
 def test_fp8_w8a8_is_within_activation_rounding_of_the_reference():
-    from pjinfer.kernels.fp8_matmul import W8A8_MIN_TOKENS, fp8_w8a8_applies, fp8_w8a8_matmul
+    from pjinfer.kernels.fp8_matmul import fp8_w8a8_matmul, per_channel_fp8
     from pjinfer.quantization.weight import quantize_per_channel
 
     rng = np.random.default_rng(5)
-    w = quantize_per_channel(jnp.asarray(rng.normal(0, 0.05, (128, 64)), jnp.float32), "fp8")
-    x = jnp.asarray(rng.standard_normal((W8A8_MIN_TOKENS, 128)), jnp.float32)
-    assert fp8_w8a8_applies(x, w) and not fp8_w8a8_applies(x[:4], w)
+    dense = jnp.asarray(rng.normal(0, 0.05, (128, 64)), jnp.float32)  # [in, out]
+    w = quantize_per_channel(dense, "fp8")
+    assert w.packed.shape == (64, 128) and w.shape == (128, 64)  # stored [out, in]
+    assert rel_err(dequantize(w), dense) < 0.05 and per_channel_fp8(w)
+    x = jnp.asarray(rng.standard_normal((37, 128)), jnp.float32)
     out = fp8_w8a8_matmul(x, w)
-    assert out.shape == (W8A8_MIN_TOKENS, 64)
+    assert out.shape == (37, 64)
     assert rel_err(out, quantized_matmul_reference(x, w)) < 0.05  # e4m3 activations: 2^-4
 
 
-@pytest.mark.parametrize("t, k, n, bm, bn, bk", [
-    (37, 256, 192, 16, 64, 64),  # rows padded to the row tile
-    (128, 128, 256, 64, 128, 32),  # several K steps, two column tiles
-    (5, 64, 32, 16, 32, 64),  # one K step, a decode-sized step
-])
-def test_pallas_fp8_gemm_matches_xla_w8a8(t, k, n, bm, bn, bk):
-    """The Pallas W8A8 GEMM computes what XLA's form does (same quantized activations, same
-    float32 sums and scales), on fresh random inputs."""
-    from pjinfer.kernels.fp8_matmul import fp8_w8a8_matmul, pallas_fp8_matmul
-    from pjinfer.quantization.weight import quantize_per_channel
+@pytest.mark.parametrize("tokens", [ops.QUANT_PALLAS_MAX_ROWS, ops.QUANT_PALLAS_MAX_ROWS + 1])
+def test_fp8_steps_above_decode_sizes_quantize_the_activations(tokens):
+    """Where the kernels run (GPU; interpret mode here), per-channel fp8 weights take the
+    weight-only kernel up to QUANT_PALLAS_MAX_ROWS rows and the W8A8 dot above."""
+    from pjinfer.kernels.fp8_matmul import fp8_w8a8_matmul
 
-    rng = np.random.default_rng(t + k + n)
-    w = quantize_per_channel(jnp.asarray(rng.normal(0, 0.05, (k, n)), jnp.float32), "fp8")
-    x = jnp.asarray(rng.standard_normal((t, k)), jnp.bfloat16)
-    out = pallas_fp8_matmul(x, w, block_m=bm, block_n=bn, block_k=bk,
-                            interpret=jax.default_backend() != "gpu", out_dtype=jnp.float32)
-    want = fp8_w8a8_matmul(x, w, out_dtype=jnp.float32)
-    assert out.shape == (t, n)
-    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4 * float(jnp.abs(want).max()))
-    assert rel_err(out, quantized_matmul_reference(x.astype(jnp.float32), w)) < 0.05
-
-
-def test_pallas_fp8_gemm_rejects_what_it_cannot_tile():
-    from pjinfer.kernels.fp8_matmul import pallas_fp8_matmul
-    from pjinfer.quantization.weight import quantize_per_channel
-
-    w = quantize_per_channel(jnp.ones((96, 64), jnp.float32), "fp8")
-    with pytest.raises(ValueError, match="K 96 and N 64 must divide"):
-        pallas_fp8_matmul(jnp.ones((4, 96)), w, block_k=64, interpret=True)
-    int8 = quantize_per_channel(jnp.ones((128, 128), jnp.float32), "int8")
-    with pytest.raises(ValueError, match="fp8 weight"):
-        pallas_fp8_matmul(jnp.ones((4, 128)), int8, interpret=True)
-
-
-@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the GPU runs the compiled kernel")
-def test_pallas_fp8_gemm_lowers_to_an_fp8_dot_triton_may_put_on_wgmma():
-    """Without a GPU: a Llama-3-8B gate projection of a 2,048-token step lowers to Triton IR
-    whose e4m3 x e4m3 dot allows imprecise accumulation as Triton's tl.dot does (without it
-    Triton runs the dot as float16 mma.sync); a bf16 Pallas dot keeps Pallas' IR."""
-    from pjinfer.benchmarks.kernel_ptx import triton_ir
-    from pjinfer.kernels.fp8_matmul import IMPRECISE_ACC, pallas_fp8_matmul
-    from pjinfer.kernels.grouped_matmul import routed_matmul
-    from pjinfer.quantization.weight import FP8
-
-    w = QuantizedWeight(jax.ShapeDtypeStruct((4096, 14336), FP8),
-                        jax.ShapeDtypeStruct((1, 14336), jnp.float32), kind="fp8")
-    (ir,) = triton_ir(pallas_fp8_matmul, jax.ShapeDtypeStruct((2048, 4096), jnp.bfloat16), w)
-    dots = [line for line in ir.splitlines() if "tt.dot" in line]
-    assert dots and all("f8E4M3FN" in d and f"maxNumImpreciseAcc = {IMPRECISE_ACC}" in d
-                        for d in dots)
-    (bf16,) = triton_ir(lambda a, b, i: routed_matmul(a, b, i, per_assignment=False),
-                         jax.ShapeDtypeStruct((16, 256), jnp.bfloat16),
-                         jax.ShapeDtypeStruct((8, 256, 256), jnp.bfloat16),
-                         jax.ShapeDtypeStruct((16, 2), jnp.int32))
-    assert "tt.dot" in bf16 and "maxNumImpreciseAcc" not in bf16
+    rng = np.random.default_rng(tokens)
+    ws = [_weight(rng, "fp8", 64, n, 64, asym=False) for n in (32, 64)]
+    x = jnp.asarray(rng.standard_normal((tokens, 64)), jnp.float32)
+    outs = ops.quantized_matmuls(x, ws, backend="pallas")
+    for out, w in zip(outs, ws, strict=True):
+        w8a8 = fp8_w8a8_matmul(x, w)
+        if tokens > ops.QUANT_PALLAS_MAX_ROWS:
+            np.testing.assert_array_equal(out, w8a8)
+        else:
+            assert rel_err(out, quantized_matmul_reference(x, w)) < TOL[jnp.float32]
+            assert rel_err(out, w8a8) > TOL[jnp.float32]  # the activations kept their bits
 
 
 @pytest.mark.parametrize("kind, group", [("int4", 128), ("int4", 32), ("int8", None)])
@@ -280,6 +243,7 @@ def test_group_falls_back_per_weight():
 def test_defaults_are_the_h200_sweeps_best(kind, tokens, best):
     """benchmarks/results/round3/quant_sweep.json: 4096 x 14336, int4 g128, per channel."""
     dtype = {"int4": jnp.uint8, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kind]
-    packed = jnp.zeros((2048 if kind == "int4" else 4096, 14336), dtype)
+    packed = jnp.zeros({"int4": (2048, 14336), "int8": (4096, 14336),
+                        "fp8": (14336, 4096)}[kind], dtype)  # fp8 stored [out, in]
     w = QuantizedWeight(packed, jnp.ones((32 if kind == "int4" else 1, 14336)), kind=kind)
     assert pick_block_sizes(tokens, w).describe() == best

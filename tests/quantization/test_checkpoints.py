@@ -102,6 +102,18 @@ def test_tensor_parallel_2(quantized, arch, name):
     _check(llm, oracle)
 
 
+@pytest.mark.parametrize("arch, name", [("llama", "fp8_channel"), ("qwen2", "ct_fp8_tensor")])
+def test_fp8_at_tensor_parallel_4_duplicates_kv_heads(quantized, arch, name):
+    """fp8 values stay [out, in]: at tp=4 over 2 kv heads each k / v projection holds every
+    head twice along its first dim, split over the devices like the float weight."""
+    folder, oracle = quantized(arch, name)
+    llm = LLM(str(folder), tensor_parallel_size=4, **ENGINE)
+    k = llm.engine.runner.params["layers"][0]["k_proj"]
+    assert k.shape == k.packed.shape[::-1] and k.packed.shape[0] == 4 * 32  # 2 heads x 2, hd 32
+    assert k.packed.sharding.shard_shape(k.packed.shape)[0] == 32
+    _check(llm, oracle)
+
+
 def test_missing_scales_name_the_tensor(quantized, tmp_path):
     from safetensors.numpy import load_file, save_file
 
