@@ -56,7 +56,8 @@ def kernel_ttir(kind: str, tokens: int, k: int, n: int, group_size: int,
     from pjinfer.quantization.weight import FP8, QuantizedWeight
 
     dtype = {"int4": jnp.uint8, "int8": jnp.int8, "fp8": FP8}[kind]
-    packed = jax.ShapeDtypeStruct((k // 2 if kind == "int4" else k, n), dtype)
+    shape = {"int4": (k // 2, n), "int8": (k, n), "fp8": (n, k)}[kind]  # fp8 [out, in]
+    packed = jax.ShapeDtypeStruct(shape, dtype)
     groups = k // group_size if kind == "int4" else 1
     w = QuantizedWeight(packed, jax.ShapeDtypeStruct((groups, n), jnp.float32), kind=kind,
                         zero_point=8.0 if kind == "int4" else 0.0)

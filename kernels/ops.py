@@ -245,6 +245,24 @@ def quantized_matmuls(x: jax.Array, ws: list[QuantizedWeight], *, out_dtype=None
 
 QUANT_PALLAS_MAX_ROWS = 64  # between the measured 16 (Pallas 1.9-5x faster) and 2048 (slower)
 
+# XLA autotunes Triton GEMM fusions as alternatives to cuBLASLt's fp8 GEMM: on the H200
+# (benchmarks/w8a8_compile.py, Llama-3-8B's projections at 128 and 2,048 tokens) 2.6-23.6 s
+# of compile per shape, against 0.1-0.5 s without, and the cuBLASLt-only programs ran as fast
+# or faster (gate/up at 2,048 tokens 0.52 vs 0.63 ms, down 0.34 vs 0.44); an fp8 engine's
+# warm-up (~50 step shapes) outlasted 270 s where bf16's took 90.
+W8A8_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
+
+def step_compiler_options(params) -> dict:
+    """XLA options for compiling a step over `params`: `W8A8_COMPILER_OPTIONS` on a GPU when
+    some weight takes the W8A8 form (per-channel fp8), else none."""
+    if jax.default_backend() != "gpu":
+        return {}
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    if any(isinstance(w, QuantizedWeight) and per_channel_fp8(w) for w in leaves):
+        return dict(W8A8_COMPILER_OPTIONS)
+    return {}
+
 
 def lora_group_deltas(x: jax.Array, adapters: list[lora_matmul.Adapter], slots: jax.Array, *,
                       backend: str = "auto") -> list[jax.Array]:

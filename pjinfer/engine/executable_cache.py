@@ -24,9 +24,12 @@ import tempfile
 import threading
 from dataclasses import fields, is_dataclass
 from pathlib import Path
+from typing import Any
 
 import jax
 from jax.sharding import Mesh
+
+from pjinfer.kernels.ops import step_compiler_options
 
 log = logging.getLogger("pjinfer")
 
@@ -136,6 +139,16 @@ def served_by_jax_cache():
     _register_listener()
     before = getattr(_hits, "count", 0)
     yield lambda: getattr(_hits, "count", 0) > before
+
+
+def compile_step(jitted, args: tuple) -> tuple[Any, bool]:
+    """Lower and compile `jitted(*args)` (a step over params `args[0]`) with the XLA options
+    its kernels ask for (`ops.step_compiler_options`); whether JAX's persistent cache served
+    it (`served_by_jax_cache`). The options follow from the params' dtypes, which every key
+    here already holds."""
+    with served_by_jax_cache() as served:
+        fn = jitted.lower(*args).compile(step_compiler_options(args[0]) or None)
+    return fn, served()
 
 
 @functools.cache

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pjinfer.engine.executable_cache import ExecutableCache, served_by_jax_cache
+from pjinfer.engine.executable_cache import ExecutableCache, compile_step
 from pjinfer.engine.host_pack import Packed, unpack
 from pjinfer.engine.sampler import sample
 from pjinfer.engine.sampling_metadata import SamplingRow
@@ -77,9 +77,7 @@ class MultiStepExecutables:
                 functools.partial(multi_decode_step, max_logprobs=max_logprobs,
                                   **self._static),
                 donate_argnums=(1,), **self._shardings)
-        with served_by_jax_cache() as served:
-            fn = jitted.lower(*args).compile()
-        return fn, served()
+        return compile_step(jitted, args)
 
 
 NAME = "multi_decode_step"  # the executable cache's name for these entries

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from pjinfer.config import ModelConfig
 from pjinfer.engine.compile_pool import compile_all
 from pjinfer.engine.config import EngineConfig
-from pjinfer.engine.executable_cache import ExecutableCache, served_by_jax_cache
+from pjinfer.engine.executable_cache import ExecutableCache, compile_step
 from pjinfer.engine.host_pack import Packed, pack, unpack
 from pjinfer.engine.input_batch import InputBatch
 from pjinfer.engine.inputs import (
@@ -172,9 +172,7 @@ class ModelRunner:
         """Trace, lower and compile one step; whether JAX's persistent cache served it."""
         jitted = jax.jit(partial(_packed_step, opts=opts), donate_argnums=(1,),
                          **self._step_shardings(opts))
-        with served_by_jax_cache() as served:
-            fn = jitted.lower(*args).compile()
-        return fn, served()
+        return compile_step(jitted, args)
 
     def _step_args(self, inputs) -> tuple:  # inputs: any pytree of the step's host arrays
         lora = () if self.lora_weights is None else (self.lora_weights,)

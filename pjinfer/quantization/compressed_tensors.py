@@ -4,8 +4,9 @@
                    dim low bits first, stored plus 2^(bits-1) (signed -> unsigned); weight_scale
                    [out, G]; weight_shape [2]
   naive-quantized: weight int8 [out, in] (signed); weight_scale [out, G]
-  float-quantized: weight float8_e4m3fn [out, in]; weight_scale [out, 1] or [1] (fp8 W8A8: the
-                   activation scales are left unused, activations stay in the model dtype)
+  float-quantized: weight float8_e4m3fn [out, in]; weight_scale [out, 1] or [1] (fp8 W8A8:
+                   stored activation scales are left unused; steps above decode sizes
+                   quantize activations per token at run time, `kernels.fp8_matmul`)
 Symmetric weight schemes only (no weight_zero_point).
 """
 

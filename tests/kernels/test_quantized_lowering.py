@@ -22,7 +22,8 @@ TRITON = "__gpu$xla.gpu.triton"
 def _weight(kind: str, rows: int, cols: int) -> QuantizedWeight:
     dtype = {"int4": jnp.uint8, "int8": jnp.int8, "fp8": FP8}[kind]
     groups = rows // 128 if kind == "int4" else 1  # GPTQ g128; per channel
-    packed = jax.ShapeDtypeStruct((rows // 2 if kind == "int4" else rows, cols), dtype)
+    shape = {"int4": (rows // 2, cols), "int8": (rows, cols), "fp8": (cols, rows)}[kind]
+    packed = jax.ShapeDtypeStruct(shape, dtype)
     return QuantizedWeight(packed, jax.ShapeDtypeStruct((groups, cols), jnp.float32),
                            kind=kind, zero_point=8.0 if kind == "int4" else 0.0)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,8 +20,8 @@ from pjinfer.kernels.quantized_matmul import (
     supported,
 )
 from pjinfer.kernels.quantized_matmul_tiling import (
-    REGIMES,
     legacy_block_sizes,
+    regime,
     sweep_candidates,
 )
 from pjinfer.quantization.weight import (
@@ -160,20 +161,22 @@ def test_fp8_steps_above_decode_sizes_quantize_the_activations(tokens):
             assert rel_err(out, w8a8) > TOL[jnp.float32]  # the activations kept their bits
 
 
-@pytest.mark.parametrize("kind, group", [("int4", 128), ("int4", 32), ("int8", None)])
+@pytest.mark.parametrize("kind, group", [("int4", 128), ("int4", 32), ("int8", None),
+                                         ("fp8", None)])
 @pytest.mark.parametrize("rows, cols", [(4096, 14336), (14336, 4096)])
 def test_block_sizes_fill_the_gpu_at_decode(kind, group, rows, cols):
     """Llama-3-8B MLP shapes: >= 2 programs per SM, wide loads, 2+ steps per K range."""
-    packed = jnp.zeros((rows // 2 if kind == "int4" else rows, cols), jnp.uint8)
+    shape = {"int4": (rows // 2, cols), "int8": (rows, cols), "fp8": (cols, rows)}[kind]
+    packed = jnp.zeros(shape, jnp.float8_e4m3fn if kind == "fp8" else jnp.uint8)
     w = QuantizedWeight(packed, jnp.ones((rows // (group or rows), cols)), kind=kind)
     x = jnp.zeros((1, rows), jnp.bfloat16)
     for tokens in (1, 16):
         b = pick_block_sizes(tokens, w)
-        regime = REGIMES[kind == "int4", tokens == 1]
+        rules = regime(kind, tokens == 1)
         assert supported(x, w, b) and b.elementwise == (tokens == 1)
-        assert (cols // b.block_n) * b.k_splits >= regime.programs
+        assert (cols // b.block_n) * b.k_splits >= rules.programs
         load_bytes = b.block_k // (2 if kind == "int4" else 1) * b.block_n
-        assert load_bytes * b.unroll == regime.step_bytes
+        assert load_bytes * b.unroll == rules.step_bytes
         assert rows // (b.block_k * b.unroll * b.k_splits) >= 2
     prefill = pick_block_sizes(2048, w)
     assert (prefill.block_t, prefill.k_splits) == (64, 1)
@@ -238,12 +241,32 @@ def test_group_falls_back_per_weight():
 
 @pytest.mark.parametrize("kind, tokens, best", [
     ("int4", 1, "t1 n128 k128x2 s8 w8 st1 (sum)"), ("int4", 16, "t16 n256 k128x2 s4 w8 st3 (dot)"),
-    ("fp8", 1, "t1 n128 k64x4 s4 w8 st1 (sum)"), ("fp8", 16, "t16 n128 k64x2 s4 w4 st3 (dot)"),
+    ("fp8", 1, "t1 n64 k64x4 s4 w8 st1 (sum)"), ("fp8", 16, "t16 n64 k64x2 s4 w4 st3 (dot)"),
     ("int8", 1, "t1 n128 k64x4 s4 w8 st1 (sum)"), ("int8", 16, "t16 n128 k64x2 s4 w4 st3 (dot)")])
 def test_defaults_are_the_h200_sweeps_best(kind, tokens, best):
-    """benchmarks/results/round3/quant_sweep.json: 4096 x 14336, int4 g128, per channel."""
+    """benchmarks/results/round3/quant_sweep.json: 4096 x 14336, int4 g128, per channel;
+    fp8 ([N, K] since round 10): benchmarks/results/round10/w8a8_sweep.json."""
     dtype = {"int4": jnp.uint8, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kind]
     packed = jnp.zeros({"int4": (2048, 14336), "int8": (4096, 14336),
                         "fp8": (14336, 4096)}[kind], dtype)  # fp8 stored [out, in]
     w = QuantizedWeight(packed, jnp.ones((32 if kind == "int4" else 1, 14336)), kind=kind)
     assert pick_block_sizes(tokens, w).describe() == best
+
+
+def test_fp8_steps_compile_without_triton_gemm_autotuning_on_gpu(monkeypatch):
+    """A step over per-channel fp8 weights asks XLA for cuBLASLt's fp8 GEMM alone on a GPU
+    (none of the Triton fusions it would autotune); other params, and CPUs, ask nothing."""
+    rng = np.random.default_rng(11)
+    fp8 = {"layers": [{"q_proj": _weight(rng, "fp8", 64, 32, 64, asym=False),
+                       "norm": jnp.ones(64)}]}
+    int4 = {"layers": [{"q_proj": _weight(rng, "int4", 64, 32, 32, asym=True)}]}
+    assert ops.step_compiler_options(fp8) == {}  # this CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert ops.step_compiler_options(fp8) == ops.W8A8_COMPILER_OPTIONS
+    assert ops.step_compiler_options(int4) == {} and ops.step_compiler_options({}) == {}
+    monkeypatch.undo()
+    x = jnp.ones((80, 64), jnp.float32)  # XLA takes the option on any backend
+    step = jax.jit(lambda x, w: ops.quantized_matmuls(x, [w], backend="pallas")[0])
+    w = fp8["layers"][0]["q_proj"]
+    compiled = step.lower(x, w).compile(ops.W8A8_COMPILER_OPTIONS)
+    np.testing.assert_array_equal(compiled(x, w), step(x, w))
