@@ -80,3 +80,13 @@ def test_kernel_ptx_reads_the_triton_ir_without_a_gpu(tmp_path):
     assert loop[0] == "$L__BB0_1:" and loop[-1].strip() == "bra.uni $L__BB0_1;"
     assert kernel_ptx.op_counts("\n".join(loop[3:5]), r"^\s+(?:@!?%p\d+ )?([a-z]+)") == {
         "fma": 1, "ld": 1}
+
+
+def test_w8a8_compile_records_each_shape(tmp_path):
+    from pjinfer.benchmarks import w8a8_compile
+
+    out = tmp_path / "c.json"
+    w8a8_compile.run(["--smoke", "--tokens", "8", "--calls", "1", "--out", str(out)])
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["shape"] for r in runs] == [name for name, _, _ in w8a8_compile.SHAPES]
+    assert all(r["compile_s"] > 0 and r["best_ms"] > 0 and r["tokens"] == 8 for r in runs)
