@@ -36,6 +36,8 @@
 #   bash benchmarks/run_h200.sh w8a8      # fp8 weights [N, K]: kernel vs W8A8 vs bf16 at 1 to
 #                                         # 2,048 tokens, W3 bf16 vs fp8, W1 fp8 (~9 min with
 #                                         # N_W3=300)
+#   bash benchmarks/run_h200.sh decodesplits  # paged decode attention at Qwen3's 10 x 2,560
+#                                             # step, context splits x pages swept (~1 min)
 #   bash benchmarks/run_h200.sh routed    # the routed expert GEMMs (decode) with K cut into
 #                                         # 1, 2 or 4 ranges, gate/up and down apart (~4 min)
 #   bash benchmarks/run_h200.sh routedwide  # Mixtral's down projection in 4, 8, 16 K ranges
@@ -276,6 +278,15 @@ stage_w8a8() {
   quant_w1 fp8
 }
 
+# Qwen3-30B-A3B's decode attention with 10 sequences of 2,560 tokens (round 10: 1.80 ms a step
+# at 0.29 of bandwidth): context splits and pages per compute block against the default.
+stage_decodesplits() {
+  local smoke=()
+  [ $SMOKE = 1 ] && smoke=(--smoke)
+  step decode_splits 150 $PY -m pjinfer.benchmarks.decode_splits "${smoke[@]}" \
+      --out "$JSON/decode_splits.json"
+}
+
 # quant_w1 VARIANT...: batch-1 TPOT (W1) of Llama-3-8B as bf16 / int4 (GPTQ g128) / fp8 / int8.
 quant_w1() {
   local gptq=(--model configs/models/llama3-8b-gptq-int4 --load-format dummy --dtype bfloat16)
@@ -477,10 +488,11 @@ for stage in "${STAGES[@]}"; do
     multistep) stage_multistep ;;
     moeprofile) stage_moeprofile ;;
     w8a8) stage_w8a8 ;;
+    decodesplits) stage_decodesplits ;;
     routed) stage_routed ;;
     routedwide) stage_routedwide ;;
     loramulti) stage_loramulti ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moeprofile | w8a8 | routed | routedwide | loramulti)" ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moeprofile | w8a8 | decodesplits | routed | routedwide | loramulti)" ;;
   esac
 done
 pack

@@ -1,0 +1,17 @@
+"""The decode-attention split sweep runs end to end on CPU with tiny shapes (a smoke test)."""
+
+from __future__ import annotations
+
+import json
+
+from pjinfer.benchmarks import decode_splits
+
+
+def test_smoke_checks_and_times_every_tiling(tmp_path):
+    out = tmp_path / "d.json"
+    decode_splits.run(["--smoke", "--out", str(out)])
+    record = json.loads(out.read_text())
+    tilings = {(r["pages"], r["splits"]) for r in record["rows"]}
+    assert {(1, 1), (1, 2)} <= tilings and sum(r["default"] for r in record["rows"]) == 1
+    assert all(r["rel_err"] < 1e-2 and r["ms"] > 0 for r in record["rows"])
+    assert record["default_vs_best"] >= 1.0 and record["kv_bytes"] == 2 * 40 * 2 * 16 * 2 * 2
