@@ -270,3 +270,27 @@ def test_fp8_steps_compile_without_triton_gemm_autotuning_on_gpu(monkeypatch):
     w = fp8["layers"][0]["q_proj"]
     compiled = step.lower(x, w).compile(ops.W8A8_COMPILER_OPTIONS)
     np.testing.assert_array_equal(compiled(x, w), step(x, w))
+
+
+@pytest.mark.parametrize("parallel", ["column", "row"])
+def test_fp8_w8a8_under_tensor_parallelism_matches_one_device(parallel):
+    """The W8A8 dot over a weight split on 2 devices (column-parallel: out; row-parallel: in,
+    with x split alike, so the token scale and the sum cross devices) gives one device's
+    result."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from pjinfer.kernels.fp8_matmul import fp8_w8a8_matmul
+    from pjinfer.quantization.weight import quantize_per_channel
+
+    rng = np.random.default_rng(12)
+    w = quantize_per_channel(jnp.asarray(rng.normal(0, 0.05, (128, 64)), jnp.float32), "fp8")
+    x = jnp.asarray(rng.standard_normal((80, 128)), jnp.bfloat16)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    packed_spec, scale_spec, x_spec = {
+        "column": (PartitionSpec("tp", None), PartitionSpec(None, "tp"), PartitionSpec()),
+        "row": (PartitionSpec(None, "tp"), PartitionSpec(), PartitionSpec(None, "tp"))}[parallel]
+    shard = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+    split = QuantizedWeight(shard(w.packed, packed_spec), shard(w.scales, scale_spec), kind="fp8")
+    got = fp8_w8a8_matmul(shard(x, x_spec), split, out_dtype=jnp.float32)
+    want = fp8_w8a8_matmul(x, w, out_dtype=jnp.float32)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
