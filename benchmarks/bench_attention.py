@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,6 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from pjinfer.benchmarks.common import median_call_seconds  # noqa: E402
 from pjinfer.kernels.common import AttentionParams  # noqa: E402
 from pjinfer.kernels.decode_attention import (  # noqa: E402
     DecodeBlockSizes,
@@ -55,25 +54,11 @@ DTYPE = jnp.bfloat16
 ATTN = AttentionParams(scale=HEAD_DIM**-0.5)
 
 
-def bench(fn, *args, reps: int = 20, repeats: int = 7) -> float:
-    """Median seconds per call: `reps` back-to-back async calls per sample, after warm-up."""
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) / reps)
-    return statistics.median(samples)
-
-
 def copy_bandwidth(gib: float = 2.0) -> float:
     """Bytes read + written per second of a large elementwise device pass (the HBM ceiling)."""
     x = jnp.ones((int(gib * 2**30) // 4,), jnp.float32)
     f = jax.jit(lambda a: a * 1.0001)
-    return 2 * x.nbytes / bench(f, x, reps=10, repeats=5)
+    return 2 * x.nbytes / median_call_seconds(f, x, reps=10, repeats=5)
 
 
 def make_decode_inputs(batch: int, context: int, seed: int = 0):
@@ -119,7 +104,7 @@ def tune_decode(batch: int, context: int, quick: bool) -> list[dict]:
                 for splits in sorted({1, default.num_splits} if quick else {1, 2, 4}):
                     sizes = DecodeBlockSizes(pages, splits, warps, stages)
                     try:
-                        t = bench(decode_fn(sizes), *args, reps=10, repeats=5)
+                        t = median_call_seconds(decode_fn(sizes), *args, reps=10, repeats=5)
                     except Exception as e:  # a tiling Triton rejects is a result too
                         print("tune fail", sizes, type(e).__name__, str(e)[:200])
                         continue
@@ -143,10 +128,10 @@ def decode_row(batch: int, context: int, best: DecodeBlockSizes | None, hbm: flo
         sizes = dataclasses.replace(best, num_splits=sizes.num_splits)
     row = dict(batch=batch, context=context, kv_bytes=kv_bytes(batch, context),
                block_sizes=dataclasses.asdict(sizes))
-    t = bench(decode_fn(sizes), *args)
+    t = median_call_seconds(decode_fn(sizes), *args)
     row.update(pallas_s=t, pallas_bw=row["kv_bytes"] / t, pallas_frac_hbm=row["kv_bytes"] / t / hbm)
     try:
-        tx = bench(XLA_DECODE, *args, reps=5, repeats=5)
+        tx = median_call_seconds(XLA_DECODE, *args, reps=5, repeats=5)
         row.update(xla_s=tx, xla_bw=row["kv_bytes"] / tx, speedup_vs_xla=tx / t)
     except Exception as e:  # XLA materialises the gathered pages; large shapes may OOM
         row.update(xla_s=None, xla_error=type(e).__name__)
@@ -216,7 +201,7 @@ def cudnn_row(name: str, q_len: int, flops: int) -> dict:
     fn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                               implementation="cudnn"))
     try:
-        t = bench(fn, q, k, v, reps=5, repeats=5)
+        t = median_call_seconds(fn, q, k, v, reps=5, repeats=5)
     except Exception as e:
         return dict(layout=name, cudnn_error=f"{type(e).__name__}: {str(e)[:200]}")
     return dict(layout=name, cudnn_s=t, tflops=flops / t / 1e12)
@@ -239,7 +224,7 @@ def prefill_rows(quick: bool, layouts: list[str] | None = None) -> list[dict]:
                                                  num_warps=warps, num_stages=stages)
                         fn = jax.jit(lambda *a, s=sizes: ragged_attention(*a, ATTN, block_sizes=s))
                         try:
-                            t = bench(fn, *args, reps=5, repeats=5)
+                            t = median_call_seconds(fn, *args, reps=5, repeats=5)
                         except Exception as e:
                             print("ragged fail", name, sizes, type(e).__name__, str(e)[:200])
                             continue
@@ -248,7 +233,7 @@ def prefill_rows(quick: bool, layouts: list[str] | None = None) -> list[dict]:
         if len(q_lens) == 1 and q_lens == seq_lens:
             rows.append(cudnn_row(name, q_lens[0], flops))
         xla = jax.jit(lambda *a: ragged_attention_reference(*a, ATTN))
-        tx = bench(xla, *args, reps=3, repeats=3)
+        tx = median_call_seconds(xla, *args, reps=3, repeats=3)
         rows.append(dict(layout=name, xla_s=tx, tflops=flops / tx / 1e12))
         print("ragged", name, "done", flush=True)
     return rows

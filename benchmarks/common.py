@@ -11,6 +11,7 @@ import datetime as dt
 import json
 import math
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -114,6 +115,23 @@ class Progress:
             self._bar.close()
         elif self._enabled:
             print(file=sys.stderr)
+
+
+def median_call_seconds(fn, *args, reps: int = 20, repeats: int = 7) -> float:
+    """Median seconds per call of a jitted `fn(*args)`: `repeats` samples of `reps`
+    back-to-back async calls each, after two warm-up calls."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / reps)
+    return statistics.median(samples)
 
 
 def print_table(title: str, rows: Sequence[tuple[str, Any]]) -> None:

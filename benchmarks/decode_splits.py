@@ -16,9 +16,8 @@ the default tiling's place.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
+from pjinfer.benchmarks.common import median_call_seconds
 from pjinfer.benchmarks.quant_matmul import write_record
 
 
@@ -68,21 +67,6 @@ def _inputs(a: argparse.Namespace):
             jnp.asarray(tables), jnp.asarray(lens))
 
 
-def _timed(fn, args, calls: int, samples: int) -> float:
-    """Median seconds per call over `samples` runs of `calls` back-to-back calls."""
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(samples):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
-
-
 def run(argv: list[str] | None = None) -> dict:
     import jax
     import numpy as np
@@ -111,7 +95,7 @@ def run(argv: list[str] | None = None) -> dict:
             *x, attn, block_sizes=sizes, interpret=interpret))
         out = np.asarray(fn(*args), np.float32)[:a.seqs]
         err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
-        seconds = _timed(fn, args, a.calls, a.samples)
+        seconds = median_call_seconds(fn, *args, reps=a.calls, repeats=a.samples)
         rows.append({"pages": sizes.pages_per_compute_block, "splits": sizes.num_splits,
                      "default": sizes == default, "ms": seconds * 1e3,
                      "tb_per_s": kv_bytes / seconds / 1e12, "rel_err": err})
