@@ -53,11 +53,10 @@ def kernel_ttir(kind: str, tokens: int, k: int, n: int, group_size: int,
     import jax.numpy as jnp
 
     from pjinfer.kernels.quantized_matmul import pick_block_sizes, quantized_matmul
-    from pjinfer.quantization.weight import FP8, QuantizedWeight
+    from pjinfer.quantization.weight import FP8, QuantizedWeight, packed_shape
 
     dtype = {"int4": jnp.uint8, "int8": jnp.int8, "fp8": FP8}[kind]
-    shape = {"int4": (k // 2, n), "int8": (k, n), "fp8": (n, k)}[kind]  # fp8 [out, in]
-    packed = jax.ShapeDtypeStruct(shape, dtype)
+    packed = jax.ShapeDtypeStruct(packed_shape(kind, k, n), dtype)
     groups = k // group_size if kind == "int4" else 1
     w = QuantizedWeight(packed, jax.ShapeDtypeStruct((groups, n), jnp.float32), kind=kind,
                         zero_point=8.0 if kind == "int4" else 0.0)

@@ -229,10 +229,11 @@ def quantized_matmuls(x: jax.Array, ws: list[QuantizedWeight], *, out_dtype=None
     each. Where the Pallas kernel applies (see `quantized_matmul`) the group runs as one
     kernel when `qmm.groupable` (one launch and one K-split sum for the group), else one
     kernel per weight; elsewhere W8A8 or XLA's reference per weight."""
-    if _use_pallas(backend) and x.shape[0] > QUANT_PALLAS_MAX_ROWS:
+    pallas = _use_pallas(backend)
+    if pallas and x.shape[0] > QUANT_PALLAS_MAX_ROWS:
         return [fp8_w8a8_matmul(x, w, out_dtype=out_dtype) if per_channel_fp8(w)
                 else qmm.quantized_matmul_reference(x, w, out_dtype=out_dtype) for w in ws]
-    if _use_pallas(backend):
+    if pallas:
         interpret = jax.default_backend() != "gpu"
         if qmm.groupable(ws):
             return qmm.quantized_matmuls(x, tuple(ws), out_dtype=out_dtype,

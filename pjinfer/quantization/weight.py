@@ -53,7 +53,7 @@ class QuantizedWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        """The float weight's [in, out]."""
+        """The float weight's [in, out] (inverse of `packed_shape`)."""
         if self.kind == "fp8":
             return self.packed.shape[1], self.packed.shape[0]
         rows = self.packed.shape[0] * (2 if self.kind == "int4" else 1)
@@ -89,6 +89,12 @@ def unpack_int4(packed: jax.Array, span: int) -> jax.Array:
     p = packed.astype(jnp.int32).reshape(-1, span, packed.shape[-1])  # [in / 2S, S, out]
     both = jnp.concatenate([p & 0xF, p >> 4], axis=1)  # [in / 2S, 2S, out]
     return both.reshape(-1, packed.shape[-1])
+
+
+def packed_shape(kind: str, rows: int, cols: int) -> tuple[int, int]:
+    """The stored values' shape of a [rows (in), cols (out)] weight of `kind` (the inverse of
+    `QuantizedWeight.shape`)."""
+    return {"int4": (rows // 2, cols), "int8": (rows, cols), "fp8": (cols, rows)}[kind]
 
 
 def values(w: QuantizedWeight) -> jax.Array:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 from pjinfer.models.llama import decoder_layer
-from pjinfer.quantization.weight import FP8, QuantizedWeight
+from pjinfer.quantization.weight import FP8, QuantizedWeight, packed_shape
 
 D, F, H, KVH, HD = 4096, 14336, 32, 8, 128  # Llama-3-8B
 TRITON = "__gpu$xla.gpu.triton"
@@ -22,8 +22,7 @@ TRITON = "__gpu$xla.gpu.triton"
 def _weight(kind: str, rows: int, cols: int) -> QuantizedWeight:
     dtype = {"int4": jnp.uint8, "int8": jnp.int8, "fp8": FP8}[kind]
     groups = rows // 128 if kind == "int4" else 1  # GPTQ g128; per channel
-    shape = {"int4": (rows // 2, cols), "int8": (rows, cols), "fp8": (cols, rows)}[kind]
-    packed = jax.ShapeDtypeStruct(shape, dtype)
+    packed = jax.ShapeDtypeStruct(packed_shape(kind, rows, cols), dtype)
     return QuantizedWeight(packed, jax.ShapeDtypeStruct((groups, cols), jnp.float32),
                            kind=kind, zero_point=8.0 if kind == "int4" else 0.0)
 

@@ -29,6 +29,7 @@ from pjinfer.quantization.weight import (
     dequantize,
     int4_span,
     pack_int4_rows,
+    packed_shape,
     unpack_int4,
 )
 from tests.kernels.paged_inputs import TOL, rel_err
@@ -166,8 +167,8 @@ def test_fp8_steps_above_decode_sizes_quantize_the_activations(tokens):
 @pytest.mark.parametrize("rows, cols", [(4096, 14336), (14336, 4096)])
 def test_block_sizes_fill_the_gpu_at_decode(kind, group, rows, cols):
     """Llama-3-8B MLP shapes: >= 2 programs per SM, wide loads, 2+ steps per K range."""
-    shape = {"int4": (rows // 2, cols), "int8": (rows, cols), "fp8": (cols, rows)}[kind]
-    packed = jnp.zeros(shape, jnp.float8_e4m3fn if kind == "fp8" else jnp.uint8)
+    packed = jnp.zeros(packed_shape(kind, rows, cols),
+                       jnp.float8_e4m3fn if kind == "fp8" else jnp.uint8)
     w = QuantizedWeight(packed, jnp.ones((rows // (group or rows), cols)), kind=kind)
     x = jnp.zeros((1, rows), jnp.bfloat16)
     for tokens in (1, 16):
@@ -247,8 +248,7 @@ def test_defaults_are_the_h200_sweeps_best(kind, tokens, best):
     """benchmarks/results/round3/quant_sweep.json: 4096 x 14336, int4 g128, per channel;
     fp8 ([N, K] since round 10): benchmarks/results/round10/w8a8_sweep.json."""
     dtype = {"int4": jnp.uint8, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kind]
-    packed = jnp.zeros({"int4": (2048, 14336), "int8": (4096, 14336),
-                        "fp8": (14336, 4096)}[kind], dtype)  # fp8 stored [out, in]
+    packed = jnp.zeros(packed_shape(kind, 4096, 14336), dtype)
     w = QuantizedWeight(packed, jnp.ones((32 if kind == "int4" else 1, 14336)), kind=kind)
     assert pick_block_sizes(tokens, w).describe() == best
 
