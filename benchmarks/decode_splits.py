@@ -17,27 +17,31 @@ from __future__ import annotations
 
 import argparse
 
-from pjinfer.benchmarks.common import median_call_seconds
+from pjinfer.benchmarks.common import median_call_seconds, positive_int
 from pjinfer.benchmarks.quant_matmul import write_record
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--seqs", type=int, default=10)
-    p.add_argument("--padded-seqs", type=int, default=16, help="the engine's sequence bucket")
-    p.add_argument("--context", type=int, default=2560)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    p.add_argument("--pages", type=int, nargs="+", default=[4, 8])
-    p.add_argument("--calls", type=int, default=20)
-    p.add_argument("--samples", type=int, default=5)
+    p.add_argument("--heads", type=positive_int, default=32)
+    p.add_argument("--kv-heads", type=positive_int, default=4)
+    p.add_argument("--head-dim", type=positive_int, default=128)
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--seqs", type=positive_int, default=10)
+    p.add_argument("--padded-seqs", type=positive_int, default=16,
+                   help="the engine's sequence bucket")
+    p.add_argument("--context", type=positive_int, default=2560)
+    p.add_argument("--max-model-len", type=positive_int, default=4096)
+    p.add_argument("--splits", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--pages", type=positive_int, nargs="+", default=[4, 8])
+    p.add_argument("--calls", type=positive_int, default=20)
+    p.add_argument("--samples", type=positive_int, default=5)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
+    if a.seqs > a.padded_seqs or a.context > a.max_model_len or a.heads % a.kv_heads:
+        p.error("need --seqs <= --padded-seqs, --context <= --max-model-len and --heads a "
+                "multiple of --kv-heads")
     if a.smoke:
         a.heads, a.kv_heads, a.head_dim, a.seqs, a.padded_seqs = 4, 2, 16, 2, 4
         a.context, a.max_model_len, a.splits, a.pages = 40, 64, [1, 2], [1]

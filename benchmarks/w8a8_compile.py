@@ -15,6 +15,7 @@ import os
 import re
 import time
 
+from pjinfer.benchmarks.common import positive_int
 from pjinfer.benchmarks.quant_matmul import write_record
 
 # (name, K, N): Llama-3-8B's q/k/v (fused width), o, gate/up (fused), down
@@ -24,8 +25,8 @@ SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672),
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, nargs="+", default=[128, 2048])
-    p.add_argument("--calls", type=int, default=5)
+    p.add_argument("--tokens", type=positive_int, nargs="+", default=[128, 2048])
+    p.add_argument("--calls", type=positive_int, default=5)
     p.add_argument("--smoke", action="store_true", help="shapes / 64 (CPU plumbing)")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
