@@ -81,14 +81,16 @@ def _values(p, kind: str):
 
 
 def _kernel(*refs, kind: str, zero_point: float, group_rows: int, span: int,
-            sizes: QuantMatmulBlockSizes, steps: int, has_zeros: bool, tiles: tuple[int, ...]):
+            sizes: QuantMatmulBlockSizes, steps: int, has_zeros: bool, tiles: tuple[int, ...],
+            late_scale: bool):
     """One (token tile, column tile, K range) of a group of weights sharing x: the column
     tile picks its weight (`tiles`: column tiles per weight, in output order)."""
     x_ref, o_ref = refs[0], refs[-1]
     per = 3 if has_zeros else 2  # refs per weight: packed, scales[, zeros]
     weights = [refs[1 + m * per:1 + (m + 1) * per] for m in range(len(tiles))]
     program = functools.partial(_program, x_ref, o_ref, kind=kind, zero_point=zero_point,
-                                group_rows=group_rows, span=span, sizes=sizes, steps=steps)
+                                group_rows=group_rows, span=span, sizes=sizes, steps=steps,
+                                late_scale=late_scale)
     # program ids read here, outside any branch (interpret mode cannot read them inside one)
     i, j, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     if len(tiles) == 1:
@@ -113,9 +115,11 @@ def _x_runs(i, kind: str, load_rows: int, span: int):
 
 
 def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
-             group_rows: int, span: int, sizes: QuantMatmulBlockSizes, steps: int):
+             group_rows: int, span: int, sizes: QuantMatmulBlockSizes, steps: int,
+             late_scale: bool):
     """One weight's (token tile, column tile, K range) `ids`: o = sum over the range of
-    x @ dequant(w)."""
+    x @ dequant(w). `late_scale` (one scale a column, no offset: per-channel fp8): the sum
+    runs over the stored values and is scaled once at the end, sparing an FMUL an element."""
     z_ref = z[0] if z else None
     bt, bn, bk = sizes.block_t, sizes.block_n, sizes.block_k
     load_rows = bk // 2 if kind == "int4" else bk  # stored rows per load
@@ -148,6 +152,8 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
         """Packed tile -> float32 weight tiles [load_rows, bn] (int4: low, high nibbles;
         fp8: [bn, load_rows]): (v - z) s = f (scale s) - (offset + z) s, one FMA an element."""
         fs, scale, offset = _values(p, kind)
+        if late_scale:
+            return list(fs)
         per_column = (slice(None), None) if out_major else (None, slice(None))
         s = s.astype(jnp.float32)[per_column]  # [1, bn] (fp8: [bn, 1])
         zero = z.astype(jnp.float32)[per_column] if z is not None else zero_point
@@ -174,6 +180,10 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
                     acc[0] = acc[0] + jnp.dot(xp, w, preferred_element_type=jnp.float32)
         return tuple(acc)
 
+    def scaled(out):
+        """out [..., bn] (float32 sums) times the columns' scales where they were left out."""
+        return out * s_ref[0, cols].astype(jnp.float32) if late_scale else out
+
     if sizes.elementwise:
         acc_shape = (bn, load_rows) if out_major else (load_rows, bn)
         acc = tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(bt))
@@ -187,12 +197,12 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
 
             acc, _ = jax.lax.fori_loop(0, steps, body, (acc, load(0)))
         for t in range(bt):
-            o_ref[t, :] = acc[t].sum(axis=1 if out_major else 0).astype(o_ref.dtype)
+            o_ref[t, :] = scaled(acc[t].sum(axis=1 if out_major else 0)).astype(o_ref.dtype)
     else:  # Triton's pipeliner stages the loads that feed the dots (`num_stages`)
         shape = (bn, bt) if sizes.weight_lhs else (bt, bn)
         acc = jax.lax.fori_loop(0, steps, lambda k, acc: consume(acc, load(k)),
                                 (jnp.zeros(shape, jnp.float32),))[0]
-        o_ref[...] = (acc.T if sizes.weight_lhs else acc).astype(o_ref.dtype)
+        o_ref[...] = scaled(acc.T if sizes.weight_lhs else acc).astype(o_ref.dtype)
 
 
 def groupable(ws: Sequence[QuantizedWeight]) -> bool:
@@ -235,13 +245,15 @@ def quantized_matmuls(x: jax.Array, ws: tuple[QuantizedWeight, ...], *, out_dtyp
     bt, splits = sizes.block_t, sizes.k_splits
     tp = -(-t // bt) * bt
     xp = jnp.pad(x, ((0, tp - t), (0, 0))) if tp > t else x  # [Tp, K]
+    if sizes.x_float32:  # widened once here, not per weight element in the kernel
+        xp = xp.astype(jnp.float32)
     parts = [a for w in ws for a in (w.packed, w.scales, w.zeros) if a is not None]
     tiles = tuple(n // sizes.block_n for n in widths)
     kernel = functools.partial(
         _kernel, kind=w0.kind, zero_point=w0.zero_point,
         group_rows=rows // w0.scales.shape[0], span=w0.span, sizes=sizes,
         steps=rows // (sizes.block_k * sizes.unroll * splits), has_zeros=w0.zeros is not None,
-        tiles=tiles)
+        tiles=tiles, late_scale=w0.kind == "fp8" and w0.scales.shape[0] == 1)
     out = pl.pallas_call(  # every input whole: the kernel slices its own tiles (pow2 loads)
         kernel,
         grid=(tp // bt, sum(tiles), splits),
