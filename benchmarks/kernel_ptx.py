@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 FIELDS = ("block_t", "block_n", "block_k", "unroll", "k_splits", "num_warps", "num_stages",
-          "weight_operand", "x_float32")
+          "weight_operand")
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:

@@ -245,8 +245,6 @@ def quantized_matmuls(x: jax.Array, ws: tuple[QuantizedWeight, ...], *, out_dtyp
     bt, splits = sizes.block_t, sizes.k_splits
     tp = -(-t // bt) * bt
     xp = jnp.pad(x, ((0, tp - t), (0, 0))) if tp > t else x  # [Tp, K]
-    if sizes.x_float32:  # widened once here, not per weight element in the kernel
-        xp = xp.astype(jnp.float32)
     parts = [a for w in ws for a in (w.packed, w.scales, w.zeros) if a is not None]
     tiles = tuple(n // sizes.block_n for n in widths)
     kernel = functools.partial(

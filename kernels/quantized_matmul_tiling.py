@@ -45,9 +45,7 @@ class QuantMatmulBlockSizes(common.BlockSizes):
     when it starts and >= 2 prefetches the next step's into registers. `weight_operand`: the
     dequantized tile's place in a dot, 2 (x @ w: 16 token rows) or 1 (w^T @ x^T: the MMA's
     rows are the weight's columns, the operand an MMA may take from registers, so the tile
-    need not be staged through shared memory; tokens are its narrow side). `x_float32`
-    (elementwise only): x widened to float32 before the kernel, so its loop does not widen
-    the bf16 x once per weight element it multiplies."""
+    need not be staged through shared memory; tokens are its narrow side)."""
 
     block_t: int = 16
     block_n: int = 128
@@ -57,7 +55,6 @@ class QuantMatmulBlockSizes(common.BlockSizes):
     num_warps: int = 4
     num_stages: int = 3
     weight_operand: int = 2
-    x_float32: bool = False
 
     @property
     def elementwise(self) -> bool:
@@ -72,8 +69,7 @@ class QuantMatmulBlockSizes(common.BlockSizes):
         """One short line for benchmark records: t16 n128 k128x2 s8 w8 st3 (dot)."""
         mode = "sum" if self.elementwise else "wT.dot" if self.weight_lhs else "dot"
         return (f"t{self.block_t} n{self.block_n} k{self.block_k}x{self.unroll} "
-                f"s{self.k_splits} w{self.num_warps} st{self.num_stages} ({mode})"
-                + (" x32" if self.x_float32 else ""))
+                f"s{self.k_splits} w{self.num_warps} st{self.num_stages} ({mode})")
 
 
 def supported(x: jax.Array, w: QuantizedWeight, sizes: QuantMatmulBlockSizes) -> bool:
@@ -88,7 +84,7 @@ def supported(x: jax.Array, w: QuantizedWeight, sizes: QuantMatmulBlockSizes) ->
             and rows % (bk * sizes.unroll * sizes.k_splits) == 0 and load_rows >= 1
             and (w.kind != "int4" or (bk % 2 == 0 and w.span % load_rows == 0))
             and all(common.is_pow2(b) for b in (sizes.block_t, sizes.block_n, load_rows))
-            and sizes.weight_operand in (1, 2) and (sizes.elementwise or not sizes.x_float32)
+            and sizes.weight_operand in (1, 2)
             and (sizes.elementwise or min(sizes.block_n, load_rows) >= DOT_MIN_ROWS))
 
 
@@ -100,15 +96,13 @@ LOAD_ROWS = 64  # stored rows per load (int4: 128 input rows, one GPTQ g128 grou
 @dataclasses.dataclass(frozen=True, slots=True)
 class Regime:
     """How a kind of weight is tiled in one mode (elementwise or dot): column width, packed
-    bytes per loop step (unroll x one load), programs to reach by splitting K, warps, stages,
-    x widened before the kernel."""
+    bytes per loop step (unroll x one load), programs to reach by splitting K, warps, stages."""
 
     block_n: int
     step_bytes: int
     programs: int
     num_warps: int
     num_stages: int
-    x_float32: bool = False
 
 
 # (int4?, elementwise?) -> the sweep's best on 4096 x 14336 (module docstring), as rules that
@@ -121,10 +115,8 @@ REGIMES = {(True, True): Regime(128, 16 * 1024, 3 * MIN_PROGRAMS, 8, 1),
            (False, False): Regime(128, 16 * 1024, MIN_PROGRAMS, 4, 3)}
 # fp8, stored [N, K], loads [bn, bk] tiles: its sweep (round 10, 4096 x 14336) was best at 64
 # columns, 4 K ranges and the one-byte kinds' loads a step, one token 0.58 ms (0.94 at 128
-# columns), 16 tokens 0.60 (0.68). A thread's elements of a [bn, bk] tile lie along K, so
-# each needs its own x value: x in float32 spares widening it per element (sm_90a loop,
-# `benchmarks/kernel_ptx.py`: 5.8 -> 3.1 SASS instructions an element with the late scale)
-FP8_REGIMES = {True: Regime(64, 16 * 1024, 2 * MIN_PROGRAMS, 8, 1, x_float32=True),
+# columns), 16 tokens 0.60 (0.68)
+FP8_REGIMES = {True: Regime(64, 16 * 1024, 2 * MIN_PROGRAMS, 8, 1),
                False: Regime(64, 8 * 1024, 2 * MIN_PROGRAMS, 4, 3)}
 
 
@@ -198,8 +190,7 @@ def pick_block_sizes(num_tokens: int, w: QuantizedWeight,
     splits = _splits(rows // (bk * unroll), token_tiles * (sum(widths) // bn), rules.programs)
     return QuantMatmulBlockSizes(block_t=bt, block_n=bn, block_k=bk, unroll=unroll,
                                  k_splits=splits, num_warps=rules.num_warps,
-                                 num_stages=rules.num_stages,
-                                 x_float32=rules.x_float32 and elementwise)
+                                 num_stages=rules.num_stages)
 
 
 def legacy_block_sizes(num_tokens: int, w: QuantizedWeight) -> QuantMatmulBlockSizes:
@@ -219,9 +210,9 @@ def legacy_block_sizes(num_tokens: int, w: QuantizedWeight) -> QuantMatmulBlockS
 def sweep_candidates(num_tokens: int, w: QuantizedWeight, x: jax.Array
                      ) -> list[QuantMatmulBlockSizes]:
     """A handful of tilings around the default for a sweep (the default first, then single
-    changes: warps, column width, unroll, splits, x's width, stages / prefetch, the dot for
-    one token, the weight as a dot's first operand, the legacy tiling last), each one
-    `supported`, without repeats: <= 12 per call."""
+    changes: warps, column width, unroll, splits, stages / prefetch, the dot for one token,
+    the weight as a dot's first operand, the legacy tiling last), each one `supported`,
+    without repeats: <= 11 per call."""
     base = pick_block_sizes(num_tokens, w)
     swap = dataclasses.replace
     more_warps = 4 if base.num_warps == 8 else 8
@@ -230,8 +221,8 @@ def sweep_candidates(num_tokens: int, w: QuantizedWeight, x: jax.Array
                 swap(base, k_splits=base.k_splits * 2),
                 # no partial sums to add (one XLA op less per matmul): narrow columns instead
                 swap(base, k_splits=1, block_n=max(16, base.block_n // 4))]
-    if base.elementwise:  # x widened or not; prefetching by hand; the dot over 16 rows
-        variants += [swap(base, x_float32=not base.x_float32), swap(base, num_stages=2),
+    if base.elementwise:  # prefetching by hand; the dot over 16 padded rows
+        variants += [swap(base, num_stages=2),
                      swap(base, block_t=16, num_warps=DOT_WARPS_STAGES[0],
                           num_stages=DOT_WARPS_STAGES[1])]
     else:  # one more stage; the weight as the dot's first operand

@@ -55,12 +55,10 @@ def _weight(rng, kind: str, rows: int, cols: int, group: int, asym: bool) -> Qua
 # -1), fp8 per channel with a K that is no power of two (3 loads: 3 K splits)
 WEIGHTS = [("int4", True, 32, 256), ("int4", False, 128, 256), ("int8", True, 32, 256),
            ("int8", False, 256, 256), ("fp8", False, 192, 192)]
-# (tokens, tiling): elementwise for one token (K split, 2 loads a step; x as given or widened
-# to float32 first) and for 3 tokens in a tile of 4; dot for 7 tokens (K split) and 37
-# tokens (two token tiles); the weight as the dot's first operand for 16
+# (tokens, tiling): elementwise for one token (K split, 2 loads a step) and for 3 tokens in a
+# tile of 4; dot for 7 tokens (K split) and 37 tokens (two token tiles); the weight as the
+# dot's first operand for 16
 TILINGS = [(1, QuantMatmulBlockSizes(block_t=1, block_n=32, block_k=32, unroll=2, k_splits=2)),
-           (1, QuantMatmulBlockSizes(block_t=1, block_n=16, block_k=32, unroll=1, k_splits=2,
-                                     x_float32=True)),
            (3, QuantMatmulBlockSizes(block_t=4, block_n=16, block_k=32, unroll=1, k_splits=3)),
            (7, QuantMatmulBlockSizes(block_t=16, block_n=32, block_k=32, unroll=1, k_splits=2)),
            (37, QuantMatmulBlockSizes(block_t=32, block_n=64, block_k=32, unroll=2)),
@@ -244,11 +242,11 @@ def test_group_falls_back_per_weight():
 
 @pytest.mark.parametrize("kind, tokens, best", [
     ("int4", 1, "t1 n128 k128x2 s8 w8 st1 (sum)"), ("int4", 16, "t16 n256 k128x2 s4 w8 st3 (dot)"),
-    ("fp8", 1, "t1 n64 k64x4 s4 w8 st1 (sum) x32"), ("fp8", 16, "t16 n64 k64x2 s4 w4 st3 (dot)"),
+    ("fp8", 1, "t1 n64 k64x4 s4 w8 st1 (sum)"), ("fp8", 16, "t16 n64 k64x2 s4 w4 st3 (dot)"),
     ("int8", 1, "t1 n128 k64x4 s4 w8 st1 (sum)"), ("int8", 16, "t16 n128 k64x2 s4 w4 st3 (dot)")])
 def test_defaults_are_the_h200_sweeps_best(kind, tokens, best):
     """benchmarks/results/round3/quant_sweep.json: 4096 x 14336, int4 g128, per channel;
-    fp8 ([N, K] since round 10): benchmarks/results/round11/w8a8_sweep_x32.json."""
+    fp8 ([N, K] since round 10): benchmarks/results/round10/w8a8_sweep.json."""
     dtype = {"int4": jnp.uint8, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kind]
     packed = jnp.zeros(packed_shape(kind, 4096, 14336), dtype)
     w = QuantizedWeight(packed, jnp.ones((32 if kind == "int4" else 1, 14336)), kind=kind)
