@@ -38,6 +38,8 @@
 #                                         # N_W3=300)
 #   bash benchmarks/run_h200.sh decodesplits  # paged decode attention at Qwen3's 10 x 2,560
 #                                             # step, context splits x pages swept (~1 min)
+#   bash benchmarks/run_h200.sh kvfp8     # W4 with the bf16 KV cache vs fp8, ABBA (the first
+#                                         # engine process of a call runs slow) (~7 min)
 #   bash benchmarks/run_h200.sh routed    # the routed expert GEMMs (decode) with K cut into
 #                                         # 1, 2 or 4 ranges, gate/up and down apart (~4 min)
 #   bash benchmarks/run_h200.sh routedwide  # Mixtral's down projection in 4, 8, 16 K ranges
@@ -328,10 +330,15 @@ stage_quant() {
       --out "$JSON/quant_layers.json"
   quant_w1 bf16 int4 fp8 int8
   quant_w3 bf16 fp8
-  for kv in auto fp8; do
-    step "quant_w4_kv_$kv" 180 "${BENCH[@]}" throughput "${MODEL[@]}" "${ENGINE[@]}" \
+  quant_w4 auto fp8
+}
+quant_w4() {  # W4 per KV cache dtype (auto = the model's, fp8 = e4m3), runs named <dtype>_<n>
+  local kv n=0
+  for kv in "$@"; do
+    n=$((n + 1))
+    step "quant_w4_kv_${kv}_$n" 180 "${BENCH[@]}" throughput "${MODEL[@]}" "${ENGINE[@]}" \
         --kv-cache-dtype $kv --compilation-cache-dir "$CACHE" --dataset synthetic-sharegpt \
-        --num-prompts $N_W4 --warmup-requests 8 --output-json "$JSON/quant_w4_kv_$kv.json"
+        --num-prompts $N_W4 --warmup-requests 8 --output-json "$JSON/quant_w4_kv_${kv}_$n.json"
   done
 }
 
@@ -489,10 +496,11 @@ for stage in "${STAGES[@]}"; do
     moeprofile) stage_moeprofile ;;
     w8a8) stage_w8a8 ;;
     decodesplits) stage_decodesplits ;;
+    kvfp8) quant_w4 auto fp8 fp8 auto ;;
     routed) stage_routed ;;
     routedwide) stage_routedwide ;;
     loramulti) stage_loramulti ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moeprofile | w8a8 | decodesplits | routed | routedwide | loramulti)" ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moeprofile | w8a8 | decodesplits | kvfp8 | routed | routedwide | loramulti)" ;;
   esac
 done
 pack
