@@ -37,7 +37,7 @@ class DecodeBlockSizes(common.BlockSizes):
 def _decode_kernel(
     lens_ref,  # [S] int32
     tables_ref,  # [S, MB] int32
-    q_ref,  # [Gp, D] this (seq, kv head)
+    q_ref,  # [S, KVH, G, D] whole: this program reads its (seq, kv head)
     k_ref,  # [NB * bs, KVH, D] flat cache
     v_ref,  # [NB * bs, KVH, D]
     o_ref,  # [Gp, D] float32 unnormalised partial output
@@ -50,6 +50,7 @@ def _decode_kernel(
 ):
     seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_splits = pl.num_programs(2)
+    group, gp = q_ref.shape[2], o_ref.shape[0]
     block_k = pages * block_size
     seq_len = lens_ref[seq]
     window = attn.sliding_window  # keys before lo_key are out of the window of the one query
@@ -58,7 +59,11 @@ def _decode_kernel(
     per_split = (hi - lo + num_splits - 1) // num_splits
     start = lo + split * per_split
     end = jnp.minimum(hi, start + per_split)
-    q = q_ref[...]  # [Gp, D]
+    # [Gp, D]: the group's G rows, the last one repeated up to the dot's rows (not padded
+    # in XLA: a pad is one more kernel a layer; the extra rows' outputs are dropped)
+    rows = jnp.minimum(jnp.arange(gp, dtype=jnp.int32), group - 1) if gp > group else \
+        pl.ds(0, gp)
+    q = q_ref[seq, head, rows, :]
 
     def body(c, state):
         pos, rows = common.block_rows(tables_ref, seq, c, pages=pages, block_size=block_size)
@@ -103,22 +108,22 @@ def decode_attention(
     group = common.kv_group(q, k_cache, v_cache)
     block_size, num_kv_heads = k_cache.shape[1:3]
     gp = max(16, common.next_pow2(group))  # tl.dot needs >= 16 rows
-    qg = q.reshape(num_seqs, num_kv_heads, group, head_dim)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - group), (0, 0)))  # [S, KVH, Gp, D]
+    qg = q.reshape(num_seqs, num_kv_heads, group, head_dim)  # [S, KVH, G, D]
     tables = common.pad_tables(block_tables, block_sizes.pages_per_compute_block)
     o, m, l_sum = _decode_call(
         seq_lens.astype(jnp.int32), tables, qg, common.flat_pages(k_cache),
-        common.flat_pages(v_cache), block_size=block_size, attn=attn, block_sizes=block_sizes,
-        interpret=interpret,
+        common.flat_pages(v_cache), gp=gp, block_size=block_size, attn=attn,
+        block_sizes=block_sizes, interpret=interpret,
     )
     out = combine_splits(o, m, l_sum)[:, :, :group]  # [S, KVH, G, D]
     return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
 
 
-def _decode_call(lens, tables, qg, k_flat, v_flat, *, block_size: int, attn: AttentionParams,
-                 block_sizes: DecodeBlockSizes, interpret: bool):
-    """Builds grid, BlockSpecs and the `pallas_call`; outputs are split-major."""
-    num_seqs, num_kv_heads, gp, head_dim = qg.shape
+def _decode_call(lens, tables, qg, k_flat, v_flat, *, gp: int, block_size: int,
+                 attn: AttentionParams, block_sizes: DecodeBlockSizes, interpret: bool):
+    """Builds grid, BlockSpecs and the `pallas_call`; outputs are split-major, `gp` rows a
+    (seq, kv head)."""
+    num_seqs, num_kv_heads, _, head_dim = qg.shape
     splits = block_sizes.num_splits
     kernel = functools.partial(
         _decode_kernel, block_size=block_size, pages=block_sizes.pages_per_compute_block,
@@ -134,7 +139,7 @@ def _decode_call(lens, tables, qg, k_flat, v_flat, *, block_size: int, attn: Att
         grid=(num_seqs, num_kv_heads, splits),
         in_specs=[
             common.whole_spec(lens.shape), common.whole_spec(tables.shape),
-            pl.BlockSpec((None, None, gp, head_dim), lambda s, h, k: (s, h, 0, 0)),
+            common.whole_spec(qg.shape),
             common.whole_spec(k_flat.shape), common.whole_spec(v_flat.shape),
         ],
         out_specs=[

@@ -22,7 +22,10 @@ run a few dozen programs on their own.
 Two reductions: `block_t` >= 16 multiplies each dequantized tile with `jnp.dot` (Triton's
 smallest dot has 16 rows); `block_t` < 16 (decode, a token or two) multiplies elementwise
 into a [rows, block_n] float32 accumulator per token, summed over rows once at the end, so a
-single token neither pads to 16 rows nor reduces across threads every step.
+single token neither pads to 16 rows nor reduces across threads every step. x itself is never
+padded to whole token tiles (a pad is one more XLA kernel per projection: the decode-only step
+of one sequence has 8 rows, the dot's tile 16): a tile's rows past x's last read that row
+again, and the extra output rows are dropped.
 
 Dequantization: an int4 / int8 value u becomes the float32 f = 1 + u / 2^bits by shifting it
 into the top of 1.0's mantissa (a shift and one logic op instead of an int-to-float
@@ -126,6 +129,15 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
     out_major = kind == "fp8"  # stored [N, K]: a load reads [bn, bk]
     cols = pl.ds(ids[1] * bn, bn)
     tok0 = ids[0] * bt
+    num_rows = x_ref.shape[0]  # x is not padded to whole token tiles: a tile past its
+    # last row reads that row again (clamped rows; the extra outputs are dropped)
+    whole = num_rows % bt == 0
+    x_rows = (pl.ds(tok0, bt) if whole
+              else jnp.minimum(tok0 + jnp.arange(bt, dtype=jnp.int32), num_rows - 1))
+
+    def x_row(t: int):
+        """Token row `t` of the tile (elementwise mode)."""
+        return tok0 + t if whole else jnp.minimum(tok0 + t, num_rows - 1)
     first = ids[2] * steps * sizes.unroll  # this range's first load
 
     def load(step):
@@ -140,9 +152,9 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
             z = z_ref[g, cols] if z_ref is not None else None
             runs = [pl.ds(r, load_rows) for r in starts]
             if sizes.elementwise:
-                x = tuple(tuple(x_ref[tok0 + t, r] for t in range(bt)) for r in runs)
+                x = tuple(tuple(x_ref[x_row(t), r] for t in range(bt)) for r in runs)
             else:
-                x = tuple(x_ref[pl.ds(tok0, bt), r] for r in runs)
+                x = tuple(x_ref[x_rows, r] for r in runs)
             stored = pl.ds(i * load_rows, load_rows)
             p = p_ref[cols, stored] if out_major else p_ref[stored, cols]
             tiles.append((p, s_ref[g, cols], z, x))
@@ -243,8 +255,7 @@ def quantized_matmuls(x: jax.Array, ws: tuple[QuantizedWeight, ...], *, out_dtyp
     x = permute_input(x, w0)
     t, rows = x.shape[0], w0.shape[0]
     bt, splits = sizes.block_t, sizes.k_splits
-    tp = -(-t // bt) * bt
-    xp = jnp.pad(x, ((0, tp - t), (0, 0))) if tp > t else x  # [Tp, K]
+    tp = -(-t // bt) * bt  # output rows: whole token tiles
     parts = [a for w in ws for a in (w.packed, w.scales, w.zeros) if a is not None]
     tiles = tuple(n // sizes.block_n for n in widths)
     kernel = functools.partial(
@@ -255,14 +266,14 @@ def quantized_matmuls(x: jax.Array, ws: tuple[QuantizedWeight, ...], *, out_dtyp
     out = pl.pallas_call(  # every input whole: the kernel slices its own tiles (pow2 loads)
         kernel,
         grid=(tp // bt, sum(tiles), splits),
-        in_specs=[common.whole_spec(a.shape) for a in (xp, *parts)],
+        in_specs=[common.whole_spec(a.shape) for a in (x, *parts)],
         out_specs=pl.BlockSpec((None, bt, sizes.block_n), lambda i, j, s: (s, i, j)),
         out_shape=jax.ShapeDtypeStruct((splits, tp, sum(widths)),
                                        x.dtype if splits == 1 else jnp.float32),
         compiler_params=common.triton_params(sizes.num_warps, sizes.num_stages),
         interpret=interpret,
         name=f"weight_only_{w0.kind}_matmul",
-    )(xp, *parts)
+    )(x, *parts)
     out = out[0] if splits == 1 else jnp.sum(out, axis=0)  # [Tp, sum N]
     out = out[:t].astype(out_dtype)
     ends = list(itertools.accumulate(widths))

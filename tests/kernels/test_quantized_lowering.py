@@ -49,7 +49,8 @@ def _layer_module(kind: str, tokens: int, monkeypatch) -> str:
     return exported.mlir_module()
 
 
-@pytest.mark.parametrize("kind, tokens", [("int4", 16), ("fp8", 1)])
+# 8 rows: the decode-only step of one to eight sequences (a dot tile of 16 over 8 rows of x)
+@pytest.mark.parametrize("kind, tokens", [("int4", 16), ("fp8", 1), ("int4", 8), ("fp8", 8)])
 def test_layer_runs_four_kernels_and_only_their_sums(kind, tokens, monkeypatch):
     text = _layer_module(kind, tokens, monkeypatch)
     calls = re.findall(r"custom_call @(\S+?)\(", text)
