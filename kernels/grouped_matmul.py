@@ -171,13 +171,15 @@ ROUTED_SPLITS = 128
 
 
 def _routed_kernel(ids_ref, lhs_ref, rhs_ref, o_ref, *, block_n: int, block_k: int,
-                   k_steps: int, per_assignment: bool, splits: int):
+                   k_steps: int, per_assignment: bool, splits: int, choices: int):
     """Program (column block, split s, K range q): assignments s, s + splits, ... of the flat
     [T*k] ids. Each one that is its expert's first (and not inactive) multiplies every token
     that chose that expert over K range q (`k_steps` blocks), as one dense [T, bk] x [bk, bn]
     dot (other tokens' rows masked to 0), and stores to those tokens' assignment rows of
     range q's partial; later assignments of the same expert do nothing, so each chosen
-    expert is read once and no program waits on an expert nobody chose."""
+    expert is read once and no program waits on an expert nobody chose. ids are padded to
+    [Tp, kp]; lhs is not (`choices` = the real k): a padding token's row is clamped to lhs's
+    last and masked out like any token that did not choose the expert."""
     col, split, k_range = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_tokens, top_k = ids_ref.shape
     ids = ids_ref[...]  # [T, k]
@@ -198,7 +200,8 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, o_ref, *, block_n: int, block_k: i
             slot = jnp.sum(jnp.where(match, jnp.arange(top_k, dtype=jnp.int32)[None, :], 0),
                            axis=1)
             out_rows = token * top_k + slot  # [T] assignment rows
-            rows = out_rows if per_assignment else token
+            rows = token * choices + slot if per_assignment else token  # lhs rows
+            rows = jnp.minimum(rows, lhs_ref.shape[0] - 1)
 
             def body(kb, acc):
                 ks = pl.ds((k_range * k_steps + kb) * block_k, block_k)
@@ -239,10 +242,7 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
     n = rhs.shape[2]
     tp, kp = max(16, common.next_pow2(t)), common.next_pow2(k)
     ids_p = jnp.pad(ids.astype(jnp.int32), ((0, tp - t), (0, kp - k)), constant_values=-1)
-    lhs_p = _pad_to(lhs, 1, block_k)
-    if per_assignment:  # rows t*k + j -> t*kp + j of the padded [Tp, kp] layout
-        lhs_p = lhs_p.reshape(t, k, -1)
-        lhs_p = jnp.pad(lhs_p, ((0, tp - t), (0, kp - k), (0, 0))).reshape(tp * kp, -1)
+    lhs_p = _pad_to(lhs, 1, block_k)  # rows as they are: no pad kernel a decode step
     rhs_p = _pad_to(_pad_to(rhs, 1, block_k), 2, block_n)  # [G, K', N']
     width, k_blocks = rhs_p.shape[2], lhs_p.shape[1] // block_k
     k_splits = max(d for d in range(1, min(k_splits, k_blocks) + 1) if k_blocks % d == 0)
@@ -252,7 +252,7 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
     out = pl.pallas_call(
         functools.partial(_routed_kernel, block_n=block_n, block_k=block_k,
                           k_steps=k_blocks // k_splits, per_assignment=per_assignment,
-                          splits=splits),
+                          splits=splits, choices=k),
         grid=(width // block_n, splits, k_splits),
         in_specs=[whole(ids_p.shape), whole(lhs_p.shape), whole(rhs_p.shape)],
         out_specs=whole((k_splits * tp * kp, width)),
