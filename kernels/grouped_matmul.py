@@ -171,20 +171,25 @@ ROUTED_SPLITS = 128
 
 
 def _routed_kernel(ids_ref, lhs_ref, rhs_ref, o_ref, *, block_n: int, block_k: int,
-                   k_steps: int, per_assignment: bool, splits: int, choices: int):
+                   k_steps: int, per_assignment: bool, splits: int, padded: tuple[int, int]):
     """Program (column block, split s, K range q): assignments s, s + splits, ... of the flat
     [T*k] ids. Each one that is its expert's first (and not inactive) multiplies every token
     that chose that expert over K range q (`k_steps` blocks), as one dense [T, bk] x [bk, bn]
     dot (other tokens' rows masked to 0), and stores to those tokens' assignment rows of
     range q's partial; later assignments of the same expert do nothing, so each chosen
-    expert is read once and no program waits on an expert nobody chose. ids are padded to
-    [Tp, kp]; lhs is not (`choices` = the real k): a padding token's row is clamped to lhs's
-    last and masked out like any token that did not choose the expert."""
+    expert is read once and no program waits on an expert nobody chose. Neither ids [T, k]
+    nor lhs is padded in XLA (a pad is one more kernel a MoE layer): the kernel reads ids as
+    `padded` [Tp, kp] (Tp >= 16 for the dot) with the extra entries inactive (-1), and a
+    padding token's lhs row clamped to lhs's last, masked out like any token that did not
+    choose the expert."""
     col, split, k_range = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    num_tokens, top_k = ids_ref.shape
-    ids = ids_ref[...]  # [T, k]
+    (real_t, choices), (num_tokens, top_k) = ids_ref.shape, padded
     token = jnp.arange(num_tokens, dtype=jnp.int32)
-    position = token[:, None] * top_k + jnp.arange(top_k, dtype=jnp.int32)[None, :]  # [T, k]
+    choice = jnp.arange(top_k, dtype=jnp.int32)
+    real = (token < real_t)[:, None] & (choice < choices)[None, :]  # [Tp, kp]
+    ids = jnp.where(real, ids_ref[jnp.minimum(token, real_t - 1)[:, None],
+                                  jnp.minimum(choice, choices - 1)[None, :]], -1)  # [Tp, kp]
+    position = token[:, None] * top_k + choice[None, :]  # [Tp, kp]
     cols = pl.ds(col * block_n, block_n)
     col_ids = col * block_n + jnp.arange(block_n, dtype=jnp.int32)
 
@@ -230,9 +235,10 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
     0 where ids[t, j] < 0. Grid (column block, split, K range): the programs of a column
     block share the step's assignments (`splits` of them, at most one per assignment), each
     expert is read once whatever number of tokens chose it; T and k are padded to powers of
-    two (>= 16 tokens: Triton's dot). `k_splits` > 1 cuts K into that many ranges (the
-    largest count <= it that divides K's blocks), each program's float32 partial summed
-    after: more programs for a step whose chosen experts x column blocks leave SMs idle."""
+    two (>= 16 tokens: Triton's dot) inside the kernel. `k_splits` > 1 cuts K into that many
+    ranges (the largest count <= it that divides K's blocks), each program's float32 partial
+    summed after: more programs for a step whose chosen experts x column blocks leave SMs
+    idle."""
     t, k = ids.shape
     _check_routed(lhs, rhs, ids, per_assignment)
     if t > ROUTED_MAX_TOKENS:
@@ -241,7 +247,7 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
     common.check_pow2(block_n=block_n, block_k=block_k)
     n = rhs.shape[2]
     tp, kp = max(16, common.next_pow2(t)), common.next_pow2(k)
-    ids_p = jnp.pad(ids.astype(jnp.int32), ((0, tp - t), (0, kp - k)), constant_values=-1)
+    ids_i = ids.astype(jnp.int32)  # [T, k], read as [Tp, kp] by the kernel
     lhs_p = _pad_to(lhs, 1, block_k)  # rows as they are: no pad kernel a decode step
     rhs_p = _pad_to(_pad_to(rhs, 1, block_k), 2, block_n)  # [G, K', N']
     width, k_blocks = rhs_p.shape[2], lhs_p.shape[1] // block_k
@@ -252,16 +258,16 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
     out = pl.pallas_call(
         functools.partial(_routed_kernel, block_n=block_n, block_k=block_k,
                           k_steps=k_blocks // k_splits, per_assignment=per_assignment,
-                          splits=splits, choices=k),
+                          splits=splits, padded=(tp, kp)),
         grid=(width // block_n, splits, k_splits),
-        in_specs=[whole(ids_p.shape), whole(lhs_p.shape), whole(rhs_p.shape)],
+        in_specs=[whole(ids_i.shape), whole(lhs_p.shape), whole(rhs_p.shape)],
         out_specs=whole((k_splits * tp * kp, width)),
         out_shape=jax.ShapeDtypeStruct((k_splits * tp * kp, width),
                                        dtype if k_splits == 1 else jnp.float32),
         compiler_params=common.triton_params(num_warps, num_stages),
         interpret=interpret,
         name="routed_matmul",
-    )(ids_p, lhs_p, rhs_p)
+    )(ids_i, lhs_p, rhs_p)
     out = out.reshape(k_splits, tp, kp, width)[:, :t, :k, :n].sum(axis=0).astype(dtype)
     # rows of inactive choices were never written (garbage): 0, as the reference says
     return jnp.where((ids >= 0)[..., None], out, 0).reshape(t * k, n)

@@ -110,10 +110,11 @@ def test_routed_kernel_lowers_to_triton_ir_for_qwen3_experts():
         assert "xla.gpu.triton" in exported.mlir_module()
 
 
-def test_routed_decode_step_pads_no_activations():
+def test_routed_decode_step_pads_nothing():
     """The decode-only step of 1-8 sequences has 8 token rows, the kernel's dot 16: the
-    kernel clamps its lhs rows itself, so XLA pads only the small int32 ids (no activation
-    pad kernel a MoE layer), for both the token-major and the per-assignment lhs."""
+    kernel reads ids and lhs rows past their ends itself (inactive, clamped), so XLA pads
+    nothing (no pad kernel a MoE layer), for both the token-major and the per-assignment
+    lhs."""
     check = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     for per_assignment, rows in ((False, 8), (True, 64)):
         fn = jax.jit(lambda a, b, i, p=per_assignment: routed_matmul(a, b, i, per_assignment=p))
@@ -121,8 +122,7 @@ def test_routed_decode_step_pads_no_activations():
             jax.ShapeDtypeStruct((rows, 2048), jnp.bfloat16),
             jax.ShapeDtypeStruct((128, 2048, 768), jnp.bfloat16),
             jax.ShapeDtypeStruct((8, 8), jnp.int32)).mlir_module()
-        pads = [line for line in text.splitlines() if "stablehlo.pad" in line]
-        assert pads and not [line for line in pads if "bf16" in line]
+        assert "stablehlo.pad" not in text
 
 
 def test_bfloat16_with_float32_output():
