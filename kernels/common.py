@@ -198,6 +198,14 @@ def pad_tables(block_tables: jax.Array, pages: int) -> jax.Array:
     return jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, -width % pages)))
 
 
+def clamped_rows(start, size: int, count: int) -> jax.Array:
+    """Indices start + [0, size) into an axis of `count` entries, those past its end repeating
+    the last: a kernel's tile wider than its data (a dot's 16 rows over 8 tokens or 4 query
+    heads) reads it without XLA padding it first (a pad is one more kernel a layer); the
+    caller drops or masks what the extra rows produce."""
+    return jnp.minimum(start + jnp.arange(size, dtype=jnp.int32), count - 1)
+
+
 def whole_spec(shape: tuple[int, ...]) -> pl.BlockSpec:
     """Whole-array block: the kernel indexes (gathers) it itself."""
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))

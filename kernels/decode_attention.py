@@ -59,11 +59,8 @@ def _decode_kernel(
     per_split = (hi - lo + num_splits - 1) // num_splits
     start = lo + split * per_split
     end = jnp.minimum(hi, start + per_split)
-    # [Gp, D]: the group's G rows, the last one repeated up to the dot's rows (not padded
-    # in XLA: a pad is one more kernel a layer; the extra rows' outputs are dropped)
-    rows = jnp.minimum(jnp.arange(gp, dtype=jnp.int32), group - 1) if gp > group else \
-        pl.ds(0, gp)
-    q = q_ref[seq, head, rows, :]
+    # [Gp, D]: the group's G rows, the last repeated up to the dot's (outputs dropped)
+    q = q_ref[seq, head, common.clamped_rows(0, gp, group) if gp > group else pl.ds(0, gp), :]
 
     def body(c, state):
         pos, rows = common.block_rows(tables_ref, seq, c, pages=pages, block_size=block_size)

@@ -187,8 +187,9 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, o_ref, *, block_n: int, block_k: i
     token = jnp.arange(num_tokens, dtype=jnp.int32)
     choice = jnp.arange(top_k, dtype=jnp.int32)
     real = (token < real_t)[:, None] & (choice < choices)[None, :]  # [Tp, kp]
-    ids = jnp.where(real, ids_ref[jnp.minimum(token, real_t - 1)[:, None],
-                                  jnp.minimum(choice, choices - 1)[None, :]], -1)  # [Tp, kp]
+    ids = jnp.where(real, ids_ref[common.clamped_rows(0, num_tokens, real_t)[:, None],
+                                  common.clamped_rows(0, top_k, choices)[None, :]],
+                    -1)  # [Tp, kp]
     position = token[:, None] * top_k + choice[None, :]  # [Tp, kp]
     cols = pl.ds(col * block_n, block_n)
     col_ids = col * block_n + jnp.arange(block_n, dtype=jnp.int32)
@@ -202,8 +203,7 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, o_ref, *, block_n: int, block_k: i
         def _():
             match = ids == e  # [T, k]: at most one hit per token
             hit = jnp.max(match.astype(jnp.int32), axis=1) > 0  # [T]
-            slot = jnp.sum(jnp.where(match, jnp.arange(top_k, dtype=jnp.int32)[None, :], 0),
-                           axis=1)
+            slot = jnp.sum(jnp.where(match, choice[None, :], 0), axis=1)
             out_rows = token * top_k + slot  # [T] assignment rows
             rows = token * choices + slot if per_assignment else token  # lhs rows
             rows = jnp.minimum(rows, lhs_ref.shape[0] - 1)

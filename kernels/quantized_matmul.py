@@ -132,8 +132,7 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
     num_rows = x_ref.shape[0]  # x is not padded to whole token tiles: a tile past its
     # last row reads that row again (clamped rows; the extra outputs are dropped)
     whole = num_rows % bt == 0
-    x_rows = (pl.ds(tok0, bt) if whole
-              else jnp.minimum(tok0 + jnp.arange(bt, dtype=jnp.int32), num_rows - 1))
+    x_rows = pl.ds(tok0, bt) if whole else common.clamped_rows(tok0, bt, num_rows)
 
     def x_row(t: int):
         """Token row `t` of the tile (elementwise mode)."""
