@@ -8,8 +8,10 @@ The rows of each group are cut into tiles of `block_m` rows that never straddle 
 multiplies one tile by one expert's weights: grid (tile, column block), each program walks
 K in `block_k` steps, gathering its rows of lhs and reading only its expert's [K, block_n]
 slice. Empty groups get no tile, so a decode step reads the weights of the experts its tokens
-chose and no others. The result is written in the tiled layout and gathered back to row
-order. The number of tiles is static: at most cdiv(M, block_m) + min(G, M).
+chose and no others. Each tile stores its rows in place (a masked store), so the result
+needs no gather back to row order (at an 8,192-token prefill that gather moved as many bytes
+as a tenth of the GEMM's time); the tiles the groups leave over zero the rows past the last
+group. The number of tiles is static: cdiv(M, block_m) + min(G, M), enough for both.
 
 `routed_matmul` is the form for a decode step: per column block, a few programs share the
 step's token-expert assignments; for each expert chosen, one multiplies the rows of the tokens
@@ -47,8 +49,11 @@ def _check(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> None:
 
 
 def group_tiles(group_sizes: jax.Array, num_rows: int, block_m: int):
-    """Tiles of one group each: (group [NT], first row [NT], valid rows [NT]) and, for every
-    row of lhs, its row in the tiled layout [M] (rows past the groups: clipped, unused)."""
+    """Tiles of one group each, then spare tiles over the rows past the last group: (group
+    [NT] (-1: a spare tile, which writes zeros), first row [NT], rows to store [NT]).
+
+    Spare tiles always cover the tail: the groups use at most total / bm + (nonempty groups)
+    (bm - 1) / bm tiles, which leaves >= (M - total) / bm of the cdiv(M, bm) + min(G, M)."""
     g = group_sizes.shape[0]
     num_tiles = -(-num_rows // block_m) + min(g, num_rows)
     sizes = group_sizes.astype(jnp.int32)
@@ -60,29 +65,34 @@ def group_tiles(group_sizes: jax.Array, num_rows: int, block_m: int):
     tile = jnp.arange(num_tiles, dtype=jnp.int32)
     group = jnp.minimum(jnp.searchsorted(tile_end, tile, side="right", method=_SEARCH), g - 1)
     local = tile - tile_begin[group]
-    valid = jnp.where(tile < tile_end[-1], jnp.clip(sizes[group] - local * block_m, 0, block_m),
-                      0)
-    first = starts[group] + local * block_m
-    row = jnp.arange(num_rows, dtype=jnp.int32)
-    row_group = jnp.minimum(jnp.searchsorted(ends, row, side="right", method=_SEARCH), g - 1)
-    offset = row - starts[row_group]
-    tiled_row = (tile_begin[row_group] + offset // block_m) * block_m + offset % block_m
-    tiled_row = jnp.clip(tiled_row, 0, num_tiles * block_m - 1)
-    return (group.astype(jnp.int32), first.astype(jnp.int32), valid.astype(jnp.int32),
-            tiled_row)
+    spare = tile >= tile_end[-1]
+    first = jnp.where(spare, ends[-1] + (tile - tile_end[-1]) * block_m,
+                      starts[group] + local * block_m)
+    valid = jnp.clip(jnp.where(spare, num_rows, sizes[group] + starts[group]) - first, 0,
+                     block_m)
+    return (jnp.where(spare, -1, group).astype(jnp.int32), first.astype(jnp.int32),
+            valid.astype(jnp.int32))
 
 
-def _kernel(group_ref, first_ref, valid_ref, lhs_ref, rhs_ref, o_ref, *, block_k: int,
-            k_steps: int):
+def _kernel(group_ref, first_ref, valid_ref, lhs_ref, rhs_ref, o_ref, *, block_m: int,
+            block_n: int, block_k: int, k_steps: int):
     """One tile of `block_m` rows of one group times one [K / splits, block_n] slice of its
-    expert (split `pl.program_id(2)` of K)."""
+    expert (split `pl.program_id(2)` of K), stored to its rows of split s's partial (o_ref
+    [splits * M, N]); a spare tile stores zeros."""
     tile, col, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     group, first, num_valid = group_ref[tile], first_ref[tile], valid_ref[tile]
-    block_m, block_n = o_ref.shape
-    offs = jnp.arange(block_m, dtype=jnp.int32)
-    row_ok = offs < num_valid
-    rows = jnp.where(row_ok, first + offs, 0)  # [bm] rows of lhs (padding reads row 0)
+    num_rows = lhs_ref.shape[0]  # >= block_m
+    # the tile's rows [first, first + num_valid) inside a window of block_m rows that stays
+    # in lhs: contiguous loads, and a store masked to the tile's own rows
+    start = jnp.minimum(first, num_rows - block_m)
+    offs = start + jnp.arange(block_m, dtype=jnp.int32)
+    row_ok = (offs >= first) & (offs < first + num_valid)
+    rows = pl.ds(start, block_m)
     cols = pl.ds(col * block_n, block_n)
+
+    def store(value):
+        pltriton.store(o_ref.at[pl.ds(split * num_rows + start, block_m), cols],
+                       value.astype(o_ref.dtype), mask=row_ok[:, None])
 
     def body(kb, acc):
         ks = pl.ds((split * k_steps + kb) * block_k, block_k)
@@ -92,14 +102,13 @@ def _kernel(group_ref, first_ref, valid_ref, lhs_ref, rhs_ref, o_ref, *, block_k
 
     # A static trip count under pl.when (Triton's scf.for rejected a traced bound whose type
     # differed from the constant lower bound on the H200); an empty tile reads nothing.
-    @pl.when(num_valid > 0)
+    @pl.when((num_valid > 0) & (group >= 0))
     def _():
-        acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((block_m, block_n), jnp.float32))
-        o_ref[...] = jnp.where(row_ok[:, None], acc, 0.0).astype(o_ref.dtype)
+        store(jax.lax.fori_loop(0, k_steps, body, jnp.zeros((block_m, block_n), jnp.float32)))
 
-    @pl.when(num_valid == 0)
+    @pl.when((num_valid > 0) & (group < 0))
     def _():
-        o_ref[...] = jnp.zeros((block_m, block_n), o_ref.dtype)
+        store(jnp.zeros((block_m, block_n), jnp.float32))
 
 
 def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
@@ -131,27 +140,29 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     common.check_pow2(block_m=block_m, block_n=block_n, block_k=block_k, k_splits=k_splits)
     num_rows, n = lhs.shape[0], rhs.shape[2]
     lhs_p = _pad_to(lhs, 1, block_k * k_splits)  # [M, K']
+    rows_p = max(num_rows, block_m)  # a tile's window of rows fits (few rows: padded)
+    lhs_p = jnp.pad(lhs_p, ((0, rows_p - num_rows), (0, 0))) if rows_p > num_rows else lhs_p
     rhs_p = _pad_to(_pad_to(rhs, 1, block_k * k_splits), 2, block_n)  # [G, K', N']
-    group, first, valid, tiled_row = group_tiles(group_sizes, num_rows, block_m)
+    group, first, valid = group_tiles(group_sizes, num_rows, block_m)
     num_tiles, width = group.shape[0], rhs_p.shape[2]
     out_dtype = out_dtype or lhs.dtype
     whole = common.whole_spec
-    tiled = pl.pallas_call(
-        functools.partial(_kernel, block_k=block_k,
+    out = pl.pallas_call(
+        functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
                           k_steps=lhs_p.shape[1] // (block_k * k_splits)),
         grid=(num_tiles, width // block_n, k_splits),
         in_specs=[whole((num_tiles,)), whole((num_tiles,)), whole((num_tiles,)),
                   whole(lhs_p.shape), whole(rhs_p.shape)],
-        out_specs=pl.BlockSpec((None, block_m, block_n), lambda t, c, s: (s, t, c)),
-        out_shape=jax.ShapeDtypeStruct((k_splits, num_tiles * block_m, width),
+        out_specs=whole((k_splits * rows_p, width)),
+        out_shape=jax.ShapeDtypeStruct((k_splits * rows_p, width),
                                        out_dtype if k_splits == 1 else jnp.float32),
         compiler_params=common.triton_params(num_warps, num_stages),
         interpret=interpret,
         name="grouped_matmul",
     )(group, first, valid, lhs_p, rhs_p)
-    tiled = tiled[0] if k_splits == 1 else jnp.sum(tiled, axis=0)
-    in_groups = jnp.arange(num_rows) < jnp.sum(group_sizes)
-    return jnp.where(in_groups[:, None], tiled[tiled_row, :n], 0).astype(out_dtype)
+    out = out.reshape(k_splits, rows_p, width)  # [splits, M, N'] (split-major: free)
+    out = out[0] if k_splits == 1 else jnp.sum(out, axis=0)
+    return out[:num_rows, :n].astype(out_dtype)
 
 
 ROUTED_MAX_TOKENS = 64  # one [T, block_k] x tile and [T, block_n] sums per program
