@@ -29,6 +29,8 @@
 #                                         # (--num-scheduler-steps), ABBA: Llama-3-8B bf16 and
 #                                         # Qwen3-30B-A3B (~9 min; MULTISTEP_MODELS picks from
 #                                         # bf16 fp8 int4 qwen3 qwen3c10 mixtral)
+#   bash benchmarks/run_h200.sh moetput   # issue 13: Qwen3-30B-A3B 1,000 x 1,024/256
+#                                         # throughput (~6 min)
 #   bash benchmarks/run_h200.sh loramulti # the lora stage's engine passes (200 prompts) with
 #                                         # --num-scheduler-steps 8 (~6 min)
 #   bash benchmarks/run_h200.sh moeprofile  # Qwen3-30B-A3B (batch 1, 10 x 2,560) and
@@ -194,10 +196,9 @@ stage_moe() {
   local qwen=(--model configs/models/qwen3-30b-a3b --load-format dummy --dtype bfloat16)
   local mixtral=(--model configs/models/mixtral-8x7b --load-format dummy --dtype bfloat16)
   local smoke_gmm=() b1=(--input-len 512 --output-len 512) c10=(--input-len 2048 --output-len 1024)
-  local n=1000 tput=(--input-len 1024 --output-len 256)
   if [ $SMOKE = 1 ]; then
-    qwen=(); mixtral=(); smoke_gmm=(--smoke); n=4; b1=(--input-len 16 --output-len 8)
-    c10=(--input-len 16 --output-len 8); tput=(--input-len 16 --output-len 4)
+    qwen=(); mixtral=(); smoke_gmm=(--smoke); b1=(--input-len 16 --output-len 8)
+    c10=(--input-len 16 --output-len 8)
   fi
   local eng=(--max-num-seqs 256 --max-num-batched-tokens 8192 --compilation-cache-dir "$CACHE")
   [ $SMOKE = 1 ] && eng=("${ENGINE[@]}" --compilation-cache-dir "$CACHE")
@@ -225,8 +226,18 @@ stage_moe() {
       "${b1[@]}" --num-iters 3 --num-iters-warmup 1 --output-json "$JSON/moe_qwen3_b1.json"
   step moe_qwen3_c10 400 "${BENCH[@]}" latency "${qwen[@]}" "${eng[@]}" --batch-size 10 \
       "${c10[@]}" --num-iters 1 --num-iters-warmup 1 --output-json "$JSON/moe_qwen3_c10.json"
-  step moe_qwen3_throughput 500 "${BENCH[@]}" throughput "${qwen[@]}" "${eng[@]}" \
-      --num-prompts $n "${tput[@]}" --warmup-requests 8 \
+  stage_moetput
+}
+
+# Issue 13's throughput target: Qwen3-30B-A3B shapes, 1,000 x 1,024 in / 256 out (N_MOE
+# overrides the prompt count), against the active-parameter compute roofline.
+stage_moetput() {
+  local qwen=(--model configs/models/qwen3-30b-a3b --load-format dummy --dtype bfloat16
+              --max-num-seqs 256 --max-num-batched-tokens 8192)
+  local n=${N_MOE:-1000} tput=(--input-len 1024 --output-len 256)
+  [ $SMOKE = 1 ] && qwen=("${ENGINE[@]}") && n=4 && tput=(--input-len 16 --output-len 4)
+  step moe_qwen3_throughput 540 "${BENCH[@]}" throughput "${qwen[@]}" \
+      --compilation-cache-dir "$CACHE" --num-prompts $n "${tput[@]}" --warmup-requests 8 \
       --output-json "$JSON/moe_qwen3_throughput.json"
 }
 
@@ -493,6 +504,7 @@ for stage in "${STAGES[@]}"; do
     graphs) stage_graphs ;;
     host) stage_host ;;
     multistep) stage_multistep ;;
+    moetput) stage_moetput ;;
     moeprofile) stage_moeprofile ;;
     w8a8) stage_w8a8 ;;
     decodesplits) stage_decodesplits ;;
@@ -500,7 +512,7 @@ for stage in "${STAGES[@]}"; do
     routed) stage_routed ;;
     routedwide) stage_routedwide ;;
     loramulti) stage_loramulti ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moeprofile | w8a8 | decodesplits | kvfp8 | routed | routedwide | loramulti)" ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moeprofile | w8a8 | decodesplits | kvfp8 | routed | routedwide | loramulti)" ;;
   esac
 done
 pack

@@ -10,6 +10,7 @@ import pytest
 
 from pjinfer.kernels import ops
 from pjinfer.kernels.grouped_matmul import (
+    group_tiles,
     grouped_matmul,
     grouped_matmul_reference,
     routed_matmul,
@@ -46,6 +47,27 @@ def test_kernel_matches_reference(m, k, n, g, bm, bn, bk, splits, tail):
     np.testing.assert_allclose(out, ref, **F32_TOL)
     np.testing.assert_allclose(jax.lax.ragged_dot(lhs, rhs, sizes), ref, **F32_TOL)
     assert not np.any(np.asarray(out)[m - tail:])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tiles_store_every_row_once(seed):
+    """Each row of the output is stored by exactly one tile: its group's (rows of one group
+    only), or a spare tile's (zeros) past the last group, for any sizes, tail and tile."""
+    rng = np.random.default_rng(seed)
+    g, bm = int(rng.integers(1, 12)), int(2 ** rng.integers(0, 6))
+    sizes = rng.integers(0, 3 * bm, size=g) * (rng.random(g) < 0.7)
+    m = int(sizes.sum()) + int(rng.integers(0, 3 * bm))
+    if m == 0:
+        return
+    group, first, valid = map(np.asarray, group_tiles(jnp.asarray(sizes), m, bm))
+    ends = np.cumsum(sizes)
+    stored = np.zeros(m, int)
+    for grp, f, v in zip(group, first, valid, strict=True):
+        rows = np.arange(f, f + v)
+        stored[rows] += 1
+        expect = np.searchsorted(ends, rows, side="right")  # each row's group
+        assert np.all(np.where(rows < ends[-1], expect, -1) == grp) or v == 0
+    assert np.all(stored == 1), (sizes, m, bm)
 
 
 @pytest.mark.parametrize("t, k, g, kk, n, per_assignment, splits, k_splits", [
