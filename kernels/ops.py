@@ -97,18 +97,41 @@ def paged_attention(
     sequence and T == S.
     """
     pallas = _use_pallas(backend)
-    interpret = jax.default_backend() != "gpu"
     if decode_only:
-        args = (q, k_cache, v_cache, md.block_tables, md.seq_lens, attn)
-        if not pallas:
-            return decode_attention_reference(*args)
-        sizes = default_decode_block_sizes(
-            q.shape[0], k_cache.shape[2], md.block_tables.shape[1], k_cache.shape[1]
-        )
-        return decode_attention(*args, block_sizes=sizes, interpret=interpret)
+        return _decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, attn, pallas)
     if not pallas:
         return ragged_attention_reference(q, k_cache, v_cache, md, attn)
-    return ragged_attention(q, k_cache, v_cache, md, attn, interpret=interpret)
+    return _mixed_attention(q, k_cache, v_cache, md, attn)
+
+
+def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, attn, pallas: bool):
+    """q [S, H, D], one token per sequence (seq_lens 0: padding, output 0)."""
+    args = (q, k_cache, v_cache, block_tables, seq_lens, attn)
+    if not pallas:
+        return decode_attention_reference(*args)
+    sizes = default_decode_block_sizes(
+        q.shape[0], k_cache.shape[2], block_tables.shape[1], k_cache.shape[1]
+    )
+    return decode_attention(*args, block_sizes=sizes, interpret=jax.default_backend() != "gpu")
+
+
+def _mixed_attention(q, k_cache, v_cache, md: AttentionMetadata, attn: AttentionParams):
+    """The ragged batch's one-token sequences (decodes) through the decode kernel, the
+    others through the ragged kernel, which skips the decodes' tiles. In the ragged kernel
+    a decode fills one of a tile's 16 query rows and walks its context in short steps: on
+    the H200, 255 decodes at 1k context beside a 1,792-token chunk (Qwen3-30B-A3B heads)
+    took 531 us per layer there, where the decode kernel streams 256 x 1k in 146 us."""
+    num_tokens = q.shape[0]
+    starts = md.query_start_loc[:-1]  # [S] each sequence's first token
+    single = md.query_lens == 1  # [S]
+    q_single = q[jnp.minimum(starts, num_tokens - 1)]  # [S, H, D]
+    seq_lens = jnp.where(single, md.seq_lens, 0)  # the others cost the decode kernel nothing
+    out_single = _decode_attention(q_single, k_cache, v_cache, md.block_tables, seq_lens, attn,
+                                   pallas=True)
+    out = ragged_attention(q, k_cache, v_cache, md, attn, skip_single_tokens=True,
+                           interpret=jax.default_backend() != "gpu")
+    rows = jnp.where(single, starts, num_tokens)  # [S]; num_tokens: dropped
+    return out.at[rows].set(out_single, mode="drop")
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
@@ -183,10 +206,11 @@ def default_grouped_block_sizes(rows: int, groups: int, k: int, n: int) -> dict[
     (hundreds of rows per expert) the compute tiling; a decode step with few programs splits
     K (float32 partial sums). K and N blocks shrink (down to 16) to
     divide the weights, so a tp shard's slice (e.g. 768 / 8 = 96 columns) is never padded,
-    which would copy the weights every call. Not yet tuned on the H200: see
-    `python -m pjinfer.benchmarks.moe --block-m ... --block-n ... --block-k ...`."""
+    which would copy the weights every call. The prefill tiling is the best of a 24-tiling
+    H200 sweep at Qwen3-30B-A3B shapes (`benchmarks/moe.py`, RESULTS round 12)."""
     if rows > 4 * groups:
-        return dict(block_m=64, block_n=_dividing(128, n), block_k=_dividing(64, k))
+        return dict(block_m=128, block_n=_dividing(256, n), block_k=_dividing(64, k),
+                    num_warps=8, num_stages=4)
     bn, bk = _dividing(128, n), _dividing(128, k)
     programs = min(rows, groups) * -(-n // bn)  # (tile, column) programs when all are busy
     splits = 1  # split K until ~512 programs stream weights, each keeping >= 4 K steps

@@ -112,7 +112,8 @@ def _ragged_call(tiles: QueryTiles, tables, qt, k_flat, v_flat, *, group: int, b
     )(tiles.seq_id, tiles.first_pos, tiles.num_valid, tables, qt, k_flat, v_flat)
 
 
-@functools.partial(jax.jit, static_argnames=("attn", "block_sizes", "interpret"))
+@functools.partial(jax.jit,
+                   static_argnames=("attn", "block_sizes", "skip_single_tokens", "interpret"))
 def ragged_attention(
     q: jax.Array,  # [T, H, D] ragged batch, each sequence's tokens contiguous
     k_cache: jax.Array,  # [NB, bs, KVH, D]
@@ -121,12 +122,15 @@ def ragged_attention(
     attn: AttentionParams,
     *,
     block_sizes: RaggedBlockSizes = RaggedBlockSizes(),
+    skip_single_tokens: bool = False,
     interpret: bool = False,
 ) -> jax.Array:
     """Pallas ragged paged attention; returns [T, H, D] in q.dtype.
 
     Tokens are regrouped into tiles of one sequence (`pad_queries`) so that a program
     reads only that sequence's pages; `unpad_outputs` restores the ragged token order.
+    `skip_single_tokens`: sequences with one query token (decodes, which the caller runs
+    through the decode kernel) get empty tiles and output 0.
     """
     num_tokens, num_heads, head_dim = q.shape
     group = common.kv_group(q, k_cache, v_cache)
@@ -134,6 +138,9 @@ def ragged_attention(
     gp = common.next_pow2(group)  # Triton tiles are powers of two
     bq = block_sizes.block_q
     tiles = make_query_tiles(md, num_tokens, bq)
+    if skip_single_tokens:
+        single = md.query_lens[tiles.seq_id] == 1  # [NT]
+        tiles = dataclasses.replace(tiles, num_valid=jnp.where(single, 0, tiles.num_valid))
     qp = pad_queries(q, tiles, bq).reshape(-1, num_kv_heads, group, head_dim)  # [R, KVH, G, D]
     qp = jnp.pad(qp, ((0, 0), (0, 0), (0, gp - group), (0, 0)))
     qt = qp.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)  # [KVH, R * Gp, D]

@@ -189,4 +189,6 @@ def test_default_tiling_divides_a_tp_shards_weights():
     # Mixtral's down projection at batch 1: 2 experts x 32 column blocks, K split 8 ways
     assert ops.default_grouped_block_sizes(2, 8, 14336, 4096)["k_splits"] == 8
     prefill = ops.default_grouped_block_sizes(65536, 128, 96, 2048)
-    assert prefill == dict(block_m=64, block_n=128, block_k=32)
+    assert prefill == dict(block_m=128, block_n=256, block_k=32, num_warps=8, num_stages=4)
+    # a 96-column tp slice of the gate/up weights: N shrinks to divide it
+    assert ops.default_grouped_block_sizes(65536, 128, 2048, 96)["block_n"] == 32
