@@ -211,7 +211,7 @@ stage_moe() {
       --import-mode=append tests/kernels/test_grouped_matmul.py \
       tests/models/test_moe.py -k "kernel or routed or padding"
   step moe_grouped_matmul 400 $PY -m pjinfer.benchmarks.moe "${smoke_gmm[@]}" \
-      --block-m 32 64 128 --block-n 64 128 --block-k 64 \
+      --block-m 64 128 --block-n 128 256 --block-k 64 128 --num-warps 8 --num-stages 3 4 \
       --out "$JSON/moe_grouped_matmul.json"
   step moe_decode_layer 200 $PY -m pjinfer.benchmarks.moe "${smoke_gmm[@]}" --decode-layer \
       --out "$JSON/moe_decode_layer.json"
