@@ -69,3 +69,21 @@ def test_ragged_reads_fp8_caches(k_scale, v_scale):
     ref = ragged_attention_reference(meant.q, meant.k_cache, meant.v_cache, meant.md,
                                      AttentionParams(scale=0.125))
     assert rel_err(ref8[:n], ref[:n]) < 1e-5
+
+
+def test_skip_single_tokens_leaves_decodes_to_the_decode_kernel():
+    """Tiles of one-token sequences are empty (output 0); the others are unchanged."""
+    rng = np.random.default_rng(23)
+    b = make_batch(rng, *MIXED, num_kv_heads=2, group=4, head_dim=64, block_size=16,
+                   pad_tokens=3)
+    attn = AttentionParams(scale=0.125)
+    out = ragged_attention(b.q, b.k_cache, b.v_cache, b.md, attn, skip_single_tokens=True,
+                           interpret=True)
+    ref = ragged_attention_reference(b.q, b.k_cache, b.v_cache, b.md, attn)
+    starts = np.cumsum([0, *MIXED[0][:-1]])
+    for q_len, start in zip(MIXED[0], starts, strict=True):
+        rows = slice(start, start + q_len)
+        if q_len == 1:
+            assert not np.any(np.asarray(out[rows]))
+        elif q_len:
+            assert rel_err(out[rows], ref[rows]) < TOL[jnp.float32]
