@@ -80,6 +80,11 @@ def _use_pallas(backend: str) -> bool:
     return backend in ("pallas", "triton")
 
 
+def _interpret() -> bool:
+    """Pallas kernels forced off GPU ("pallas"/"triton" on CPU) run in interpret mode."""
+    return jax.default_backend() != "gpu"
+
+
 def paged_attention(
     q: jax.Array,  # [T, H, D] ragged batch; [S, H, D] when decode_only
     k_cache: jax.Array,  # [NB, bs, KVH, D]
@@ -112,7 +117,7 @@ def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, attn, pallas:
     sizes = default_decode_block_sizes(
         q.shape[0], k_cache.shape[2], block_tables.shape[1], k_cache.shape[1]
     )
-    return decode_attention(*args, block_sizes=sizes, interpret=jax.default_backend() != "gpu")
+    return decode_attention(*args, block_sizes=sizes, interpret=_interpret())
 
 
 def _mixed_attention(q, k_cache, v_cache, md: AttentionMetadata, attn: AttentionParams):
@@ -120,7 +125,8 @@ def _mixed_attention(q, k_cache, v_cache, md: AttentionMetadata, attn: Attention
     others through the ragged kernel, which skips the decodes' tiles. In the ragged kernel
     a decode fills one of a tile's 16 query rows and walks its context in short steps: on
     the H200, 255 decodes at 1k context beside a 1,792-token chunk (Qwen3-30B-A3B heads)
-    took 531 us per layer there, where the decode kernel streams 256 x 1k in 146 us."""
+    took 531 us per layer in the ragged kernel; the decode kernel streams 256 x 1k in 146 us.
+    A step without decodes still launches the decode kernel, whose programs all exit at once."""
     num_tokens = q.shape[0]
     starts = md.query_start_loc[:-1]  # [S] each sequence's first token
     single = md.query_lens == 1  # [S]
@@ -129,7 +135,7 @@ def _mixed_attention(q, k_cache, v_cache, md: AttentionMetadata, attn: Attention
     out_single = _decode_attention(q_single, k_cache, v_cache, md.block_tables, seq_lens, attn,
                                    pallas=True)
     out = ragged_attention(q, k_cache, v_cache, md, attn, skip_single_tokens=True,
-                           interpret=jax.default_backend() != "gpu")
+                           interpret=_interpret())
     rows = jnp.where(single, starts, num_tokens)  # [S]; num_tokens: dropped
     return out.at[rows].set(out_single, mode="drop")
 
@@ -148,7 +154,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),
                                   preferred_element_type=jnp.float32).astype(out_dtype)
     return pallas_grouped_matmul(lhs, rhs, group_sizes, out_dtype=out_dtype,
-                                 interpret=jax.default_backend() != "gpu",
+                                 interpret=_interpret(),
                                  **default_grouped_block_sizes(lhs.shape[0], *rhs.shape))
 
 
@@ -167,7 +173,7 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
     # T with inactive rows, so T cannot tell how many experts a step reads
     busy = -(-n // bn) * min(ids.shape[1], groups)
     return pallas_routed_matmul(lhs, rhs, ids, per_assignment=per_assignment,
-                                out_dtype=out_dtype, interpret=jax.default_backend() != "gpu",
+                                out_dtype=out_dtype, interpret=_interpret(),
                                 block_n=bn, block_k=bk,
                                 k_splits=routed_k_splits(busy, -(-kk // bk)))
 
@@ -206,8 +212,9 @@ def default_grouped_block_sizes(rows: int, groups: int, k: int, n: int) -> dict[
     (hundreds of rows per expert) the compute tiling; a decode step with few programs splits
     K (float32 partial sums). K and N blocks shrink (down to 16) to
     divide the weights, so a tp shard's slice (e.g. 768 / 8 = 96 columns) is never padded,
-    which would copy the weights every call. The prefill tiling is the best of a 24-tiling
-    H200 sweep at Qwen3-30B-A3B shapes (`benchmarks/moe.py`, RESULTS round 12)."""
+    which would copy the weights every call. The prefill tiling is the best of 24 tilings
+    swept (19 compiled) on the H200 at Qwen3-30B-A3B shapes (`benchmarks/moe.py`, RESULTS
+    round 12)."""
     if rows > 4 * groups:
         return dict(block_m=128, block_n=_dividing(256, n), block_k=_dividing(64, k),
                     num_warps=8, num_stages=4)
@@ -258,7 +265,7 @@ def quantized_matmuls(x: jax.Array, ws: list[QuantizedWeight], *, out_dtype=None
         return [fp8_w8a8_matmul(x, w, out_dtype=out_dtype) if per_channel_fp8(w)
                 else qmm.quantized_matmul_reference(x, w, out_dtype=out_dtype) for w in ws]
     if pallas:
-        interpret = jax.default_backend() != "gpu"
+        interpret = _interpret()
         if qmm.groupable(ws):
             return qmm.quantized_matmuls(x, tuple(ws), out_dtype=out_dtype,
                                          interpret=interpret)
@@ -304,7 +311,7 @@ def lora_group_deltas(x: jax.Array, adapters: list[lora_matmul.Adapter], slots: 
     if (backend != "auto" and _use_pallas(backend) and x.shape[0] <= LORA_PALLAS_MAX_ROWS
             and traced_tp_mesh() is None):
         return lora_matmul.lora_group_delta(x, adapters, slots,
-                                            interpret=jax.default_backend() != "gpu")
+                                            interpret=_interpret())
     return [lora_matmul.lora_delta(x, a, b, slots) for a, b in adapters]
 
 
