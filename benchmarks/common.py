@@ -172,13 +172,15 @@ def positive_ints(text: str) -> tuple[int, ...]:
 
 
 def power_of_two(text: str) -> int:
-    """argparse type: a kernel tile size, a power of two >= 1, else a usage error."""
+    """argparse type: a kernel tile size, K split or warp count, a power of two >= 1, else a
+    usage error."""
     from pjinfer.kernels.common import is_pow2
 
     value = positive_int(text)
     if not is_pow2(value):
-        raise argparse.ArgumentTypeError(f"{text!r}: tile sizes are powers of two "
-                                         "(16, 32, 64, ...)")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: not a power of two (tile sizes are powers of two: 16, 32, 64, ...; "
+            "K splits and warp counts: 1, 2, 4, 8, ...)")
     return value
 
 
