@@ -260,7 +260,8 @@ def build_llm(args: argparse.Namespace, *, lora: bool) -> Any:
 
 
 def run_batch(engine: Any, prompts: list[list[int]], output_len: int, loras: list) -> float:
-    """Seconds to finish every request (all submitted at once, greedy, EOS ignored)."""
+    """Seconds to finish every request (all submitted at once, greedy, EOS ignored); a request
+    the engine fails stops the run (it never finishes)."""
     from pjinfer import RequestOutputKind, SamplingParams
 
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0,
@@ -272,6 +273,10 @@ def run_batch(engine: Any, prompts: list[list[int]], output_len: int, loras: lis
     done = 0
     while done < len(ids):
         done += sum(out.finished for out in engine.step())
+        failures = engine.take_failures()
+        if failures:
+            raise RuntimeError(f"{len(failures)} request(s) failed: "
+                               f"{next(iter(failures.values()))}")
     return time.perf_counter() - start
 
 

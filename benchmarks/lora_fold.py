@@ -1,11 +1,16 @@
 """Where a decode step's LoRA time goes: the projections of a Llama-3-8B-shaped model (all
 layers in one jitted call, attention replaced by an elementwise stand-in) without LoRA, with
-the engine's XLA form of the LoRA term, and with the expand folded into the base matmul.
+the XLA form of the LoRA term, with the expand folded into the base matmul, and with the
+shrink folded into it.
 
-Folded form: a module's B rows are appended to its base weight ([in + L*R, out]), so
-x W + (x A) B = [x, x A] [W; B] is one matmul; the shrinks of the modules sharing an input
-(q/k/v, gate/up) are one matmul over their A's side by side. The XLA form runs two matmuls
-per module (`kernels.lora_matmul.lora_delta`). Records ms per call and the kernels XLA emits
+`folded` (the expand folded): a module's B rows are appended to its base weight
+([in + L*R, out]), so x W + (x A) B = [x, x A] [W; B] is one matmul; the shrinks of the
+modules sharing an input (q/k/v, gate/up) are one matmul over their A's side by side.
+`shrink_folded[_pallas]` (the engine's form at tp = 1): every slot's A columns of a group's
+modules are appended to the group's first base weight ([in, out + M*L*R]), so that matmul
+yields the group's x A too; the rest is the masked expand, by XLA
+(`kernels.lora_matmul.folded_deltas`) or one Pallas kernel per group (`folded_group_expand`). The XLA form runs two matmuls per module
+(`kernels.lora_matmul.lora_delta`). Records ms per call and the kernels XLA emits
 (top-level fusions and custom calls of the optimized module), so the number of launches a
 form costs is known before an engine is changed for it.
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
@@ -41,6 +47,10 @@ def _args(argv):
     p.add_argument("--rank", type=common.positive_int, default=16)
     p.add_argument("--calls", type=common.positive_int, default=20)
     p.add_argument("--samples", type=common.positive_int, default=7)
+    p.add_argument("--forms", nargs="+", default=None,
+                   help="forms to run (default: all); base is always run")
+    p.add_argument("--hlo-dir", default=None,
+                   help="write each form's optimized HLO here (what the kernel count counts)")
     a = p.parse_args(argv)
     if a.q_width % a.kv_width:
         p.error("--q-width must be a multiple of --kv-width")
@@ -83,6 +93,22 @@ def _fold(layers):
     return out
 
 
+def _fold_shrink(layers):
+    """Per group, its first module's W_ext = [W | A_1 ... A_M] ([in, out + M*L*R]); the
+    other modules' W; every module's B."""
+    import jax.numpy as jnp
+
+    out = []
+    for row in layers:
+        folded = {m: (w, b) for m, (w, _, b) in row.items()}
+        for g in GROUPS:
+            w = row[g[0]][0]
+            a_s = [row[m][1].reshape(w.shape[0], -1) for m in g]
+            folded[g[0]] = (jnp.concatenate([w, *a_s], axis=1), row[g[0]][2])
+        out.append(folded)
+    return out
+
+
 def _norm(x):
     """RMS norm without a weight: keeps 32 random layers' activations finite."""
     import jax
@@ -109,7 +135,13 @@ def _forms(a):
     import jax
     import jax.numpy as jnp
 
-    from pjinfer.kernels.lora_matmul import lora_delta, slot_mask
+    from pjinfer.kernels.lora_matmul import (
+        folded_deltas,
+        folded_group_expand,
+        lora_delta,
+        slot_mask,
+        used_rows,
+    )
 
     reps = a.q_width // a.kv_width
 
@@ -139,7 +171,23 @@ def _forms(a):
             x = _layer(x, project, reps)
         return x
 
-    return {"base": jax.jit(base), "xla": jax.jit(xla), "folded": jax.jit(folded)}
+    def shrink_folded(layers, x, slots, pallas: bool):
+        used = used_rows(slots, a.max_loras)
+        for row in layers:
+            def project(g, h, row=row):
+                ys = [jnp.dot(h, row[m][0], preferred_element_type=jnp.float32) for m in g]
+                bs = [row[m][1] for m in g]
+                deltas = (folded_group_expand(ys[0], bs, slots, used, interpret=not on_gpu)
+                          if pallas else folded_deltas(ys[0], bs, slots))
+                return [(y[:, :b.shape[2]] + d).astype(h.dtype)
+                        for y, b, d in zip(ys, bs, deltas)]
+            x = _layer(x, project, reps)
+        return x
+
+    on_gpu = jax.default_backend() == "gpu"
+    return {"base": jax.jit(base), "xla": jax.jit(xla), "folded": jax.jit(folded),
+            "shrink_folded": jax.jit(partial(shrink_folded, pallas=False)),
+            "shrink_folded_pallas": jax.jit(partial(shrink_folded, pallas=True))}
 
 
 def _rel(a, b) -> float:
@@ -172,8 +220,11 @@ def main(argv=None) -> dict:
     record = common.new_record("lora_fold", argv or sys.argv[1:], vars(a))
     record["device"] = common.jax_device_info()
     layers = _weights(a, jax.random.key(0))
-    inputs = {"base": layers, "xla": layers, "folded": _fold(layers)}
-    forms = _forms(a)
+    shrink_folded = _fold_shrink(layers)
+    inputs = {"base": layers, "xla": layers, "folded": _fold(layers),
+              "shrink_folded": shrink_folded, "shrink_folded_pallas": shrink_folded}
+    forms = {n: f for n, f in _forms(a).items()
+             if a.forms is None or n in ("base", "xla") or n in a.forms}
     rows = []
     for t in a.tokens:
         x = 0.1 * jax.random.normal(jax.random.key(t), (t, a.hidden), jnp.bfloat16)
@@ -182,14 +233,18 @@ def main(argv=None) -> dict:
         for name, fn in forms.items():
             args = (inputs[name], x, slots)
             hlo = fn.lower(*args).compile().as_text()
+            if a.hlo_dir:
+                Path(a.hlo_dir).mkdir(parents=True, exist_ok=True)
+                (Path(a.hlo_dir) / f"{name}_t{t}.hlo.txt").write_text(hlo)
             sec = common.median_call_seconds(fn, *args, reps=a.calls, repeats=a.samples)
             outs[name] = fn(*args)
             rows.append({"tokens": t, "form": name, "ms": sec * 1e3,
                          "kernels": kernel_count(hlo)})
             print(f"T={t:3d} {name:7s} {sec * 1e3:8.3f} ms  {rows[-1]['kernels']} kernels",
                   flush=True)
-        rows.append({"tokens": t, "folded_vs_xla_rel_err": _rel(outs["folded"], outs["xla"]),
-                     "xla_vs_base_rel_diff": _rel(outs["xla"], outs["base"])})
+        rows.append({"tokens": t, "xla_vs_base_rel_diff": _rel(outs["xla"], outs["base"]),
+                     **{f"{name}_vs_xla_rel_err": _rel(outs[name], outs["xla"])
+                        for name in forms if name not in ("base", "xla")}})
     record["results"] = rows
     common.finish_record(record, a.out)
     return record

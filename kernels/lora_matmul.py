@@ -211,3 +211,96 @@ def lora_group_delta(x: jax.Array, adapters: list[Adapter], slots: jax.Array, *,
         total = total + parts[s, :t]
     bounds = [sum(outs[:m]) for m in range(len(outs) + 1)]
     return [total[:, lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+# ---- shrink folded into the base matmul: the expand alone ------------------------------------
+# At tp = 1 the engine stores the first weight of each group of projections sharing an input
+# (q/k/v; gate/up; o; down) as W_ext = [W | A_1 | ... | A_M] ([in, out + M*L*R], each A slot-
+# major), so that base matmul also yields the shrink x A of every module of the group (its
+# GEMM streams A's columns with W's: no kernel of its own); what is left of the LoRA term is
+# masking those columns by token slot and expanding them by each module's B.
+def folded_deltas(y: jax.Array, bs: list[jax.Array], slots: jax.Array) -> list[jax.Array]:
+    """XLA form: y [T, out_0 + M*L*R] float32 (x W_ext of the group's first module), B_m
+    [L, R, out_m] -> the LoRA term [T, out_m] float32 of each module (the shrink's columns
+    masked to each token's slot, cast like the activations)."""
+    num_slots, rank, _ = bs[0].shape
+    width = num_slots * rank
+    first = y.shape[1] - len(bs) * width  # out_0
+    mask = slot_mask(slots, num_slots)[:, :, None]  # [T, L, 1]
+    return [lora_expand(y[:, first + m * width:first + (m + 1) * width].reshape(
+        y.shape[0], num_slots, rank) * mask, b, b.dtype) for m, b in enumerate(bs)]
+
+
+def _expand_kernel(rows_ref, count_ref, slots_ref, y_ref, *refs, first_programs: tuple[int, ...],
+                   shrink_cols: tuple[int, ...], rank: int, block_t: int, block_n: int):
+    """Program p: for each used adapter, its R shrink columns of p's module (the rows of its
+    tokens kept) expanded by its [R, block_n] tile of B."""
+    b_refs, o_ref = refs[:-1], refs[-1]
+    prog = pl.program_id(0)
+    t_rows = common.clamped_rows(0, block_t, y_ref.shape[0])  # rows past T repeat the
+    slots = slots_ref[t_rows]  # last; their outputs are dropped by the caller
+    ends = (*first_programs[1:], None)
+    for b_ref, col0, first, end in zip(b_refs, shrink_cols, first_programs, ends, strict=True):
+        mine = prog >= first if end is None else (prog >= first) & (prog < end)
+
+        @pl.when(mine)  # exactly one module owns each program's columns
+        def _(b_ref=b_ref, col0=col0, first=first):
+            cols = pl.ds((prog - first) * block_n, block_n)
+
+            def adapter(i, acc):  # acc [bt, bn] float32
+                row = rows_ref[i]
+                h = y_ref[t_rows, pl.ds(col0 + row * rank, rank)]  # [bt, R] float32
+                h = jnp.where((slots == row + 1)[:, None], h, 0.0).astype(b_ref.dtype)
+                b = b_ref[pl.ds(row * rank, rank), cols]  # [R, bn]
+                return acc + jnp.dot(h, b, preferred_element_type=jnp.float32)
+
+            o_ref[...] = jax.lax.fori_loop(0, count_ref[0], adapter,
+                                           jnp.zeros((block_t, block_n), jnp.float32))
+
+
+def folded_block_n(outs: list[int]) -> int | None:
+    """The widest column tile (<= 256) dividing every module's out; None: none does."""
+    return next((b for b in (256, 128, 64, 32, 16) if all(o % b == 0 for o in outs)), None)
+
+
+@functools.partial(jax.jit, static_argnames=("block_n", "interpret"))
+def folded_group_expand(y: jax.Array, bs: list[jax.Array], slots: jax.Array,
+                        used: tuple[jax.Array, jax.Array] | None = None, *,
+                        block_n: int | None = None, interpret: bool = False
+                        ) -> list[jax.Array]:
+    """`folded_deltas` in one pallas_call over the adapters some token uses: y [T, out_0 +
+    M*L*R] float32, B_m [L, R, out_m], token slots [T] -> [T, out_m] float32 each (the XLA
+    form where no tiling fits: rank not a power of two >= 16). `used`: `used_rows(slots, L)`,
+    computed once a step by the caller (else here).
+
+    The kernel reads y's shrink columns in place (no slice or pad kernel): rows past T repeat
+    the last and come out of a [next_pow2(T) >= 16, sum(out_m)] output, sliced here (a slice
+    XLA fuses into the consumer). Meant for decode-sized T."""
+    outs = [b.shape[2] for b in bs]
+    num_slots, rank = bs[0].shape[:2]
+    block_n = block_n or folded_block_n(outs)
+    if rank < 16 or not common.is_pow2(rank) or block_n is None:
+        return folded_deltas(y, bs, slots)
+    t = y.shape[0]
+    block_t = max(16, common.next_pow2(t))
+    rows, count = used or used_rows(slots.astype(jnp.int32), num_slots)
+    mats = [b.reshape(num_slots * rank, -1) for b in bs]  # [L*R, out_m]
+    programs = [o // block_n for o in outs]
+    first_programs = tuple(sum(programs[:m]) for m in range(len(programs)))
+    width = num_slots * rank
+    shrink_cols = tuple(y.shape[1] - (len(bs) - m) * width for m in range(len(bs)))
+    kernel = functools.partial(_expand_kernel, first_programs=first_programs,
+                               shrink_cols=shrink_cols, rank=rank, block_t=block_t,
+                               block_n=block_n)
+    total = pl.pallas_call(
+        kernel,
+        grid=(sum(programs),),
+        in_specs=[common.whole_spec(v.shape) for v in (rows, count, slots, y, *mats)],
+        out_specs=pl.BlockSpec((block_t, block_n), lambda j: (0, j)),
+        out_shape=jax.ShapeDtypeStruct((block_t, sum(outs)), jnp.float32),
+        compiler_params=common.triton_params(4, 1),
+        interpret=interpret,
+        name="lora_folded_expand",
+    )(rows, count, slots.astype(jnp.int32), y, *mats)
+    bounds = [sum(outs[:m]) for m in range(len(outs) + 1)]
+    return [total[:t, lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
