@@ -9,7 +9,8 @@ modules sharing an input (q/k/v, gate/up) are one matmul over their A's side by 
 `shrink_folded[_pallas]` (the engine's form at tp = 1): every slot's A columns of a group's
 modules are appended to the group's first base weight ([in, out + M*L*R]), so that matmul
 yields the group's x A too; the rest is the masked expand, by XLA
-(`kernels.lora_matmul.folded_deltas`) or one Pallas kernel per group (`folded_group_expand`). The XLA form runs two matmuls per module
+(`kernels.lora_matmul.folded_deltas`) or one Pallas kernel per group
+(`folded_group_expand`). The XLA form runs two matmuls per module
 (`kernels.lora_matmul.lora_delta`). Records ms per call and the kernels XLA emits
 (top-level fusions and custom calls of the optimized module), so the number of launches a
 form costs is known before an engine is changed for it.
@@ -32,6 +33,7 @@ from pjinfer.benchmarks import common  # noqa: E402
 MODULES = {"q": ("d", "q"), "k": ("d", "kv"), "v": ("d", "kv"), "o": ("q", "d"),
            "gate": ("d", "f"), "up": ("d", "f"), "down": ("f", "d")}
 GROUPS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))
+FORMS = ("base", "xla", "folded", "shrink_folded", "shrink_folded_pallas")
 
 
 def _args(argv):
@@ -180,7 +182,7 @@ def _forms(a):
                 deltas = (folded_group_expand(ys[0], bs, slots, used, interpret=not on_gpu)
                           if pallas else folded_deltas(ys[0], bs, slots))
                 return [(y[:, :b.shape[2]] + d).astype(h.dtype)
-                        for y, b, d in zip(ys, bs, deltas)]
+                        for y, b, d in zip(ys, bs, deltas, strict=True)]
             x = _layer(x, project, reps)
         return x
 

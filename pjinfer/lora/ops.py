@@ -6,7 +6,8 @@ token slot; the math and its kernels are in pjinfer.kernels.lora_matmul, dispatc
 Two forms. Folded (plain weights at tp = 1, `pjinfer.lora.weights.fold_shrinks`): the first
 weight of a group holds every slot's A of every module of the group as extra columns, W_ext
 = [W | A_1 ... A_M], so its base matmul also yields the group's shrinks and only the masked
-expand is left (`ops.lora_folded_deltas`: one Pallas kernel per group at decode on a GPU). Separate (quantized or tensor-parallel weights): A and B beside
+expand is left (`ops.lora_folded_deltas`: one Pallas kernel per group at decode on a GPU).
+Separate (quantized or tensor-parallel weights): A and B beside
 the base weight, the group's terms from `ops.lora_group_deltas`. A group of projections
 sharing their input (q/k/v; gate/up) goes through `linears`, which hands the whole group to
 the dispatch; base and LoRA outputs are summed in float32 and cast once, an elementwise add

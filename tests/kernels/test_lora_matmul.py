@@ -111,3 +111,29 @@ def test_lowers_to_triton_ir_for_llama3_8b_groups():
         exported = jax.export.export(kernel, platforms=["cuda"], disabled_checks=[check])(
             x, adapters, slots)
         assert "xla.gpu.triton" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("t, d_in, outs, num_slots, slots", [
+    (5, 64, [64, 32, 32], 3, [0, 1, 3, 3, 0]),  # q/k/v-like; rows past T repeat the last
+    (1, 32, [48], 4, [2]),  # batch 1, one module, 3 column tiles of 16
+    (19, 32, [32, 64], 2, None),  # odd T, random slots
+    (4, 32, [16, 16], 5, [0, 0, 0, 0]),  # only base tokens: all zero
+])
+def test_folded_expand_matches_reference(t, d_in, outs, num_slots, slots):
+    """The shrink folded into the first module's matmul (y = x [W_0 | A_1 ... A_M]), then
+    the Pallas expand and the XLA form, against the per-token gather reference."""
+    from pjinfer.kernels.lora_matmul import folded_deltas, folded_group_expand
+
+    x, adapters, token_slots = _group(t * 7 + d_in, t, d_in, outs, num_slots, 16, slots)
+    w0 = jnp.asarray(np.random.default_rng(t).normal(size=(d_in, outs[0])), jnp.float32)
+    y = x @ jnp.concatenate([w0, *(a.reshape(d_in, -1) for a, _ in adapters)], axis=1)
+    bs = [b for _, b in adapters]
+    want = lora_group_delta_reference(x, adapters, token_slots)
+    got = folded_group_expand(y, bs, token_slots, interpret=INTERPRET)
+    xla = folded_deltas(y, bs, token_slots)
+    base = np.asarray(token_slots) == 0
+    for g, q, w, out in zip(got, xla, want, outs, strict=True):
+        assert g.shape == (t, out) and g.dtype == jnp.float32
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(q, w, rtol=1e-4, atol=1e-4)
+        assert not np.any(np.asarray(g)[base])
