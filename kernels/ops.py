@@ -329,9 +329,9 @@ def lora_folded_deltas(y: jax.Array, bs: list[jax.Array], slots: jax.Array,
 
     On a GPU ("auto") one Pallas kernel per group for decode-sized steps (up to
     `LORA_PALLAS_MAX_ROWS` rows), else XLA's masked expand. Measured on the H200 with 32
-    Llama-3-8B layers at 8 rows, 8 adapters of rank 16 (`benchmarks/lora_fold.py`, each
-    module carrying its own A): 4.57 ms with the kernel, 4.67 with XLA's expand, 3.85-3.90
-    without LoRA, 5.56-5.58 with a separate shrink and expand per module."""
+    Llama-3-8B layers at 8 rows, 8 adapters of rank 16 (`benchmarks/lora_fold.py`): 4.51 ms
+    with the kernel (each module carrying its own A instead: 4.59, with XLA's expand 4.67),
+    3.90 without LoRA, 5.63 with a separate shrink and expand per module."""
     if (_use_pallas(backend) and y.shape[0] <= LORA_PALLAS_MAX_ROWS
             and traced_tp_mesh() is None):
         return lora_matmul.folded_group_expand(y, bs, slots, used, interpret=_interpret())
