@@ -209,6 +209,11 @@ def lora_group_delta(x: jax.Array, adapters: list[Adapter], slots: jax.Array, *,
     total = parts[0, :t]
     for s in range(1, sizes.k_splits):  # elementwise adds: fused into the consumers
         total = total + parts[s, :t]
+    return _split_columns(total, outs)
+
+
+def _split_columns(total: jax.Array, outs: list[int]) -> list[jax.Array]:
+    """[T, sum(out_m)] -> each module's [T, out_m] (slices XLA fuses into the consumers)."""
     bounds = [sum(outs[:m]) for m in range(len(outs) + 1)]
     return [total[:, lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
 
@@ -302,5 +307,4 @@ def folded_group_expand(y: jax.Array, bs: list[jax.Array], slots: jax.Array,
         interpret=interpret,
         name="lora_folded_expand",
     )(rows, count, slots.astype(jnp.int32), y, *mats)
-    bounds = [sum(outs[:m]) for m in range(len(outs) + 1)]
-    return [total[:t, lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+    return _split_columns(total[:t], outs)
