@@ -25,6 +25,13 @@ Roofline: bytes = A and B of the slots the tokens use (adapters x R x (in x modu
 + x read + the float32 base read and result written; FLOPs = 2 x T x R x (in x modules +
 outs); time >= max(bytes / bandwidth, FLOPs / matmul rate), with the ceilings measured in the
 same process (pjinfer.benchmarks.ceilings).
+
+"folded" is the engine's form at tp = 1 (`pjinfer.lora.weights.fold_shrinks`): the group's
+step through `layers.linears` with every slot's A carried by its first weight, minus the same
+step on the plain weights (the LoRA term; its roofline counts only the used adapters' A and
+B, since x and the outputs are the base matmul's anyway), and the masked expand alone
+(`ops.lora_folded_deltas`; bytes: the used B, the shrink columns read and the float32 terms
+written).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import json
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +179,46 @@ def _timed(inputs: tuple, sizes: Any, timing: dict, layers: int,
     return out if sizes is None else {**out, "block_sizes": dataclasses.asdict(sizes)}
 
 
+def _group_outputs(x, layers, slots, num_slots: int):
+    """Every layer's group through `layers.linears` as the engine runs it at tp = 1: layers
+    [[(W_m, B_m)]] with W_0 = [W | A_1 ... A_M] (folded shrinks) and B_m [L, R, out_m];
+    B None: the plain base weights (the no-LoRA step)."""
+    from pjinfer.kernels.lora_matmul import used_rows
+    from pjinfer.lora.ops import AdaptedWeight
+    from pjinfer.models.layers import linears
+
+    used = used_rows(slots, num_slots)  # once a step, as `lora.weights.attach` does
+    out = []
+    for group in layers:
+        weights = [w if b is None else AdaptedWeight(w, None, b, slots, used)
+                   for w, b in group]
+        out += linears(x, weights, [None] * len(group))
+    return out
+
+
+def _folded_rows(x, base, folded, slots, num_slots: int, expand_inputs: tuple, timing: dict,
+                 layers: int, roofline_s: float, expand_roofline_s: float) -> dict[str, Any]:
+    """The folded form's LoRA term per layer-group: its group's step minus the same step on
+    the plain weights (one process, one plan), and the masked expand alone."""
+    import jax
+
+    from pjinfer.kernels import ops
+
+    def best(fn, inputs):
+        secs = pipelined_seconds(jax.jit(fn), inputs, sync=jax.block_until_ready, **timing)
+        return min(secs) / layers
+
+    step = partial(_group_outputs, num_slots=num_slots)
+    plain, with_lora = best(step, (x, base, slots)), best(step, (x, folded, slots))
+    def expands(ys, bs, s):
+        return [ops.lora_folded_deltas(y, b, s) for y, b in zip(ys, bs, strict=True)]
+    expand = best(expands, expand_inputs)
+    term = with_lora - plain
+    return {"base_step_s": plain, "lora_step_s": with_lora, "best_s": term,
+            "fraction_of_roofline": roofline_s / term if term > 0 else None,
+            "expand_best_s": expand, "expand_fraction_of_roofline": expand_roofline_s / expand}
+
+
 def _slot_layouts(token_counts: list[int], slots: int) -> list[tuple[str, int, np.ndarray]]:
     """(layout, T, token slots): every T "spread" (token t on adapter 1 + t mod L), then
     "batch1": W1's step, one token on adapter 1 and 15 base rows (the 16-token bucket)."""
@@ -198,12 +246,18 @@ def microbenchmark(cfg: Any, slots: int, rank: int, token_counts: list[int], cei
     rows = []
     for group, modules in GROUPS.items():
         d_in, outs = shapes[modules[0]][0], [shapes[m][1] for m in modules]
-        keys = iter(jax.random.split(jax.random.key(len(rows)), 2 * layers * len(modules)))
+        keys = iter(jax.random.split(jax.random.key(len(rows)), 3 * layers * len(modules)))
         adapters = [[((jax.random.normal(next(keys), (d_in, slots, rank)) * d_in ** -0.5
                        ).astype(dtype),
                       (jax.random.normal(next(keys), (slots, rank, o)) * 0.01).astype(dtype))
                      for o in outs] for _ in range(layers)]
         kernel_fits = supported(jnp.zeros((1, d_in)), adapters[0], pick_block_sizes(d_in, outs))
+        base_w = [[(jax.random.normal(next(keys), (d_in, o)) * d_in ** -0.5).astype(dtype)
+                   for o in outs] for _ in range(layers)]
+        plain = [[(w, None) for w in ws] for ws in base_w]
+        folded = [[(jnp.concatenate([ws[0]] + [a.reshape(d_in, -1) for a, _ in ad], axis=1),
+                    ad[0][1])] + [(w, b) for w, (_, b) in zip(ws[1:], ad[1:], strict=True)]
+                  for ws, ad in zip(base_w, adapters, strict=True)]
         for layout, t, token_slots in _slot_layouts(token_counts, slots):
             x = jax.random.normal(jax.random.key(t), (t, d_in)).astype(dtype)
             base = [jnp.zeros((t, o), jnp.float32) for o in outs]
@@ -223,12 +277,23 @@ def microbenchmark(cfg: Any, slots: int, rank: int, token_counts: list[int], cei
             row["xla"] = _timed(inputs, None, timing, layers, per_layer)
             row["pallas"] = (_timed(inputs, pick_block_sizes(d_in, outs), timing, layers,
                                     per_layer) if kernel_runs else None)
+            extra = slots * rank * len(outs)  # the A columns W_ext carries
+            shrinks = [jnp.zeros((t, outs[0] + extra), jnp.float32)] * layers
+            expand_bytes = layers * (used * rank * sum(outs) * item + t * (extra + sum(outs)) * 4)
+            row["folded"] = _folded_rows(
+                x, plain, folded, jnp.asarray(token_slots, jnp.int32), slots,
+                (shrinks, [[b for _, b in ad] for ad in adapters],
+                 jnp.asarray(token_slots, jnp.int32)), timing, layers,
+                max(layers * used * rank * (d_in * len(outs) + sum(outs)) * item
+                    / ceilings.hbm_bytes_per_s, flops / ceilings.matmul_flops_per_s) / layers,
+                max(expand_bytes / ceilings.hbm_bytes_per_s,
+                    2 * t * rank * sum(outs) / ceilings.matmul_flops_per_s) / layers)
             if kernel_runs and k_ranges:
                 row["pallas_by_k_range"] = {
                     str(n): _timed(inputs, pick_block_sizes(d_in, outs, n), timing, layers,
                                    per_layer) for n in k_ranges}
             rows.append(row)
-        del adapters
+        del adapters, base_w, plain, folded
     return rows
 
 
@@ -240,7 +305,7 @@ def step_totals(rows: list[dict[str, Any]]) -> dict[str, dict[str, float | None]
         mine = [r for r in rows if f"{r['layout']}/{r['tokens']}" == key]
         out[key] = {form: (None if any(r[form] is None for r in mine) else
                            sum(r[form]["best_s"] * r["layers"] for r in mine))
-                    for form in ("xla", "pallas")}
+                    for form in ("xla", "pallas", "folded")}
     return out
 
 
@@ -348,10 +413,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print(record: dict[str, Any]) -> None:
     def us(x: dict | None) -> str:
-        return "-" if x is None else f"{x['best_s'] * 1e6:.1f} us ({x['fraction_of_roofline']:.0%})"
-    rows = [(f"{r['group']} {r['layout']} T={r['tokens']} xla / pallas",
-             f"{us(r['xla'])} / {us(r['pallas'])}") for r in record.get("shrink_expand", [])]
-    rows += [(f"step {t} xla / pallas", " / ".join(
+        if x is None:
+            return "-"
+        share = x["fraction_of_roofline"]
+        return f"{x['best_s'] * 1e6:.1f} us ({'-' if share is None else f'{share:.0%}'})"
+    rows = [(f"{r['group']} {r['layout']} T={r['tokens']} xla / pallas / folded",
+             f"{us(r['xla'])} / {us(r['pallas'])} / {us(r['folded'])}")
+            for r in record.get("shrink_expand", [])]
+    rows += [(f"step {t} xla / pallas / folded", " / ".join(
         "-" if v is None else f"{v * 1e3:.3f} ms" for v in forms.values()))
         for t, forms in record.get("shrink_expand_per_step_s", {}).items()]
     res = record.get("results")

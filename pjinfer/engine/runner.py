@@ -41,7 +41,7 @@ from pjinfer.engine.step import (
 )
 from pjinfer.kernels.metadata import AttentionMetadata
 from pjinfer.lora.adapter import LoRAAdapter
-from pjinfer.lora.weights import fold_shrinks, init_lora_weights, slot_contents, slot_writer
+from pjinfer.lora.weights import engine_slots, slot_contents, slot_writer
 from pjinfer.quantization.kv_cache import kv_cache_dtype
 from pjinfer.sampling_params import SamplingParams
 from pjinfer.sharding.mesh import tp_size
@@ -108,10 +108,8 @@ class ModelRunner:
         self.canonical_cfg = cfg
         self.lora_weights = None  # adapter slots (pjinfer.lora.weights), with enable_lora
         if ecfg.enable_lora:  # before the KV cache is sized from what is left
-            self.lora_weights = init_lora_weights(self.cfg, ecfg.max_loras, ecfg.max_lora_rank,
-                                                  self.act_dtype, mesh)
-            if mesh is None:  # the shrink rides on the base matmul (pjinfer.lora.weights)
-                self.params, self.lora_weights = fold_shrinks(self.params, self.lora_weights)
+            self.params, self.lora_weights = engine_slots(
+                self.cfg, params, ecfg.max_loras, ecfg.max_lora_rank, self.act_dtype, mesh)
             self._write_lora = slot_writer(self.lora_weights)
         self.num_blocks = num_kv_blocks(self.cfg, ecfg, kv_dtype=self.kv_dtype,
                                         act_dtype=self.act_dtype, mesh=mesh,

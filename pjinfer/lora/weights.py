@@ -80,6 +80,13 @@ def init_lora_weights(cfg: ModelConfig, max_loras: int, max_rank: int, dtype,
              for m, (a, b) in modules.items()} for i, modules in enumerate(layout)]
 
 
+def engine_slots(cfg: ModelConfig, params: dict, max_loras: int, max_rank: int, dtype,
+                 mesh: Mesh | None) -> tuple[dict, LoRAWeights]:
+    """The engine's empty slots; without a mesh the shrinks ride on the base matmul."""
+    weights = init_lora_weights(cfg, max_loras, max_rank, dtype, mesh)
+    return fold_shrinks(params, weights) if mesh is None else (params, weights)
+
+
 def fold_shrinks(params: dict, weights: LoRAWeights) -> tuple[dict, LoRAWeights]:
     """(params, weights) with each group's shrinks folded into its first base weight:
     W_ext = [W | A_1 ... A_M] in the params, None for those A in the weights (the slots must
