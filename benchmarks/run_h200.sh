@@ -93,6 +93,8 @@ else
   W6A=(--num-prompts 64 --input-len 8192 --output-len 512)
   W6B=(--num-prompts 8 --input-len 32768 --output-len 256)
 fi
+# Extra engine flags for every engine run of the call, e.g. ENGINE_FLAGS="--num-scheduler-steps 8"
+ENGINE+=(${ENGINE_FLAGS:-})
 CACHE=/tmp/pjinfer-jax-cache
 BENCH=($PY -m pjinfer.benchmarks.cli)
 HF=($PY benchmarks/hf_baseline.py)

@@ -1,5 +1,6 @@
 """The multi-LoRA benchmark's plumbing on CPU: its dummy adapters load, its microbenchmark
-rows time the XLA form and the Pallas kernel of every group against the roofline. (The engine
+rows time the XLA form, the Pallas kernel and the engine's folded form of every group
+against the roofline. (The engine
 passes ran by hand: `python benchmarks/lora.py --smoke`, ~30 s of CPU.)"""
 
 from __future__ import annotations
@@ -34,5 +35,9 @@ def test_microbenchmark_record(tmp_path):
         assert r["roofline_s"] > 0
         assert all(r[f]["best_s"] > 0 and r[f]["fraction_of_roofline"] > 0
                    for f in ("xla", "pallas"))
-    assert all(v > 0 for forms in record["shrink_expand_per_step_s"].values()
-               for v in forms.values())
+        folded = r["folded"]  # the term is a difference of two steps: any sign on a CPU
+        assert folded["base_step_s"] > 0 and folded["lora_step_s"] > 0
+        assert folded["best_s"] == folded["lora_step_s"] - folded["base_step_s"]
+        assert folded["expand_best_s"] > 0 and folded["expand_fraction_of_roofline"] > 0
+    assert all(forms[f] > 0 for forms in record["shrink_expand_per_step_s"].values()
+               for f in ("xla", "pallas"))
