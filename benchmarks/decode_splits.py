@@ -7,7 +7,7 @@ Inputs are laid out as the engine's step has them: the batch padded to its seque
 (padding rows have length 0), block tables as wide as `--max-model-len` allows, pages
 shuffled over the cache. Each tiling is checked against the reference, then timed (median of
 `--samples` samples of `--calls` back-to-back calls); the record has ms, TB/s of KV read, and
-the default tiling's place.
+the default tiling's place. `--kv-dtype float8_e4m3fn` runs the fp8 cache's kernels.
 
   python -m pjinfer.benchmarks.decode_splits --out decode_splits.json   # H200
   python -m pjinfer.benchmarks.decode_splits --smoke --out /tmp/d.json  # CPU plumbing
@@ -36,6 +36,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pages", type=positive_int, nargs="+", default=[4, 8])
     p.add_argument("--calls", type=positive_int, default=20)
     p.add_argument("--samples", type=positive_int, default=5)
+    p.add_argument("--kv-dtype", choices=["bfloat16", "float8_e4m3fn"], default="bfloat16",
+                   help="the cache's dtype (float8_e4m3fn: what --kv-cache-dtype fp8 stores)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
@@ -67,7 +69,8 @@ def _inputs(a: argparse.Namespace):
     lens = np.zeros(a.padded_seqs, np.int32)
     lens[:a.seqs] = a.context
     return (jax.random.normal(kq, (a.padded_seqs, a.heads, a.head_dim), jnp.bfloat16),
-            jax.random.normal(kk, shape, jnp.bfloat16), jax.random.normal(kv, shape, jnp.bfloat16),
+            jax.random.normal(kk, shape, jnp.bfloat16).astype(a.kv_dtype),
+            jax.random.normal(kv, shape, jnp.bfloat16).astype(a.kv_dtype),
             jnp.asarray(tables), jnp.asarray(lens))
 
 
@@ -87,7 +90,7 @@ def run(argv: list[str] | None = None) -> dict:
     args = _inputs(a)
     attn = AttentionParams(scale=a.head_dim ** -0.5)
     interpret = jax.default_backend() == "cpu"
-    kv_bytes = a.seqs * a.context * a.kv_heads * a.head_dim * 2 * 2  # K and V, bf16
+    kv_bytes = a.seqs * a.context * a.kv_heads * a.head_dim * 2 * args[1].dtype.itemsize  # K, V
     ref = np.asarray(decode_attention_reference(*args, attn), np.float32)[:a.seqs]
     default = default_decode_block_sizes(a.padded_seqs, a.kv_heads, args[3].shape[1],
                                          a.block_size)
