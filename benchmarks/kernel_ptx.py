@@ -1,5 +1,5 @@
-"""The quantized matmul kernel as the H200 would run it, read without a GPU: Triton IR, PTX and
-ptxas' register count for one tiling.
+"""The quantized matmul kernel (or the paged decode attention kernel) as the H200 would run
+it, read without a GPU: Triton IR, PTX and ptxas' register count for one tiling.
 
 The decode kernels are bound by instructions more than bytes (int4: ~6 PTX instructions per
 weight element in the T=16 dot's loop, ~12 per packed byte), so a variant can be judged
@@ -12,7 +12,10 @@ Needs the `triton` package (not a pjinfer dependency), e.g.
     python -m pip install triton==3.9.0 --no-deps --target /tmp/triton
     python -m pjinfer.benchmarks.kernel_ptx --triton-path /tmp/triton --kind int4 --tokens 16 \
         --out int4_t16.json [--block-n 128 --num-warps 4 ...: tiling fields over the default]
-Without it only the Triton IR's op counts are recorded.
+    python -m pjinfer.benchmarks.kernel_ptx --triton-path /tmp/triton --kind decode_attention \
+        --kv-dtype float8_e4m3fn --out decode_fp8.json   # Llama-3-8B heads, 4 pages of 16
+Without it only the Triton IR's op counts are recorded. Triton writes some instructions
+(conversions) as inline assembly, unindented: the loop mix counts those lines too.
 """
 
 from __future__ import annotations
@@ -35,7 +38,10 @@ FIELDS = ("block_t", "block_n", "block_k", "unroll", "k_splits", "num_warps", "n
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="JSON record path")
-    p.add_argument("--kind", default="int4", choices=("int4", "int8", "fp8"))
+    p.add_argument("--kind", default="int4", choices=("int4", "int8", "fp8", "decode_attention"))
+    p.add_argument("--kv-dtype", default="bfloat16", choices=("bfloat16", "float8_e4m3fn"),
+                   help="decode_attention: the cache's dtype (the query is bfloat16)")
+    p.add_argument("--pages", type=int, default=4, help="decode_attention: pages per step")
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--k", type=int, default=4096)
     p.add_argument("--n", type=int, default=14336)
@@ -67,6 +73,25 @@ def kernel_ttir(kind: str, tokens: int, k: int, n: int, group_size: int,
         raise ValueError(f"{sizes.describe()} does not tile a {k} x {n} {kind} weight "
                          "(the reference would run): pick other tiling fields")
     return captured[0], sizes
+
+
+def decode_attention_ttir(kv_dtype: str, pages: int) -> tuple[str, object, int]:
+    """(Triton IR text, tiling, K/V elements a loop step reads) of `decode_attention` with
+    Llama-3-8B's heads (32 query, 8 KV, 128 wide), 16-token pages and a bfloat16 query."""
+    import jax
+    import jax.numpy as jnp
+
+    from pjinfer.kernels.common import AttentionParams
+    from pjinfer.kernels.decode_attention import DecodeBlockSizes, decode_attention
+
+    seqs, heads, kv_heads, dim, block, num_blocks, width = 64, 32, 8, 128, 16, 4096, 64
+    sizes = DecodeBlockSizes(pages_per_compute_block=pages)
+    cache = jax.ShapeDtypeStruct((num_blocks, block, kv_heads, dim), jnp.dtype(kv_dtype))
+    captured = triton_ir(
+        lambda *a: decode_attention(*a, AttentionParams(scale=dim ** -0.5), block_sizes=sizes),
+        jax.ShapeDtypeStruct((seqs, heads, dim), jnp.bfloat16), cache, cache,
+        jax.ShapeDtypeStruct((seqs, width), jnp.int32), jax.ShapeDtypeStruct((seqs,), jnp.int32))
+    return captured[0], sizes, 2 * pages * block * dim
 
 
 def triton_ir(fn, *args) -> list[str]:
@@ -113,8 +138,13 @@ def main_loop(ptx: str) -> list[str]:
     return lines[best[0]:best[1] + 1]
 
 
-def compile_sm90(ttir: str, sizes, workdir: Path) -> dict:
-    """Triton IR -> PTX (sm_90a) and ptxas -v: loop mix per element, smem, registers."""
+# a PTX instruction line (indented, or unindented inside an inline-assembly block): its op
+LOOP_OP = r"^\s*(?:@!?%p\d+\s+)?([a-z][a-z0-9_]*)(?:\.[a-z0-9_]+)*\s"
+
+
+def compile_sm90(ttir: str, sizes, elements: int, workdir: Path) -> dict:
+    """Triton IR -> PTX (sm_90a) and ptxas -v: loop mix per element (`elements`: what one
+    loop step handles over all threads), smem, registers."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -126,9 +156,8 @@ def compile_sm90(ttir: str, sizes, workdir: Path) -> dict:
     ptx = kernel.asm["ptx"]
     (workdir / "kernel.ptx").write_text(ptx)
     loop = "\n".join(main_loop(ptx))
-    mix = op_counts(loop, r"^\s+(?:@!?%p\d+ )?([a-z][a-z0-9_]*)")
-    # weight elements a thread dequantizes per loop step
-    elements = sizes.unroll * sizes.block_k * sizes.block_n // (32 * sizes.num_warps)
+    mix = op_counts(loop, LOOP_OP)
+    elements //= 32 * sizes.num_warps  # per thread
     bins = sorted((Path(triton.__file__).parent / "backends" / "nvidia" / "bin").glob("ptxas*"))
     ptxas = [b for b in bins if "blackwell" in b.name] or bins  # the newest PTX version
     out = subprocess.run([str(ptxas[0]), "-v", "--gpu-name", "sm_90a", str(workdir / "kernel.ptx"),
@@ -150,18 +179,24 @@ def run(argv: list[str] | None = None) -> dict:
     if a.triton_path:
         sys.path.insert(0, a.triton_path)
     overrides = {f: getattr(a, f) for f in FIELDS if getattr(a, f) is not None}
-    ttir, sizes = kernel_ttir(a.kind, a.tokens, a.k, a.n, a.group_size, overrides)
-    record = {"kind": a.kind, "tokens": a.tokens, "k": a.k, "n": a.n,
-              "tiling": sizes.describe(), "block_sizes": dataclasses.asdict(sizes),
-              "ttir_ops": op_counts(ttir, r"= ([a-z_]+\.[a-z_\.]+)")}
+    if a.kind == "decode_attention":
+        ttir, sizes, elements = decode_attention_ttir(a.kv_dtype, a.pages)
+        record = {"kind": a.kind, "kv_dtype": a.kv_dtype, "tiling": str(sizes)}
+    else:
+        ttir, sizes = kernel_ttir(a.kind, a.tokens, a.k, a.n, a.group_size, overrides)
+        elements = sizes.unroll * sizes.block_k * sizes.block_n  # weight elements a step
+        record = {"kind": a.kind, "tokens": a.tokens, "k": a.k, "n": a.n,
+                  "tiling": sizes.describe()}
+    record.update(block_sizes=dataclasses.asdict(sizes),
+                  ttir_ops=op_counts(ttir, r"= ([a-z_]+\.[a-z_\.]+)"))
     try:
         import triton  # noqa: F401
     except ImportError:
         record["sm90"] = None  # the IR only; see the module docstring
     else:
-        record["sm90"] = compile_sm90(ttir, sizes, Path(tempfile.mkdtemp()))
+        record["sm90"] = compile_sm90(ttir, sizes, elements, Path(tempfile.mkdtemp()))
         sm = record["sm90"]
-        print(f"{sizes.describe()}: {sm['instructions_per_element']:.2f} instructions per "
+        print(f"{record['tiling']}: {sm['instructions_per_element']:.2f} instructions per "
               f"element, {sm['registers']} registers, {sm['shared_bytes']} B shared", flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(record, indent=1))

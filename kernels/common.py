@@ -81,6 +81,23 @@ def load_kv(x: jax.Array, dtype) -> jax.Array:
     return x if x.dtype == dtype else x.astype(dtype)
 
 
+def query_operand(q: jax.Array, cache_dtype, attn: AttentionParams) -> tuple[jax.Array, float]:
+    """(q as the dots' operand, the factor scores still need). A bfloat16 query over an fp8
+    cache runs its dots in float16: e4m3 widens to float16 exactly in one instruction per
+    two elements, to bfloat16 only through float16 (sm_90 PTX: three a pair, and the packing
+    moves). The score scale goes into q first, so q * scale (not q) must fit float16's range,
+    and p in [0, 1] cast to float16 keeps more bits than bfloat16."""
+    if jnp.dtype(cache_dtype).itemsize != 1 or q.dtype != jnp.bfloat16:
+        return q, attn.score_scale
+    return (q.astype(jnp.float32) * attn.score_scale).astype(jnp.float16), 1.0
+
+
+def scores(q: jax.Array, k: jax.Array, scale: float) -> jax.Array:
+    """q [M, D] . k [N, D] -> [M, N] float32, times `scale` (none when it is 1)."""
+    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)
+    return s if scale == 1.0 else s * scale
+
+
 def cap_scores(s: jax.Array, soft_cap: float | None) -> jax.Array:
     """Gemma-style logit soft-capping, c * tanh(s / c); identity when disabled."""
     if soft_cap is None:

@@ -61,13 +61,14 @@ def _decode_kernel(
     end = jnp.minimum(hi, start + per_split)
     # [Gp, D]: the group's G rows, the last repeated up to the dot's (outputs dropped)
     q = q_ref[seq, head, common.clamped_rows(0, gp, group) if gp > group else pl.ds(0, gp), :]
+    q, score_scale = common.query_operand(q, k_ref.dtype, attn)
 
     def body(c, state):
         pos, rows = common.block_rows(tables_ref, seq, c, pages=pages, block_size=block_size)
         valid = (pos < seq_len) & (pos >= lo_key)  # [N]
         k = common.load_kv(k_ref[rows, head, :], q.dtype)  # [N, D]
         v = jnp.where(valid[:, None], common.load_kv(v_ref[rows, head, :], q.dtype), 0)
-        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * attn.score_scale  # [Gp, N]
+        s = common.scores(q, k, score_scale)  # [Gp, N]
         return common.softmax_step(state, common.cap_scores(s, attn.soft_cap), valid[None, :], v)
 
     acc, m, l_sum = jax.lax.fori_loop(start, end, body, common.softmax_init(*q.shape))

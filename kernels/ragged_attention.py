@@ -62,7 +62,7 @@ def _ragged_kernel(
     tile, head = pl.program_id(0), pl.program_id(1)
     seq, first_pos, num_valid = tile_seq_ref[tile], tile_pos_ref[tile], tile_valid_ref[tile]
     block_k = pages * block_size
-    q = q_ref[...]  # [M, D]
+    q, score_scale = common.query_operand(q_ref[...], k_ref.dtype, attn)  # [M, D]
     rows = jnp.arange(q.shape[0], dtype=jnp.int32) // group  # [M] token inside the tile
     q_pos = first_pos + rows  # [M]
     row_valid = rows < num_valid
@@ -76,7 +76,7 @@ def _ragged_kernel(
         k = common.load_kv(k_ref[slots, head, :], q.dtype)  # [N, D]
         v = jnp.where((k_pos < key_end)[:, None], common.load_kv(v_ref[slots, head, :], q.dtype),
                       0)  # [N, D]
-        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * attn.score_scale  # [M, N]
+        s = common.scores(q, k, score_scale)  # [M, N]
         return common.softmax_step(state, common.cap_scores(s, attn.soft_cap), mask, v)
 
     lo, hi = lo_key // block_k, (key_end + block_k - 1) // block_k

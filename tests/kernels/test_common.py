@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
-from pjinfer.kernels.common import AttentionParams
+from pjinfer.kernels.common import AttentionParams, query_operand
 from pjinfer.kernels.decode_attention import DecodeBlockSizes, decode_attention_reference
 from pjinfer.kernels.ragged_attention import RaggedBlockSizes
 
@@ -35,3 +35,16 @@ def test_heads_that_do_not_fit_the_cache_are_rejected():
     with pytest.raises(ValueError, match="multiple of the KV heads"):
         decode_attention_reference(q, cache, cache, jnp.zeros((2, 4), jnp.int32),
                                    jnp.ones((2,), jnp.int32), AttentionParams(1.0))
+
+
+def test_query_operand_is_float16_only_for_bf16_over_fp8():
+    """A bf16 query over an fp8 cache dots in float16 with the score scale folded into q;
+    every other pairing keeps q and scales the scores."""
+    attn = AttentionParams(scale=0.125, k_scale=0.5)
+    q = jnp.full((2, 8), 3.0, jnp.bfloat16)
+    op, rest = query_operand(q, jnp.float8_e4m3fn, attn)
+    assert op.dtype == jnp.float16 and rest == 1.0
+    assert float(op[0, 0]) == 3.0 * 0.125 * 0.5
+    for q_dtype, cache in ((jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float8_e4m3fn)):
+        op, rest = query_operand(q.astype(q_dtype), cache, attn)
+        assert op.dtype == q_dtype and rest == attn.score_scale

@@ -75,6 +75,17 @@ def test_decode_reads_fp8_caches(k_scale, v_scale):
     assert rel_err(ref8, ref) < 1e-5  # the scales undo the division
 
 
+@pytest.mark.parametrize("k_scale, v_scale", [(1.0, 1.0), (0.05, 2.0)])
+def test_decode_bf16_query_over_fp8_caches(k_scale, v_scale):
+    """The engine's case (bf16 activations, fp8 cache): the dots run in float16."""
+    rng = np.random.default_rng(22)
+    b = make_batch(rng, [1] * 4, SEQ_LENS, num_kv_heads=2, group=4, head_dim=64, block_size=16,
+                   dtype=jnp.bfloat16)
+    b8, _ = to_fp8(b, k_scale, v_scale)
+    attn = AttentionParams(scale=0.125, k_scale=k_scale, v_scale=v_scale)
+    _check(b8, jnp.bfloat16, DecodeBlockSizes(pages_per_compute_block=2, num_splits=2), attn)
+
+
 def test_query_group_is_not_padded_in_xla():
     """Exported for CUDA (no GPU needed), the call is the kernel and nothing pads q: Llama's
     4 heads a KV head fill the dot's 16 rows inside the kernel, not in a pad kernel a layer."""
