@@ -42,6 +42,8 @@
 #                                             # step, context splits x pages swept (~1 min)
 #   bash benchmarks/run_h200.sh kvfp8     # W4 with the bf16 KV cache vs fp8, ABBA (the first
 #                                         # engine process of a call runs slow) (~7 min)
+#   bash benchmarks/run_h200.sh attnfp8   # W4's decode attention over bf16 vs fp8 caches,
+#                                         # alternating (~2 min)
 #   bash benchmarks/run_h200.sh routed    # the routed expert GEMMs (decode) with K cut into
 #                                         # 1, 2 or 4 ranges, gate/up and down apart (~4 min)
 #   bash benchmarks/run_h200.sh routedwide  # Mixtral's down projection in 4, 8, 16 K ranges
@@ -302,6 +304,19 @@ stage_decodesplits() {
       --out "$JSON/decode_splits.json"
 }
 
+# W4's decode attention (Llama-3-8B heads, 256 sequences of 512 tokens) over a bf16 and an
+# fp8 cache, twice each, alternating: what the fp8 cache's widening costs the kernel.
+stage_attnfp8() {
+  local shape=(--heads 32 --kv-heads 8 --seqs 256 --padded-seqs 256 --context 512
+               --max-model-len 2048 --splits 1 2 --pages 4 8) dt n=0
+  [ $SMOKE = 1 ] && shape=(--smoke)
+  for dt in bfloat16 float8_e4m3fn bfloat16 float8_e4m3fn; do
+    n=$((n + 1))
+    step "decode_w4_${dt}_$n" 90 $PY -m pjinfer.benchmarks.decode_splits "${shape[@]}" \
+        --kv-dtype $dt --out "$JSON/decode_w4_${dt}_$n.json"
+  done
+}
+
 # quant_w1 VARIANT...: batch-1 TPOT (W1) of Llama-3-8B as bf16 / int4 (GPTQ g128) / fp8 / int8.
 quant_w1() {
   local gptq=(--model configs/models/llama3-8b-gptq-int4 --load-format dummy --dtype bfloat16)
@@ -511,10 +526,11 @@ for stage in "${STAGES[@]}"; do
     w8a8) stage_w8a8 ;;
     decodesplits) stage_decodesplits ;;
     kvfp8) quant_w4 auto fp8 fp8 auto ;;
+    attnfp8) stage_attnfp8 ;;
     routed) stage_routed ;;
     routedwide) stage_routedwide ;;
     loramulti) stage_loramulti ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moeprofile | w8a8 | decodesplits | kvfp8 | routed | routedwide | loramulti)" ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moeprofile | w8a8 | decodesplits | kvfp8 | attnfp8 | routed | routedwide | loramulti)" ;;
   esac
 done
 pack
