@@ -15,3 +15,12 @@ def test_smoke_checks_and_times_every_tiling(tmp_path):
     assert {(1, 1), (1, 2)} <= tilings and sum(r["default"] for r in record["rows"]) == 1
     assert all(r["rel_err"] < 1e-2 and r["ms"] > 0 for r in record["rows"])
     assert record["default_vs_best"] >= 1.0 and record["kv_bytes"] == 2 * 40 * 2 * 16 * 2 * 2
+
+
+def test_fp8_cache_counts_one_byte_an_element(tmp_path):
+    out = tmp_path / "d8.json"
+    decode_splits.run(["--smoke", "--kv-dtype", "float8_e4m3fn", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert record["kv_bytes"] == 2 * 40 * 2 * 16 * 2 * 1  # K and V, one byte each
+    assert record["shape"]["kv_dtype"] == "float8_e4m3fn"
+    assert all(r["rel_err"] < 1e-2 for r in record["rows"])  # against the same fp8 cache
