@@ -1,5 +1,5 @@
-"""The quantized matmul kernel (or the paged decode attention kernel) as the H200 would run
-it, read without a GPU: Triton IR, PTX and ptxas' register count for one tiling.
+"""The quantized matmul kernel (or a paged attention kernel) as the H200 would run it, read
+without a GPU: Triton IR, PTX and ptxas' register count for one tiling.
 
 The decode kernels are bound by instructions more than bytes (int4: ~6 PTX instructions per
 weight element in the T=16 dot's loop, ~12 per packed byte), so a variant can be judged
@@ -13,7 +13,8 @@ Needs the `triton` package (not a pjinfer dependency), e.g.
     python -m pjinfer.benchmarks.kernel_ptx --triton-path /tmp/triton --kind int4 --tokens 16 \
         --out int4_t16.json [--block-n 128 --num-warps 4 ...: tiling fields over the default]
     python -m pjinfer.benchmarks.kernel_ptx --triton-path /tmp/triton --kind decode_attention \
-        --kv-dtype float8_e4m3fn --out decode_fp8.json   # Llama-3-8B heads, 4 pages of 16
+        --kv-dtype float8_e4m3fn --out decode_fp8.json   # Llama-3-8B heads, pages of 16
+    (--kind ragged_attention: the mixed-step kernel, 2,048 query tokens of 256 sequences)
 Without it only the Triton IR's op counts are recorded. Triton writes some instructions
 (conversions) as inline assembly, unindented: the loop mix counts those lines too.
 """
@@ -31,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+ATTENTION = ("decode_attention", "ragged_attention")  # the paged attention kernels
 FIELDS = ("block_t", "block_n", "block_k", "unroll", "k_splits", "num_warps", "num_stages",
           "weight_operand")
 
@@ -38,10 +40,11 @@ FIELDS = ("block_t", "block_n", "block_k", "unroll", "k_splits", "num_warps", "n
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="JSON record path")
-    p.add_argument("--kind", default="int4", choices=("int4", "int8", "fp8", "decode_attention"))
+    p.add_argument("--kind", default="int4", choices=("int4", "int8", "fp8") + ATTENTION)
     p.add_argument("--kv-dtype", default="bfloat16", choices=("bfloat16", "float8_e4m3fn"),
-                   help="decode_attention: the cache's dtype (the query is bfloat16)")
-    p.add_argument("--pages", type=int, default=4, help="decode_attention: pages per step")
+                   help="attention: the cache's dtype (the query is bfloat16)")
+    p.add_argument("--pages", type=int, default=None,
+                   help="attention: pages per loop step (default: the kernel's)")
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--k", type=int, default=4096)
     p.add_argument("--n", type=int, default=14336)
@@ -75,22 +78,37 @@ def kernel_ttir(kind: str, tokens: int, k: int, n: int, group_size: int,
     return captured[0], sizes
 
 
-def decode_attention_ttir(kv_dtype: str, pages: int) -> tuple[str, object, int]:
-    """(Triton IR text, tiling, K/V elements a loop step reads) of `decode_attention` with
-    Llama-3-8B's heads (32 query, 8 KV, 128 wide), 16-token pages and a bfloat16 query."""
+def attention_ttir(kind: str, kv_dtype: str, pages: int) -> tuple[str, object, int]:
+    """(Triton IR text, tiling, K/V elements a loop step reads) of the paged attention kernel
+    `kind` ("decode_attention" or "ragged_attention") with Llama-3-8B's heads (32 query, 8 KV,
+    128 wide), 16-token pages and a bfloat16 query (ragged: 2,048 tokens of 256 sequences)."""
     import jax
     import jax.numpy as jnp
 
     from pjinfer.kernels.common import AttentionParams
     from pjinfer.kernels.decode_attention import DecodeBlockSizes, decode_attention
+    from pjinfer.kernels.metadata import AttentionMetadata
+    from pjinfer.kernels.ragged_attention import RaggedBlockSizes, ragged_attention
 
-    seqs, heads, kv_heads, dim, block, num_blocks, width = 64, 32, 8, 128, 16, 4096, 64
-    sizes = DecodeBlockSizes(pages_per_compute_block=pages)
+    seqs, heads, kv_heads, dim, block, num_blocks, width = 256, 32, 8, 128, 16, 4096, 64
+    attn = AttentionParams(scale=dim ** -0.5)
     cache = jax.ShapeDtypeStruct((num_blocks, block, kv_heads, dim), jnp.dtype(kv_dtype))
-    captured = triton_ir(
-        lambda *a: decode_attention(*a, AttentionParams(scale=dim ** -0.5), block_sizes=sizes),
-        jax.ShapeDtypeStruct((seqs, heads, dim), jnp.bfloat16), cache, cache,
-        jax.ShapeDtypeStruct((seqs, width), jnp.int32), jax.ShapeDtypeStruct((seqs,), jnp.int32))
+    tables = jax.ShapeDtypeStruct((seqs, width), jnp.int32)
+    lens = jax.ShapeDtypeStruct((seqs,), jnp.int32)
+    if kind == "decode_attention":
+        sizes = DecodeBlockSizes(pages_per_compute_block=pages)
+        captured = triton_ir(lambda *a: decode_attention(*a, attn, block_sizes=sizes),
+                             jax.ShapeDtypeStruct((seqs, heads, dim), jnp.bfloat16), cache,
+                             cache, tables, lens)
+    else:
+        tokens = 2048
+        sizes = RaggedBlockSizes(pages_per_compute_block=pages)
+        md = AttentionMetadata(jax.ShapeDtypeStruct((tokens,), jnp.int32), tables, lens,
+                               jax.ShapeDtypeStruct((seqs + 1,), jnp.int32))
+        captured = triton_ir(lambda q, k, v, md: ragged_attention(q, k, v, md, attn,
+                                                                  block_sizes=sizes),
+                             jax.ShapeDtypeStruct((tokens, heads, dim), jnp.bfloat16), cache,
+                             cache, md)
     return captured[0], sizes, 2 * pages * block * dim
 
 
@@ -179,8 +197,9 @@ def run(argv: list[str] | None = None) -> dict:
     if a.triton_path:
         sys.path.insert(0, a.triton_path)
     overrides = {f: getattr(a, f) for f in FIELDS if getattr(a, f) is not None}
-    if a.kind == "decode_attention":
-        ttir, sizes, elements = decode_attention_ttir(a.kv_dtype, a.pages)
+    if a.kind in ATTENTION:
+        pages = a.pages or (4 if a.kind == "decode_attention" else 2)  # the defaults' tilings
+        ttir, sizes, elements = attention_ttir(a.kind, a.kv_dtype, pages)
         record = {"kind": a.kind, "kv_dtype": a.kv_dtype, "tiling": str(sizes)}
     else:
         ttir, sizes = kernel_ttir(a.kind, a.tokens, a.k, a.n, a.group_size, overrides)

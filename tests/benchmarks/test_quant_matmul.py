@@ -91,12 +91,21 @@ def test_kernel_ptx_reads_the_decode_attention_kernel(tmp_path):
                              "--kv-dtype", "float8_e4m3fn", "--pages", "2"])
     assert record["block_sizes"]["pages_per_compute_block"] == 2
     assert record["ttir_ops"]["tt.dot"] == 2 and record["ttir_ops"]["tt.fp_to_fp"] == 2
-    ttir, _, elements = kernel_ptx.decode_attention_ttir("float8_e4m3fn", 2)
+    ttir, _, elements = kernel_ptx.attention_ttir("decode_attention", "float8_e4m3fn", 2)
     assert elements == 2 * 2 * 16 * 128
     assert "tensor<32x128xf8E4M3FN> -> tensor<32x128xf16>" in ttir
     # conversions come as unindented inline assembly: the loop mix counts them
     lines = "  mov.b32 %r1, %r2;\ncvt.rn.f16x2.e4m3x2 %r3, %rs1;\n@%p1 ld.global.b32 %r4, [%rd1];"
     assert kernel_ptx.op_counts(lines, kernel_ptx.LOOP_OP) == {"mov": 1, "cvt": 1, "ld": 1}
+
+
+def test_kernel_ptx_reads_the_ragged_attention_kernel(tmp_path):
+    from pjinfer.benchmarks import kernel_ptx
+
+    record = kernel_ptx.run(["--out", str(tmp_path / "r.json"), "--kind", "ragged_attention",
+                             "--kv-dtype", "float8_e4m3fn"])
+    assert record["block_sizes"]["pages_per_compute_block"] == 2  # the kernel's default
+    assert record["ttir_ops"]["tt.dot"] == 2 and record["ttir_ops"]["tt.fp_to_fp"] == 2
 
 
 def test_w8a8_compile_records_each_shape(tmp_path):
