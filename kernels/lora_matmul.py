@@ -105,6 +105,23 @@ def used_rows(slots: jax.Array, num_slots: int) -> tuple[jax.Array, jax.Array]:
     return rows, jnp.sum(present, dtype=jnp.int32)[None]
 
 
+def _each_module(prog, first_programs: tuple[int, ...], block_n: int, count_ref, o_ref,
+                 adapter_term) -> None:
+    """Program `prog` owns `block_n` columns of exactly one module (the modules' programs lie
+    end to end from `first_programs`): under that module's `pl.when`, o_ref [bt, bn] = the
+    sum over the step's used adapters i < count of adapter_term(m, cols, i) (float32)."""
+    ends = (*first_programs[1:], None)
+    for m, (first, end) in enumerate(zip(first_programs, ends, strict=True)):
+        mine = prog >= first if end is None else (prog >= first) & (prog < end)
+
+        @pl.when(mine)
+        def _(m=m, first=first):
+            cols = pl.ds((prog - first) * block_n, block_n)
+            o_ref[...] = jax.lax.fori_loop(0, count_ref[0],
+                                           lambda i, acc: acc + adapter_term(m, cols, i),
+                                           jnp.zeros(o_ref.shape, jnp.float32))
+
+
 def _kernel(rows_ref, count_ref, slots_ref, x_ref, *refs, first_programs: tuple[int, ...],
             rank: int, block_k: int, k_steps: int, block_n: int):
     """Program (split, p): for each used adapter, the shrink of x over K range `split` by
@@ -114,30 +131,22 @@ def _kernel(rows_ref, count_ref, slots_ref, x_ref, *refs, first_programs: tuple[
     block_t = o_ref.shape[0]
     dtype = x_ref.dtype
     slots = slots_ref[...]  # [bt]
-    ends = (*first_programs[1:], None)
-    for m, (first, end) in enumerate(zip(first_programs, ends, strict=True)):
+
+    def term(m, cols, i):  # [bt, bn] float32
         a_ref, b_ref = ab_refs[2 * m], ab_refs[2 * m + 1]
-        mine = prog >= first if end is None else (prog >= first) & (prog < end)
+        row = rows_ref[i]
+        a_cols = pl.ds(row * rank, rank)
 
-        @pl.when(mine)  # exactly one module owns each program's columns
-        def _(a_ref=a_ref, b_ref=b_ref, first=first):
-            cols = pl.ds((prog - first) * block_n, block_n)
+        def shrink(kb, h):  # h [bt, R] float32
+            ks = pl.ds((split * k_steps + kb) * block_k, block_k)
+            a = a_ref[ks, a_cols].astype(dtype)  # [bk, R]
+            return h + jnp.dot(x_ref[:, ks], a, preferred_element_type=jnp.float32)
+        h = jax.lax.fori_loop(0, k_steps, shrink, jnp.zeros((block_t, rank), jnp.float32))
+        h = jnp.where((slots == row + 1)[:, None], h, 0.0).astype(dtype)
+        b = b_ref[pl.ds(row * rank, rank), cols].astype(dtype)  # [R, bn]
+        return jnp.dot(h, b, preferred_element_type=jnp.float32)
 
-            def adapter(i, acc):  # acc [bt, bn] float32
-                row = rows_ref[i]
-                a_cols = pl.ds(row * rank, rank)
-
-                def shrink(kb, h):  # h [bt, R] float32
-                    ks = pl.ds((split * k_steps + kb) * block_k, block_k)
-                    a = a_ref[ks, a_cols].astype(dtype)  # [bk, R]
-                    return h + jnp.dot(x_ref[:, ks], a, preferred_element_type=jnp.float32)
-                h = jax.lax.fori_loop(0, k_steps, shrink, jnp.zeros((block_t, rank), jnp.float32))
-                h = jnp.where((slots == row + 1)[:, None], h, 0.0).astype(dtype)
-                b = b_ref[pl.ds(row * rank, rank), cols].astype(dtype)  # [R, bn]
-                return acc + jnp.dot(h, b, preferred_element_type=jnp.float32)
-
-            o_ref[...] = jax.lax.fori_loop(0, count_ref[0], adapter,
-                                           jnp.zeros((block_t, block_n), jnp.float32))
+    _each_module(prog, first_programs, block_n, count_ref, o_ref, term)
 
 
 def supported(x: jax.Array, adapters: list[Adapter], sizes: LoRABlockSizes) -> bool:
@@ -241,26 +250,17 @@ def _expand_kernel(rows_ref, count_ref, slots_ref, y_ref, *refs, first_programs:
     """Program p: for each used adapter, its R shrink columns of p's module (the rows of its
     tokens kept) expanded by its [R, block_n] tile of B."""
     b_refs, o_ref = refs[:-1], refs[-1]
-    prog = pl.program_id(0)
     t_rows = common.clamped_rows(0, block_t, y_ref.shape[0])  # rows past T repeat the
     slots = slots_ref[t_rows]  # last; their outputs are dropped by the caller
-    ends = (*first_programs[1:], None)
-    for b_ref, col0, first, end in zip(b_refs, shrink_cols, first_programs, ends, strict=True):
-        mine = prog >= first if end is None else (prog >= first) & (prog < end)
 
-        @pl.when(mine)  # exactly one module owns each program's columns
-        def _(b_ref=b_ref, col0=col0, first=first):
-            cols = pl.ds((prog - first) * block_n, block_n)
+    def term(m, cols, i):  # [bt, bn] float32
+        row = rows_ref[i]
+        h = y_ref[t_rows, pl.ds(shrink_cols[m] + row * rank, rank)]  # [bt, R] float32
+        h = jnp.where((slots == row + 1)[:, None], h, 0.0).astype(b_refs[m].dtype)
+        b = b_refs[m][pl.ds(row * rank, rank), cols]  # [R, bn]
+        return jnp.dot(h, b, preferred_element_type=jnp.float32)
 
-            def adapter(i, acc):  # acc [bt, bn] float32
-                row = rows_ref[i]
-                h = y_ref[t_rows, pl.ds(col0 + row * rank, rank)]  # [bt, R] float32
-                h = jnp.where((slots == row + 1)[:, None], h, 0.0).astype(b_ref.dtype)
-                b = b_ref[pl.ds(row * rank, rank), cols]  # [R, bn]
-                return acc + jnp.dot(h, b, preferred_element_type=jnp.float32)
-
-            o_ref[...] = jax.lax.fori_loop(0, count_ref[0], adapter,
-                                           jnp.zeros((block_t, block_n), jnp.float32))
+    _each_module(pl.program_id(0), first_programs, block_n, count_ref, o_ref, term)
 
 
 def folded_block_n(outs: list[int]) -> int | None:
