@@ -98,15 +98,13 @@ def _fold(layers):
 def _fold_shrink(layers):
     """Per group, its first module's W_ext = [W | A_1 ... A_M] ([in, out + M*L*R]); the
     other modules' W; every module's B."""
-    import jax.numpy as jnp
+    from pjinfer.kernels.lora_matmul import extended_weight
 
     out = []
     for row in layers:
         folded = {m: (w, b) for m, (w, _, b) in row.items()}
         for g in GROUPS:
-            w = row[g[0]][0]
-            a_s = [row[m][1].reshape(w.shape[0], -1) for m in g]
-            folded[g[0]] = (jnp.concatenate([w, *a_s], axis=1), row[g[0]][2])
+            folded[g[0]] = (extended_weight(row[g[0]][0], [row[m][1] for m in g]), row[g[0]][2])
         out.append(folded)
     return out
 

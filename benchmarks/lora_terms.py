@@ -125,7 +125,7 @@ def microbenchmark(cfg: Any, slots: int, rank: int, token_counts: list[int], cei
     import jax
     import jax.numpy as jnp
 
-    from pjinfer.kernels.lora_matmul import pick_block_sizes, supported
+    from pjinfer.kernels.lora_matmul import extended_weight, pick_block_sizes, supported
     from pjinfer.kernels.ops import LORA_PALLAS_MAX_ROWS
     from pjinfer.lora.adapter import module_shapes
 
@@ -145,8 +145,8 @@ def microbenchmark(cfg: Any, slots: int, rank: int, token_counts: list[int], cei
         base_w = [[(jax.random.normal(next(keys), (d_in, o)) * d_in ** -0.5).astype(dtype)
                    for o in outs] for _ in range(layers)]
         plain = [[(w, None) for w in ws] for ws in base_w]
-        folded = [[(jnp.concatenate([ws[0]] + [a.reshape(d_in, -1) for a, _ in ad], axis=1),
-                    ad[0][1])] + [(w, b) for w, (_, b) in zip(ws[1:], ad[1:], strict=True)]
+        folded = [[(extended_weight(ws[0], [a for a, _ in ad]), ad[0][1])]
+                  + [(w, b) for w, (_, b) in zip(ws[1:], ad[1:], strict=True)]
                   for ws, ad in zip(base_w, adapters, strict=True)]
         for layout, t, token_slots in _slot_layouts(token_counts, slots):
             x = jax.random.normal(jax.random.key(t), (t, d_in)).astype(dtype)

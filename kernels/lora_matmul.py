@@ -33,6 +33,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from pjinfer.kernels import common
@@ -233,6 +234,14 @@ def _split_columns(total: jax.Array, outs: list[int]) -> list[jax.Array]:
 # major), so that base matmul also yields the shrink x A of every module of the group (its
 # GEMM streams A's columns with W's: no kernel of its own); what is left of the LoRA term is
 # masking those columns by token slot and expanding them by each module's B.
+def extended_weight(w, shrinks: list) -> jax.Array | np.ndarray:
+    """W_ext = [W | A_1 ... A_M], the layout `folded_deltas` and `folded_group_expand` read: a
+    group's first weight w [in, out] with each module's A [in, L, R] as L*R more columns
+    (module-major, slot-major inside); NumPy for NumPy (the engine builds it on the host)."""
+    xp = np if isinstance(w, np.ndarray) else jnp
+    return xp.concatenate([w, *(a.reshape(w.shape[0], -1) for a in shrinks)], axis=1)
+
+
 def folded_deltas(y: jax.Array, bs: list[jax.Array], slots: jax.Array) -> list[jax.Array]:
     """XLA form: y [T, out_0 + M*L*R] float32 (x W_ext of the group's first module), B_m
     [L, R, out_m] -> the LoRA term [T, out_m] float32 of each module (the shrink's columns

@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from pjinfer.config import ModelConfig
-from pjinfer.kernels.lora_matmul import used_rows
+from pjinfer.kernels.lora_matmul import extended_weight, used_rows
 from pjinfer.lora.adapter import LoRAAdapter, module_shapes
 from pjinfer.lora.ops import AdaptedWeight
 from pjinfer.models.registry import get_model_spec
@@ -115,10 +115,9 @@ def fold_shrinks(params: dict, weights: LoRAWeights) -> tuple[dict, LoRAWeights]
         lp, row = dict(lp), dict(modules)
         for group in groups:
             first = saved[group[0]]
-            num_slots, rank = modules[group[0]][1].shape[:2]
-            shrinks = np.zeros((first.shape[0], len(group) * num_slots * rank), first.dtype)
-            sharding = lp[group[0]].sharding
-            lp[group[0]] = jax.device_put(np.concatenate([first, shrinks], axis=1), sharding)
+            empty = np.zeros((first.shape[0], *modules[group[0]][1].shape[:2]), first.dtype)
+            lp[group[0]] = jax.device_put(extended_weight(first, [empty] * len(group)),
+                                          lp[group[0]].sharding)
             lp.update({m: jax.device_put(saved[m], lp[m].sharding) for m in group[1:]})
             row.update({m: (None, modules[m][1]) for m in group})
         layers.append(lp)
