@@ -52,7 +52,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--triton-path", default=None, help="folder holding the triton package")
     for f in FIELDS:
         p.add_argument(f"--{f.replace('_', '-')}", type=int, default=None)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.pages is not None and (a.pages < 1 or a.pages & (a.pages - 1)):
+        p.error(f"--pages must be a power of two (Triton tiles), got {a.pages}")
+    return a
 
 
 def kernel_ttir(kind: str, tokens: int, k: int, n: int, group_size: int,

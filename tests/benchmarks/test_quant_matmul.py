@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pjinfer.benchmarks import quant_matmul
 
 
@@ -106,6 +108,15 @@ def test_kernel_ptx_reads_the_ragged_attention_kernel(tmp_path):
                              "--kv-dtype", "float8_e4m3fn"])
     assert record["block_sizes"]["pages_per_compute_block"] == 2  # the kernel's default
     assert record["ttir_ops"]["tt.dot"] == 2 and record["ttir_ops"]["tt.fp_to_fp"] == 2
+
+
+def test_kernel_ptx_refuses_pages_triton_cannot_tile(tmp_path, capsys):
+    from pjinfer.benchmarks import kernel_ptx
+
+    with pytest.raises(SystemExit):
+        kernel_ptx.run(["--out", str(tmp_path / "r.json"), "--kind", "ragged_attention",
+                        "--pages", "3"])
+    assert "--pages must be a power of two" in capsys.readouterr().err
 
 
 def test_w8a8_compile_records_each_shape(tmp_path):
