@@ -43,6 +43,7 @@ from pjinfer.kernels.decode_attention import (  # noqa: E402
     default_decode_block_sizes,
 )
 from pjinfer.kernels.metadata import AttentionMetadata  # noqa: E402
+from pjinfer.kernels.ops import to_cache  # noqa: E402
 from pjinfer.kernels.ragged_attention import (  # noqa: E402
     RaggedBlockSizes,
     ragged_attention,
@@ -162,8 +163,10 @@ def check_correctness() -> dict:
     return errs
 
 
-def make_prefill_inputs(q_lens: list[int], seq_lens: list[int], seed: int = 0):
-    """Ragged batch: sequence s has seq_lens[s] cached + new tokens, q_lens[s] of them new."""
+def make_prefill_inputs(q_lens: list[int], seq_lens: list[int], seed: int = 0,
+                        kv_dtype=DTYPE):
+    """Ragged batch: sequence s has seq_lens[s] cached + new tokens, q_lens[s] of them new;
+    the caches in `kv_dtype` (fp8: stored as the engine writes them, scale 1)."""
     rng = np.random.default_rng(seed)
     pages = [-(-n // BLOCK_SIZE) for n in seq_lens]
     num_blocks = sum(pages) + 1
@@ -179,7 +182,8 @@ def make_prefill_inputs(q_lens: list[int], seq_lens: list[int], seed: int = 0):
         seq_lens=jnp.asarray(seq_lens, jnp.int32), query_start_loc=jnp.asarray(qsl),
     )
     q = jax.random.normal(kq, (int(qsl[-1]), HEADS, HEAD_DIM), DTYPE)
-    return q, jax.random.normal(kk, shape, DTYPE), jax.random.normal(kv, shape, DTYPE), md
+    k, v = (to_cache(jax.random.normal(key, shape, DTYPE), kv_dtype) for key in (kk, kv))
+    return q, k, v, md
 
 
 # Ragged layouts: (name, new tokens per sequence, context per sequence incl. the new ones).
@@ -189,6 +193,8 @@ RAGGED_LAYOUTS = (
     ("prefill_1x8192", [8192], [8192]),  # issue 12's prefill-attention target shape
     # W3's steady state: 255 decodes at 1k context beside one 1,792-token prompt chunk
     ("mixed_255dec1k+1792", [1] * 255 + [1792], [1025] * 255 + [1792]),
+    # W4's (synthetic ShareGPT) steps: ~200-token prompts beside decodes at a few hundred
+    ("mixed_256dec300+8x220", [1] * 256 + [220] * 8, [300] * 256 + [220] * 8),
 )
 
 
@@ -207,29 +213,36 @@ def cudnn_row(name: str, q_len: int, flops: int) -> dict:
     return dict(layout=name, cudnn_s=t, tflops=flops / t / 1e12)
 
 
-def prefill_rows(quick: bool, layouts: list[str] | None = None) -> list[dict]:
-    """Ragged kernel over every tiling in the sweep, per layout; FLOPs count causal pairs."""
+def prefill_rows(quick: bool, layouts: list[str] | None = None, kv_dtype=DTYPE) -> list[dict]:
+    """Ragged kernel over every tiling in the sweep, per layout; FLOPs count causal pairs.
+    Single-token sequences are skipped as the engine skips them (`ops.paged_attention` runs
+    them through the decode kernel): the sweep times what the ragged kernel is given."""
     rows = []
     for name, q_lens, seq_lens in RAGGED_LAYOUTS:
         if layouts and name not in layouts:
             continue
-        args = make_prefill_inputs(q_lens, seq_lens)
-        pairs = sum(q * (2 * c - q + 1) // 2 for q, c in zip(q_lens, seq_lens, strict=True))
-        flops = 4 * pairs * HEADS * HEAD_DIM
+        args = make_prefill_inputs(q_lens, seq_lens, kv_dtype=kv_dtype)
+        skip = 1 in q_lens
+        pairs = [q * (2 * c - q + 1) // 2 for q, c in zip(q_lens, seq_lens, strict=True)]
+        flops = 4 * sum(pairs) * HEADS * HEAD_DIM
+        kernel_flops = 4 * sum(p for p, q in zip(pairs, q_lens, strict=True) if q > 1 or not skip
+                               ) * HEADS * HEAD_DIM
         for bq in (16, 32) if quick else (16, 32, 64):
             for pages in (2, 4, 8):
                 for warps in (4, 8):
                     for stages in (2,) if quick else (2, 3):
                         sizes = RaggedBlockSizes(block_q=bq, pages_per_compute_block=pages,
                                                  num_warps=warps, num_stages=stages)
-                        fn = jax.jit(lambda *a, s=sizes: ragged_attention(*a, ATTN, block_sizes=s))
+                        fn = jax.jit(lambda *a, s=sizes, k=skip: ragged_attention(
+                            *a, ATTN, block_sizes=s, skip_single_tokens=k))
                         try:
                             t = median_call_seconds(fn, *args, reps=5, repeats=5)
                         except Exception as e:
                             print("ragged fail", name, sizes, type(e).__name__, str(e)[:200])
                             continue
                         rows.append(dict(layout=name, block_sizes=dataclasses.asdict(sizes),
-                                         pallas_s=t, tflops=flops / t / 1e12))
+                                         pallas_s=t, tflops=kernel_flops / t / 1e12,
+                                         skip_single_tokens=skip))
         if len(q_lens) == 1 and q_lens == seq_lens:
             rows.append(cudnn_row(name, q_lens[0], flops))
         xla = jax.jit(lambda *a: ragged_attention_reference(*a, ATTN))
@@ -248,10 +261,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller tuning sweeps")
     parser.add_argument("--layouts", nargs="+", choices=[n for n, _, _ in RAGGED_LAYOUTS],
                         help="ragged layouts to time (default: all)")
+    parser.add_argument("--kv-dtype", default="bfloat16", choices=("bfloat16", "float8_e4m3fn"),
+                        help="the ragged sweep's cache dtype (the decode parts stay bf16)")
     opts = parser.parse_args()
     result = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                   settings=dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                                block_size=BLOCK_SIZE, dtype="bfloat16"))
+                                block_size=BLOCK_SIZE, dtype="bfloat16",
+                                ragged_kv_dtype=opts.kv_dtype))
     save = lambda: opts.out.write_text(json.dumps(result, indent=1))  # noqa: E731
     opts.out.parent.mkdir(parents=True, exist_ok=True)
     result["correctness_rel_err"] = check_correctness()
@@ -269,7 +285,7 @@ def main() -> None:
     result["decode"] = [] if opts.skip_decode else decode_grid(best, hbm)
     save()
     if not opts.skip_prefill:
-        result["prefill"] = prefill_rows(opts.quick, opts.layouts)
+        result["prefill"] = prefill_rows(opts.quick, opts.layouts, jnp.dtype(opts.kv_dtype))
         save()
     print_table(result)
 

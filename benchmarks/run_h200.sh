@@ -44,6 +44,10 @@
 #                                         # engine process of a call runs slow) (~7 min)
 #   bash benchmarks/run_h200.sh attnfp8   # W4's decode attention over bf16 vs fp8 caches,
 #                                         # alternating (~2 min)
+#   bash benchmarks/run_h200.sh kvprobe   # W4's prefill, mixed and decode steps over the bf16
+#                                         # vs the fp8 cache, profiled (~4 min)
+#   bash benchmarks/run_h200.sh raggedfp8 # ragged kernel tilings over bf16 vs fp8 caches on
+#                                         # W3/W4-like layouts (~8 min)
 #   bash benchmarks/run_h200.sh routed    # the routed expert GEMMs (decode) with K cut into
 #                                         # 1, 2 or 4 ranges, gate/up and down apart (~4 min)
 #   bash benchmarks/run_h200.sh routedwide  # Mixtral's down projection in 4, 8, 16 K ranges
@@ -182,6 +186,28 @@ stage_moeprofile() {
   step mixtral_step_profile 240 $PY benchmarks/step_probe.py --model configs/models/mixtral-8x7b \
       --layouts decode_1x768 --backends auto --num-kv-blocks 2048 \
       --profile /tmp/pjinfer-prof-mixtral --out "$JSON/mixtral_step_profile.json"
+}
+
+# W4's steps over the bf16 cache and the fp8 one, profiled: where fp8 KV loses its time.
+stage_kvprobe() {
+  if [ $SMOKE = 1 ]; then log "SKIP kvprobe in smoke mode (Llama-3-8B steps only)"; return 0; fi
+  local dt
+  for dt in auto fp8; do
+    step "kv_${dt}_step_profile" 200 $PY benchmarks/step_probe.py --backends auto \
+        --layouts prefill_2x1024 mixed_1792+255dec decode_256x1024 --kv-cache-dtype $dt \
+        --profile "/tmp/pjinfer-prof-kv-$dt" --out "$JSON/kv_${dt}_step_profile.json"
+  done
+}
+
+# The ragged kernel's tilings over bf16 and fp8 caches, on the layouts it is given in W3/W4.
+stage_raggedfp8() {
+  if [ $SMOKE = 1 ]; then log "SKIP raggedfp8 in smoke mode (Llama-3-8B shapes only)"; return 0; fi
+  local dt
+  for dt in bfloat16 float8_e4m3fn; do
+    step "ragged_sweep_$dt" 280 $PY benchmarks/bench_attention.py --skip-tune --skip-decode \
+        --layouts prefill_8x512 mixed_255dec1k+1792 mixed_256dec300+8x220 --kv-dtype $dt \
+        --out "$JSON/ragged_sweep_$dt.json"
+  done
 }
 
 stage_long() {
@@ -527,10 +553,12 @@ for stage in "${STAGES[@]}"; do
     decodesplits) stage_decodesplits ;;
     kvfp8) quant_w4 auto fp8 fp8 auto ;;
     attnfp8) stage_attnfp8 ;;
+    kvprobe) stage_kvprobe ;;
+    raggedfp8) stage_raggedfp8 ;;
     routed) stage_routed ;;
     routedwide) stage_routedwide ;;
     loramulti) stage_loramulti ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moeprofile | w8a8 | decodesplits | kvfp8 | attnfp8 | routed | routedwide | loramulti)" ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moeprofile | w8a8 | decodesplits | kvfp8 | attnfp8 | kvprobe | raggedfp8 | routed | routedwide | loramulti)" ;;
   esac
 done
 pack

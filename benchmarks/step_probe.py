@@ -24,6 +24,12 @@ configs/models/llama3-8b-gptq-int4 has):
 per call against the same copy every call (does XLA re-record command buffers whose argument
 buffers moved? RESULTS.md, round 5).
 
+`--kv-cache-dtype fp8` runs the step over an fp8 (e4m3) paged cache, to set beside the
+same layouts over the bf16 cache:
+
+    python3 benchmarks/step_probe.py --layouts mixed_1792+255dec decode_256x1024 \
+        --backends auto --kv-cache-dtype fp8 --profile /tmp/prof-kv8 --out $OUT/kv_fp8.json
+
 `--loras N` runs the multi-LoRA step instead: N dummy adapters (rank `--lora-rank`, all seven
 projections) resident, the rows spread over them round robin (issue 15's W1 overhead):
 
@@ -117,7 +123,7 @@ def _adapters(engine, count: int, rank: int, root: str) -> list:
 def probe(backend: str, model: str, layouts: list[str], profile: str | None,
           loras: int = 0, lora_rank: int = 16, max_model_len: int = 2048,
           quantization: str | None = None, num_kv_blocks: int = 40000,
-          same_args: bool = False) -> dict:
+          same_args: bool = False, kv_cache_dtype: str = "auto") -> dict:
     import tempfile
 
     from pjinfer.engine.config import EngineConfig
@@ -131,7 +137,8 @@ def probe(backend: str, model: str, layouts: list[str], profile: str | None,
     engine = LLMEngine(EngineConfig(
         model=model, load_format="dummy", dtype="bfloat16", max_model_len=max_model_len,
         max_num_seqs=256, max_num_batched_tokens=2048, num_kv_blocks=num_kv_blocks, warmup=False,
-        attention_backend=backend, quantization=method, **lora_args))
+        attention_backend=backend, quantization=method, kv_cache_dtype=kv_cache_dtype,
+        **lora_args))
     adapters = _adapters(engine, loras, lora_rank, tempfile.mkdtemp()) if loras else []
     params, rng, out = SamplingParams(temperature=0, max_tokens=4), np.random.default_rng(0), {}
     for kind in layouts:
@@ -239,6 +246,8 @@ def main() -> None:
                              "every call vs new ones (see _argument_addresses)")
     parser.add_argument("--num-kv-blocks", type=int, default=40000,
                         help="KV cache blocks (a 30B model's weights leave room for fewer)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                        help="the paged cache's dtype (fp8: e4m3, issue 14's W4 comparison)")
     args = parser.parse_args()
     if args.num_kv_blocks < 1:
         parser.error(f"--num-kv-blocks must be a positive integer, got {args.num_kv_blocks}")
@@ -247,11 +256,11 @@ def main() -> None:
     for backend in args.backends:
         results.update(probe(backend, args.model, args.layouts, args.profile, args.loras,
                              args.lora_rank, args.max_model_len, args.quantization,
-                             args.num_kv_blocks, args.same_args))
+                             args.num_kv_blocks, args.same_args, args.kv_cache_dtype))
     with open(args.out, "w") as f:
         json.dump({"unit": "ms per step (median of 5)", "model": args.model,
                    "loras": args.loras, "lora_rank": args.lora_rank,
-                   "quantization": args.quantization,
+                   "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
                    "xla_flags": os.environ.get("XLA_FLAGS", ""), **results}, f, indent=1)
 
 
