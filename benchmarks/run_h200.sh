@@ -194,7 +194,8 @@ stage_kvprobe() {
   local dt
   for dt in auto fp8; do
     step "kv_${dt}_step_profile" 200 $PY benchmarks/step_probe.py --backends auto \
-        --layouts prefill_2x1024 mixed_1792+255dec decode_256x1024 --kv-cache-dtype $dt \
+        --layouts ${KVPROBE_LAYOUTS:-prefill_2x1024 mixed_1792+255dec decode_256x1024} \
+        --kv-cache-dtype $dt \
         --profile "/tmp/pjinfer-prof-kv-$dt" --out "$JSON/kv_${dt}_step_profile.json"
   done
 }

@@ -50,7 +50,7 @@ import numpy as np
 
 MODEL = "configs/models/llama3-8b"
 LAYOUTS = ("decode_1x768", "decode_8x160", "decode_10x2560", "prefill_2x1024",
-           "mixed_1792+255dec", "decode_256x1024")
+           "mixed_1792+255dec", "decode_256x1024", "mixed_8x220+248dec300")
 
 
 def _import_repo() -> None:
@@ -97,7 +97,9 @@ def _chunks(kind: str, rng: np.random.Generator) -> list:
              "decode_10x2560": [(2561, 2560, 1)] * 10,
              "prefill_2x1024": [(1024, 0, 1024)] * 2,
              "mixed_1792+255dec": [(1025, 1024, 1)] * 255 + [(1792, 0, 1792)],
-             "decode_256x1024": [(1025, 1024, 1)] * 256}[kind]
+             "decode_256x1024": [(1025, 1024, 1)] * 256,
+             # W4's (synthetic ShareGPT) steps: short prompts beside decodes at ~300 tokens
+             "mixed_8x220+248dec300": [(301, 300, 1)] * 248 + [(220, 0, 220)] * 8}[kind]
     chunks, next_block = [], 1
     for i, (length, computed, new) in enumerate(specs):
         blocks = -(-length // 16)
