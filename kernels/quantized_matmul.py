@@ -72,6 +72,17 @@ def _one_plus(u, bits: int):
     return jax.lax.bitcast_convert_type(top | _ONE, jnp.float32)
 
 
+_BF16_128 = 0x4300  # bfloat16 bits of 128.0: its mantissa's last bit is worth 1
+
+
+def _int4_offset_bf16(p):
+    """Packed bytes [rows, bn] -> bfloat16 tiles (low nibbles, high nibbles) holding 128 + u,
+    exactly: each nibble ORed into the low mantissa bits of 128.0, no conversion at all."""
+    p = p.astype(jnp.int32)
+    return tuple(jax.lax.bitcast_convert_type(((q & 0xF) | _BF16_128).astype(jnp.uint16),
+                                              jnp.bfloat16) for q in (p, p >> 4))
+
+
 def _values(p, kind: str):
     """One load of stored values -> (float32 tiles f, scale, offset) with stored value
     v = scale * f - offset: f in [1, 2) for the integer kinds (int4: low, high nibbles)."""
@@ -85,7 +96,7 @@ def _values(p, kind: str):
 
 def _kernel(*refs, kind: str, zero_point: float, group_rows: int, span: int,
             sizes: QuantMatmulBlockSizes, steps: int, has_zeros: bool, tiles: tuple[int, ...],
-            late_scale: bool):
+            late_scale: bool, offset_dot: bool):
     """One (token tile, column tile, K range) of a group of weights sharing x: the column
     tile picks its weight (`tiles`: column tiles per weight, in output order)."""
     x_ref, o_ref = refs[0], refs[-1]
@@ -93,7 +104,7 @@ def _kernel(*refs, kind: str, zero_point: float, group_rows: int, span: int,
     weights = [refs[1 + m * per:1 + (m + 1) * per] for m in range(len(tiles))]
     program = functools.partial(_program, x_ref, o_ref, kind=kind, zero_point=zero_point,
                                 group_rows=group_rows, span=span, sizes=sizes, steps=steps,
-                                late_scale=late_scale)
+                                late_scale=late_scale, offset_dot=offset_dot)
     # program ids read here, outside any branch (interpret mode cannot read them inside one)
     i, j, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     if len(tiles) == 1:
@@ -119,10 +130,13 @@ def _x_runs(i, kind: str, load_rows: int, span: int):
 
 def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
              group_rows: int, span: int, sizes: QuantMatmulBlockSizes, steps: int,
-             late_scale: bool):
+             late_scale: bool, offset_dot: bool):
     """One weight's (token tile, column tile, K range) `ids`: o = sum over the range of
     x @ dequant(w). `late_scale` (one scale a column, no offset: per-channel fp8): the sum
-    runs over the stored values and is scaled once at the end, sparing an FMUL an element."""
+    runs over the stored values and is scaled once at the end, sparing an FMUL an element.
+    `offset_dot` (int4 dots over 16-bit x): the dot multiplies 128 + u as widened
+    (`_int4_offset_bf16`) and each load's [bt, bn] sums are corrected and scaled after it,
+    (sum - (128 + zero) sum(x)) s, sparing the FMA and conversion an element."""
     z_ref = z[0] if z else None
     bt, bn, bk = sizes.block_t, sizes.block_n, sizes.block_k
     load_rows = bk // 2 if kind == "int4" else bk  # stored rows per load
@@ -171,9 +185,30 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
         shift = (offset + zero) * s if z is not None or offset + zero_point else None
         return [f * (scale * s) if shift is None else f * (scale * s) - shift for f in fs]
 
+    def offset_step(acc, p, s, z, x):
+        """acc + one load's x @ ((u - zero) s): a dot per nibble run over 128 + u, then the
+        load's correction (one group: one scale and zero a column)."""
+        lhs = sizes.weight_lhs
+        part = None
+        for xp, w in zip(x, _int4_offset_bf16(p), strict=True):
+            w = w.astype(xp.dtype)
+            d = (jnp.dot(w.T, xp.T, preferred_element_type=jnp.float32) if lhs
+                 else jnp.dot(xp, w, preferred_element_type=jnp.float32))  # [bn, bt] / [bt, bn]
+            part = d if part is None else part + d
+        sx = sum(jnp.sum(xp.astype(jnp.float32), axis=1) for xp in x)  # [bt]
+        s = s.astype(jnp.float32)
+        zero = z.astype(jnp.float32) if z is not None else zero_point
+        shift = (128.0 + zero) * s  # [bn]
+        if lhs:
+            return acc + part * s[:, None] - shift[:, None] * sx[None, :]
+        return acc + part * s[None, :] - sx[:, None] * shift[None, :]
+
     def consume(acc, tiles):
         acc = list(acc)
         for p, s, z, x in tiles:
+            if offset_dot:
+                acc[0] = offset_step(acc[0], p, s, z, x)
+                continue
             for xp, w in zip(x, dequant(p, s, z), strict=True):
                 if sizes.elementwise:  # [load_rows, bn] += x[t, rows, None] * w
                     for t in range(bt):  # (fp8: [bn, load_rows] += w * x[t, None, rows])
@@ -214,6 +249,14 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
         acc = jax.lax.fori_loop(0, steps, lambda k, acc: consume(acc, load(k)),
                                 (jnp.zeros(shape, jnp.float32),))[0]
         o_ref[...] = scaled(acc.T if sizes.weight_lhs else acc).astype(o_ref.dtype)
+
+
+def offset_dot(kind: str, x_dtype, sizes: QuantMatmulBlockSizes) -> bool:
+    """Whether an int4 tile goes into its dot as 128 + u (`_int4_offset_bf16`): dots over
+    16-bit x only, where the correction's cancellation (~2^-24 (128 + zero) / (u - zero) of
+    a group's sum) stays far below the bf16 rounding of the reference's dequantized weight;
+    float32 x keeps the dequantizing FMA."""
+    return kind == "int4" and not sizes.elementwise and jnp.dtype(x_dtype).itemsize == 2
 
 
 def groupable(ws: Sequence[QuantizedWeight]) -> bool:
@@ -261,7 +304,8 @@ def quantized_matmuls(x: jax.Array, ws: tuple[QuantizedWeight, ...], *, out_dtyp
         _kernel, kind=w0.kind, zero_point=w0.zero_point,
         group_rows=rows // w0.scales.shape[0], span=w0.span, sizes=sizes,
         steps=rows // (sizes.block_k * sizes.unroll * splits), has_zeros=w0.zeros is not None,
-        tiles=tiles, late_scale=w0.kind == "fp8" and w0.scales.shape[0] == 1)
+        tiles=tiles, late_scale=w0.kind == "fp8" and w0.scales.shape[0] == 1,
+        offset_dot=offset_dot(w0.kind, x.dtype, sizes))
     out = pl.pallas_call(  # every input whole: the kernel slices its own tiles (pow2 loads)
         kernel,
         grid=(tp // bt, sum(tiles), splits),

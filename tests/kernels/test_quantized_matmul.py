@@ -13,6 +13,7 @@ from pjinfer.kernels import ops
 from pjinfer.kernels.quantized_matmul import (
     QuantMatmulBlockSizes,
     groupable,
+    offset_dot,
     pick_block_sizes,
     quantized_matmul,
     quantized_matmul_reference,
@@ -90,6 +91,41 @@ def test_default_tiling_runs_the_kernel(kind, asym, group, rows, tokens):
     assert supported(x, w, pick_block_sizes(tokens, w))
     out = quantized_matmul(x, w, interpret=True)
     assert rel_err(out, quantized_matmul_reference(x, w)) < TOL[jnp.float32]
+
+
+# int4 dots over 16-bit x (`offset_dot`): x @ w over 16 and 37 tokens (two token tiles), the
+# weight as the first operand, one K split and several
+OFFSET_TILINGS = [(16, QuantMatmulBlockSizes(block_t=16, block_n=32, block_k=32, unroll=2,
+                                             k_splits=2)),
+                  (37, QuantMatmulBlockSizes(block_t=32, block_n=64, block_k=32, unroll=2)),
+                  (5, QuantMatmulBlockSizes(block_t=16, block_n=32, block_k=32, k_splits=4,
+                                            weight_operand=1))]
+
+
+@pytest.mark.parametrize("asym, group", [(True, 32), (False, 128), (True, 128)])
+@pytest.mark.parametrize("tokens, sizes", OFFSET_TILINGS)
+def test_int4_offset_dot_matches_reference(asym, group, tokens, sizes):
+    """Nibbles widened to bfloat16 128 + u, corrected per load: within the bf16 rounding
+    the reference itself has against float32, and as close to float32 as the reference."""
+    rng = np.random.default_rng(tokens + group)
+    w = _weight(rng, "int4", 256, 64, group, asym)
+    x32 = jnp.asarray(rng.standard_normal((tokens, 256)), jnp.float32)
+    x = x32.astype(jnp.bfloat16)
+    assert supported(x, w, sizes) and offset_dot("int4", x.dtype, sizes)
+    out = quantized_matmul(x, w, block_sizes=sizes, interpret=True)
+    ref = quantized_matmul_reference(x, w)
+    exact = quantized_matmul_reference(x.astype(jnp.float32), w)
+    assert out.dtype == jnp.bfloat16 and out.shape == (tokens, 64)
+    assert rel_err(out, ref) < TOL[jnp.bfloat16]
+    assert rel_err(out, exact) <= 1.5 * rel_err(ref, exact)
+
+
+def test_offset_dot_only_for_int4_dots_over_16_bit_x():
+    dot, one = QuantMatmulBlockSizes(block_t=16), QuantMatmulBlockSizes(block_t=1)
+    assert offset_dot("int4", jnp.bfloat16, dot) and offset_dot("int4", jnp.float16, dot)
+    assert not offset_dot("int4", jnp.float32, dot)  # float32 keeps the exact FMA
+    assert not offset_dot("int4", jnp.bfloat16, one)  # the elementwise sum
+    assert not offset_dot("int8", jnp.bfloat16, dot)
 
 
 def _act_order(rng, w: QuantizedWeight) -> QuantizedWeight:
