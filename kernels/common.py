@@ -47,14 +47,16 @@ class AttentionParams:
 class BlockSizes:
     """Base of the kernels' static tilings (`DecodeBlockSizes`, `RaggedBlockSizes`).
 
-    Every field of a tiling is a count (tokens, pages, splits, warps, stages), so one check
-    at construction serves both: a zero would otherwise surface later as an empty grid or
-    a division by zero while tracing, far from the code that chose it.
+    Every field of a tiling but its switches (bool) is a count (tokens, pages, splits,
+    warps, stages), so one check at construction serves all: a zero would otherwise surface
+    later as an empty grid or a division by zero while tracing, far from the code that
+    chose it.
     """
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
-            if getattr(self, field.name) < 1:
+            value = getattr(self, field.name)
+            if not isinstance(value, bool) and value < 1:
                 raise ValueError(f"{type(self).__name__}.{field.name} must be >= 1")
 
 

@@ -252,11 +252,14 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
 
 
 def offset_dot(kind: str, x_dtype, sizes: QuantMatmulBlockSizes) -> bool:
-    """Whether an int4 tile goes into its dot as 128 + u (`_int4_offset_bf16`): dots over
-    16-bit x only, where the correction's cancellation (~2^-24 (128 + zero) / (u - zero) of
-    a group's sum) stays far below the bf16 rounding of the reference's dequantized weight;
-    float32 x keeps the dequantizing FMA."""
-    return kind == "int4" and not sizes.elementwise and jnp.dtype(x_dtype).itemsize == 2
+    """Whether an int4 tile goes into its dot as 128 + u (`_int4_offset_bf16`): where the
+    tiling asks (`int4_offset`), for dots over 16-bit x only, where the correction's
+    cancellation (~2^-24 (128 + zero) / (u - zero) of a group's sum) stays far below the
+    bf16 rounding of the reference's dequantized weight; float32 x keeps the FMA. Not the
+    default: on the H200 it cut the T=16 loop's PTX instructions by a quarter but ran slower
+    (benchmarks/RESULTS.md, round 15)."""
+    return (sizes.int4_offset and kind == "int4" and not sizes.elementwise
+            and jnp.dtype(x_dtype).itemsize == 2)
 
 
 def groupable(ws: Sequence[QuantizedWeight]) -> bool:

@@ -55,6 +55,7 @@ class QuantMatmulBlockSizes(common.BlockSizes):
     num_warps: int = 4
     num_stages: int = 3
     weight_operand: int = 2
+    int4_offset: bool = False
 
     @property
     def elementwise(self) -> bool:
@@ -68,6 +69,7 @@ class QuantMatmulBlockSizes(common.BlockSizes):
     def describe(self) -> str:
         """One short line for benchmark records: t16 n128 k128x2 s8 w8 st3 (dot)."""
         mode = "sum" if self.elementwise else "wT.dot" if self.weight_lhs else "dot"
+        mode += "+128" if self.int4_offset and not self.elementwise else ""
         return (f"t{self.block_t} n{self.block_n} k{self.block_k}x{self.unroll} "
                 f"s{self.k_splits} w{self.num_warps} st{self.num_stages} ({mode})")
 
@@ -225,9 +227,11 @@ def sweep_candidates(num_tokens: int, w: QuantizedWeight, x: jax.Array
         variants += [swap(base, num_stages=2),
                      swap(base, block_t=16, num_warps=DOT_WARPS_STAGES[0],
                           num_stages=DOT_WARPS_STAGES[1])]
-    else:  # one more stage; the weight as the dot's first operand
+    else:  # one more stage; the weight as the dot's first operand; int4 nibbles as 128 + u
         variants += [swap(base, num_stages=base.num_stages + 1),
                      swap(base, weight_operand=1)]
+        if w.kind == "int4":
+            variants.append(swap(base, int4_offset=True))
     variants.append(legacy_block_sizes(num_tokens, w))
     out: list[QuantMatmulBlockSizes] = []
     for v in variants:

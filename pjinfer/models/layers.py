@@ -127,6 +127,11 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *,
            out_dtype: jnp.dtype | None = None) -> jax.Array:
     """x [T, in] @ w [in, out] (+ b) -> [T, out] in `out_dtype` (default x's), float32 sums.
 
+    The dot writes `out_dtype` itself: GPU GEMMs sum bf16 products in float32 whatever
+    they write, and a float32 result converted afterwards costs a [T, out] float32 tensor
+    and a convert kernel (a 2,000-token Llama-3-8B step on the H200 ran two a layer,
+    ~42 us each, on gate and up: benchmarks/RESULTS.md, round 15). On a CPU, XLA widens
+    bf16 dots to float32 and rounds once at the end, as before.
     Weights are stored input-major, transposed from HF. Every matmul with a weight goes through
     here, so a quantized or adapter linear has one place to replace. A weight that is not an
     array but has its own `linear` (e.g. `pjinfer.lora.ops.AdaptedWeight`) computes itself.
@@ -136,7 +141,7 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *,
     if isinstance(w, QuantizedWeight):
         y = ops.quantized_matmul(x, w, out_dtype=out_dtype or x.dtype)
     else:
-        y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype or x.dtype)
+        y = jnp.dot(x, w, preferred_element_type=out_dtype or x.dtype)
     return y if b is None else y + b
 
 

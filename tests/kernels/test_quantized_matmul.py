@@ -96,10 +96,11 @@ def test_default_tiling_runs_the_kernel(kind, asym, group, rows, tokens):
 # int4 dots over 16-bit x (`offset_dot`): x @ w over 16 and 37 tokens (two token tiles), the
 # weight as the first operand, one K split and several
 OFFSET_TILINGS = [(16, QuantMatmulBlockSizes(block_t=16, block_n=32, block_k=32, unroll=2,
-                                             k_splits=2)),
-                  (37, QuantMatmulBlockSizes(block_t=32, block_n=64, block_k=32, unroll=2)),
+                                             k_splits=2, int4_offset=True)),
+                  (37, QuantMatmulBlockSizes(block_t=32, block_n=64, block_k=32, unroll=2,
+                                             int4_offset=True)),
                   (5, QuantMatmulBlockSizes(block_t=16, block_n=32, block_k=32, k_splits=4,
-                                            weight_operand=1))]
+                                            weight_operand=1, int4_offset=True))]
 
 
 @pytest.mark.parametrize("asym, group", [(True, 32), (False, 128), (True, 128)])
@@ -121,8 +122,10 @@ def test_int4_offset_dot_matches_reference(asym, group, tokens, sizes):
 
 
 def test_offset_dot_only_for_int4_dots_over_16_bit_x():
-    dot, one = QuantMatmulBlockSizes(block_t=16), QuantMatmulBlockSizes(block_t=1)
+    dot = QuantMatmulBlockSizes(block_t=16, int4_offset=True)
+    one = QuantMatmulBlockSizes(block_t=1, int4_offset=True)
     assert offset_dot("int4", jnp.bfloat16, dot) and offset_dot("int4", jnp.float16, dot)
+    assert not offset_dot("int4", jnp.bfloat16, QuantMatmulBlockSizes(block_t=16))
     assert not offset_dot("int4", jnp.float32, dot)  # float32 keeps the exact FMA
     assert not offset_dot("int4", jnp.bfloat16, one)  # the elementwise sum
     assert not offset_dot("int8", jnp.bfloat16, dot)
