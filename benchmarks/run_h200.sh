@@ -45,7 +45,8 @@
 #   bash benchmarks/run_h200.sh attnfp8   # W4's decode attention over bf16 vs fp8 caches,
 #                                         # alternating (~2 min)
 #   bash benchmarks/run_h200.sh kvprobe   # W4's prefill, mixed and decode steps over the bf16
-#                                         # vs the fp8 cache, profiled (~4 min)
+#                                         # vs the fp8 cache, profiled (~4 min; KVPROBE_LAYOUTS
+#                                         # picks layouts, KVPROBE_STEPS=8 multi-step decodes)
 #   bash benchmarks/run_h200.sh raggedfp8 # ragged kernel tilings over bf16 vs fp8 caches on
 #                                         # W3/W4-like layouts (~8 min)
 #   bash benchmarks/run_h200.sh routed    # the routed expert GEMMs (decode) with K cut into
@@ -195,7 +196,7 @@ stage_kvprobe() {
   for dt in auto fp8; do
     step "kv_${dt}_step_profile" 200 $PY benchmarks/step_probe.py --backends auto \
         --layouts ${KVPROBE_LAYOUTS:-prefill_2x1024 mixed_1792+255dec decode_256x1024} \
-        --kv-cache-dtype $dt \
+        --kv-cache-dtype $dt --num-scheduler-steps ${KVPROBE_STEPS:-1} \
         --profile "/tmp/pjinfer-prof-kv-$dt" --out "$JSON/kv_${dt}_step_profile.json"
   done
 }

@@ -30,6 +30,12 @@ same layouts over the bf16 cache:
     python3 benchmarks/step_probe.py --layouts mixed_1792+255dec decode_256x1024 \
         --backends auto --kv-cache-dtype fp8 --profile /tmp/prof-kv8 --out $OUT/kv_fp8.json
 
+`--num-scheduler-steps N` runs the decode layouts as the engine's multi-step calls (N tokens
+a row in one call; times per call), e.g. W4's decode stretches over both caches:
+
+    python3 benchmarks/step_probe.py --layouts decode_256x1024 --backends auto \
+        --num-scheduler-steps 8 --kv-cache-dtype fp8 --out $OUT/kv_fp8_multi.json
+
 `--loras N` runs the multi-LoRA step instead: N dummy adapters (rank `--lora-rank`, all seven
 projections) resident, the rows spread over them round robin (issue 15's W1 overhead):
 
@@ -87,9 +93,10 @@ def quantized_model(model: str, quantization: str | None, root: str) -> tuple[st
     return str(dst), None
 
 
-def _chunks(kind: str, rng: np.random.Generator) -> list:
-    """One Chunk per sequence, disjoint block tables; request ids, so the runner keeps them in
-    its persistent batch as it does the engine's requests."""
+def _chunks(kind: str, rng: np.random.Generator, room: int = 1) -> list:
+    """One Chunk per sequence, disjoint block tables with slots for `room` tokens past the
+    chunk (a multi-step call writes that many); request ids, so the runner keeps them in its
+    persistent batch as it does the engine's requests."""
     from pjinfer.engine.inputs import Chunk
 
     specs = {"decode_1x768": [(769, 768, 1)], "decode_8x160": [(161, 160, 1)] * 8,
@@ -102,7 +109,7 @@ def _chunks(kind: str, rng: np.random.Generator) -> list:
              "mixed_8x220+248dec300": [(301, 300, 1)] * 248 + [(220, 0, 220)] * 8}[kind]
     chunks, next_block = [], 1
     for i, (length, computed, new) in enumerate(specs):
-        blocks = -(-length // 16)
+        blocks = -(-(length + room - 1) // 16)
         table = list(range(next_block, next_block + blocks))
         next_block += blocks
         ids = rng.integers(0, 1000, length).tolist()
@@ -125,7 +132,8 @@ def _adapters(engine, count: int, rank: int, root: str) -> list:
 def probe(backend: str, model: str, layouts: list[str], profile: str | None,
           loras: int = 0, lora_rank: int = 16, max_model_len: int = 2048,
           quantization: str | None = None, num_kv_blocks: int = 40000,
-          same_args: bool = False, kv_cache_dtype: str = "auto") -> dict:
+          same_args: bool = False, kv_cache_dtype: str = "auto",
+          num_scheduler_steps: int = 1) -> dict:
     import tempfile
 
     from pjinfer.engine.config import EngineConfig
@@ -140,16 +148,20 @@ def probe(backend: str, model: str, layouts: list[str], profile: str | None,
         model=model, load_format="dummy", dtype="bfloat16", max_model_len=max_model_len,
         max_num_seqs=256, max_num_batched_tokens=2048, num_kv_blocks=num_kv_blocks, warmup=False,
         attention_backend=backend, quantization=method, kv_cache_dtype=kv_cache_dtype,
-        **lora_args))
+        num_scheduler_steps=num_scheduler_steps, **lora_args))
     adapters = _adapters(engine, loras, lora_rank, tempfile.mkdtemp()) if loras else []
     params, rng, out = SamplingParams(temperature=0, max_tokens=4), np.random.default_rng(0), {}
     for kind in layouts:
-        chunks = _chunks(kind, rng)
+        chunks = _chunks(kind, rng, num_scheduler_steps)
         rows = [SamplingRow(params, c.new_token_ids, [], 0, None) for c in chunks]
         runner = engine.runner
         slots = engine.lora.activate([adapters[i % loras] for i in range(len(chunks))]
                                      ) if loras else None
-        step = partial(runner.launch, chunks, rows, lora_slots=slots)
+        if num_scheduler_steps > 1 and kind.startswith("decode"):  # one call, N tokens a row
+            step = partial(runner.launch_multi, chunks, rows,
+                           [num_scheduler_steps] * len(chunks), lora_slots=slots)
+        else:
+            step = partial(runner.launch, chunks, rows, lora_slots=slots)
         runner.fetch(step())  # compile
         times = []
         for _ in range(5):
@@ -248,21 +260,28 @@ def main() -> None:
                              "every call vs new ones (see _argument_addresses)")
     parser.add_argument("--num-kv-blocks", type=int, default=40000,
                         help="KV cache blocks (a 30B model's weights leave room for fewer)")
+    parser.add_argument("--num-scheduler-steps", type=int, default=1,
+                        help="decode layouts: N steps a call (the engine's multi-step "
+                             "decode); times stay per call")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                         help="the paged cache's dtype (fp8: e4m3, issue 14's W4 comparison)")
     args = parser.parse_args()
     if args.num_kv_blocks < 1:
         parser.error(f"--num-kv-blocks must be a positive integer, got {args.num_kv_blocks}")
+    if not 1 <= args.num_scheduler_steps <= 16:  # the layouts' tables leave 15 free slots
+        parser.error(f"--num-scheduler-steps must be in 1..16, got {args.num_scheduler_steps}")
     _import_repo()
     results = {}
     for backend in args.backends:
         results.update(probe(backend, args.model, args.layouts, args.profile, args.loras,
                              args.lora_rank, args.max_model_len, args.quantization,
-                             args.num_kv_blocks, args.same_args, args.kv_cache_dtype))
+                             args.num_kv_blocks, args.same_args, args.kv_cache_dtype,
+                             args.num_scheduler_steps))
     with open(args.out, "w") as f:
         json.dump({"unit": "ms per step (median of 5)", "model": args.model,
                    "loras": args.loras, "lora_rank": args.lora_rank,
                    "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+                   "num_scheduler_steps": args.num_scheduler_steps,
                    "xla_flags": os.environ.get("XLA_FLAGS", ""), **results}, f, indent=1)
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pjinfer.benchmarks.step_probe import quantized_model
+import numpy as np
+
+from pjinfer.benchmarks.step_probe import _chunks, quantized_model
 from pjinfer.quantization.config import QuantConfig
 
 DEMO = Path(__file__).resolve().parents[2] / "pjinfer" / "demo"
@@ -25,3 +27,14 @@ def test_int4_gptq_is_the_model_declared_gptq_g128(tmp_path):
     assert config["hidden_size"] == json.loads((DEMO / "config.json").read_text())["hidden_size"]
     assert (Path(folder) / "tokenizer.json").resolve() == (DEMO / "tokenizer.json").resolve()
     assert quantized_model(str(DEMO), "int4-gptq", str(tmp_path))[0] == folder  # reusable
+
+
+def test_chunks_leave_room_for_a_multi_step_call():
+    """A call of N decode steps writes N - 1 slots past each chunk: its own table's, no
+    other sequence's."""
+    for room in (1, 8, 16):
+        chunks = _chunks("decode_8x160", np.random.default_rng(0), room)
+        for c in chunks:
+            assert len(c.block_table) * 16 >= c.num_computed + c.num_new + room - 1
+        blocks = [b for c in chunks for b in c.block_table]
+        assert len(blocks) == len(set(blocks)) and 0 not in blocks
