@@ -32,6 +32,9 @@ into the top of 1.0's mantissa (a shift and one logic op instead of an int-to-fl
 conversion, which the H100 / H200 issue at 1/8 the FMA rate); the offset and the zero fold
 into one FMA per element, w = f (2^bits s) - (2^bits + zero) s, within ~2^-19 s (int4) or
 2^-15 s (int8) of the reference's (v - zero) s.
+Tiling switch `int4_offset` (off by default): an int4 dot over 16-bit x takes the nibbles
+as bfloat16 128 + u (ORed into 128.0's mantissa, exact) and corrects each load's sums after
+its dot; a quarter fewer PTX instructions, yet slower on the H200 (RESULTS.md, round 15).
 An int4 load reads `block_k / 2` packed rows inside one nibble block (`QuantizedWeight.span`):
 their low nibbles are one contiguous run of input rows and the high ones the run `span` rows
 later, so the kernel reads x as it is (the first layout paired even / odd rows, which cost an

@@ -21,6 +21,9 @@ sm_90a, no GPU): the int4 T=16 dot's loop issues ~6.1 PTX instructions per weigh
 (~12 per packed byte: nibble to float 2.5, dequantizing FMA 1, bf16 conversion 0.6, byte-wise
 shared-memory loads and their addresses 1.2), 162 registers at 8 warps (one program per SM);
 at ~33 T instructions/s that caps it near 2.7 TB/s of packed bytes, and it ran 1.05.
+Instructions are not the whole bound, though: two variants that cut them ran slower on the
+H200 (fp8 with x widened first, round 11; int4 dots over 128 + u, round 15, 6.07 -> 4.55 an
+element at T=16, 0.725 -> ~1.0 ms); the sweep, not the PTX count, picks the defaults.
 """
 
 from __future__ import annotations
