@@ -99,7 +99,7 @@ def _values(p, kind: str):
 
 def _kernel(*refs, kind: str, zero_point: float, group_rows: int, span: int,
             sizes: QuantMatmulBlockSizes, steps: int, has_zeros: bool, tiles: tuple[int, ...],
-            late_scale: bool, offset_dot: bool):
+            late_scale: bool):
     """One (token tile, column tile, K range) of a group of weights sharing x: the column
     tile picks its weight (`tiles`: column tiles per weight, in output order)."""
     x_ref, o_ref = refs[0], refs[-1]
@@ -107,7 +107,7 @@ def _kernel(*refs, kind: str, zero_point: float, group_rows: int, span: int,
     weights = [refs[1 + m * per:1 + (m + 1) * per] for m in range(len(tiles))]
     program = functools.partial(_program, x_ref, o_ref, kind=kind, zero_point=zero_point,
                                 group_rows=group_rows, span=span, sizes=sizes, steps=steps,
-                                late_scale=late_scale, offset_dot=offset_dot)
+                                late_scale=late_scale)
     # program ids read here, outside any branch (interpret mode cannot read them inside one)
     i, j, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     if len(tiles) == 1:
@@ -133,17 +133,19 @@ def _x_runs(i, kind: str, load_rows: int, span: int):
 
 def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
              group_rows: int, span: int, sizes: QuantMatmulBlockSizes, steps: int,
-             late_scale: bool, offset_dot: bool):
+             late_scale: bool):
     """One weight's (token tile, column tile, K range) `ids`: o = sum over the range of
     x @ dequant(w). `late_scale` (one scale a column, no offset: per-channel fp8): the sum
     runs over the stored values and is scaled once at the end, sparing an FMUL an element.
-    `offset_dot` (int4 dots over 16-bit x): the dot multiplies 128 + u as widened
-    (`_int4_offset_bf16`) and each load's [bt, bn] sums are corrected and scaled after it,
-    (sum - (128 + zero) sum(x)) s, sparing the FMA and conversion an element."""
+    Where `offset_dot` (int4 dots over 16-bit x, when the tiling asks): the dot multiplies
+    128 + u as widened (`_int4_offset_bf16`) and each load's [bt, bn] sums are corrected
+    and scaled after it, (sum - (128 + zero) sum(x)) s, sparing the FMA and conversion an
+    element."""
     z_ref = z[0] if z else None
     bt, bn, bk = sizes.block_t, sizes.block_n, sizes.block_k
     load_rows = bk // 2 if kind == "int4" else bk  # stored rows per load
     out_major = kind == "fp8"  # stored [N, K]: a load reads [bn, bk]
+    nibbles_128 = offset_dot(kind, x_ref.dtype, sizes)
     cols = pl.ds(ids[1] * bn, bn)
     tok0 = ids[0] * bt
     num_rows = x_ref.shape[0]  # x is not padded to whole token tiles: a tile past its
@@ -188,28 +190,34 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
         shift = (offset + zero) * s if z is not None or offset + zero_point else None
         return [f * (scale * s) if shift is None else f * (scale * s) - shift for f in fs]
 
+    def tile_dot(xp, w):
+        """One x run times one weight tile in x's dtype, float32 sums: [bn, bt] when the
+        weight is the first operand, else [bt, bn]."""
+        w = w.astype(xp.dtype)
+        if sizes.weight_lhs:  # w^T [bn, rows] @ x^T [rows, bt]
+            return jnp.dot(w if out_major else w.T, xp.T, preferred_element_type=jnp.float32)
+        if out_major:  # x [bt, rows] . w [bn, rows] over rows
+            return jax.lax.dot_general(xp, w, (((1,), (1,)), ((), ())),
+                                       preferred_element_type=jnp.float32)
+        return jnp.dot(xp, w, preferred_element_type=jnp.float32)  # x [bt, rows] @ w [rows, bn]
+
     def offset_step(acc, p, s, z, x):
         """acc + one load's x @ ((u - zero) s): a dot per nibble run over 128 + u, then the
         load's correction (one group: one scale and zero a column)."""
-        lhs = sizes.weight_lhs
-        part = None
-        for xp, w in zip(x, _int4_offset_bf16(p), strict=True):
-            w = w.astype(xp.dtype)
-            d = (jnp.dot(w.T, xp.T, preferred_element_type=jnp.float32) if lhs
-                 else jnp.dot(xp, w, preferred_element_type=jnp.float32))  # [bn, bt] / [bt, bn]
-            part = d if part is None else part + d
+        part = functools.reduce(jnp.add, [tile_dot(xp, w) for xp, w in
+                                          zip(x, _int4_offset_bf16(p), strict=True)])
         sx = sum(jnp.sum(xp.astype(jnp.float32), axis=1) for xp in x)  # [bt]
         s = s.astype(jnp.float32)
         zero = z.astype(jnp.float32) if z is not None else zero_point
         shift = (128.0 + zero) * s  # [bn]
-        if lhs:
+        if sizes.weight_lhs:
             return acc + part * s[:, None] - shift[:, None] * sx[None, :]
         return acc + part * s[None, :] - sx[:, None] * shift[None, :]
 
     def consume(acc, tiles):
         acc = list(acc)
         for p, s, z, x in tiles:
-            if offset_dot:
+            if nibbles_128:
                 acc[0] = offset_step(acc[0], p, s, z, x)
                 continue
             for xp, w in zip(x, dequant(p, s, z), strict=True):
@@ -218,15 +226,7 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
                         xt = xp[t].astype(jnp.float32)
                         acc[t] = acc[t] + (xt[None, :] if out_major else xt[:, None]) * w
                     continue
-                w = w.astype(xp.dtype)
-                w_nk = w if out_major else w.T  # [bn, rows]
-                if sizes.weight_lhs:  # [bn, bt] += w^T [bn, rows] @ x^T [rows, bt]
-                    acc[0] = acc[0] + jnp.dot(w_nk, xp.T, preferred_element_type=jnp.float32)
-                elif out_major:  # [bt, bn] += x [bt, rows] . w [bn, rows] over rows
-                    acc[0] = acc[0] + jax.lax.dot_general(
-                        xp, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-                else:  # [bt, bn] += x [bt, rows] @ w [rows, bn]
-                    acc[0] = acc[0] + jnp.dot(xp, w, preferred_element_type=jnp.float32)
+                acc[0] = acc[0] + tile_dot(xp, w)
         return tuple(acc)
 
     def scaled(out):
@@ -310,8 +310,7 @@ def quantized_matmuls(x: jax.Array, ws: tuple[QuantizedWeight, ...], *, out_dtyp
         _kernel, kind=w0.kind, zero_point=w0.zero_point,
         group_rows=rows // w0.scales.shape[0], span=w0.span, sizes=sizes,
         steps=rows // (sizes.block_k * sizes.unroll * splits), has_zeros=w0.zeros is not None,
-        tiles=tiles, late_scale=w0.kind == "fp8" and w0.scales.shape[0] == 1,
-        offset_dot=offset_dot(w0.kind, x.dtype, sizes))
+        tiles=tiles, late_scale=w0.kind == "fp8" and w0.scales.shape[0] == 1)
     out = pl.pallas_call(  # every input whole: the kernel slices its own tiles (pow2 loads)
         kernel,
         grid=(tp // bt, sum(tiles), splits),
