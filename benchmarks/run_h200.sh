@@ -42,6 +42,8 @@
 #                                             # step, context splits x pages swept (~1 min)
 #   bash benchmarks/run_h200.sh kvfp8     # W4 with the bf16 KV cache vs fp8, ABBA (the first
 #                                         # engine process of a call runs slow) (~7 min)
+#   bash benchmarks/run_h200.sh w3fp8     # W3 with bf16 weights, then fp8, one call (~8 min
+#                                         # with N_W3=300)
 #   bash benchmarks/run_h200.sh attnfp8   # W4's decode attention over bf16 vs fp8 caches,
 #                                         # alternating (~2 min)
 #   bash benchmarks/run_h200.sh kvprobe   # W4's prefill, mixed and decode steps over the bf16
@@ -554,13 +556,14 @@ for stage in "${STAGES[@]}"; do
     w8a8) stage_w8a8 ;;
     decodesplits) stage_decodesplits ;;
     kvfp8) quant_w4 auto fp8 fp8 auto ;;
+    w3fp8) quant_w3 bf16 fp8 ;;
     attnfp8) stage_attnfp8 ;;
     kvprobe) stage_kvprobe ;;
     raggedfp8) stage_raggedfp8 ;;
     routed) stage_routed ;;
     routedwide) stage_routedwide ;;
     loramulti) stage_loramulti ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moeprofile | w8a8 | decodesplits | kvfp8 | attnfp8 | kvprobe | raggedfp8 | routed | routedwide | loramulti)" ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moeprofile | w8a8 | decodesplits | kvfp8 | w3fp8 | attnfp8 | kvprobe | raggedfp8 | routed | routedwide | loramulti)" ;;
   esac
 done
 pack

@@ -93,7 +93,7 @@ def quantized_model(model: str, quantization: str | None, root: str) -> tuple[st
     return str(dst), None
 
 
-def _chunks(kind: str, rng: np.random.Generator, room: int = 1) -> list:
+def layout_chunks(kind: str, rng: np.random.Generator, room: int = 1) -> list:
     """One Chunk per sequence, disjoint block tables with slots for `room` tokens past the
     chunk (a multi-step call writes that many); request ids, so the runner keeps them in its
     persistent batch as it does the engine's requests."""
@@ -152,7 +152,7 @@ def probe(backend: str, model: str, layouts: list[str], profile: str | None,
     adapters = _adapters(engine, loras, lora_rank, tempfile.mkdtemp()) if loras else []
     params, rng, out = SamplingParams(temperature=0, max_tokens=4), np.random.default_rng(0), {}
     for kind in layouts:
-        chunks = _chunks(kind, rng, num_scheduler_steps)
+        chunks = layout_chunks(kind, rng, num_scheduler_steps)
         rows = [SamplingRow(params, c.new_token_ids, [], 0, None) for c in chunks]
         runner = engine.runner
         slots = engine.lora.activate([adapters[i % loras] for i in range(len(chunks))]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pjinfer.benchmarks.step_probe import _chunks, quantized_model
+from pjinfer.benchmarks.step_probe import layout_chunks, quantized_model
 from pjinfer.quantization.config import QuantConfig
 
 DEMO = Path(__file__).resolve().parents[2] / "pjinfer" / "demo"
@@ -33,7 +33,7 @@ def test_chunks_leave_room_for_a_multi_step_call():
     """A call of N decode steps writes N - 1 slots past each chunk: its own table's, no
     other sequence's."""
     for room in (1, 8, 16):
-        chunks = _chunks("decode_8x160", np.random.default_rng(0), room)
+        chunks = layout_chunks("decode_8x160", np.random.default_rng(0), room)
         for c in chunks:
             assert len(c.block_table) * 16 >= c.num_computed + c.num_new + room - 1
         blocks = [b for c in chunks for b in c.block_table]

@@ -114,12 +114,20 @@ async def _soak_one(client, rng: random.Random) -> str:
         stream = await client.completions.create(model=MODEL, prompt="Beautiful is better than",
                                                  max_tokens=max_tokens, stream=True,
                                                  temperature=0)
-        async for chunk in stream:
-            if abandon:
-                await stream.close()
-                return "abandoned"
-            last = chunk
-        return last.choices[0].finish_reason
+
+        async def drain() -> str:
+            async for chunk in stream:
+                last = chunk
+            return last.choices[0].finish_reason
+
+        # abandoned by a timeout, as below: the cancellation ends the client's nested
+        # stream generators where they wait (closing them from inside the loop does not)
+        try:
+            return await asyncio.wait_for(drain(), timeout=rng.uniform(0.01, 0.3) if abandon
+                                          else None)
+        except TimeoutError:
+            await stream.close()
+            return "abandoned"
     call = (client.completions.create(model=MODEL, prompt="Explicit is", max_tokens=max_tokens)
             if kind == "completion" else
             client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=max_tokens,
