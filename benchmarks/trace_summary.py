@@ -35,7 +35,7 @@ def device_kernels(events: list[dict[str, Any]], device: str = "GPU") -> list[di
     return [e for e in events if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e]
 
 
-def summarize(kernels: list[dict[str, Any]], steps: int, top: int = 12) -> dict[str, Any]:
+def summarize(kernels: list[dict[str, Any]], steps: int, top: int = 40) -> dict[str, Any]:
     """Per step: kernel count, busy microseconds (the union of kernel intervals over all
     streams), the window from first start to last end, and idle time inside it; the kernels
     that take the most time."""
