@@ -40,7 +40,7 @@
 #                                         # N_W3=300)
 #   bash benchmarks/run_h200.sh decodesplits  # paged decode attention at Qwen3's 10 x 2,560
 #                                             # step, context splits x pages swept (~1 min)
-#   bash benchmarks/run_h200.sh kvfp8     # W4 with the bf16 KV cache vs fp8, ABBA (the first
+#   bash benchmarks/run_h200.sh kvfp8     # W4 with the bf16 KV cache vs fp8, ABBA (KVFP8_ORDER="fp8 auto auto fp8": BAAB; the first
 #                                         # engine process of a call runs slow) (~7 min)
 #   bash benchmarks/run_h200.sh w3fp8     # W3 with bf16 weights, then fp8, one call (~8 min
 #                                         # with N_W3=300)
@@ -555,7 +555,7 @@ for stage in "${STAGES[@]}"; do
     moeprofile) stage_moeprofile ;;
     w8a8) stage_w8a8 ;;
     decodesplits) stage_decodesplits ;;
-    kvfp8) quant_w4 auto fp8 fp8 auto ;;
+    kvfp8) quant_w4 ${KVFP8_ORDER:-auto fp8 fp8 auto} ;;
     w3fp8) quant_w3 bf16 fp8 ;;
     attnfp8) stage_attnfp8 ;;
     kvprobe) stage_kvprobe ;;
