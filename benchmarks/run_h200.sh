@@ -40,8 +40,9 @@
 #                                         # N_W3=300)
 #   bash benchmarks/run_h200.sh decodesplits  # paged decode attention at Qwen3's 10 x 2,560
 #                                             # step, context splits x pages swept (~1 min)
-#   bash benchmarks/run_h200.sh kvfp8     # W4 with the bf16 KV cache vs fp8, ABBA (KVFP8_ORDER="fp8 auto auto fp8": BAAB; the first
-#                                         # engine process of a call runs slow) (~7 min)
+#   bash benchmarks/run_h200.sh kvfp8     # W4 with the bf16 KV cache vs fp8, ABBA (the first
+#                                         # engine process of a call runs slow; KVFP8_ORDER=
+#                                         # "fp8 auto auto fp8" runs BAAB) (~7 min)
 #   bash benchmarks/run_h200.sh w3fp8     # W3 with bf16 weights, then fp8, one call (~8 min
 #                                         # with N_W3=300)
 #   bash benchmarks/run_h200.sh attnfp8   # W4's decode attention over bf16 vs fp8 caches,

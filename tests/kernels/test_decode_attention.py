@@ -12,6 +12,7 @@ from pjinfer.kernels.decode_attention import (
     decode_attention,
     decode_attention_reference,
 )
+from tests.kernels.lowering import cuda_module
 from tests.kernels.paged_inputs import TOL, make_batch, rel_err, to_fp8
 
 SEQ_LENS = [1, 23, 64, 50]  # single token, unaligned, aligned, unaligned
@@ -97,11 +98,7 @@ def test_query_group_is_not_padded_in_xla():
     args = (jax.ShapeDtypeStruct((s, heads, d), jnp.bfloat16),
             *[jax.ShapeDtypeStruct((blocks, bs, kv_heads, d), jnp.bfloat16)] * 2,
             jax.ShapeDtypeStruct((s, 8), jnp.int32), jax.ShapeDtypeStruct((s,), jnp.int32))
-    check = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    exported = jax.export.export(
-        jax.jit(lambda *a: decode_attention(*a, AttentionParams(scale=d ** -0.5))),
-        platforms=["cuda"], disabled_checks=[check])(*args)
-    text = exported.mlir_module()
+    text = cuda_module(lambda *a: decode_attention(*a, AttentionParams(scale=d ** -0.5)), *args)
     assert len(re.findall(r"custom_call @", text)) == 1
     pads = [line for line in text.splitlines() if "stablehlo.pad" in line]
     assert not [line for line in pads if "bf16" in line]  # (the block tables' pad is a no-op)

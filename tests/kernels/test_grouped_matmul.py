@@ -16,6 +16,7 @@ from pjinfer.kernels.grouped_matmul import (
     routed_matmul,
     routed_matmul_reference,
 )
+from tests.kernels.lowering import cuda_module
 
 INTERPRET = jax.default_backend() != "gpu"  # the compiled Triton kernel where there is a GPU
 # float32 dots run as TF32 on the GPU (Triton and XLA alike): ~1e-3 off the exact sum there
@@ -120,16 +121,14 @@ def test_routed_kernel_lowers_to_triton_ir_for_qwen3_experts():
     """Without a GPU: both Qwen3-30B-A3B expert GEMMs of a 16-token step lower through Pallas
     to Triton IR (the gathered loads and the masked scattered store), which interpret mode
     skips."""
-    check = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     for per_assignment, rows, kk, n, ks in ((False, 16, 2048, 1536, 1), (True, 128, 768, 2048, 1),
                                             (False, 16, 2048, 1536, 4)):
         fn = jax.jit(lambda a, b, i, p=per_assignment, s=ks: routed_matmul(
             a, b, i, per_assignment=p, k_splits=s))
-        exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=[check])(
-            jax.ShapeDtypeStruct((rows, kk), jnp.bfloat16),
-            jax.ShapeDtypeStruct((128, kk, n), jnp.bfloat16),
-            jax.ShapeDtypeStruct((16, 8), jnp.int32))
-        assert "xla.gpu.triton" in exported.mlir_module()
+        text = cuda_module(fn, jax.ShapeDtypeStruct((rows, kk), jnp.bfloat16),
+                           jax.ShapeDtypeStruct((128, kk, n), jnp.bfloat16),
+                           jax.ShapeDtypeStruct((16, 8), jnp.int32))
+        assert "xla.gpu.triton" in text
 
 
 def test_routed_decode_step_pads_nothing():
@@ -137,13 +136,11 @@ def test_routed_decode_step_pads_nothing():
     kernel reads ids and lhs rows past their ends itself (inactive, clamped), so XLA pads
     nothing (no pad kernel a MoE layer), for both the token-major and the per-assignment
     lhs."""
-    check = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     for per_assignment, rows in ((False, 8), (True, 64)):
         fn = jax.jit(lambda a, b, i, p=per_assignment: routed_matmul(a, b, i, per_assignment=p))
-        text = jax.export.export(fn, platforms=["cuda"], disabled_checks=[check])(
-            jax.ShapeDtypeStruct((rows, 2048), jnp.bfloat16),
-            jax.ShapeDtypeStruct((128, 2048, 768), jnp.bfloat16),
-            jax.ShapeDtypeStruct((8, 8), jnp.int32)).mlir_module()
+        text = cuda_module(fn, jax.ShapeDtypeStruct((rows, 2048), jnp.bfloat16),
+                           jax.ShapeDtypeStruct((128, 2048, 768), jnp.bfloat16),
+                           jax.ShapeDtypeStruct((8, 8), jnp.int32))
         assert "stablehlo.pad" not in text
 
 

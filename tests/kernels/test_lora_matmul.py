@@ -19,6 +19,7 @@ from pjinfer.kernels.lora_matmul import (
     supported,
     used_rows,
 )
+from tests.kernels.lowering import cuda_module
 
 INTERPRET = jax.default_backend() != "gpu"
 
@@ -101,16 +102,12 @@ def test_lowers_to_triton_ir_for_llama3_8b_groups():
     """Without a GPU: the kernel of every Llama-3-8B decode group (8 slots of rank 16) lowers
     through Pallas to Triton IR, the step the interpret mode skips (an unsupported op or
     block shape fails here, not first on the H200)."""
-    check = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    kernel = jax.jit(lora_group_delta)
     for d_in, outs in ((4096, [4096, 1024, 1024]), (4096, [14336, 14336]), (14336, [4096])):
         x = jax.ShapeDtypeStruct((16, d_in), jnp.bfloat16)
         adapters = [(jax.ShapeDtypeStruct((d_in, 8, 16), jnp.bfloat16),
                      jax.ShapeDtypeStruct((8, 16, o), jnp.bfloat16)) for o in outs]
         slots = jax.ShapeDtypeStruct((16,), jnp.int32)
-        exported = jax.export.export(kernel, platforms=["cuda"], disabled_checks=[check])(
-            x, adapters, slots)
-        assert "xla.gpu.triton" in exported.mlir_module()
+        assert "xla.gpu.triton" in cuda_module(lora_group_delta, x, adapters, slots)
 
 
 @pytest.mark.parametrize("t, d_in, outs, num_slots, slots", [

@@ -14,9 +14,9 @@ import pytest
 
 from pjinfer.models.llama import decoder_layer
 from pjinfer.quantization.weight import FP8, QuantizedWeight, packed_shape
+from tests.kernels.lowering import TRITON, cuda_module
 
 D, F, H, KVH, HD = 4096, 14336, 32, 8, 128  # Llama-3-8B
-TRITON = "__gpu$xla.gpu.triton"
 
 
 def _weight(kind: str, rows: int, cols: int) -> QuantizedWeight:
@@ -42,11 +42,8 @@ def _layer_module(kind: str, tokens: int, monkeypatch) -> str:
 
         return decoder_layer(lp, cfg, x, positions, None, attend)[0]
 
-    check = jax.export.DisabledSafetyCheck.custom_call(TRITON)
-    exported = jax.export.export(jax.jit(layer), platforms=["cuda"], disabled_checks=[check])(
-        lp, jax.ShapeDtypeStruct((tokens, D), jnp.bfloat16),
-        jax.ShapeDtypeStruct((tokens,), jnp.int32))
-    return exported.mlir_module()
+    return cuda_module(layer, lp, jax.ShapeDtypeStruct((tokens, D), jnp.bfloat16),
+                       jax.ShapeDtypeStruct((tokens,), jnp.int32))
 
 
 # 8 rows: the decode-only step of one to eight sequences (a dot tile of 16 over 8 rows of x)
@@ -74,9 +71,6 @@ def test_weight_as_first_dot_operand_lowers(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     w = _weight("int4", D, F)
     sizes = dataclasses.replace(pick_block_sizes(16, w), weight_operand=1)
-    check = jax.export.DisabledSafetyCheck.custom_call(TRITON)
-    exported = jax.export.export(
-        jax.jit(lambda x, w: quantized_matmul(x, w, block_sizes=sizes)),
-        platforms=["cuda"], disabled_checks=[check])(
-        jax.ShapeDtypeStruct((16, D), jnp.bfloat16), w)
-    assert TRITON in exported.mlir_module()
+    text = cuda_module(lambda x, w: quantized_matmul(x, w, block_sizes=sizes),
+                       jax.ShapeDtypeStruct((16, D), jnp.bfloat16), w)
+    assert TRITON in text

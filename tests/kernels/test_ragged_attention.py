@@ -12,6 +12,7 @@ from pjinfer.kernels.ragged_attention import (
     ragged_attention,
     ragged_attention_reference,
 )
+from tests.kernels.lowering import cuda_module
 from tests.kernels.paged_inputs import TOL, make_batch, rel_err, to_fp8
 
 # First chunk (no prefix), decode on a single-token context, decode on an unaligned
@@ -117,11 +118,7 @@ def test_queries_are_not_regrouped_in_xla():
                            query_start_loc=jax.ShapeDtypeStruct((s + 1,), jnp.int32))
     args = (jax.ShapeDtypeStruct((t, heads, d), jnp.bfloat16),
             *[jax.ShapeDtypeStruct((blocks, bs, kv_heads, d), jnp.bfloat16)] * 2, md)
-    check = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    exported = jax.export.export(
-        jax.jit(lambda *a: ragged_attention(*a, AttentionParams(scale=d ** -0.5))),
-        platforms=["cuda"], disabled_checks=[check])(*args)
-    text = exported.mlir_module()
+    text = cuda_module(lambda *a: ragged_attention(*a, AttentionParams(scale=d ** -0.5)), *args)
     assert len(re.findall(r"custom_call @", text)) == 1
     moved = [line for line in text.splitlines()
              if re.search(r"stablehlo\.(transpose|gather|concatenate)", line) and "bf16" in line]

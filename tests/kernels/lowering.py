@@ -1,0 +1,19 @@
+"""Kernels exported for CUDA without a GPU: the StableHLO around their Triton calls, which
+interpret mode never lowers (a lowering error or an extra XLA op shows here, not first on
+the device)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+TRITON = "__gpu$xla.gpu.triton"  # the custom call a Pallas Triton kernel exports as
+
+
+def cuda_module(fn: Callable, *args) -> str:
+    """`fn` jitted and exported for CUDA over `args` (arrays or ShapeDtypeStructs): its
+    StableHLO text, Triton calls allowed."""
+    check = jax.export.DisabledSafetyCheck.custom_call(TRITON)
+    return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[check])(
+        *args).mlir_module()
