@@ -162,6 +162,23 @@ def main_loop(ptx: str) -> list[str]:
     return lines[best[0]:best[1] + 1]
 
 
+def _make_ttir(ttir: str, workdir: Path) -> str:
+    """The Triton IR after Triton's own TTIR passes (canonicalize, combine: e.g. a dot's sum
+    folded into its accumulator), which `triton.compile` skips for an IR file but the GPU
+    compile of a Pallas kernel runs."""
+    from triton._C.libtriton import ir, nvidia
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    raw = workdir / "pallas.ttir"
+    raw.write_text(ttir)
+    context = ir.context()
+    ir.load_dialects(context)
+    nvidia.load_dialects(context)
+    module = ir.parse_mlir_module(str(raw), context)
+    module.context = context
+    return str(CUDABackend.make_ttir(module, {}, None, 90))
+
+
 # a PTX instruction line (indented, or unindented inside an inline-assembly block): its op
 LOOP_OP = r"^\s*(?:@!?%p\d+\s+)?([a-z][a-z0-9_]*)(?:\.[a-z0-9_]+)*\s"
 
@@ -173,7 +190,7 @@ def compile_sm90(ttir: str, sizes, elements: int, workdir: Path) -> dict:
     from triton.backends.compiler import GPUTarget
 
     src = workdir / "kernel.ttir"
-    src.write_text(ttir)
+    src.write_text(_make_ttir(ttir, workdir))
     kernel = triton.compile(str(src), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": sizes.num_warps,
                                      "num_stages": sizes.num_stages})

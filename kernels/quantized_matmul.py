@@ -31,17 +31,27 @@ Dequantization: an int4 / int8 value u becomes the float32 f = 1 + u / 2^bits by
 into the top of 1.0's mantissa (a shift and one logic op instead of an int-to-float
 conversion, which the H100 / H200 issue at 1/8 the FMA rate); the offset and the zero fold
 into one FMA per element, w = f (2^bits s) - (2^bits + zero) s, within ~2^-19 s (int4) or
-2^-15 s (int8) of the reference's (v - zero) s.
+2^-15 s (int8) of the reference's (v - zero) s. That is the interpret-mode form, and the
+GPU's for int8 and float32 x. On a GPU an int4 tile over bf16 x goes to bf16 in packed
+pairs instead (`_INT4_BF16_ASM`: 128 + u ORed into 128.0's mantissa, minus 128 + zero, times
+the scale, two weights an instruction), and int4 multiplies in a dot even for one token
+(16 padded rows): Triton 3.9 sm_90a SASS of the default loops, 6.0 (T=16) and 6.1 (T=1,
+elementwise) -> 3.4 instructions a weight;
+H200, 24 matrices 4096 x 14336 g128, 0.700 -> 0.532 ms at T=1 and 0.725 -> 0.554 at T=16
+(benchmarks/RESULTS.md, round 17).
 Tiling switch `int4_offset` (off by default): an int4 dot over 16-bit x takes the nibbles
 as bfloat16 128 + u (ORed into 128.0's mantissa, exact) and corrects each load's sums after
 its dot; a quarter fewer PTX instructions, yet slower on the H200 (RESULTS.md, round 15).
-An int4 load reads `block_k / 2` packed rows inside one nibble block (`QuantizedWeight.span`):
-their low nibbles are one contiguous run of input rows and the high ones the run `span` rows
-later, so the kernel reads x as it is (the first layout paired even / odd rows, which cost an
-XLA split of x per call).
+An int4 load reads `block_k / 2` packed columns inside one nibble block
+(`QuantizedWeight.span`): their low nibbles are one contiguous run of input rows and the
+high ones the run `span` rows later, so the kernel reads x as it is (the first layout paired
+even / odd rows, which cost an XLA split of x per call).
 
-Layout: pjinfer.quantization.weight (packed [K/2 or K, N], fp8 [N, K]; scales / zeros
-[G, N]). fp8 tiles are loaded [bn, bk] and multiplied as they are (no transpose in registers).
+Layout: pjinfer.quantization.weight (int8 packed [K, N]; int4 [N, K/2] and fp8 [N, K]; scales
+/ zeros [G, N]). int4 / fp8 tiles are loaded [bn, load_rows] and multiplied as they are:
+each output channel's bytes contiguous along K, as a tensor-core operand's registers hold
+them (int4 stored [K/2, N] made Triton gather the dot's bytes one at a time from shared
+memory: 0.67 byte loads and 0.75 byte permutes a weight).
 Act-order weights are stored with their rows sorted by group (`perm`): x's columns are
 permuted the same way first. Shapes the tiles do not divide take the reference.
 """
@@ -62,7 +72,12 @@ from pjinfer.kernels.quantized_matmul_tiling import (
     pick_block_sizes,
     supported,
 )
-from pjinfer.quantization.weight import QuantizedWeight, dequantize_stored, permute_input
+from pjinfer.quantization.weight import (
+    OUT_MAJOR,
+    QuantizedWeight,
+    dequantize_stored,
+    permute_input,
+)
 
 _ONE = 0x3F800000  # float32 bits of 1.0
 _MANTISSA = 23  # bits: an integer u < 2^b shifted to the top b of them reads 1 + u / 2^b
@@ -86,6 +101,47 @@ def _int4_offset_bf16(p):
                                               jnp.bfloat16) for q in (p, p >> 4))
 
 
+# PTX: 4 packed int4 bytes ($2) -> the bfloat16 weights (u - zero) s of their low nibbles
+# (`shift` 0) or high ones (4), element i from byte i, in two bf16x2 registers ($0, $1).
+# PRMT spreads bytes 0, 1 (2, 3) to a register's two halves, a LOP3 ORs each nibble into
+# 128.0's low mantissa bits (128 + u, exact), one FMA adds minus (128 + zero) ($5, $6; exact:
+# small integers) and one multiplies by the scale ($3, $4): the same single rounding of
+# (u - zero) s to bf16 that the reference's dequantized weight has, at 2 PRMT + 2 LOP3 + 4
+# packed FMA per 4 weights (the float32 form: ~4 instructions a weight, then a convert).
+_INT4_BF16_ASM = """{{
+.reg .b32 t<2>, one, nzero;
+mov.b32 one, 0x3F803F80;
+mov.b32 nzero, 0x80008000;
+prmt.b32 t0, $2, 0, 0x4140;
+prmt.b32 t1, $2, 0, 0x4342;
+{shift}
+lop3.b32 t0, t0, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 t1, t1, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 t0, t0, one, $5;
+fma.rn.bf16x2 t1, t1, one, $6;
+fma.rn.bf16x2 $0, t0, $3, nzero;
+fma.rn.bf16x2 $1, t1, $4, nzero;
+}}"""
+_HIGH = "shr.b32 t0, t0, 4;\nshr.b32 t1, t1, 4;"
+
+
+def _int4_bf16_native(p, s, zero, out_major: bool):
+    """Packed bytes [bn, rows] (out_major, else [rows, bn]), scales [bn], zeros ([bn] or a
+    number) -> bfloat16 weight tiles (low nibbles, high nibbles) by `_INT4_BF16_ASM`
+    (Triton on a GPU only: interpret mode has no inline assembly)."""
+    from jax.experimental.pallas import triton as pltriton
+
+    column = (slice(None), None) if out_major else (None, slice(None))
+    s = jnp.broadcast_to(s.astype(jnp.bfloat16)[column], p.shape)
+    zero = zero.astype(jnp.float32) if hasattr(zero, "shape") else jnp.float32(zero)
+    minus = jnp.broadcast_to(-(128.0 + zero), s.shape[0] if out_major else s.shape[1])
+    minus = jnp.broadcast_to(minus.astype(jnp.bfloat16)[column], p.shape)
+    return tuple(pltriton.elementwise_inline_asm(
+        _INT4_BF16_ASM.format(shift=shift), args=[p, s, minus], constraints="=r,=r,r,r,r,r,r",
+        pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(p.shape, jnp.bfloat16)])[0]
+        for shift in ("", _HIGH))
+
+
 def _values(p, kind: str):
     """One load of stored values -> (float32 tiles f, scale, offset) with stored value
     v = scale * f - offset: f in [1, 2) for the integer kinds (int4: low, high nibbles)."""
@@ -99,7 +155,7 @@ def _values(p, kind: str):
 
 def _kernel(*refs, kind: str, zero_point: float, group_rows: int, span: int,
             sizes: QuantMatmulBlockSizes, steps: int, has_zeros: bool, tiles: tuple[int, ...],
-            late_scale: bool):
+            late_scale: bool, native: bool):
     """One (token tile, column tile, K range) of a group of weights sharing x: the column
     tile picks its weight (`tiles`: column tiles per weight, in output order)."""
     x_ref, o_ref = refs[0], refs[-1]
@@ -107,7 +163,7 @@ def _kernel(*refs, kind: str, zero_point: float, group_rows: int, span: int,
     weights = [refs[1 + m * per:1 + (m + 1) * per] for m in range(len(tiles))]
     program = functools.partial(_program, x_ref, o_ref, kind=kind, zero_point=zero_point,
                                 group_rows=group_rows, span=span, sizes=sizes, steps=steps,
-                                late_scale=late_scale)
+                                late_scale=late_scale, native=native)
     # program ids read here, outside any branch (interpret mode cannot read them inside one)
     i, j, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     if len(tiles) == 1:
@@ -133,7 +189,7 @@ def _x_runs(i, kind: str, load_rows: int, span: int):
 
 def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
              group_rows: int, span: int, sizes: QuantMatmulBlockSizes, steps: int,
-             late_scale: bool):
+             late_scale: bool, native: bool):
     """One weight's (token tile, column tile, K range) `ids`: o = sum over the range of
     x @ dequant(w). `late_scale` (one scale a column, no offset: per-channel fp8): the sum
     runs over the stored values and is scaled once at the end, sparing an FMUL an element.
@@ -144,7 +200,7 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
     z_ref = z[0] if z else None
     bt, bn, bk = sizes.block_t, sizes.block_n, sizes.block_k
     load_rows = bk // 2 if kind == "int4" else bk  # stored rows per load
-    out_major = kind == "fp8"  # stored [N, K]: a load reads [bn, bk]
+    out_major = kind in OUT_MAJOR  # stored [N, K (/ 2)]: a load reads [bn, load_rows]
     nibbles_128 = offset_dot(kind, x_ref.dtype, sizes)
     cols = pl.ds(ids[1] * bn, bn)
     tok0 = ids[0] * bt
@@ -181,6 +237,8 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
     def dequant(p, s, z):
         """Packed tile -> float32 weight tiles [load_rows, bn] (int4: low, high nibbles;
         fp8: [bn, load_rows]): (v - z) s = f (scale s) - (offset + z) s, one FMA an element."""
+        if native:
+            return _int4_bf16_native(p, s, z if z is not None else zero_point, out_major)
         fs, scale, offset = _values(p, kind)
         if late_scale:
             return list(fs)
@@ -254,6 +312,14 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
         o_ref[...] = scaled(acc.T if sizes.weight_lhs else acc).astype(o_ref.dtype)
 
 
+def native_int4(kind: str, x_dtype, sizes: QuantMatmulBlockSizes, interpret: bool) -> bool:
+    """Whether int4 tiles become bfloat16 weights by `_INT4_BF16_ASM` (compiled for a GPU,
+    bfloat16 x, not the 128 + u dot): interpret mode keeps the float32 FMA form, which
+    computes the same (u - zero) s before the bf16 rounding the dot applies."""
+    return (kind == "int4" and not interpret and jnp.dtype(x_dtype) == jnp.bfloat16
+            and not offset_dot(kind, x_dtype, sizes))
+
+
 def offset_dot(kind: str, x_dtype, sizes: QuantMatmulBlockSizes) -> bool:
     """Whether an int4 tile goes into its dot as 128 + u (`_int4_offset_bf16`): where the
     tiling asks (`int4_offset`), for dots over 16-bit x only, where the correction's
@@ -310,7 +376,8 @@ def quantized_matmuls(x: jax.Array, ws: tuple[QuantizedWeight, ...], *, out_dtyp
         _kernel, kind=w0.kind, zero_point=w0.zero_point,
         group_rows=rows // w0.scales.shape[0], span=w0.span, sizes=sizes,
         steps=rows // (sizes.block_k * sizes.unroll * splits), has_zeros=w0.zeros is not None,
-        tiles=tiles, late_scale=w0.kind == "fp8" and w0.scales.shape[0] == 1)
+        tiles=tiles, late_scale=w0.kind == "fp8" and w0.scales.shape[0] == 1,
+        native=native_int4(w0.kind, x.dtype, sizes, interpret))
     out = pl.pallas_call(  # every input whole: the kernel slices its own tiles (pow2 loads)
         kernel,
         grid=(tp // bt, sum(tiles), splits),

@@ -3,9 +3,10 @@ weights it can tile, the default picked per call, and the candidates a sweep tim
 
 The defaults are the best tilings of the H200 sweep (`python -m pjinfer.benchmarks.quant_matmul
 --sweep --tokens 1 16`, 24 matrices of 4096 x 14336, benchmarks/results/round3/quant_sweep.json;
-ms for the stack, bf16 XLA 0.754 at T=1, 0.785 at T=16):
-  int4 T=1   t1 n128 k128x2 s8 w8   0.700 (4 splits: 0.763)
-  int4 T=16  t16 n256 k128x2 s4 w8  0.725 (128 columns: 0.796)
+ms for the stack, bf16 XLA 0.754 at T=1, 0.785 at T=16; int4 since it is stored [N, K/2]
+and dequantized in bf16 pairs: benchmarks/results/round17/int4_sweep.json, bf16 0.745 / 0.810):
+  int4 T=1   t16 n256 k128x2 s4 w8  0.532 (the elementwise float32 form: 0.622)
+  int4 T=16  t16 n256 k128x2 s4 w8  0.554 (128 columns: 0.633)
   fp8  T=1   t1 n128 k64x4 s4 w8    0.614 (2 loads a step: 0.982)
   int8 T=1   t1 n128 k64x4 s4 w8    0.775 (0.834)
   fp8  T=16  t16 n128 k64x2 s4 w4   0.784 (8 warps: 0.862); int8 0.842 (0.887)
@@ -17,10 +18,10 @@ columns at 8 warps. Every split result costs the kernel a [splits, T, N] float32
 which the sweep's timings include (no-split tilings with narrower columns were slower:
 int4 T=16 t16 n32 k128x1 s1 0.888 ms against 0.725).
 What bounds them is instructions more than bytes (`benchmarks/kernel_ptx.py`, Triton 3.9
-sm_90a, no GPU): the int4 T=16 dot's loop issues ~6.1 PTX instructions per weight element
-(~12 per packed byte: nibble to float 2.5, dequantizing FMA 1, bf16 conversion 0.6, byte-wise
-shared-memory loads and their addresses 1.2), 162 registers at 8 warps (one program per SM);
-at ~33 T instructions/s that caps it near 2.7 TB/s of packed bytes, and it ran 1.05.
+sm_90a, no GPU): the int4 T=16 dot's loop issued ~6 instructions per weight element when
+stored [K/2, N] (nibble to float, dequantizing FMA, bf16 conversion, byte-wise shared-memory
+loads and their permutes), 3.4 now (packed bf16 dequantization 2, MMA operand moves 0.5,
+MMA 0.25), and runs 1.41 TB/s of packed bytes (0.37 of the bf16 GEMV's).
 Instructions are not the whole bound, though: two variants that cut them ran slower on the
 H200 (fp8 with x widened first, round 11; int4 dots over 128 + u, round 15, 6.07 -> 4.55 an
 element at T=16, 0.725 -> ~1.0 ms); the sweep, not the PTX count, picks the defaults.
@@ -112,8 +113,9 @@ class Regime:
 
 # (int4?, elementwise?) -> the sweep's best on 4096 x 14336 (module docstring), as rules that
 # carry over to other widths: int4 one token 8 splits of 112 column tiles (896 programs;
-# 4 splits, 448, were 9% slower), so ~3x the others' target; one-byte kinds one token 4 loads
-# a step; an int4 dot 256 columns x 4 splits (224 programs), one-byte dots 4 warps
+# 4 splits, 448, were 9% slower), so ~3x the others' target (since round 17 a sweep variant:
+# int4 dots at one token); one-byte kinds one token 4 loads a step; an int4 dot 256
+# columns x 4 splits (224 programs), one-byte dots 4 warps
 REGIMES = {(True, True): Regime(128, 16 * 1024, 3 * MIN_PROGRAMS, 8, 1),
            (False, True): Regime(128, 32 * 1024, MIN_PROGRAMS, 8, 1),
            (True, False): Regime(256, 32 * 1024, 224, 8, 3),
@@ -162,9 +164,11 @@ def _splits(total_steps: int, programs: int, target: int) -> int:
 
 
 def pick_block_sizes(num_tokens: int, w: QuantizedWeight,
-                     widths: Sequence[int] | None = None) -> QuantMatmulBlockSizes:
+                     widths: Sequence[int] | None = None, *,
+                     elementwise: bool | None = None) -> QuantMatmulBlockSizes:
     """The default tiling for `num_tokens` rows of x times `w` (or a group of weights like it
-    with output `widths`, side by side in one kernel): elementwise for a token or two, else a
+    with output `widths`, side by side in one kernel): elementwise for a token or two (not
+    int4, whose nibbles become bf16 pairs for a dot: `elementwise` forces either), else a
     dot over 16 (decode) or 64 (prefill) token rows; loads of `LOAD_ROWS` stored rows (fewer
     when a group or an int4 nibble block is smaller) x the regime's columns (a power of two
     dividing every width), its bytes per step, K split to its programs (`REGIMES`). A weight
@@ -174,7 +178,8 @@ def pick_block_sizes(num_tokens: int, w: QuantizedWeight,
     group_rows = rows // w.scales.shape[0]
     int4 = w.kind == "int4"
     per_row = 2 if int4 else 1
-    elementwise = num_tokens <= ELEMENTWISE_MAX_TOKENS
+    if elementwise is None:
+        elementwise = num_tokens <= ELEMENTWISE_MAX_TOKENS and not int4
     rules = regime(w.kind, elementwise)
     bt = common.next_pow2(num_tokens) if elementwise else (16 if num_tokens <= 16 else 64)
     block = 2 * w.span if int4 else group_rows  # a load stays inside this many input rows
@@ -235,6 +240,8 @@ def sweep_candidates(num_tokens: int, w: QuantizedWeight, x: jax.Array
                      swap(base, weight_operand=1)]
         if w.kind == "int4":
             variants.append(swap(base, int4_offset=True))
+            if num_tokens <= ELEMENTWISE_MAX_TOKENS:  # the float32 form, no dot
+                variants.append(pick_block_sizes(num_tokens, w, elementwise=True))
     variants.append(legacy_block_sizes(num_tokens, w))
     out: list[QuantMatmulBlockSizes] = []
     for v in variants:

@@ -27,6 +27,7 @@ from pjinfer.quantization import awq, compressed_tensors, fp8, gguf_blocks, gptq
 from pjinfer.quantization.config import QuantConfig
 from pjinfer.quantization.host import HostQuant
 from pjinfer.quantization.weight import (
+    OUT_MAJOR,
     QuantizedWeight,
     component_axes,
     quantize_int4,
@@ -118,7 +119,7 @@ def place_host(host: HostQuant, p: ParamSpec, placer: Placer) -> QuantizedWeight
     _check_whole_groups(p, placer, groups)
     parts = {}
     for name, arr in host.parts().items():
-        if name == "packed" and host.kind == "fp8" and placer.mesh is not None:
+        if name == "packed" and host.kind in OUT_MAJOR and placer.mesh is not None:
             parts[name] = _place_out_major(arr, p, placer)
             continue
         axes = component_axes(placer.axes(p), name, groups, host.kind)
@@ -128,10 +129,12 @@ def place_host(host: HostQuant, p: ParamSpec, placer: Placer) -> QuantizedWeight
 
 
 def _place_out_major(packed: Any, p: ParamSpec, placer: Placer) -> jax.Array:
-    """fp8 values [out, in] onto a mesh: placed as the [in, out] weight they are (kv heads
-    duplicated along out, as the placer does for every weight), then turned back on the
-    devices, each keeping its own slice."""
-    w = placer.from_host(ParamSpec((*p.path, "packed"), p.shape, axes=placer.axes(p)), packed.T)
+    """int4 / fp8 values [out, in (/ 2)] onto a mesh: placed as the [in, out] weight they are
+    (kv heads duplicated along out, as the placer does for every weight), then turned back
+    on the devices, each keeping its own slice."""
+    stored = packed.T  # [in (/ 2), out]
+    w = placer.from_host(ParamSpec((*p.path, "packed"), stored.shape, axes=placer.axes(p)),
+                         stored)
     axes = component_axes(placer.axes(p), "packed", 1, "fp8")
     return _transpose_into(NamedSharding(placer.mesh, spec_for(axes, w.shape[::-1],
                                                                placer.mesh)))(w)

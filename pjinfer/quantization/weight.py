@@ -1,22 +1,26 @@
 """The canonical quantized weight and its dequantization (the XLA path of `layers.linear`).
 
-Layout, input-major like every pjinfer weight except fp8, so tensor parallelism shards it like
-the float weight it replaces (`component_axes`):
-  packed  int4: uint8 [in / 2, out] in blocks of 2 S input rows (S = `int4_span`, <= 64):
-          packed row b S + i holds input row 2 b S + i in its low nibble and 2 b S + S + i
-          in its high one (values 0..15), so a kernel's load of packed rows reads two
-          contiguous runs of x (no even / odd split of x per call); int8: int8 [in, out];
-          fp8: float8_e4m3fn [out, in], as checkpoints store it: both operands of the W8A8
-          dot K-contiguous, the layout XLA's fp8 GEMM (cuBLASLt) takes as it is (H200, 2,048
-          tokens: 5.1 ms against 14.2 ms with the weight [in, out], bf16 7.7 ms)
+Layout, input-major like every pjinfer weight except the two kinds the kernels read along the
+input dim (int4, fp8), so tensor parallelism shards it like the float weight it replaces
+(`component_axes`):
+  packed  int4: uint8 [out, in / 2] in blocks of 2 S input rows (S = `int4_span`, <= 64):
+          packed column b S + i holds input row 2 b S + i in its low nibble and 2 b S + S + i
+          in its high one (values 0..15), so a kernel's load of packed columns reads two
+          contiguous runs of x (no even / odd split of x per call), and each output
+          channel's bytes are contiguous along the input dim, as a tensor-core operand
+          wants them (a thread's fragment is 4 bytes of one load, not 4 scattered bytes);
+          int8: int8 [in, out]; fp8: float8_e4m3fn [out, in], as checkpoints store it:
+          both operands of the W8A8 dot K-contiguous, the layout XLA's fp8 GEMM (cuBLASLt)
+          takes as it is (H200, 2,048 tokens: 5.1 ms against 14.2 ms with the weight
+          [in, out], bf16 7.7 ms)
   scales  float32 [G, out], G = in / group_size (1: per output channel)
   zeros   float32 [G, out] in units of the stored value, or None: `zero_point` for every group
   perm    int32 [in] the input row each stored row is (GPTQ act-order: rows sorted by group
           at load, so groups are contiguous again), or None: stored in input order
   w_stored[r, o] = (value[r, o] - zero[r // gs, o]) * scale[r // gs, o];  y = x[:, perm] @ w_stored
-  (value[r, o]: fp8's packed[o, r])
+  (value[r, o]: fp8's packed[o, r]; int4's nibble of packed[o, .] holding row r)
 Packing int4 along the input dim keeps the output dim whole, so column-parallel splits, kv-head
-duplication and row-parallel splits of whole groups all slice it like a plain [in, out] weight.
+duplication and row-parallel splits of whole groups all slice it like a plain [out, in] weight.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import numpy as np
 from pjinfer.models.spec import Axes
 
 KINDS = ("int4", "int8", "fp8")
+OUT_MAJOR = ("int4", "fp8")  # kinds whose values are stored [out, in (/ 2)]
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
 
@@ -54,14 +59,12 @@ class QuantizedWeight:
     @property
     def shape(self) -> tuple[int, int]:
         """The float weight's [in, out] (inverse of `packed_shape`)."""
-        if self.kind == "fp8":
-            return self.packed.shape[1], self.packed.shape[0]
-        rows = self.packed.shape[0] * (2 if self.kind == "int4" else 1)
-        return rows, self.packed.shape[1]
+        out, stored = self.packed.shape if self.kind in OUT_MAJOR else self.packed.shape[::-1]
+        return stored * (2 if self.kind == "int4" else 1), out
 
     @property
     def span(self) -> int:
-        """int4: packed rows per nibble block (`int4_span`)."""
+        """int4: packed columns per nibble block (`int4_span`)."""
         rows = self.shape[0]
         return int4_span(rows, rows // self.scales.shape[0])
 
@@ -71,11 +74,11 @@ class QuantizedWeight:
         return sum(p.size * p.dtype.itemsize for p in parts if p is not None)
 
 
-INT4_MAX_SPAN = 64  # packed rows: a 128-row load of the kernel (one GPTQ g128 group)
+INT4_MAX_SPAN = 64  # packed columns: a 128-row load of the kernel (one GPTQ g128 group)
 
 
 def int4_span(rows: int, group_rows: int) -> int:
-    """Packed rows per nibble block of an int4 weight: the largest power of two S <= 64 with
+    """Packed columns per nibble block of an int4 weight: the largest power of two S <= 64 with
     2 S input rows dividing a group (so a block never straddles one; `rows` even), else 1
     (row pairs: a group of odd rows)."""
     s = INT4_MAX_SPAN
@@ -85,23 +88,23 @@ def int4_span(rows: int, group_rows: int) -> int:
 
 
 def unpack_int4(packed: jax.Array, span: int) -> jax.Array:
-    """uint8 [in / 2, out] in blocks of `span` packed rows -> int32 values [in, out]."""
-    p = packed.astype(jnp.int32).reshape(-1, span, packed.shape[-1])  # [in / 2S, S, out]
+    """uint8 [out, in / 2] in blocks of `span` packed columns -> int32 values [in, out]."""
+    p = packed.T.astype(jnp.int32).reshape(-1, span, packed.shape[0])  # [in / 2S, S, out]
     both = jnp.concatenate([p & 0xF, p >> 4], axis=1)  # [in / 2S, 2S, out]
-    return both.reshape(-1, packed.shape[-1])
+    return both.reshape(-1, packed.shape[0])
 
 
 def packed_shape(kind: str, rows: int, cols: int) -> tuple[int, int]:
     """The stored values' shape of a [rows (in), cols (out)] weight of `kind` (the inverse of
     `QuantizedWeight.shape`)."""
-    return {"int4": (rows // 2, cols), "int8": (rows, cols), "fp8": (cols, rows)}[kind]
+    return {"int4": (cols, rows // 2), "int8": (rows, cols), "fp8": (cols, rows)}[kind]
 
 
 def values(w: QuantizedWeight) -> jax.Array:
     """The stored values as float32 [in, out], before zeros and scales."""
     if w.kind == "int4":
         return unpack_int4(w.packed, w.span).astype(jnp.float32)
-    return (w.packed.T if w.kind == "fp8" else w.packed).astype(jnp.float32)
+    return (w.packed.T if w.kind in OUT_MAJOR else w.packed).astype(jnp.float32)
 
 
 def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
@@ -151,26 +154,26 @@ def quantize_int4(w: jax.Array, group_size: int) -> QuantizedWeight:
     v = jnp.clip(jnp.round(g / scales[:, None, :]) + 8, 0, 15).astype(jnp.uint8)
     span = int4_span(rows, group_size)
     v = v.reshape(rows // (2 * span), 2, span, cols)  # [blocks, low / high, S, out]
-    packed = (v[:, 0] | (v[:, 1] << 4)).reshape(rows // 2, cols)
+    packed = (v[:, 0] | (v[:, 1] << 4)).reshape(rows // 2, cols).T  # [out, in / 2]
     return QuantizedWeight(packed, scales, kind="int4", zero_point=8.0)
 
 
 # ---- host side: checkpoint formats build this with NumPy --------------------------------------
 def pack_int4_rows(v: np.ndarray, groups: int) -> np.ndarray:
-    """Values 0..15 [in, out] in `groups` groups along `in` -> uint8 [in / 2, out] in the
-    canonical order (nibble blocks of `int4_span` packed rows)."""
+    """Values 0..15 [in, out] in `groups` groups along `in` -> uint8 [out, in / 2] in the
+    canonical order (nibble blocks of `int4_span` packed columns)."""
     rows, cols = v.shape
     span = int4_span(rows, rows // groups)
     v = v.astype(np.uint8).reshape(rows // (2 * span), 2, span, cols)
-    return (v[:, 0] | (v[:, 1] << 4)).reshape(rows // 2, cols)
+    return np.ascontiguousarray((v[:, 0] | (v[:, 1] << 4)).reshape(rows // 2, cols).T)
 
 
 def component_axes(weight_axes: Axes, part: str, groups: int, kind: str) -> Axes:
     """Logical axes of one part, from the weight's (in_axis, out_axis): scales and zeros split
-    with their weight's rows when they are per group (G > 1); fp8 values are [out, in]."""
+    with their weight's rows when they are per group (G > 1); int4 / fp8 values are [out, in]."""
     in_axis, out_axis = weight_axes
     if part == "packed":
-        return (out_axis, in_axis) if kind == "fp8" else weight_axes
+        return (out_axis, in_axis) if kind in OUT_MAJOR else weight_axes
     if part == "perm":
         return (in_axis,)
     return (in_axis if groups > 1 else None, out_axis)
