@@ -65,6 +65,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from pjinfer.kernels import common
 from pjinfer.kernels.quantized_matmul_tiling import (
@@ -129,8 +130,6 @@ def _int4_bf16_native(p, s, zero, out_major: bool):
     """Packed bytes [bn, rows] (out_major, else [rows, bn]), scales [bn], zeros ([bn] or a
     number) -> bfloat16 weight tiles (low nibbles, high nibbles) by `_INT4_BF16_ASM`
     (Triton on a GPU only: interpret mode has no inline assembly)."""
-    from jax.experimental.pallas import triton as pltriton
-
     column = (slice(None), None) if out_major else (None, slice(None))
     s = jnp.broadcast_to(s.astype(jnp.bfloat16)[column], p.shape)
     zero = zero.astype(jnp.float32) if hasattr(zero, "shape") else jnp.float32(zero)
@@ -303,13 +302,24 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
                 return consume(acc, tiles), load(jnp.minimum(k + 1, steps - 1))
 
             acc, _ = jax.lax.fori_loop(0, steps, body, (acc, load(0)))
-        for t in range(bt):
-            o_ref[t, :] = scaled(acc[t].sum(axis=1 if out_major else 0)).astype(o_ref.dtype)
+        for t in range(bt):  # a partial token tile's rows past x's last are not stored
+            row = scaled(acc[t].sum(axis=1 if out_major else 0)).astype(o_ref.dtype)
+
+            @pl.when(whole or tok0 + t < num_rows)
+            def _store(t=t, row=row):
+                o_ref[t, :] = row
     else:  # Triton's pipeliner stages the loads that feed the dots (`num_stages`)
         shape = (bn, bt) if sizes.weight_lhs else (bt, bn)
         acc = jax.lax.fori_loop(0, steps, lambda k, acc: consume(acc, load(k)),
                                 (jnp.zeros(shape, jnp.float32),))[0]
-        o_ref[...] = scaled(acc.T if sizes.weight_lhs else acc).astype(o_ref.dtype)
+        out = scaled(acc.T if sizes.weight_lhs else acc).astype(o_ref.dtype)
+        if whole:
+            o_ref[...] = out
+        else:  # the output has x's rows: the block's rows past the last are masked off
+            valid = tok0 + jnp.arange(bt, dtype=jnp.int32) < num_rows
+            rows = jnp.where(valid, jnp.arange(bt, dtype=jnp.int32), bt)  # off: past the end
+            cols = jnp.arange(bn, dtype=jnp.int32)
+            pltriton.store(o_ref.at[rows[:, None], cols[None, :]], out, mask=valid[:, None])
 
 
 def native_int4(kind: str, x_dtype, sizes: QuantMatmulBlockSizes, interpret: bool) -> bool:
@@ -369,7 +379,9 @@ def quantized_matmuls(x: jax.Array, ws: tuple[QuantizedWeight, ...], *, out_dtyp
     x = permute_input(x, w0)
     t, rows = x.shape[0], w0.shape[0]
     bt, splits = sizes.block_t, sizes.k_splits
-    tp = -(-t // bt) * bt  # output rows: whole token tiles
+    # output rows: x's own (a partial last token tile's extra rows are masked off by the
+    # store, so a decode step's 1-8 rows do not write 16 rows of float32 partial sums that
+    # the K-split sum then reads again: at T=1, 4 splits, a quarter of the weight's bytes)
     parts = [a for w in ws for a in (w.packed, w.scales, w.zeros) if a is not None]
     tiles = tuple(n // sizes.block_n for n in widths)
     kernel = functools.partial(
@@ -380,17 +392,17 @@ def quantized_matmuls(x: jax.Array, ws: tuple[QuantizedWeight, ...], *, out_dtyp
         native=native_int4(w0.kind, x.dtype, sizes, interpret))
     out = pl.pallas_call(  # every input whole: the kernel slices its own tiles (pow2 loads)
         kernel,
-        grid=(tp // bt, sum(tiles), splits),
+        grid=(-(-t // bt), sum(tiles), splits),
         in_specs=[common.whole_spec(a.shape) for a in (x, *parts)],
         out_specs=pl.BlockSpec((None, bt, sizes.block_n), lambda i, j, s: (s, i, j)),
-        out_shape=jax.ShapeDtypeStruct((splits, tp, sum(widths)),
+        out_shape=jax.ShapeDtypeStruct((splits, t, sum(widths)),
                                        x.dtype if splits == 1 else jnp.float32),
         compiler_params=common.triton_params(sizes.num_warps, sizes.num_stages),
         interpret=interpret,
         name=f"weight_only_{w0.kind}_matmul",
     )(x, *parts)
-    out = out[0] if splits == 1 else jnp.sum(out, axis=0)  # [Tp, sum N]
-    out = out[:t].astype(out_dtype)
+    out = out[0] if splits == 1 else jnp.sum(out, axis=0)  # [T, sum N]
+    out = out.astype(out_dtype)
     ends = list(itertools.accumulate(widths))
     return [out[:, e - n:e] for e, n in zip(ends, widths, strict=True)]
 
