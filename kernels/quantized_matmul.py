@@ -76,7 +76,7 @@ from pjinfer.kernels.quantized_matmul_tiling import (
 from pjinfer.quantization.weight import (
     OUT_MAJOR,
     QuantizedWeight,
-    dequantize_stored,
+    dequantize_as_stored,
     permute_input,
 )
 
@@ -410,7 +410,11 @@ def quantized_matmuls(x: jax.Array, ws: tuple[QuantizedWeight, ...], *, out_dtyp
 @functools.partial(jax.jit, static_argnames=("out_dtype",))
 def quantized_matmul_reference(x: jax.Array, w: QuantizedWeight, *,
                                out_dtype=None) -> jax.Array:
-    """Pure JAX: the whole weight dequantized to x's dtype, then one dot (XLA's path)."""
-    y = jnp.dot(permute_input(x, w), dequantize_stored(w, x.dtype),
-                preferred_element_type=jnp.float32)
+    """Pure JAX: the whole weight dequantized to x's dtype as it is stored ([N, K] for int4
+    and fp8: the dot contracts K of both, no transpose), then one dot (XLA's path)."""
+    x = permute_input(x, w)
+    stored = dequantize_as_stored(w, x.dtype)
+    contract = 1 if w.kind in OUT_MAJOR else 0
+    y = jax.lax.dot_general(x, stored, (((1,), (contract,)), ((), ())),
+                            preferred_element_type=jnp.float32)
     return y.astype(out_dtype or x.dtype)

@@ -89,9 +89,15 @@ def int4_span(rows: int, group_rows: int) -> int:
 
 def unpack_int4(packed: jax.Array, span: int) -> jax.Array:
     """uint8 [out, in / 2] in blocks of `span` packed columns -> int32 values [in, out]."""
-    p = packed.T.astype(jnp.int32).reshape(-1, span, packed.shape[0])  # [in / 2S, S, out]
-    both = jnp.concatenate([p & 0xF, p >> 4], axis=1)  # [in / 2S, 2S, out]
-    return both.reshape(-1, packed.shape[0])
+    return unpack_int4_as_stored(packed, span).T
+
+
+def unpack_int4_as_stored(packed: jax.Array, span: int) -> jax.Array:
+    """uint8 [out, in / 2] in blocks of `span` packed columns -> int32 values [out, in]."""
+    out = packed.shape[0]
+    p = packed.astype(jnp.int32).reshape(out, -1, span)  # [out, in / 2S, S]
+    both = jnp.concatenate([p & 0xF, p >> 4], axis=2)  # [out, in / 2S, 2S]
+    return both.reshape(out, -1)
 
 
 def packed_shape(kind: str, rows: int, cols: int) -> tuple[int, int]:
@@ -100,11 +106,12 @@ def packed_shape(kind: str, rows: int, cols: int) -> tuple[int, int]:
     return {"int4": (cols, rows // 2), "int8": (rows, cols), "fp8": (cols, rows)}[kind]
 
 
-def values(w: QuantizedWeight) -> jax.Array:
-    """The stored values as float32 [in, out], before zeros and scales."""
+def values_as_stored(w: QuantizedWeight) -> jax.Array:
+    """The stored values as float32, before zeros and scales, oriented as stored: [out, in]
+    (int4, fp8) or [in, out] (int8)."""
     if w.kind == "int4":
-        return unpack_int4(w.packed, w.span).astype(jnp.float32)
-    return (w.packed.T if w.kind in OUT_MAJOR else w.packed).astype(jnp.float32)
+        return unpack_int4_as_stored(w.packed, w.span).astype(jnp.float32)
+    return w.packed.astype(jnp.float32)
 
 
 def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
@@ -120,12 +127,24 @@ def permute_input(x: jax.Array, w: QuantizedWeight) -> jax.Array:
 
 def dequantize_stored(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
     """The float weight [in, out] in `dtype`, rows as stored; group arithmetic in float32."""
-    v = values(w)
-    rows, cols = v.shape
+    stored = dequantize_as_stored(w, dtype)
+    return stored.T if w.kind in OUT_MAJOR else stored
+
+
+def dequantize_as_stored(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
+    """`dequantize_stored` oriented as the values are stored ([out, in] for int4 / fp8), so
+    XLA's dot can read it with K contiguous instead of a transpose being materialised."""
+    v = values_as_stored(w)
     groups = w.scales.shape[0]
-    v = v.reshape(groups, rows // groups, cols)  # [G, gs, out]
-    zero = w.zero_point if w.zeros is None else w.zeros[:, None, :]
-    return ((v - zero) * w.scales[:, None, :]).reshape(rows, cols).astype(dtype)
+    if w.kind not in OUT_MAJOR:
+        rows, cols = v.shape
+        v = v.reshape(groups, rows // groups, cols)  # [G, gs, out]
+        zero = w.zero_point if w.zeros is None else w.zeros[:, None, :]
+        return ((v - zero) * w.scales[:, None, :]).reshape(rows, cols).astype(dtype)
+    cols, rows = v.shape
+    v = v.reshape(cols, groups, rows // groups)  # [out, G, gs]
+    zero = w.zero_point if w.zeros is None else w.zeros.T[:, :, None]
+    return ((v - zero) * w.scales.T[:, :, None]).reshape(cols, rows).astype(dtype)
 
 
 # ---- on-the-fly quantization of a float weight (jitted; runs where the weight lives) -----------
