@@ -27,6 +27,7 @@ from pjinfer.kernels.grouped_matmul import grouped_matmul as pallas_grouped_matm
 from pjinfer.kernels.grouped_matmul import routed_matmul as pallas_routed_matmul
 from pjinfer.kernels.grouped_matmul import routed_matmul_reference
 from pjinfer.kernels.metadata import AttentionMetadata
+from pjinfer.kernels.quantized_matmul_tiling import INT4_DOT_ROWS
 from pjinfer.kernels.ragged_attention import ragged_attention, ragged_attention_reference
 from pjinfer.quantization.weight import QuantizedWeight
 from pjinfer.sharding.mesh import traced_tp_mesh
@@ -261,7 +262,7 @@ def quantized_matmuls(x: jax.Array, ws: list[QuantizedWeight], *, out_dtype=None
     kernel when `qmm.groupable` (one launch and one K-split sum for the group), else one
     kernel per weight; elsewhere W8A8 or XLA's reference per weight."""
     pallas = _use_pallas(backend)
-    if pallas and x.shape[0] > QUANT_PALLAS_MAX_ROWS:
+    if pallas and x.shape[0] > pallas_max_rows(ws[0]):
         return [fp8_w8a8_matmul(x, w, out_dtype=out_dtype) if per_channel_fp8(w)
                 else qmm.quantized_matmul_reference(x, w, out_dtype=out_dtype) for w in ws]
     if pallas:
@@ -276,6 +277,14 @@ def quantized_matmuls(x: jax.Array, ws: list[QuantizedWeight], *, out_dtype=None
 
 
 QUANT_PALLAS_MAX_ROWS = 64  # between the measured 16 (Pallas 1.9-5x faster) and 2048 (slower)
+
+
+def pallas_max_rows(w: QuantizedWeight) -> int:
+    """Rows of x up to which `w` takes the weight-only kernel: `QUANT_PALLAS_MAX_ROWS`, int4
+    `INT4_DOT_ROWS` (H200, 24 x 4096 x 14336 g128, 16-row tiles: the kernel 1.18 / 0.88 /
+    1.33 ms at 24 / 32 / 48 rows, XLA's dequantize-then-dot 1.92-1.97 ms from 16 to 64 rows,
+    the kernel's 64-row tiles 2.71 ms at 64; RESULTS.md round 17)."""
+    return INT4_DOT_ROWS if w.kind == "int4" else QUANT_PALLAS_MAX_ROWS
 
 # XLA autotunes Triton GEMM fusions as alternatives to cuBLASLt's fp8 GEMM: on the H200
 # (benchmarks/w8a8_compile.py, Llama-3-8B's projections at 128 and 2,048 tokens) 2.6-23.6 s

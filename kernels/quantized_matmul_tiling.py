@@ -95,6 +95,7 @@ def supported(x: jax.Array, w: QuantizedWeight, sizes: QuantMatmulBlockSizes) ->
 
 
 MIN_PROGRAMS = 264  # two per SM of an H100 / H200 (132 SMs)
+INT4_DOT_ROWS = 48  # int4 tokens the 16-row dot tiles take (the Pallas dispatch's limit)
 ELEMENTWISE_MAX_TOKENS = 2  # up to here no dot (no padding to 16 rows); above, `jnp.dot`
 LOAD_ROWS = 64  # stored rows per load (int4: 128 input rows, one GPTQ g128 group)
 
@@ -181,7 +182,11 @@ def pick_block_sizes(num_tokens: int, w: QuantizedWeight,
     if elementwise is None:
         elementwise = num_tokens <= ELEMENTWISE_MAX_TOKENS and not int4
     rules = regime(w.kind, elementwise)
-    bt = common.next_pow2(num_tokens) if elementwise else (16 if num_tokens <= 16 else 64)
+    # int4 dots stay at 16 token rows up to the kernel's dispatch limit: 24-48 rows took
+    # 2.0-2.25 ms a stack in 64-row tiles on the H200, 0.88-1.33 in 16-row ones
+    # (benchmarks/results/round17/call6_7/int4_rows.json, call9/int4_rows16.json)
+    small = num_tokens <= (INT4_DOT_ROWS if int4 else 16)
+    bt = common.next_pow2(num_tokens) if elementwise else (16 if small else 64)
     block = 2 * w.span if int4 else group_rows  # a load stays inside this many input rows
     bk = _pow2_dividing(block, per_row * LOAD_ROWS, _min_tile(w.kind, elementwise))
     if bk is None:
