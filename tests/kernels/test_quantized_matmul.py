@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pjinfer.kernels import ops
+from pjinfer.kernels import quantized_matmul as qmm
 from pjinfer.kernels.quantized_matmul import (
     QuantMatmulBlockSizes,
     groupable,
@@ -21,6 +22,7 @@ from pjinfer.kernels.quantized_matmul import (
     supported,
 )
 from pjinfer.kernels.quantized_matmul_tiling import (
+    INT4_DOT_ROWS,
     legacy_block_sizes,
     regime,
     sweep_candidates,
@@ -180,6 +182,23 @@ def test_fp8_w8a8_is_within_activation_rounding_of_the_reference():
     out = fp8_w8a8_matmul(x, w)
     assert out.shape == (37, 64)
     assert rel_err(out, quantized_matmul_reference(x, w)) < 0.05  # e4m3 activations: 2^-4
+
+
+@pytest.mark.parametrize("tokens", [INT4_DOT_ROWS, INT4_DOT_ROWS + 1])
+def test_int4_steps_above_the_dot_rows_take_xla(tokens, monkeypatch):
+    """int4 weights take the kernel up to INT4_DOT_ROWS rows, in 16-row dot tiles, and XLA's
+    dequantize-then-dot above (the H200 ran it faster than the kernel's 64-row tiles)."""
+    rng = np.random.default_rng(tokens)
+    w = _weight(rng, "int4", 64, 32, 32, asym=True)
+    x = jnp.asarray(rng.standard_normal((tokens, 64)), jnp.float32)
+    assert pick_block_sizes(INT4_DOT_ROWS, w).block_t == 16
+    calls = []
+    kernel = qmm.quantized_matmuls
+    monkeypatch.setattr(qmm, "quantized_matmuls",
+                        lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    out = ops.quantized_matmuls(x, [w], backend="pallas")[0]
+    assert bool(calls) == (tokens <= INT4_DOT_ROWS)
+    assert rel_err(out, quantized_matmul_reference(x, w)) < TOL[jnp.float32]
 
 
 @pytest.mark.parametrize("tokens", [ops.QUANT_PALLAS_MAX_ROWS, ops.QUANT_PALLAS_MAX_ROWS + 1])
