@@ -20,12 +20,13 @@ and one reduction per group instead of per weight, and the narrow k / v projecti
 run a few dozen programs on their own.
 
 Two reductions: `block_t` >= 16 multiplies each dequantized tile with `jnp.dot` (Triton's
-smallest dot has 16 rows); `block_t` < 16 (decode, a token or two) multiplies elementwise
-into a [rows, block_n] float32 accumulator per token, summed over rows once at the end, so a
-single token neither pads to 16 rows nor reduces across threads every step. x itself is never
+smallest dot has 16 rows); `block_t` < 16 (int8 / fp8 decode, a token or two) multiplies
+elementwise into a [rows, block_n] float32 accumulator per token, summed over rows once at the
+end, so a single token neither pads to 16 rows nor reduces across threads every step (int4
+dots at one token too: its bf16 pairs make the dot the cheaper form). x itself is never
 padded to whole token tiles (a pad is one more XLA kernel per projection: the decode-only step
 of one sequence has 8 rows, the dot's tile 16): a tile's rows past x's last read that row
-again, and the extra output rows are dropped.
+again, and the output has x's rows (the extra ones are masked off at the store).
 
 Dequantization: an int4 / int8 value u becomes the float32 f = 1 + u / 2^bits by shifting it
 into the top of 1.0's mantissa (a shift and one logic op instead of an int-to-float
