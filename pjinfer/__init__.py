@@ -5,7 +5,10 @@ The public names load lazily so `import pjinfer` (and `pjinfer --version`) stays
 
 from importlib import import_module
 
+from pjinfer.source_tree import unshadow_hub_kernels
+
 __version__ = "0.1.0"
+unshadow_hub_kernels()
 
 _EXPORTS = {
     "LLM": "pjinfer.llm",

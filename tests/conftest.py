@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import pjinfer  # noqa: F401  (first: its finder keeps this checkout's kernels/ off `import kernels`)
+
 # Several tests shard over fake CPU devices; the flag must be set before JAX initialises.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
