@@ -34,10 +34,10 @@ conversion, which the H100 / H200 issue at 1/8 the FMA rate); the offset and the
 into one FMA per element, w = f (2^bits s) - (2^bits + zero) s, within ~2^-19 s (int4) or
 2^-15 s (int8) of the reference's (v - zero) s. That is the interpret-mode form, and the
 GPU's for int8 and float32 x. On a GPU an int4 tile over bf16 x goes to bf16 in packed
-pairs instead (`_INT4_BF16_ASM`: 128 + u ORed into 128.0's mantissa, minus 128 + zero, times
-the scale, two weights an instruction), and int4 multiplies in a dot even for one token
-(16 padded rows): Triton 3.9 sm_90a SASS of the default loops, 6.0 (T=16) and 6.1 (T=1,
-elementwise) -> 3.4 instructions a weight;
+pairs instead (`tile_dequant.INT4_BF16_ASM`: 128 + u ORed into 128.0's mantissa, minus
+128 + zero, times the scale, two weights an instruction), and int4 multiplies in a dot even
+for one token (16 padded rows): Triton 3.9 sm_90a SASS of the default loops, 6.0 (T=16) and
+6.1 (T=1, elementwise) -> 3.4 instructions a weight;
 H200, 24 matrices 4096 x 14336 g128, 0.700 -> 0.532 ms at T=1 and 0.725 -> 0.554 at T=16
 (benchmarks/RESULTS.md, round 17).
 Tiling switch `int4_offset` (off by default): an int4 dot over 16-bit x takes the nibbles
@@ -74,83 +74,13 @@ from pjinfer.kernels.quantized_matmul_tiling import (
     pick_block_sizes,
     supported,
 )
+from pjinfer.kernels.tile_dequant import int4_bf16_native, int4_offset_bf16, stored_values
 from pjinfer.quantization.weight import (
     OUT_MAJOR,
     QuantizedWeight,
     dequantize_as_stored,
     permute_input,
 )
-
-_ONE = 0x3F800000  # float32 bits of 1.0
-_MANTISSA = 23  # bits: an integer u < 2^b shifted to the top b of them reads 1 + u / 2^b
-
-
-def _one_plus(u, bits: int):
-    """int32 tile whose low `bits` bits hold u (higher bits ignored) -> float32 1 + u / 2^bits,
-    exactly: a shift, one logic op, no int-to-float conversion."""
-    top = (u << (_MANTISSA - bits)) & (((1 << bits) - 1) << (_MANTISSA - bits))
-    return jax.lax.bitcast_convert_type(top | _ONE, jnp.float32)
-
-
-_BF16_128 = 0x4300  # bfloat16 bits of 128.0: its mantissa's last bit is worth 1
-
-
-def _int4_offset_bf16(p):
-    """Packed bytes [rows, bn] -> bfloat16 tiles (low nibbles, high nibbles) holding 128 + u,
-    exactly: each nibble ORed into the low mantissa bits of 128.0, no conversion at all."""
-    p = p.astype(jnp.int32)
-    return tuple(jax.lax.bitcast_convert_type(((q & 0xF) | _BF16_128).astype(jnp.uint16),
-                                              jnp.bfloat16) for q in (p, p >> 4))
-
-
-# PTX: 4 packed int4 bytes ($2) -> the bfloat16 weights (u - zero) s of their low nibbles
-# (`shift` 0) or high ones (4), element i from byte i, in two bf16x2 registers ($0, $1).
-# PRMT spreads bytes 0, 1 (2, 3) to a register's two halves, a LOP3 ORs each nibble into
-# 128.0's low mantissa bits (128 + u, exact), one FMA adds minus (128 + zero) ($5, $6; exact:
-# small integers) and one multiplies by the scale ($3, $4): the same single rounding of
-# (u - zero) s to bf16 that the reference's dequantized weight has, at 2 PRMT + 2 LOP3 + 4
-# packed FMA per 4 weights (the float32 form: ~4 instructions a weight, then a convert).
-_INT4_BF16_ASM = """{{
-.reg .b32 t<2>, one, nzero;
-mov.b32 one, 0x3F803F80;
-mov.b32 nzero, 0x80008000;
-prmt.b32 t0, $2, 0, 0x4140;
-prmt.b32 t1, $2, 0, 0x4342;
-{shift}
-lop3.b32 t0, t0, 0x000F000F, 0x43004300, 0xEA;
-lop3.b32 t1, t1, 0x000F000F, 0x43004300, 0xEA;
-fma.rn.bf16x2 t0, t0, one, $5;
-fma.rn.bf16x2 t1, t1, one, $6;
-fma.rn.bf16x2 $0, t0, $3, nzero;
-fma.rn.bf16x2 $1, t1, $4, nzero;
-}}"""
-_HIGH = "shr.b32 t0, t0, 4;\nshr.b32 t1, t1, 4;"
-
-
-def _int4_bf16_native(p, s, zero, out_major: bool):
-    """Packed bytes [bn, rows] (out_major, else [rows, bn]), scales [bn], zeros ([bn] or a
-    number) -> bfloat16 weight tiles (low nibbles, high nibbles) by `_INT4_BF16_ASM`
-    (Triton on a GPU only: interpret mode has no inline assembly)."""
-    column = (slice(None), None) if out_major else (None, slice(None))
-    s = jnp.broadcast_to(s.astype(jnp.bfloat16)[column], p.shape)
-    zero = zero.astype(jnp.float32) if hasattr(zero, "shape") else jnp.float32(zero)
-    minus = jnp.broadcast_to(-(128.0 + zero), s.shape[0] if out_major else s.shape[1])
-    minus = jnp.broadcast_to(minus.astype(jnp.bfloat16)[column], p.shape)
-    return tuple(pltriton.elementwise_inline_asm(
-        _INT4_BF16_ASM.format(shift=shift), args=[p, s, minus], constraints="=r,=r,r,r,r,r,r",
-        pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(p.shape, jnp.bfloat16)])[0]
-        for shift in ("", _HIGH))
-
-
-def _values(p, kind: str):
-    """One load of stored values -> (float32 tiles f, scale, offset) with stored value
-    v = scale * f - offset: f in [1, 2) for the integer kinds (int4: low, high nibbles)."""
-    if kind == "int4":
-        p = p.astype(jnp.int32)  # [bk/2, bn] bytes 0..255
-        return (_one_plus(p, 4), _one_plus(p >> 4, 4)), 16.0, 16.0
-    if kind == "int8":  # u = v + 128 in 0..255 (two's complement with the top bit flipped)
-        return (_one_plus(p.astype(jnp.int32) ^ 0x80, 8),), 256.0, 256.0 + 128.0
-    return (p.astype(jnp.float32),), 1.0, 0.0
 
 
 def _kernel(*refs, kind: str, zero_point: float, group_rows: int, span: int,
@@ -194,7 +124,7 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
     x @ dequant(w). `late_scale` (one scale a column, no offset: per-channel fp8): the sum
     runs over the stored values and is scaled once at the end, sparing an FMUL an element.
     Where `offset_dot` (int4 dots over 16-bit x, when the tiling asks): the dot multiplies
-    128 + u as widened (`_int4_offset_bf16`) and each load's [bt, bn] sums are corrected
+    128 + u as widened (`int4_offset_bf16`) and each load's [bt, bn] sums are corrected
     and scaled after it, (sum - (128 + zero) sum(x)) s, sparing the FMA and conversion an
     element."""
     z_ref = z[0] if z else None
@@ -238,8 +168,8 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
         """Packed tile -> float32 weight tiles [load_rows, bn] (int4: low, high nibbles;
         fp8: [bn, load_rows]): (v - z) s = f (scale s) - (offset + z) s, one FMA an element."""
         if native:
-            return _int4_bf16_native(p, s, z if z is not None else zero_point, out_major)
-        fs, scale, offset = _values(p, kind)
+            return int4_bf16_native(p, s, z if z is not None else zero_point, out_major)
+        fs, scale, offset = stored_values(p, kind)
         if late_scale:
             return list(fs)
         per_column = (slice(None), None) if out_major else (None, slice(None))
@@ -263,7 +193,7 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
         """acc + one load's x @ ((u - zero) s): a dot per nibble run over 128 + u, then the
         load's correction (one group: one scale and zero a column)."""
         part = functools.reduce(jnp.add, [tile_dot(xp, w) for xp, w in
-                                          zip(x, _int4_offset_bf16(p), strict=True)])
+                                          zip(x, int4_offset_bf16(p), strict=True)])
         sx = sum(jnp.sum(xp.astype(jnp.float32), axis=1) for xp in x)  # [bt]
         s = s.astype(jnp.float32)
         zero = z.astype(jnp.float32) if z is not None else zero_point
@@ -324,15 +254,15 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
 
 
 def native_int4(kind: str, x_dtype, sizes: QuantMatmulBlockSizes, interpret: bool) -> bool:
-    """Whether int4 tiles become bfloat16 weights by `_INT4_BF16_ASM` (compiled for a GPU,
-    bfloat16 x, not the 128 + u dot): interpret mode keeps the float32 FMA form, which
+    """Whether int4 tiles become bfloat16 weights by `tile_dequant.INT4_BF16_ASM` (compiled
+    for a GPU, bfloat16 x, not the 128 + u dot): interpret mode keeps the float32 FMA form, which
     computes the same (u - zero) s before the bf16 rounding the dot applies."""
     return (kind == "int4" and not interpret and jnp.dtype(x_dtype) == jnp.bfloat16
             and not offset_dot(kind, x_dtype, sizes))
 
 
 def offset_dot(kind: str, x_dtype, sizes: QuantMatmulBlockSizes) -> bool:
-    """Whether an int4 tile goes into its dot as 128 + u (`_int4_offset_bf16`): where the
+    """Whether an int4 tile goes into its dot as 128 + u (`int4_offset_bf16`): where the
     tiling asks (`int4_offset`), for dots over 16-bit x only, where the correction's
     cancellation (~2^-24 (128 + zero) / (u - zero) of a group's sum) stays far below the
     bf16 rounding of the reference's dequantized weight; float32 x keeps the FMA. Not the

@@ -120,7 +120,7 @@ def place_host(host: HostQuant, p: ParamSpec, placer: Placer) -> QuantizedWeight
     parts = {}
     for name, arr in host.parts().items():
         if name == "packed" and host.kind in OUT_MAJOR and placer.mesh is not None:
-            parts[name] = _place_out_major(arr, p, placer)
+            parts[name] = _place_out_major(arr, p, placer, host.kind)
             continue
         axes = component_axes(placer.axes(p), name, groups, host.kind)
         parts[name] = placer.from_host(ParamSpec((*p.path, name), arr.shape, axes=axes), arr)
@@ -128,14 +128,14 @@ def place_host(host: HostQuant, p: ParamSpec, placer: Placer) -> QuantizedWeight
                            kernel=placer.mesh is None)
 
 
-def _place_out_major(packed: Any, p: ParamSpec, placer: Placer) -> jax.Array:
+def _place_out_major(packed: Any, p: ParamSpec, placer: Placer, kind: str) -> jax.Array:
     """int4 / fp8 values [out, in (/ 2)] onto a mesh: placed as the [in, out] weight they are
     (kv heads duplicated along out, as the placer does for every weight), then turned back
     on the devices, each keeping its own slice."""
     stored = packed.T  # [in (/ 2), out]
     w = placer.from_host(ParamSpec((*p.path, "packed"), stored.shape, axes=placer.axes(p)),
                          stored)
-    axes = component_axes(placer.axes(p), "packed", 1, "fp8")
+    axes = component_axes(placer.axes(p), "packed", 1, kind)
     return _transpose_into(NamedSharding(placer.mesh, spec_for(axes, w.shape[::-1],
                                                                placer.mesh)))(w)
 

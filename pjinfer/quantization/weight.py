@@ -88,11 +88,6 @@ def int4_span(rows: int, group_rows: int) -> int:
 
 
 def unpack_int4(packed: jax.Array, span: int) -> jax.Array:
-    """uint8 [out, in / 2] in blocks of `span` packed columns -> int32 values [in, out]."""
-    return unpack_int4_as_stored(packed, span).T
-
-
-def unpack_int4_as_stored(packed: jax.Array, span: int) -> jax.Array:
     """uint8 [out, in / 2] in blocks of `span` packed columns -> int32 values [out, in]."""
     out = packed.shape[0]
     p = packed.astype(jnp.int32).reshape(out, -1, span)  # [out, in / 2S, S]
@@ -110,7 +105,7 @@ def values_as_stored(w: QuantizedWeight) -> jax.Array:
     """The stored values as float32, before zeros and scales, oriented as stored: [out, in]
     (int4, fp8) or [in, out] (int8)."""
     if w.kind == "int4":
-        return unpack_int4_as_stored(w.packed, w.span).astype(jnp.float32)
+        return unpack_int4(w.packed, w.span).astype(jnp.float32)
     return w.packed.astype(jnp.float32)
 
 
@@ -135,16 +130,14 @@ def dequantize_as_stored(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
     """`dequantize_stored` oriented as the values are stored ([out, in] for int4 / fp8), so
     XLA's dot can read it with K contiguous instead of a transpose being materialised."""
     v = values_as_stored(w)
+    out_major = w.kind in OUT_MAJOR
+    rows = v.shape[1] if out_major else v.shape[0]  # the input dim, split into its groups
     groups = w.scales.shape[0]
-    if w.kind not in OUT_MAJOR:
-        rows, cols = v.shape
-        v = v.reshape(groups, rows // groups, cols)  # [G, gs, out]
-        zero = w.zero_point if w.zeros is None else w.zeros[:, None, :]
-        return ((v - zero) * w.scales[:, None, :]).reshape(rows, cols).astype(dtype)
-    cols, rows = v.shape
-    v = v.reshape(cols, groups, rows // groups)  # [out, G, gs]
-    zero = w.zero_point if w.zeros is None else w.zeros.T[:, :, None]
-    return ((v - zero) * w.scales.T[:, :, None]).reshape(cols, rows).astype(dtype)
+    split = ((v.shape[0], groups, rows // groups) if out_major  # [out, G, gs]
+             else (groups, rows // groups, v.shape[1]))  # [G, gs, out]
+    per_group = (lambda a: a.T[:, :, None]) if out_major else (lambda a: a[:, None, :])
+    zero = w.zero_point if w.zeros is None else per_group(w.zeros)
+    return ((v.reshape(split) - zero) * per_group(w.scales)).reshape(v.shape).astype(dtype)
 
 
 # ---- on-the-fly quantization of a float weight (jitted; runs where the weight lives) -----------

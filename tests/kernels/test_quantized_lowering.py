@@ -79,7 +79,7 @@ def test_weight_as_first_dot_operand_lowers(monkeypatch):
 @pytest.mark.parametrize("tokens", [1, 16])
 def test_int4_tiles_become_bf16_pairs_in_one_dot_per_load(tokens, monkeypatch):
     """On a GPU an int4 tile over bf16 x is dequantized by the packed-bf16 assembly
-    (`_INT4_BF16_ASM`) and multiplied in a dot, at one token too; float32 x keeps the
+    (`tile_dequant.INT4_BF16_ASM`) and multiplied in a dot, at one token too; float32 x keeps the
     float32 form (the assembly's arithmetic is bf16)."""
     from pjinfer.benchmarks.kernel_ptx import triton_ir
     from pjinfer.kernels.quantized_matmul import quantized_matmul

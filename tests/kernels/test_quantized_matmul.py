@@ -256,7 +256,7 @@ def test_int4_layout_round_trips(rows, groups, span):
     v = rng.integers(0, 16, (rows, 24))
     assert int4_span(rows, rows // groups) == span
     packed = pack_int4_rows(v, groups)
-    np.testing.assert_array_equal(unpack_int4(jnp.asarray(packed), span), v)
+    np.testing.assert_array_equal(unpack_int4(jnp.asarray(packed), span), v.T)
     assert packed.shape == (24, rows // 2)
     block = packed[:, :span].T  # the first block: input rows [0, span) low, [span, 2 span) high
     np.testing.assert_array_equal(block & 0xF, v[:span])
