@@ -53,6 +53,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--sweep", action="store_true",
                    help="time candidate tilings of the Pallas kernel (GPU) instead")
+    p.add_argument("--grid", nargs="+", default=None, metavar="FIELD=V1,V2",
+                   help="with --sweep: the default tiling, then every combination of these "
+                        "values (QuantMatmulBlockSizes fields, e.g. num_stages=2,3,4) in "
+                        "place of the handful of single changes")
     return p.parse_args(argv)
 
 
@@ -124,7 +128,7 @@ def _sweep(a: argparse.Namespace, stack: list, measure, on_cpu: bool) -> dict:
     GEMV beside them as the yardstick. A tiling that fails (e.g. too much shared memory) is
     listed under `failed`, and the sweep goes on."""
     from pjinfer.benchmarks.ceilings import _filled
-    from pjinfer.kernels.quantized_matmul_tiling import sweep_candidates
+    from pjinfer.kernels.quantized_matmul_tiling import grid_candidates, sweep_candidates
 
     out: dict = {}
     xs = {t: _filled((t, a.k), 1000 + t) for t in a.tokens}
@@ -133,7 +137,8 @@ def _sweep(a: argparse.Namespace, stack: list, measure, on_cpu: bool) -> dict:
     for kind in a.kinds:
         ws = [quantize(kind, w, a.group_size) for w in stack]
         for t, x in xs.items():
-            candidates = sweep_candidates(t, ws[0], x)
+            candidates = (grid_candidates(t, ws[0], x, a.grid) if a.grid
+                          else sweep_candidates(t, ws[0], x))
             rows, failed = [], []
             for sizes in candidates:
                 try:

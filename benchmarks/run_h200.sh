@@ -56,6 +56,10 @@
 #                                         # 1, 2 or 4 ranges, gate/up and down apart (~4 min)
 #   bash benchmarks/run_h200.sh routedwide  # Mixtral's down projection in 4, 8, 16 K ranges
 #                                           # at 1 and 4 tokens (~2 min)
+#   bash benchmarks/run_h200.sh int4ncu   # the int4 decode kernel under Nsight Compute (stall
+#                                         # reasons, per-SASS samples) for a few tilings, then
+#                                         # a grid sweep at one token (~7 min; INT4_TILINGS,
+#                                         # INT4_GRID override)
 #   bash benchmarks/run_h200.sh --smoke pjinfer hf serve   # the same plumbing, tiny, on CPU
 #
 # Each stage fits one 10-minute device command; every step has its own time limit, and a
@@ -401,6 +405,34 @@ quant_w4() {  # W4 per KV cache dtype (auto = the model's, fp8 = e4m3), runs nam
   done
 }
 
+# The int4 decode GEMV as the hardware sees it: Nsight Compute's full set per tiling (CSV), the
+# warp-stall breakdown, the SASS with its stall samples; then a wider tiling search than the
+# sweep's single changes, at one token.
+stage_int4ncu() {
+  local ncu tilings grid
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  read -ra grid <<< "${INT4_GRID:-block_n=128,256 unroll=1,2 k_splits=2,4,8 num_warps=4,8 num_stages=2,3,4}"
+  IFS='|' read -ra tilings <<< "${INT4_TILINGS:-t16 n256 k128x2 s4 w8 st3 (dot)|t16 n256 k128x2 s4 w8 st2 (dot)|t16 n256 k128x1 s4 w8 st3 (dot)|t16 n128 k128x2 s4 w4 st3 (dot)}"
+  local prof=($PY -m pjinfer.benchmarks.quant_profile --repeat 1 --tilings "${tilings[@]}")
+  if [ -n "$ncu" ] && [ $SMOKE = 0 ]; then
+    step int4_ncu_full 150 env XLA_PYTHON_CLIENT_PREALLOCATE=false "$ncu" --clock-control none \
+        -k regex:weight_only --set full --import-source yes -o "$JSON/int4" "${prof[@]}"
+    step int4_ncu_details 40 "$ncu" -i "$JSON/int4.ncu-rep" --csv --page details \
+        --log-file "$JSON/int4_details.csv"
+    step int4_ncu_raw 40 "$ncu" -i "$JSON/int4.ncu-rep" --csv --page raw \
+        --log-file "$JSON/int4_raw.csv"
+    step int4_ncu_sass 40 "$ncu" -i "$JSON/int4.ncu-rep" --csv --page source \
+        --print-source sass --log-file "$JSON/int4_sass.csv"
+    rm -f "$JSON/int4.ncu-rep"
+  else
+    step int4_profile_plain 120 "${prof[@]}"
+  fi
+  local sweep=()
+  [ $SMOKE = 1 ] && sweep=(--matrices 2 --k 256 --n 256 --samples 1 --calls 1)
+  step int4_grid 300 $PY -m pjinfer.benchmarks.quant_matmul --sweep --kinds int4 --tokens 1 \
+      "${sweep[@]}" --grid "${grid[@]}" --out "$JSON/int4_grid.json"
+}
+
 # The host's side of a batch-1 step (RESULTS.md, round 5): what a call's arguments cost, then
 # each model's decode step with the time its launch takes ("host") beside the device's.
 stage_host() {
@@ -564,7 +596,8 @@ for stage in "${STAGES[@]}"; do
     routed) stage_routed ;;
     routedwide) stage_routedwide ;;
     loramulti) stage_loramulti ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moeprofile | w8a8 | decodesplits | kvfp8 | w3fp8 | attnfp8 | kvprobe | raggedfp8 | routed | routedwide | loramulti)" ;;
+    int4ncu) stage_int4ncu ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moeprofile | w8a8 | decodesplits | kvfp8 | w3fp8 | attnfp8 | kvprobe | raggedfp8 | routed | routedwide | loramulti | int4ncu)" ;;
   esac
 done
 pack

@@ -30,7 +30,9 @@ element at T=16, 0.725 -> ~1.0 ms); the sweep, not the PTX count, picks the defa
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+import re
 from collections.abc import Sequence
 
 import jax
@@ -76,6 +78,19 @@ class QuantMatmulBlockSizes(common.BlockSizes):
         mode += "+128" if self.int4_offset and not self.elementwise else ""
         return (f"t{self.block_t} n{self.block_n} k{self.block_k}x{self.unroll} "
                 f"s{self.k_splits} w{self.num_warps} st{self.num_stages} ({mode})")
+
+    @classmethod
+    def parse(cls, text: str) -> QuantMatmulBlockSizes:
+        """The tiling a `describe` line names (benchmark records back into tilings)."""
+        m = re.fullmatch(r"t(\d+) n(\d+) k(\d+)x(\d+) s(\d+) w(\d+) st(\d+)"
+                         r" \((sum|dot|wT\.dot)(\+128)?\)", text.strip())
+        if m is None:
+            raise ValueError(f"not a tiling line like 't16 n256 k128x2 s4 w8 st3 (dot)': "
+                             f"{text!r}")
+        t, n, k, u, s, w, st = (int(g) for g in m.groups()[:7])
+        return cls(block_t=t, block_n=n, block_k=k, unroll=u, k_splits=s, num_warps=w,
+                   num_stages=st, weight_operand=1 if m[8] == "wT.dot" else 2,
+                   int4_offset=m[9] is not None)
 
 
 def supported(x: jax.Array, w: QuantizedWeight, sizes: QuantMatmulBlockSizes) -> bool:
@@ -248,6 +263,30 @@ def sweep_candidates(num_tokens: int, w: QuantizedWeight, x: jax.Array
             if num_tokens <= ELEMENTWISE_MAX_TOKENS:  # the float32 form, no dot
                 variants.append(pick_block_sizes(num_tokens, w, elementwise=True))
     variants.append(legacy_block_sizes(num_tokens, w))
+    return _usable(variants, x, w)
+
+
+def grid_candidates(num_tokens: int, w: QuantizedWeight, x: jax.Array,
+                    grid: Sequence[str]) -> list[QuantMatmulBlockSizes]:
+    """The default tiling, then every combination of the `grid`'s values ("field=v1,v2",
+    integer fields of `QuantMatmulBlockSizes`) on top of it, each `supported`, no repeats:
+    a wider search than `sweep_candidates` for a benchmark run."""
+    base = pick_block_sizes(num_tokens, w)
+    names = {f.name for f in dataclasses.fields(QuantMatmulBlockSizes)}
+    axes: dict[str, list[int]] = {}
+    for item in grid:
+        name, _, values = item.partition("=")
+        if name not in names or not values:
+            raise ValueError(f"grid item {item!r}: want FIELD=V1,V2 with FIELD one of "
+                             f"{sorted(names)}")
+        axes[name] = [int(v) for v in values.split(",")]
+    combos = [dict(zip(axes, vs, strict=True)) for vs in itertools.product(*axes.values())]
+    return _usable([base] + [dataclasses.replace(base, **c) for c in combos], x, w)
+
+
+def _usable(variants: Sequence[QuantMatmulBlockSizes], x: jax.Array, w: QuantizedWeight
+            ) -> list[QuantMatmulBlockSizes]:
+    """`variants` in order, without repeats or the ones `supported` rejects."""
     out: list[QuantMatmulBlockSizes] = []
     for v in variants:
         if v not in out and supported(x, w, v):
