@@ -429,7 +429,7 @@ stage_int4ncu() {
   fi
   local sweep=()
   [ $SMOKE = 1 ] && sweep=(--matrices 2 --k 256 --n 256 --samples 1 --calls 1)
-  step int4_grid 300 $PY -m pjinfer.benchmarks.quant_matmul --sweep --kinds int4 --tokens 1 \
+  step int4_grid 300 $PY -m pjinfer.benchmarks.quant_matmul --sweep --kinds int4 --tokens ${INT4_TOKENS:-1} \
       "${sweep[@]}" --grid "${grid[@]}" --out "$JSON/int4_grid.json"
 }
 

@@ -154,7 +154,10 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
             starts, row0 = _x_runs(i, kind, load_rows, span)
             g = row0 // group_rows
             z = z_ref[g, cols] if z_ref is not None else None
-            runs = [pl.ds(r, load_rows) for r in starts]
+            # every run starts on a multiple of load_rows: said, or Triton's alignment
+            # analysis (lost in `_x_runs`' // and %) reads x 2 bytes at a time, which
+            # cannot be staged by cp.async (Nsight Compute: the int4 loop's top stall)
+            runs = [pl.ds(pl.multiple_of(r, load_rows), load_rows) for r in starts]
             if sizes.elementwise:
                 x = tuple(tuple(x_ref[x_row(t), r] for t in range(bt)) for r in runs)
             else:
