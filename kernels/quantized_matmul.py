@@ -85,13 +85,16 @@ from pjinfer.quantization.weight import (
 
 def _kernel(*refs, kind: str, zero_point: float, group_rows: int, span: int,
             sizes: QuantMatmulBlockSizes, steps: int, has_zeros: bool, tiles: tuple[int, ...],
-            late_scale: bool, native: bool):
+            late_scale: bool, native: bool, has_xsum: bool):
     """One (token tile, column tile, K range) of a group of weights sharing x: the column
-    tile picks its weight (`tiles`: column tiles per weight, in output order)."""
+    tile picks its weight (`tiles`: column tiles per weight, in output order). `has_xsum`:
+    x's per-load row sums follow x (the 128 + u dot's correction)."""
     x_ref, o_ref = refs[0], refs[-1]
+    xs_ref = refs[1] if has_xsum else None
+    first = 2 if has_xsum else 1
     per = 3 if has_zeros else 2  # refs per weight: packed, scales[, zeros]
-    weights = [refs[1 + m * per:1 + (m + 1) * per] for m in range(len(tiles))]
-    program = functools.partial(_program, x_ref, o_ref, kind=kind, zero_point=zero_point,
+    weights = [refs[first + m * per:first + (m + 1) * per] for m in range(len(tiles))]
+    program = functools.partial(_program, x_ref, xs_ref, o_ref, kind=kind, zero_point=zero_point,
                                 group_rows=group_rows, span=span, sizes=sizes, steps=steps,
                                 late_scale=late_scale, native=native)
     # program ids read here, outside any branch (interpret mode cannot read them inside one)
@@ -117,7 +120,7 @@ def _x_runs(i, kind: str, load_rows: int, span: int):
     return (lo, lo + span), lo
 
 
-def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
+def _program(x_ref, xs_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
              group_rows: int, span: int, sizes: QuantMatmulBlockSizes, steps: int,
              late_scale: bool, native: bool):
     """One weight's (token tile, column tile, K range) `ids`: o = sum over the range of
@@ -164,7 +167,8 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
                 x = tuple(x_ref[x_rows, r] for r in runs)
             stored = pl.ds(i * load_rows, load_rows)
             p = p_ref[cols, stored] if out_major else p_ref[stored, cols]
-            tiles.append((p, s_ref[g, cols], z, x))
+            sx = xs_ref[x_rows, i] if xs_ref is not None else None  # [bt] f32
+            tiles.append((p, s_ref[g, cols], z, x, sx))
         return tuple(tiles)
 
     def dequant(p, s, z):
@@ -192,12 +196,12 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
                                        preferred_element_type=jnp.float32)
         return jnp.dot(xp, w, preferred_element_type=jnp.float32)  # x [bt, rows] @ w [rows, bn]
 
-    def offset_step(acc, p, s, z, x):
+    def offset_step(acc, p, s, z, x, sx):
         """acc + one load's x @ ((u - zero) s): a dot per nibble run over 128 + u, then the
-        load's correction (one group: one scale and zero a column)."""
+        load's correction (one group: one scale and zero a column) with x's sum over the
+        load's rows `sx` [bt] (`x_load_sums`)."""
         part = functools.reduce(jnp.add, [tile_dot(xp, w) for xp, w in
                                           zip(x, int4_offset_bf16(p), strict=True)])
-        sx = sum(jnp.sum(xp.astype(jnp.float32), axis=1) for xp in x)  # [bt]
         s = s.astype(jnp.float32)
         zero = z.astype(jnp.float32) if z is not None else zero_point
         shift = (128.0 + zero) * s  # [bn]
@@ -207,9 +211,9 @@ def _program(x_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point: float,
 
     def consume(acc, tiles):
         acc = list(acc)
-        for p, s, z, x in tiles:
+        for p, s, z, x, sx in tiles:
             if nibbles_128:
-                acc[0] = offset_step(acc[0], p, s, z, x)
+                acc[0] = offset_step(acc[0], p, s, z, x, sx)
                 continue
             for xp, w in zip(x, dequant(p, s, z), strict=True):
                 if sizes.elementwise:  # [load_rows, bn] += x[t, rows, None] * w
@@ -323,22 +327,33 @@ def quantized_matmuls(x: jax.Array, ws: tuple[QuantizedWeight, ...], *, out_dtyp
         group_rows=rows // w0.scales.shape[0], span=w0.span, sizes=sizes,
         steps=rows // (sizes.block_k * sizes.unroll * splits), has_zeros=w0.zeros is not None,
         tiles=tiles, late_scale=w0.kind == "fp8" and w0.scales.shape[0] == 1,
-        native=native_int4(w0.kind, x.dtype, sizes, interpret))
+        native=native_int4(w0.kind, x.dtype, sizes, interpret),
+        has_xsum=offset_dot(w0.kind, x.dtype, sizes))
+    sums = [x_load_sums(x, sizes.block_k // 2, w0.span)] if kernel.keywords["has_xsum"] else []
     out = pl.pallas_call(  # every input whole: the kernel slices its own tiles (pow2 loads)
         kernel,
         grid=(-(-t // bt), sum(tiles), splits),
-        in_specs=[common.whole_spec(a.shape) for a in (x, *parts)],
+        in_specs=[common.whole_spec(a.shape) for a in (x, *sums, *parts)],
         out_specs=pl.BlockSpec((None, bt, sizes.block_n), lambda i, j, s: (s, i, j)),
         out_shape=jax.ShapeDtypeStruct((splits, t, sum(widths)),
                                        x.dtype if splits == 1 else jnp.float32),
         compiler_params=common.triton_params(sizes.num_warps, sizes.num_stages),
         interpret=interpret,
         name=f"weight_only_{w0.kind}_matmul",
-    )(x, *parts)
+    )(x, *sums, *parts)
     out = out[0] if splits == 1 else jnp.sum(out, axis=0)  # [T, sum N]
     out = out.astype(out_dtype)
     ends = list(itertools.accumulate(widths))
     return [out[:, e - n:e] for e, n in zip(ends, widths, strict=True)]
+
+
+def x_load_sums(x: jax.Array, load_rows: int, span: int) -> jax.Array:
+    """x [T, K] -> [T, loads] float32: x summed over the input rows of each int4 load of
+    `load_rows` packed rows (two runs `span` apart, `_x_runs`), for the 128 + u dot's
+    correction; one small XLA reduction instead of one inside every program."""
+    t, k = x.shape
+    runs = x.astype(jnp.float32).reshape(t, k // (2 * span), 2, span // load_rows, load_rows)
+    return runs.sum(axis=(2, 4)).reshape(t, -1)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype",))

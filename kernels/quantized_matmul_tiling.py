@@ -134,7 +134,7 @@ class Regime:
 # columns x 4 splits (224 programs), one-byte dots 4 warps
 REGIMES = {(True, True): Regime(128, 16 * 1024, 3 * MIN_PROGRAMS, 8, 1),
            (False, True): Regime(128, 32 * 1024, MIN_PROGRAMS, 8, 1),
-           (True, False): Regime(256, 32 * 1024, 224, 8, 3),
+           (True, False): Regime(128, 8 * 1024, 3 * MIN_PROGRAMS, 4, 3),
            (False, False): Regime(128, 16 * 1024, MIN_PROGRAMS, 4, 3)}
 # fp8, stored [N, K], loads [bn, bk] tiles: its sweep (round 10, 4096 x 14336) was best at 64
 # columns, 4 K ranges and the one-byte kinds' loads a step, one token 0.58 ms (0.94 at 128
@@ -279,7 +279,8 @@ def grid_candidates(num_tokens: int, w: QuantizedWeight, x: jax.Array,
         if name not in names or not values:
             raise ValueError(f"grid item {item!r}: want FIELD=V1,V2 with FIELD one of "
                              f"{sorted(names)}")
-        axes[name] = [int(v) for v in values.split(",")]
+        kind = bool if isinstance(getattr(base, name), bool) else int  # switches: 0 / 1
+        axes[name] = [kind(int(v)) for v in values.split(",")]
     combos = [dict(zip(axes, vs, strict=True)) for vs in itertools.product(*axes.values())]
     return _usable([base] + [dataclasses.replace(base, **c) for c in combos], x, w)
 

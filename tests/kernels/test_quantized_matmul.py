@@ -301,13 +301,13 @@ def test_group_falls_back_per_weight():
 
 
 @pytest.mark.parametrize("kind, tokens, best", [
-    ("int4", 1, "t16 n256 k128x2 s4 w8 st3 (dot)"), ("int4", 16, "t16 n256 k128x2 s4 w8 st3 (dot)"),
+    ("int4", 1, "t16 n128 k128x1 s8 w4 st3 (dot)"), ("int4", 16, "t16 n128 k128x1 s8 w4 st3 (dot)"),
     ("fp8", 1, "t1 n64 k64x4 s4 w8 st1 (sum)"), ("fp8", 16, "t16 n64 k64x2 s4 w4 st3 (dot)"),
     ("int8", 1, "t1 n128 k64x4 s4 w8 st1 (sum)"), ("int8", 16, "t16 n128 k64x2 s4 w4 st3 (dot)")])
 def test_defaults_are_the_h200_sweeps_best(kind, tokens, best):
     """benchmarks/results/round3/quant_sweep.json: 4096 x 14336, int4 g128, per channel;
     fp8 ([N, K] since round 10): benchmarks/results/round10/w8a8_sweep.json; int4 ([N, K/2]
-    since round 17): benchmarks/results/round17/int4_sweep.json."""
+    since round 17): benchmarks/results/round18/call10/int4_grid.json."""
     dtype = {"int4": jnp.uint8, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kind]
     packed = jnp.zeros(packed_shape(kind, 4096, 14336), dtype)
     w = QuantizedWeight(packed, jnp.ones((32 if kind == "int4" else 1, 14336)), kind=kind)
