@@ -39,10 +39,12 @@ pairs instead (`tile_dequant.INT4_BF16_ASM`: 128 + u ORed into 128.0's mantissa,
 for one token (16 padded rows): Triton 3.9 sm_90a SASS of the default loops, 6.0 (T=16) and
 6.1 (T=1, elementwise) -> 3.4 instructions a weight;
 H200, 24 matrices 4096 x 14336 g128, 0.700 -> 0.532 ms at T=1 and 0.725 -> 0.554 at T=16
-(benchmarks/RESULTS.md, round 17).
+(benchmarks/RESULTS.md, round 17), then 0.440 / 0.480 with x's tiles staged by cp.async and
+a finer grid (round 18).
 Tiling switch `int4_offset` (off by default): an int4 dot over 16-bit x takes the nibbles
 as bfloat16 128 + u (ORed into 128.0's mantissa, exact) and corrects each load's sums after
-its dot; a quarter fewer PTX instructions, yet slower on the H200 (RESULTS.md, round 15).
+its dot with x's per-load sums (`x_load_sums`, one XLA reduction); a quarter fewer PTX
+instructions, yet slower on the H200 (rounds 15 and 18: 0.606 ms against 0.440 at T=1).
 An int4 load reads `block_k / 2` packed columns inside one nibble block
 (`QuantizedWeight.span`): their low nibbles are one contiguous run of input rows and the
 high ones the run `span` rows later, so the kernel reads x as it is (the first layout paired
@@ -274,7 +276,7 @@ def offset_dot(kind: str, x_dtype, sizes: QuantMatmulBlockSizes) -> bool:
     cancellation (~2^-24 (128 + zero) / (u - zero) of a group's sum) stays far below the
     bf16 rounding of the reference's dequantized weight; float32 x keeps the FMA. Not the
     default: on the H200 it cut the T=16 loop's PTX instructions by a quarter but ran slower
-    (benchmarks/RESULTS.md, round 15)."""
+    (benchmarks/RESULTS.md, rounds 15 and 18)."""
     return (sizes.int4_offset and kind == "int4" and not sizes.elementwise
             and jnp.dtype(x_dtype).itemsize == 2)
 

@@ -3,10 +3,11 @@ weights it can tile, the default picked per call, and the candidates a sweep tim
 
 The defaults are the best tilings of the H200 sweep (`python -m pjinfer.benchmarks.quant_matmul
 --sweep --tokens 1 16`, 24 matrices of 4096 x 14336, benchmarks/results/round3/quant_sweep.json;
-ms for the stack, bf16 XLA 0.754 at T=1, 0.785 at T=16; int4 since it is stored [N, K/2]
-and dequantized in bf16 pairs: benchmarks/results/round17/int4_sweep.json, bf16 0.745 / 0.810):
-  int4 T=1   t16 n256 k128x2 s4 w8  0.532 (the elementwise float32 form: 0.622)
-  int4 T=16  t16 n256 k128x2 s4 w8  0.554 (128 columns: 0.633)
+ms for the stack, bf16 XLA 0.754 at T=1, 0.785 at T=16; int4, stored [N, K/2] and dequantized
+in bf16 pairs, from a grid of 96 tilings (`--sweep --grid`, benchmarks/results/round18/call10/
+int4_grid.json, bf16 0.743) and call11/int4_sweep16.json (bf16 0.779)):
+  int4 T=1   t16 n128 k128x1 s8 w4  0.440 (round 17's t16 n256 k128x2 s4 w8: 0.499)
+  int4 T=16  t16 n128 k128x1 s8 w4  0.480 (64 columns: 0.467; round 17's: 0.554)
   fp8  T=1   t1 n128 k64x4 s4 w8    0.614 (2 loads a step: 0.982)
   int8 T=1   t1 n128 k64x4 s4 w8    0.775 (0.834)
   fp8  T=16  t16 n128 k64x2 s4 w4   0.784 (8 warps: 0.862); int8 0.842 (0.887)
@@ -21,7 +22,9 @@ What bounds them is instructions more than bytes (`benchmarks/kernel_ptx.py`, Tr
 sm_90a, no GPU): the int4 T=16 dot's loop issued ~6 instructions per weight element when
 stored [K/2, N] (nibble to float, dequantizing FMA, bf16 conversion, byte-wise shared-memory
 loads and their permutes), 3.4 now (packed bf16 dequantization 2, MMA operand moves 0.5,
-MMA 0.25), and runs 1.41 TB/s of packed bytes (0.37 of the bf16 GEMV's).
+MMA 0.25), and runs 1.7 TB/s of packed bytes (0.45 of the bf16 GEMV's). Nsight Compute
+on the H200 (round 18) puts the rest in latency: 96 registers a thread, 5 programs (20 warps)
+an SM, 43% of issue slots used, the top stall the wait for a step's cp.async tiles.
 Instructions are not the whole bound, though: two variants that cut them ran slower on the
 H200 (fp8 with x widened first, round 11; int4 dots over 128 + u, round 15, 6.07 -> 4.55 an
 element at T=16, 0.725 -> ~1.0 ms); the sweep, not the PTX count, picks the defaults.
@@ -130,8 +133,9 @@ class Regime:
 # (int4?, elementwise?) -> the sweep's best on 4096 x 14336 (module docstring), as rules that
 # carry over to other widths: int4 one token 8 splits of 112 column tiles (896 programs;
 # 4 splits, 448, were 9% slower), so ~3x the others' target (since round 17 a sweep variant:
-# int4 dots at one token); one-byte kinds one token 4 loads a step; an int4 dot 256
-# columns x 4 splits (224 programs), one-byte dots 4 warps
+# int4 dots at one token); one-byte kinds one token 4 loads a step; an int4 dot the same
+# 896 programs of 128 columns, one load a step, 4 warps (round 18's grid: 256 columns
+# x 2 loads x 4 splits at 8 warps, 224 programs, was 13% slower); one-byte dots 4 warps
 REGIMES = {(True, True): Regime(128, 16 * 1024, 3 * MIN_PROGRAMS, 8, 1),
            (False, True): Regime(128, 32 * 1024, MIN_PROGRAMS, 8, 1),
            (True, False): Regime(128, 8 * 1024, 3 * MIN_PROGRAMS, 4, 3),
@@ -198,8 +202,8 @@ def pick_block_sizes(num_tokens: int, w: QuantizedWeight,
         elementwise = num_tokens <= ELEMENTWISE_MAX_TOKENS and not int4
     rules = regime(w.kind, elementwise)
     # int4 dots stay at 16 token rows up to the kernel's dispatch limit: 24-48 rows took
-    # 2.0-2.25 ms a stack in 64-row tiles on the H200, 0.88-1.33 in 16-row ones
-    # (benchmarks/results/round17/call6_7/int4_rows.json, call9/int4_rows16.json)
+    # 2.0-2.25 ms a stack in 64-row tiles on the H200, 0.73-0.98 in 16-row ones
+    # (benchmarks/results/round17/call6_7/int4_rows.json, round18/call12/int4_rows.json)
     small = num_tokens <= (INT4_DOT_ROWS if int4 else 16)
     bt = common.next_pow2(num_tokens) if elementwise else (16 if small else 64)
     block = 2 * w.span if int4 else group_rows  # a load stays inside this many input rows

@@ -38,6 +38,32 @@ def test_sweep_records_every_tiling_per_kind_and_tokens(tmp_path):
     assert all(r["tb_per_s"] > 0 for r in sweep["tilings"])
 
 
+def test_sweep_grid_times_each_combination(tmp_path):
+    out = tmp_path / "g.json"
+    quant_matmul.run(["--out", str(out), "--sweep", "--matrices", "1", "--k", "64", "--n", "32",
+                      "--tokens", "1", "--kinds", "int4", "--group-size", "32",
+                      "--samples", "1", "--calls", "1", "--grid", "num_warps=2,4",
+                      "num_stages=2,3"])
+    sweep = json.loads(out.read_text())["sweep"]["int4"]["1"]
+    got = {(r["block_sizes"]["num_warps"], r["block_sizes"]["num_stages"])
+           for r in sweep["tilings"]}
+    assert {(2, 2), (2, 3), (4, 2), (4, 3)} <= got and sweep["default"] in {
+        r["tiling"] for r in sweep["tilings"]}
+    assert all(r["relative_error"] < quant_matmul.MAX_ERROR for r in sweep["tilings"])
+
+
+def test_profile_driver_launches_each_tiling_in_order():
+    from pjinfer.benchmarks import quant_profile
+
+    tilings = ["t16 n32 k64x1 s2 w4 st2 (dot)", "t1 n32 k64x1 s1 w4 st1 (sum)"]
+    order = quant_profile.run(["--k", "128", "--n", "64", "--group-size", "64", "--repeat",
+                               "2", "--tilings", *tilings])
+    assert order == [tilings[0]] * 2 + [tilings[1]] * 2
+    with pytest.raises(SystemExit, match="does not tile"):
+        quant_profile.run(["--k", "128", "--n", "64", "--group-size", "64",
+                           "--tilings", "t16 n48 k64x1 s2 w4 st2 (dot)"])
+
+
 def test_kernel_check_records_error_and_rate(tmp_path):
     from pjinfer.benchmarks import quant_kernel_check
 

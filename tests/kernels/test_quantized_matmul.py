@@ -14,6 +14,7 @@ from pjinfer.kernels import quantized_matmul as qmm
 from pjinfer.kernels.quantized_matmul import (
     QuantMatmulBlockSizes,
     groupable,
+    x_load_sums,
     offset_dot,
     pick_block_sizes,
     quantized_matmul,
@@ -23,6 +24,7 @@ from pjinfer.kernels.quantized_matmul import (
 )
 from pjinfer.kernels.quantized_matmul_tiling import (
     INT4_DOT_ROWS,
+    grid_candidates,
     legacy_block_sizes,
     regime,
     sweep_candidates,
@@ -242,6 +244,48 @@ def test_block_sizes_fill_the_gpu_at_decode(kind, group, rows, cols):
     candidates = sweep_candidates(1, w, x)
     assert candidates[0] == pick_block_sizes(1, w) and len(set(candidates)) == len(candidates)
     assert legacy_block_sizes(1, w) in candidates and all(supported(x, w, c) for c in candidates)
+
+
+@pytest.mark.parametrize("sizes", [
+    QuantMatmulBlockSizes(),
+    QuantMatmulBlockSizes(block_t=1, block_n=64, block_k=64, unroll=4, k_splits=8,
+                          num_warps=8, num_stages=1),
+    QuantMatmulBlockSizes(weight_operand=1, int4_offset=True, num_stages=4)])
+def test_tiling_lines_parse_back(sizes):
+    """Benchmark records name tilings by `describe`; `parse` gives the same tiling back."""
+    assert QuantMatmulBlockSizes.parse(sizes.describe()) == sizes
+    with pytest.raises(ValueError, match="not a tiling line"):
+        QuantMatmulBlockSizes.parse("t16 n128 (dot)")
+
+
+def test_grid_candidates_cross_every_value_over_the_default():
+    from pjinfer.quantization.weight import quantize_int4
+
+    rng = np.random.default_rng(5)
+    w = quantize_int4(jnp.asarray(rng.standard_normal((512, 1024)), jnp.bfloat16), 128)
+    x = jnp.zeros((1, 512), jnp.bfloat16)
+    base = pick_block_sizes(1, w)
+    grid = grid_candidates(1, w, x, ["block_n=64,128", "num_stages=2,3", "int4_offset=0,1"])
+    assert grid[0] == base and len(set(grid)) == len(grid) == 8  # the default is one of them
+    assert {(c.block_n, c.num_stages, c.int4_offset) for c in grid} == {
+        (n, st, off) for n in (64, 128) for st in (2, 3) for off in (False, True)}
+    assert all(supported(x, w, c) for c in grid)
+    with pytest.raises(ValueError, match="FIELD=V1,V2"):
+        grid_candidates(1, w, x, ["block_m=4"])
+
+
+def test_x_load_sums_add_each_loads_two_runs():
+    """Load i of `load_rows` packed rows multiplies input rows `_x_runs(i)` (low nibbles) and
+    those `span` later (high): its sum is theirs."""
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((3, 256)), jnp.float32)
+    load_rows, span = 16, 64
+    sums = np.asarray(x_load_sums(x, load_rows, span))
+    assert sums.shape == (3, 256 // (2 * load_rows))
+    for i in range(sums.shape[1]):
+        starts, _ = qmm._x_runs(i, "int4", load_rows, span)
+        want = sum(np.asarray(x)[:, a:a + load_rows].sum(axis=1) for a in starts)
+        np.testing.assert_allclose(sums[:, i], want, rtol=1e-5)
 
 
 @pytest.mark.parametrize("rows, groups, span", [(4096, 32, 64), (256, 8, 16), (200, 1, 4),
