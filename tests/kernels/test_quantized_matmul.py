@@ -14,13 +14,13 @@ from pjinfer.kernels import quantized_matmul as qmm
 from pjinfer.kernels.quantized_matmul import (
     QuantMatmulBlockSizes,
     groupable,
-    x_load_sums,
     offset_dot,
     pick_block_sizes,
     quantized_matmul,
     quantized_matmul_reference,
     quantized_matmuls,
     supported,
+    x_load_sums,
 )
 from pjinfer.kernels.quantized_matmul_tiling import (
     INT4_DOT_ROWS,
