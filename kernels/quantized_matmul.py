@@ -324,14 +324,14 @@ def quantized_matmuls(x: jax.Array, ws: tuple[QuantizedWeight, ...], *, out_dtyp
     # the K-split sum then reads again: at T=1, 4 splits, a quarter of the weight's bytes)
     parts = [a for w in ws for a in (w.packed, w.scales, w.zeros) if a is not None]
     tiles = tuple(n // sizes.block_n for n in widths)
+    has_xsum = offset_dot(w0.kind, x.dtype, sizes)
     kernel = functools.partial(
         _kernel, kind=w0.kind, zero_point=w0.zero_point,
         group_rows=rows // w0.scales.shape[0], span=w0.span, sizes=sizes,
         steps=rows // (sizes.block_k * sizes.unroll * splits), has_zeros=w0.zeros is not None,
         tiles=tiles, late_scale=w0.kind == "fp8" and w0.scales.shape[0] == 1,
-        native=native_int4(w0.kind, x.dtype, sizes, interpret),
-        has_xsum=offset_dot(w0.kind, x.dtype, sizes))
-    sums = [x_load_sums(x, sizes.block_k // 2, w0.span)] if kernel.keywords["has_xsum"] else []
+        native=native_int4(w0.kind, x.dtype, sizes, interpret), has_xsum=has_xsum)
+    sums = [x_load_sums(x, sizes.block_k // 2, w0.span)] if has_xsum else []
     out = pl.pallas_call(  # every input whole: the kernel slices its own tiles (pow2 loads)
         kernel,
         grid=(-(-t // bt), sum(tiles), splits),
