@@ -424,6 +424,10 @@ stage_int4ncu() {
     step int4_ncu_sass 40 "$ncu" -i "$JSON/int4.ncu-rep" --csv --page source \
         --print-source sass --log-file "$JSON/int4_sass.csv"
     rm -f "$JSON/int4.ncu-rep"
+    gzip -f "$JSON/int4_raw.csv" "$JSON/int4_sass.csv"
+    step int4_ncu_summary 60 $PY -m pjinfer.benchmarks.ncu_summary \
+        --details "$JSON/int4_details.csv" --raw "$JSON/int4_raw.csv.gz" \
+        --sass "$JSON/int4_sass.csv.gz" --out "$JSON/int4_ncu_summary.json"
   else
     step int4_profile_plain 120 "${prof[@]}"
   fi
