@@ -82,12 +82,13 @@ def test_int4_tiles_become_bf16_pairs_in_one_dot_per_load(tokens, monkeypatch):
     (`tile_dequant.INT4_BF16_ASM`) and multiplied in a dot, at one token too; float32 x keeps the
     float32 form (the assembly's arithmetic is bf16)."""
     from pjinfer.benchmarks.kernel_ptx import triton_ir
-    from pjinfer.kernels.quantized_matmul import quantized_matmul
+    from pjinfer.kernels.quantized_matmul import pick_block_sizes, quantized_matmul
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     w = _weight("int4", D, F)
     bf16, f32 = (triton_ir(quantized_matmul, jax.ShapeDtypeStruct((tokens, D), dtype), w)[0]
                  for dtype in (jnp.bfloat16, jnp.float32))
-    assert bf16.count("tt.elementwise_inline_asm") == 2 * 2  # low, high nibbles; 2 loads a step
+    loads = pick_block_sizes(tokens, w).unroll  # loads a loop step
+    assert bf16.count("tt.elementwise_inline_asm") == 2 * loads  # low, high nibbles a load
     assert "lop3.b32" in bf16 and "fma.rn.bf16x2" in bf16 and "tt.dot" in bf16
     assert "tt.elementwise_inline_asm" not in f32
