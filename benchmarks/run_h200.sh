@@ -411,8 +411,10 @@ quant_w4() {  # W4 per KV cache dtype (auto = the model's, fp8 = e4m3), runs nam
 stage_int4ncu() {
   local ncu tilings grid
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  read -ra grid <<< "${INT4_GRID:-block_n=128,256 unroll=1,2 k_splits=2,4,8 num_warps=4,8 num_stages=2,3,4}"
-  IFS='|' read -ra tilings <<< "${INT4_TILINGS:-t16 n256 k128x2 s4 w8 st3 (dot)|t16 n256 k128x2 s4 w8 st2 (dot)|t16 n256 k128x1 s4 w8 st3 (dot)|t16 n128 k128x2 s4 w4 st3 (dot)}"
+  # default grid: round 18's best and half-height loads (block_k 64: 64 registers a thread
+  # offline, against 96, so 8 programs an SM instead of 5)
+  read -ra grid <<< "${INT4_GRID:-block_n=64,128 block_k=64,128 unroll=1,2 k_splits=8,16 num_warps=4 num_stages=3,4}"
+  IFS='|' read -ra tilings <<< "${INT4_TILINGS:-t16 n128 k128x1 s8 w4 st3 (dot)|t16 n128 k64x2 s8 w4 st3 (dot)}"
   local prof=($PY -m pjinfer.benchmarks.quant_profile --repeat 1 --tilings "${tilings[@]}")
   if [ -n "$ncu" ] && [ $SMOKE = 0 ]; then
     step int4_ncu_full 150 env XLA_PYTHON_CLIENT_PREALLOCATE=false "$ncu" --clock-control none \
