@@ -280,11 +280,12 @@ def grid_candidates(num_tokens: int, w: QuantizedWeight, x: jax.Array,
     axes: dict[str, list[int]] = {}
     for item in grid:
         name, _, values = item.partition("=")
-        if name not in names or not values:
-            raise ValueError(f"grid item {item!r}: want FIELD=V1,V2 with FIELD one of "
-                             f"{sorted(names)}")
+        numbers = values.split(",")
+        if name not in names or not all(v.strip().isdigit() for v in numbers):
+            raise ValueError(f"grid item {item!r}: want FIELD=V1,V2 (whole numbers; 0 / 1 for "
+                             f"a switch) with FIELD one of {sorted(names)}")
         kind = bool if isinstance(getattr(base, name), bool) else int  # switches: 0 / 1
-        axes[name] = [kind(int(v)) for v in values.split(",")]
+        axes[name] = [kind(int(v)) for v in numbers]
     combos = [dict(zip(axes, vs, strict=True)) for vs in itertools.product(*axes.values())]
     return _usable([base] + [dataclasses.replace(base, **c) for c in combos], x, w)
 

@@ -270,8 +270,9 @@ def test_grid_candidates_cross_every_value_over_the_default():
     assert {(c.block_n, c.num_stages, c.int4_offset) for c in grid} == {
         (n, st, off) for n in (64, 128) for st in (2, 3) for off in (False, True)}
     assert all(supported(x, w, c) for c in grid)
-    with pytest.raises(ValueError, match="FIELD=V1,V2"):
-        grid_candidates(1, w, x, ["block_m=4"])
+    for bad in (["block_m=4"], ["num_stages=two"], ["unroll="]):
+        with pytest.raises(ValueError, match="FIELD=V1,V2"):
+            grid_candidates(1, w, x, bad)
 
 
 def test_x_load_sums_add_each_loads_two_runs():
