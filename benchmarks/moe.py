@@ -18,8 +18,8 @@ gate/up fused ([T*k, 2048] x [E, 2048, 1536]) and down ([T*k, 768] x [E, 768, 20
 Each kernel is timed pipelined (`calls` back to back, one sync), best and median of `samples`;
 ratios divide by the best ceilings. Both `backend=auto` (the Pallas kernel on a GPU, ragged_dot
 elsewhere) and plain `jax.lax.ragged_dot` are measured; `--block-m/-n/-k` sweep the kernel's
-tiling (each a list, with `--num-warps` / `--num-stages`) on the prefill shapes, and on the
-decode ones with `--decode-sweep`.
+tiling (each a list, with `--num-warps` / `--num-stages` / `--band`: the program order) on
+the prefill shapes, and on the decode ones with `--decode-sweep`.
 """
 
 from __future__ import annotations
@@ -101,6 +101,7 @@ def _kernels(backend_sizes: list[dict]) -> dict[str, Any]:
     for sizes in backend_sizes:
         name = ("pallas_m{block_m}_n{block_n}_k{block_k}_s{k_splits}_w{num_warps}"
                 "_st{num_stages}").format(**sizes)
+        name += "" if sizes["band"] is None else f"_b{sizes['band']}"
         fns[name] = jax.jit(functools.partial(grouped_matmul, interpret=interpret, **sizes))
     return fns
 
@@ -142,10 +143,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     if args.decode_layer:
         record["decode_layer"] = _decode_layer(s, args, timing, ceilings.hbm_bytes_per_s)
         return record
-    sweep = [dict(block_m=m_, block_n=n_, block_k=k_, k_splits=s_, num_warps=w_, num_stages=st_)
-             for m_, n_, k_, s_, w_, st_ in itertools.product(
+    sweep = [dict(block_m=m_, block_n=n_, block_k=k_, k_splits=s_, num_warps=w_,
+                  num_stages=st_, band=b_)
+             for m_, n_, k_, s_, w_, st_, b_ in itertools.product(
                  args.block_m, args.block_n, args.block_k, args.k_splits, args.num_warps,
-                 args.num_stages)]
+                 args.num_stages, args.band)]
     fns = _kernels(sweep)
     record["prefill"] = _prefill(fns, s, timing, ceilings.matmul_flops_per_s, args.seed)
     decode_fns = fns if args.decode_sweep else {k: fns[k] for k in ("ragged_dot", "auto")}
@@ -264,6 +266,13 @@ def _print(record: dict[str, Any]) -> None:
     print_table("Grouped matmul", rows)
 
 
+def _band(text: str) -> int | None:
+    """--band value: 'all' (None: one band of every tile) or a positive tile count."""
+    if text == "all":
+        return None
+    return positive_int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -278,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--k-splits", type=power_of_two, nargs="+", default=[1])
     parser.add_argument("--num-warps", type=power_of_two, nargs="+", default=[4])
     parser.add_argument("--num-stages", type=positive_int, nargs="+", default=[3])
+    parser.add_argument("--band", type=_band, nargs="+", default=[None],
+                        help="program orders: tiles per band (`grouped_matmul.band_order`), "
+                             "'all' for one band (tile fastest)")
     parser.add_argument("--decode-layer", action="store_true",
                         help="only the decode-layer comparison (sorted vs routed experts)")
     parser.add_argument("--routed-n", type=power_of_two, nargs="+", default=[32, 64, 128])

@@ -5,13 +5,14 @@ next `group_sizes[g]` rows; rows past the last group are 0 (what `jax.lax.ragged
 
 The rows of each group are cut into tiles of `block_m` rows that never straddle two groups
 (`group_tiles`, the same scheme as the ragged attention's query tiles), so a program
-multiplies one tile by one expert's weights: grid (tile, column block), each program walks
-K in `block_k` steps, gathering its rows of lhs and reading only its expert's [K, block_n]
-slice. Empty groups get no tile, so a decode step reads the weights of the experts its tokens
-chose and no others. Each tile stores its rows in place (a masked store), so the result
-needs no gather back to row order (at an 8,192-token prefill that gather moved as many bytes
-as a tenth of the GEMM's time); the tiles the groups leave over zero the rows past the last
-group. The number of tiles is static: cdiv(M, block_m) + min(G, M), enough for both.
+multiplies one tile by one expert's weights: grid ((tile, column block) in `band_order`, K
+split), each program walks K in `block_k` steps, gathering its rows of lhs and reading only
+its expert's [K, block_n] slice. Empty groups get no tile, so a decode step reads the
+weights of the experts its tokens chose and no others. Each tile stores its rows in place (a
+masked store), so the result needs no gather back to row order (at an 8,192-token prefill
+that gather moved as many bytes as a tenth of the GEMM's time); the tiles the groups leave
+over zero the rows past the last group. The number of tiles is static: cdiv(M, block_m) +
+min(G, M), enough for both.
 
 `routed_matmul` is the form for a decode step: per column block, a few programs share the
 step's token-expert assignments; for each expert chosen, one multiplies the rows of the tokens
@@ -74,12 +75,27 @@ def group_tiles(group_sizes: jax.Array, num_rows: int, block_m: int):
             valid.astype(jnp.int32))
 
 
+def band_order(program, num_tiles: int, num_cols: int, band: int):
+    """Program index -> (tile, column block), walking the column blocks of `band` tiles at a
+    time (tile fastest inside a band): programs running together then share their tiles' rows
+    of lhs and their experts' weights in L2. `band` >= the tiles: one band, tile fastest
+    (every column pass reads all of lhs again); 1: column fastest."""
+    per_band = band * num_cols
+    first = program // per_band * band
+    height = jnp.minimum(num_tiles - first, band)  # the last band may be shorter
+    local = program % per_band
+    return first + local % height, local // height
+
+
 def _kernel(group_ref, first_ref, valid_ref, lhs_ref, rhs_ref, o_ref, *, block_m: int,
-            block_n: int, block_k: int, k_steps: int):
+            block_n: int, block_k: int, k_steps: int, band: int):
     """One tile of `block_m` rows of one group times one [K / splits, block_n] slice of its
-    expert (split `pl.program_id(2)` of K), stored to its rows of split s's partial (o_ref
-    [splits * M, N]); a spare tile stores zeros."""
-    tile, col, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    expert (split `pl.program_id(1)` of K), stored to its rows of split s's partial (o_ref
+    [splits * M, N]); a spare tile stores zeros. Program `pl.program_id(0)` picks the
+    (tile, column block) in `band_order`."""
+    num_tiles, num_cols = group_ref.shape[0], o_ref.shape[1] // block_n
+    tile, col = band_order(pl.program_id(0), num_tiles, num_cols, band)
+    split = pl.program_id(1)
     group, first, num_valid = group_ref[tile], first_ref[tile], valid_ref[tile]
     num_rows = lhs_ref.shape[0]  # >= block_m
     # the tile's rows [first, first + num_valid) inside a window of block_m rows that stays
@@ -122,19 +138,20 @@ def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "k_splits",
-                                             "num_warps", "num_stages", "out_dtype",
+                                             "num_warps", "num_stages", "band", "out_dtype",
                                              "interpret"))
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                    block_m: int = 64, block_n: int = 128, block_k: int = 64, k_splits: int = 1,
-                   num_warps: int = 4, num_stages: int = 3, out_dtype=None,
-                   interpret: bool = False) -> jax.Array:
+                   num_warps: int = 4, num_stages: int = 3, band: int | None = None,
+                   out_dtype=None, interpret: bool = False) -> jax.Array:
     """Pallas grouped matmul: lhs [M, K] (rows sorted by group), rhs [G, K, N], group_sizes
     [G] -> [M, N] in `out_dtype` (default lhs's), float32 sums. Block sizes are powers of two
     (>= 16 on a GPU: Triton's dot); K and N are padded to them when they do not divide.
 
     `k_splits` > 1 cuts K into that many ranges, each its own program writing a float32
     partial sum, added afterwards: a decode step has few (tile, column) programs, too few to
-    keep every SM streaming weights, and splitting K multiplies them.
+    keep every SM streaming weights, and splitting K multiplies them. `band`: the programs'
+    order (`band_order`; None: all tiles, then the next column block).
     """
     _check(lhs, rhs, group_sizes)
     common.check_pow2(block_m=block_m, block_n=block_n, block_k=block_k, k_splits=k_splits)
@@ -145,12 +162,15 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     rhs_p = _pad_to(_pad_to(rhs, 1, block_k * k_splits), 2, block_n)  # [G, K', N']
     group, first, valid = group_tiles(group_sizes, num_rows, block_m)
     num_tiles, width = group.shape[0], rhs_p.shape[2]
+    if band is not None and band < 1:
+        raise ValueError(f"band is a number of tiles >= 1 (or None: all of them), got {band}")
     out_dtype = out_dtype or lhs.dtype
     whole = common.whole_spec
     out = pl.pallas_call(
         functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
-                          k_steps=lhs_p.shape[1] // (block_k * k_splits)),
-        grid=(num_tiles, width // block_n, k_splits),
+                          k_steps=lhs_p.shape[1] // (block_k * k_splits),
+                          band=min(band or num_tiles, num_tiles)),
+        grid=(num_tiles * (width // block_n), k_splits),
         in_specs=[whole((num_tiles,)), whole((num_tiles,)), whole((num_tiles,)),
                   whole(lhs_p.shape), whole(rhs_p.shape)],
         out_specs=whole((k_splits * rows_p, width)),

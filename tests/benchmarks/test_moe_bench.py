@@ -17,13 +17,14 @@ def test_routing_gives_each_token_top_k_distinct_experts():
 def test_smoke_record(tmp_path):
     out = tmp_path / "moe.json"
     assert main(["--smoke", "--calls", "1", "--samples", "1", "--block-m", "16",
-                 "--out", str(out)]) == 0
+                 "--band", "all", "2", "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
     assert rec["ceilings"]["matmul_flops_per_s"] > 0
     for name in ("gate_up", "down"):
         prefill = rec["prefill"][name]
         diffs = prefill["max_abs_diff_vs_ragged_dot"]
-        assert set(diffs) == {"ragged_dot", "auto", "pallas_m16_n128_k64_s1_w4_st3"}
+        assert set(diffs) == {"ragged_dot", "auto", "pallas_m16_n128_k64_s1_w4_st3",
+                              "pallas_m16_n128_k64_s1_w4_st3_b2"}
         assert max(diffs.values()) < 0.05  # bf16 sums in another order
         assert prefill["auto"]["vs_matmul_rate"] > 0
         assert all(d[name]["auto"]["vs_bandwidth"] > 0 for d in rec["decode"])
@@ -48,7 +49,8 @@ def test_decode_layer_record(tmp_path):
 def test_tile_flags_must_be_powers_of_two(capsys):
     for argv, said in ((["--routed-n", "24"], "tile sizes are powers of two"),
                        (["--block-m", "48"], "tile sizes are powers of two"),
-                       (["--k-splits", "0"], "give positive integers")):
+                       (["--k-splits", "0"], "give positive integers"),
+                       (["--band", "0"], "give positive integers")):
         with pytest.raises(SystemExit):
             main(["--smoke", *argv])
         assert said in capsys.readouterr().err

@@ -10,6 +10,7 @@ import pytest
 
 from pjinfer.kernels import ops
 from pjinfer.kernels.grouped_matmul import (
+    band_order,
     group_tiles,
     grouped_matmul,
     grouped_matmul_reference,
@@ -48,6 +49,35 @@ def test_kernel_matches_reference(m, k, n, g, bm, bn, bk, splits, tail):
     np.testing.assert_allclose(out, ref, **F32_TOL)
     np.testing.assert_allclose(jax.lax.ragged_dot(lhs, rhs, sizes), ref, **F32_TOL)
     assert not np.any(np.asarray(out)[m - tail:])
+
+
+@pytest.mark.parametrize("band", [1, 2, 3, None])
+def test_band_orders_match_the_reference(band):
+    """A group spanning several tiles, 4 column blocks: every program order stores the same."""
+    lhs, rhs, sizes = _inputs(band or 0, 70, 32, 64, 3, tail=3)
+    out = grouped_matmul(lhs, rhs, sizes, block_m=16, block_n=16, block_k=16, band=band,
+                         interpret=INTERPRET)
+    np.testing.assert_allclose(out, grouped_matmul_reference(lhs, rhs, sizes), **F32_TOL)
+
+
+@pytest.mark.parametrize("tiles, cols, band", [(7, 3, 1), (7, 3, 2), (7, 3, 4), (5, 4, 5),
+                                               (6, 1, 4), (1, 5, 3)])
+def test_band_order_visits_every_program_once(tiles, cols, band):
+    """Bands of `band` tiles (the last one shorter), column blocks walked inside each."""
+    program = jnp.arange(tiles * cols)
+    tile, col = (np.asarray(a) for a in band_order(program, tiles, cols, min(band, tiles)))
+    assert sorted(zip(tile.tolist(), col.tolist(), strict=True)) == [(t, c) for t in range(tiles)
+                                                        for c in range(cols)]
+    assert np.all(np.diff(tile // band) >= 0)  # band by band
+    if band == 1:
+        assert col.tolist() == list(range(cols)) * tiles  # column fastest
+
+
+def test_band_must_be_positive():
+    lhs, rhs, sizes = _inputs(0, 8, 16, 16, 2)
+    with pytest.raises(ValueError, match="band"):
+        grouped_matmul(lhs, rhs, sizes, block_m=16, block_n=16, block_k=16, band=0,
+                       interpret=INTERPRET)
 
 
 @pytest.mark.parametrize("seed", range(6))
