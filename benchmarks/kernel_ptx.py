@@ -12,7 +12,7 @@ Needs the `triton` package (not a pjinfer dependency), e.g.
     python -m pip install triton==3.9.0 --no-deps --target /tmp/triton
     python -m pjinfer.benchmarks.kernel_ptx --triton-path /tmp/triton --kind int4 --tokens 16 \
         --out int4_t16.json [--block-n 128 --num-warps 4 ...: tiling fields over the default;
-        --int4-offset: the int4 dot's 128 + u form; --scale-after-dot: its sums scaled per load]
+        --int4-offset: the int4 dot's 128 + u form]
     python -m pjinfer.benchmarks.kernel_ptx --triton-path /tmp/triton --kind decode_attention \
         --kv-dtype float8_e4m3fn --out decode_fp8.json   # Llama-3-8B heads, pages of 16
     (--kind ragged_attention: the mixed-step kernel, 2,048 query tokens of 256 sequences)
@@ -55,8 +55,6 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         p.add_argument(f"--{f.replace('_', '-')}", type=int, default=None)
     p.add_argument("--int4-offset", action="store_true",
                    help="int4 dots: the nibbles as bfloat16 128 + u (the tiling switch)")
-    p.add_argument("--scale-after-dot", action="store_true",
-                   help="int4 dots over u - zero, each load's sums scaled (the tiling switch)")
     a = p.parse_args(argv)
     if a.pages is not None and (a.pages < 1 or a.pages & (a.pages - 1)):
         p.error(f"--pages must be a power of two (Triton tiles), got {a.pages}")
@@ -222,7 +220,8 @@ def run(argv: list[str] | None = None) -> dict:
     if a.triton_path:
         sys.path.insert(0, a.triton_path)
     overrides = {f: getattr(a, f) for f in FIELDS if getattr(a, f) is not None}
-    overrides.update({f: True for f in ("int4_offset", "scale_after_dot") if getattr(a, f)})
+    if a.int4_offset:
+        overrides["int4_offset"] = True
     if a.kind in ATTENTION:
         pages = a.pages or (4 if a.kind == "decode_attention" else 2)  # the defaults' tilings
         ttir, sizes, elements = attention_ttir(a.kind, a.kv_dtype, pages)

@@ -45,8 +45,6 @@ Tiling switch `int4_offset` (off by default): an int4 dot over 16-bit x takes th
 as bfloat16 128 + u (ORed into 128.0's mantissa, exact) and corrects each load's sums after
 its dot with x's per-load sums (`x_load_sums`, one XLA reduction); a quarter fewer PTX
 instructions, yet slower on the H200 (rounds 15 and 18: 0.606 ms against 0.440 at T=1).
-Tiling switch `scale_after_dot` (off by default): the dot runs over the exact integers
-u - zero (two packed FMA fewer per 4 weights) and each load's float32 sums are scaled after it.
 An int4 load reads `block_k / 2` packed columns inside one nibble block
 (`QuantizedWeight.span`): their low nibbles are one contiguous run of input rows and the
 high ones the run `span` rows later, so the kernel reads x as it is (the first layout paired
@@ -139,7 +137,6 @@ def _program(x_ref, xs_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point:
     load_rows = bk // 2 if kind == "int4" else bk  # stored rows per load
     out_major = kind in OUT_MAJOR  # stored [N, K (/ 2)]: a load reads [bn, load_rows]
     nibbles_128 = offset_dot(kind, x_ref.dtype, sizes)
-    after_dot = scales_after_dot(kind, x_ref.dtype, sizes)
     cols = pl.ds(ids[1] * bn, bn)
     tok0 = ids[0] * bt
     num_rows = x_ref.shape[0]  # x is not padded to whole token tiles: a tile past its
@@ -178,18 +175,15 @@ def _program(x_ref, xs_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point:
 
     def dequant(p, s, z):
         """Packed tile -> float32 weight tiles [load_rows, bn] (int4: low, high nibbles;
-        fp8: [bn, load_rows]): (v - z) s = f (scale s) - (offset + z) s, one FMA an element;
-        s None: the integers v - z (int4, exact)."""
+        fp8: [bn, load_rows]): (v - z) s = f (scale s) - (offset + z) s, one FMA an element."""
         if native:
             return int4_bf16_native(p, s, z if z is not None else zero_point, out_major)
         fs, scale, offset = stored_values(p, kind)
         if late_scale:
             return list(fs)
         per_column = (slice(None), None) if out_major else (None, slice(None))
-        zero = z.astype(jnp.float32)[per_column] if z is not None else zero_point
-        if s is None:
-            return [f * scale - (offset + zero) for f in fs]
         s = s.astype(jnp.float32)[per_column]  # [1, bn] (fp8: [bn, 1])
+        zero = z.astype(jnp.float32)[per_column] if z is not None else zero_point
         shift = (offset + zero) * s if z is not None or offset + zero_point else None
         return [f * (scale * s) if shift is None else f * (scale * s) - shift for f in fs]
 
@@ -204,28 +198,24 @@ def _program(x_ref, xs_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point:
                                        preferred_element_type=jnp.float32)
         return jnp.dot(xp, w, preferred_element_type=jnp.float32)  # x [bt, rows] @ w [rows, bn]
 
-    def scaled_step(acc, p, s, z, x, sx):
-        """acc + one load's x @ ((u - zero) s) (one group: one scale and zero a column), the
-        scale applied to the load's dot sums: dots per nibble run over the integers u - zero,
-        or over 128 + u (`nibbles_128`) then corrected with x's sums over the load's rows `sx`
-        [bt] (`x_load_sums`)."""
-        ws = int4_offset_bf16(p) if nibbles_128 else dequant(p, None, z)
-        part = functools.reduce(jnp.add, [tile_dot(xp, w) for xp, w in zip(x, ws, strict=True)])
+    def offset_step(acc, p, s, z, x, sx):
+        """acc + one load's x @ ((u - zero) s): a dot per nibble run over 128 + u, then the
+        load's correction (one group: one scale and zero a column) with x's sum over the
+        load's rows `sx` [bt] (`x_load_sums`)."""
+        part = functools.reduce(jnp.add, [tile_dot(xp, w) for xp, w in
+                                          zip(x, int4_offset_bf16(p), strict=True)])
         s = s.astype(jnp.float32)
-        part = part * (s[:, None] if sizes.weight_lhs else s[None, :])
-        if not nibbles_128:
-            return acc + part
         zero = z.astype(jnp.float32) if z is not None else zero_point
         shift = (128.0 + zero) * s  # [bn]
         if sizes.weight_lhs:
-            return acc + part - shift[:, None] * sx[None, :]
-        return acc + part - sx[:, None] * shift[None, :]
+            return acc + part * s[:, None] - shift[:, None] * sx[None, :]
+        return acc + part * s[None, :] - sx[:, None] * shift[None, :]
 
     def consume(acc, tiles):
         acc = list(acc)
         for p, s, z, x, sx in tiles:
-            if after_dot:
-                acc[0] = scaled_step(acc[0], p, s, z, x, sx)
+            if nibbles_128:
+                acc[0] = offset_step(acc[0], p, s, z, x, sx)
                 continue
             for xp, w in zip(x, dequant(p, s, z), strict=True):
                 if sizes.elementwise:  # [load_rows, bn] += x[t, rows, None] * w
@@ -289,13 +279,6 @@ def offset_dot(kind: str, x_dtype, sizes: QuantMatmulBlockSizes) -> bool:
     (benchmarks/RESULTS.md, rounds 15 and 18)."""
     return (sizes.int4_offset and kind == "int4" and not sizes.elementwise
             and jnp.dtype(x_dtype).itemsize == 2)
-
-
-def scales_after_dot(kind: str, x_dtype, sizes: QuantMatmulBlockSizes) -> bool:
-    """Whether an int4 dot scales each load's sums after it (the tiling's `scale_after_dot`,
-    or the 128 + u dot's correction) instead of each weight before it."""
-    return kind == "int4" and not sizes.elementwise and (
-        sizes.scale_after_dot or offset_dot(kind, x_dtype, sizes))
 
 
 def groupable(ws: Sequence[QuantizedWeight]) -> bool:

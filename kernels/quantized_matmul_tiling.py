@@ -54,10 +54,7 @@ class QuantMatmulBlockSizes(common.BlockSizes):
     when it starts and >= 2 prefetches the next step's into registers. `weight_operand`: the
     dequantized tile's place in a dot, 2 (x @ w: 16 token rows) or 1 (w^T @ x^T: the MMA's
     rows are the weight's columns, the operand an MMA may take from registers, so the tile
-    need not be staged through shared memory; tokens are its narrow side).
-    `scale_after_dot` (int4 dots): each load's dot runs over the exact integers u - zero and
-    its [bt, bn] float32 sums are scaled after it (one FMA a sum, not a multiply a weight);
-    `int4_offset` scales after the dot too."""
+    need not be staged through shared memory; tokens are its narrow side)."""
 
     block_t: int = 16
     block_n: int = 128
@@ -68,7 +65,6 @@ class QuantMatmulBlockSizes(common.BlockSizes):
     num_stages: int = 3
     weight_operand: int = 2
     int4_offset: bool = False
-    scale_after_dot: bool = False
 
     @property
     def elementwise(self) -> bool:
@@ -83,7 +79,6 @@ class QuantMatmulBlockSizes(common.BlockSizes):
         """One short line for benchmark records: t16 n128 k128x2 s8 w8 st3 (dot)."""
         mode = "sum" if self.elementwise else "wT.dot" if self.weight_lhs else "dot"
         mode += "+128" if self.int4_offset and not self.elementwise else ""
-        mode += "+s" if self.scale_after_dot and not self.elementwise else ""
         return (f"t{self.block_t} n{self.block_n} k{self.block_k}x{self.unroll} "
                 f"s{self.k_splits} w{self.num_warps} st{self.num_stages} ({mode})")
 
@@ -91,14 +86,14 @@ class QuantMatmulBlockSizes(common.BlockSizes):
     def parse(cls, text: str) -> QuantMatmulBlockSizes:
         """The tiling a `describe` line names (benchmark records back into tilings)."""
         m = re.fullmatch(r"t(\d+) n(\d+) k(\d+)x(\d+) s(\d+) w(\d+) st(\d+)"
-                         r" \((sum|dot|wT\.dot)(\+128)?(\+s)?\)", text.strip())
+                         r" \((sum|dot|wT\.dot)(\+128)?\)", text.strip())
         if m is None:
             raise ValueError(f"not a tiling line like 't16 n256 k128x2 s4 w8 st3 (dot)': "
                              f"{text!r}")
         t, n, k, u, s, w, st = (int(g) for g in m.groups()[:7])
         return cls(block_t=t, block_n=n, block_k=k, unroll=u, k_splits=s, num_warps=w,
                    num_stages=st, weight_operand=1 if m[8] == "wT.dot" else 2,
-                   int4_offset=m[9] is not None, scale_after_dot=m[10] is not None)
+                   int4_offset=m[9] is not None)
 
 
 def supported(x: jax.Array, w: QuantizedWeight, sizes: QuantMatmulBlockSizes) -> bool:

@@ -35,13 +35,11 @@ def int4_offset_bf16(p):
 # PTX: 4 packed int4 bytes ($2) -> the bfloat16 weights (u - zero) s of their low nibbles
 # (`shift` 0) or high ones (4), element i from byte i, in two bf16x2 registers ($0, $1).
 # PRMT spreads bytes 0, 1 (2, 3) to a register's two halves, a LOP3 ORs each nibble into
-# 128.0's low mantissa bits (128 + u, exact), one FMA adds minus (128 + zero) ($3, $4 when
-# unscaled, else $5, $6; exact: small integers) and, scaled, one multiplies by the scale
-# ($3, $4): the same single rounding of (u - zero) s to bf16 that the reference's dequantized
-# weight has, at 2 PRMT + 2 LOP3 + 4 packed FMA per 4 weights (the float32 form: ~4
-# instructions a weight, then a convert). Unscaled (the scale applied to a load's dot sums,
-# `QuantMatmulBlockSizes.scale_after_dot`): the exact integers u - zero, 2 packed FMA fewer.
-_INT4_BF16_HEAD = """{{
+# 128.0's low mantissa bits (128 + u, exact), one FMA adds minus (128 + zero) ($5, $6; exact:
+# small integers) and one multiplies by the scale ($3, $4): the same single rounding of
+# (u - zero) s to bf16 that the reference's dequantized weight has, at 2 PRMT + 2 LOP3 + 4
+# packed FMA per 4 weights (the float32 form: ~4 instructions a weight, then a convert).
+INT4_BF16_ASM = """{{
 .reg .b32 t<2>, one, nzero;
 mov.b32 one, 0x3F803F80;
 mov.b32 nzero, 0x80008000;
@@ -50,35 +48,27 @@ prmt.b32 t1, $2, 0, 0x4342;
 {shift}
 lop3.b32 t0, t0, 0x000F000F, 0x43004300, 0xEA;
 lop3.b32 t1, t1, 0x000F000F, 0x43004300, 0xEA;
-"""
-INT4_BF16_ASM = _INT4_BF16_HEAD + """fma.rn.bf16x2 t0, t0, one, $5;
+fma.rn.bf16x2 t0, t0, one, $5;
 fma.rn.bf16x2 t1, t1, one, $6;
 fma.rn.bf16x2 $0, t0, $3, nzero;
 fma.rn.bf16x2 $1, t1, $4, nzero;
-}}"""
-INT4_BF16_UNSCALED_ASM = _INT4_BF16_HEAD + """fma.rn.bf16x2 $0, t0, one, $3;
-fma.rn.bf16x2 $1, t1, one, $4;
 }}"""
 _HIGH = "shr.b32 t0, t0, 4;\nshr.b32 t1, t1, 4;"
 
 
 def int4_bf16_native(p, s, zero, out_major: bool):
-    """Packed bytes [bn, rows] (out_major, else [rows, bn]), scales [bn] (None: unscaled, the
-    integers u - zero), zeros ([bn] or a number) -> bfloat16 weight tiles (low nibbles, high
-    nibbles) by `INT4_BF16_ASM` (Triton on a GPU only: interpret mode has no inline assembly)."""
+    """Packed bytes [bn, rows] (out_major, else [rows, bn]), scales [bn], zeros ([bn] or a
+    number) -> bfloat16 weight tiles (low nibbles, high nibbles) by `INT4_BF16_ASM`
+    (Triton on a GPU only: interpret mode has no inline assembly)."""
     column = (slice(None), None) if out_major else (None, slice(None))
+    s = jnp.broadcast_to(s.astype(jnp.bfloat16)[column], p.shape)
     zero = zero.astype(jnp.float32) if hasattr(zero, "shape") else jnp.float32(zero)
     minus = jnp.broadcast_to(-(128.0 + zero), p.shape[0] if out_major else p.shape[1])
     minus = jnp.broadcast_to(minus.astype(jnp.bfloat16)[column], p.shape)
-    if s is None:
-        asm, args = INT4_BF16_UNSCALED_ASM, [p, minus]
-    else:
-        asm, args = INT4_BF16_ASM, [p, jnp.broadcast_to(s.astype(jnp.bfloat16)[column], p.shape),
-                                    minus]
     # one call per nibble half: jax's lowering of a multi-result inline assembly returns one
     # value (jax 0.10.2), so the two halves cannot come out of one block (each repeats the PRMTs)
     return tuple(pltriton.elementwise_inline_asm(
-        asm.format(shift=shift), args=args, constraints="=r,=r" + ",r" * (2 * len(args) - 1),
+        INT4_BF16_ASM.format(shift=shift), args=[p, s, minus], constraints="=r,=r,r,r,r,r,r",
         pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(p.shape, jnp.bfloat16)])[0]
         for shift in ("", _HIGH))
 

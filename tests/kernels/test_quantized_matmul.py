@@ -19,7 +19,6 @@ from pjinfer.kernels.quantized_matmul import (
     quantized_matmul,
     quantized_matmul_reference,
     quantized_matmuls,
-    scales_after_dot,
     supported,
     x_load_sums,
 )
@@ -124,42 +123,6 @@ def test_int4_offset_dot_matches_reference(asym, group, tokens, sizes):
     assert out.dtype == jnp.bfloat16 and out.shape == (tokens, 64)
     assert rel_err(out, ref) < TOL[jnp.bfloat16]
     assert rel_err(out, exact) <= 1.5 * rel_err(ref, exact)
-
-
-# the scale applied to each load's dot sums: 16 and 37 tokens, the weight as the first operand
-AFTER_TILINGS = [(16, QuantMatmulBlockSizes(block_t=16, block_n=32, block_k=32, unroll=2,
-                                            k_splits=2, scale_after_dot=True)),
-                 (37, QuantMatmulBlockSizes(block_t=32, block_n=64, block_k=32,
-                                            scale_after_dot=True)),
-                 (5, QuantMatmulBlockSizes(block_t=16, block_n=32, block_k=32, k_splits=4,
-                                           weight_operand=1, scale_after_dot=True))]
-
-
-@pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("asym, group", [(True, 32), (False, 128)])
-@pytest.mark.parametrize("tokens, sizes", AFTER_TILINGS)
-def test_int4_scale_after_dot_matches_reference(x_dtype, asym, group, tokens, sizes):
-    """Dots over the integers u - zero, scaled per load: within the reference's own rounding
-    of x's dtype, and no further from float32 than the reference."""
-    rng = np.random.default_rng(3 * tokens + group)
-    w = _weight(rng, "int4", 256, 64, group, asym)
-    x = jnp.asarray(rng.standard_normal((tokens, 256)), x_dtype)
-    assert supported(x, w, sizes) and scales_after_dot("int4", x.dtype, sizes)
-    out = quantized_matmul(x, w, block_sizes=sizes, interpret=True)
-    ref = quantized_matmul_reference(x, w)
-    exact = quantized_matmul_reference(x.astype(jnp.float32), w)
-    assert out.dtype == x_dtype and out.shape == (tokens, 64)
-    assert rel_err(out, ref) < TOL[x_dtype]
-    assert rel_err(out, exact) <= 1.5 * rel_err(ref, exact) + 1e-6
-
-
-def test_scale_after_dot_only_for_int4_dots():
-    assert scales_after_dot("int4", jnp.bfloat16, QuantMatmulBlockSizes(scale_after_dot=True))
-    assert scales_after_dot("int4", jnp.bfloat16, QuantMatmulBlockSizes(int4_offset=True))
-    assert not scales_after_dot("int4", jnp.bfloat16, QuantMatmulBlockSizes())
-    assert not scales_after_dot("int4", jnp.bfloat16,
-                                QuantMatmulBlockSizes(block_t=1, scale_after_dot=True))
-    assert not scales_after_dot("int8", jnp.bfloat16, QuantMatmulBlockSizes(scale_after_dot=True))
 
 
 def test_offset_dot_only_for_int4_dots_over_16_bit_x():
@@ -287,8 +250,7 @@ def test_block_sizes_fill_the_gpu_at_decode(kind, group, rows, cols):
     QuantMatmulBlockSizes(),
     QuantMatmulBlockSizes(block_t=1, block_n=64, block_k=64, unroll=4, k_splits=8,
                           num_warps=8, num_stages=1),
-    QuantMatmulBlockSizes(weight_operand=1, int4_offset=True, num_stages=4),
-    QuantMatmulBlockSizes(k_splits=8, scale_after_dot=True)])
+    QuantMatmulBlockSizes(weight_operand=1, int4_offset=True, num_stages=4)])
 def test_tiling_lines_parse_back(sizes):
     """Benchmark records name tilings by `describe`; `parse` gives the same tiling back."""
     assert QuantMatmulBlockSizes.parse(sizes.describe()) == sizes
