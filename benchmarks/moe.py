@@ -1,11 +1,13 @@
 """Grouped matmul (the MoE expert GEMMs) against the device's own ceilings, as JSON.
 
   python -m pjinfer.benchmarks.moe --out moe_gmm.json            # H200: Qwen3-30B-A3B shapes
+  python -m pjinfer.benchmarks.moe --shapes mixtral --out m.json  # Mixtral-8x7B's experts
   python -m pjinfer.benchmarks.moe --smoke --out /tmp/moe.json   # CPU: tiny shapes, plumbing
 
 Shapes: Qwen3-30B-A3B's experts (hidden 2048, expert intermediate 768, 128 experts, top-8),
-gate/up fused ([T*k, 2048] x [E, 2048, 1536]) and down ([T*k, 768] x [E, 768, 2048]).
-- prefill: 8,192 tokens, routed uniformly at random (every expert gets ~512 rows). Rate =
+gate/up fused ([T*k, 2048] x [E, 2048, 1536]) and down ([T*k, 768] x [E, 768, 2048]);
+`--shapes mixtral`: hidden 4096, intermediate 14336, 8 experts, top-2.
+- prefill: 8,192 tokens, routed uniformly at random (Qwen3: every expert gets ~512 rows). Rate =
   2 x rows x K x N FLOPs / time, over the bf16 matmul rate measured here the way
   `pjinfer.benchmarks.ceilings` measures it (the step's own projection shapes, pipelined).
 - decode: 1-64 tokens. Bytes = the experts the routing actually touched (distinct experts x
@@ -49,6 +51,9 @@ from pjinfer.benchmarks.common import (
 
 QWEN3_30B = dict(hidden=2048, inter=768, experts=128, top_k=8, prefill_tokens=8192,
                  decode_tokens=(1, 2, 4, 8, 16, 32, 64))
+MIXTRAL_8X7B = dict(hidden=4096, inter=14336, experts=8, top_k=2, prefill_tokens=8192,
+                    decode_tokens=(1, 2, 4, 8, 16, 32, 64))
+SHAPES = {"qwen3": QWEN3_30B, "mixtral": MIXTRAL_8X7B}
 SMOKE = dict(hidden=64, inter=32, experts=8, top_k=2, prefill_tokens=64, decode_tokens=(1, 4))
 
 
@@ -130,7 +135,7 @@ def run_case(fns: dict, m: int, k: int, n: int, sizes: np.ndarray, timing: dict,
 def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     import jax
 
-    s = SMOKE if args.smoke else QWEN3_30B
+    s = SMOKE if args.smoke else SHAPES[args.shapes]
     on_cpu = jax.default_backend() == "cpu"
     timing = timing_plan(args.calls, args.samples, 2, on_cpu=on_cpu)
     record = new_record("moe_grouped_matmul", argv, vars(args))
@@ -278,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None, help="write the JSON record here")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check)")
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="qwen3",
+                        help="the experts' shapes: Qwen3-30B-A3B or Mixtral-8x7B")
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--samples", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
