@@ -5,8 +5,10 @@ The decode kernels are bound by instructions more than bytes (int4: ~6 PTX instr
 weight element in the T=16 dot's loop, ~12 per packed byte), so a variant can be judged
 before device time: this exports `quantized_matmul` for CUDA (the Pallas -> Triton IR
 lowering), compiles that IR with the `triton` package for sm_90a, and records the main
-loop's instruction mix per weight element each thread handles, shared memory, registers and
-spills (ptxas -v). The device numbers (ms, TB/s) still come from `quant_matmul --sweep`.
+loop's instruction mix per weight element each thread handles, in PTX and in the SASS that
+ptxas makes of it (cuobjdump: what the SM issues, after ptxas' own rewrites; `--sass FILE`
+keeps the listing), shared memory, registers and spills (ptxas -v). The device numbers (ms,
+TB/s) still come from `quant_matmul --sweep`.
 
 Needs the `triton` package (not a pjinfer dependency), e.g.
     python -m pip install triton==3.9.0 --no-deps --target /tmp/triton
@@ -53,6 +55,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--triton-path", default=None, help="folder holding the triton package")
     for f in FIELDS:
         p.add_argument(f"--{f.replace('_', '-')}", type=int, default=None)
+    p.add_argument("--sass", default=None, help="also write the kernel's SASS (cuobjdump) here")
     p.add_argument("--int4-offset", action="store_true",
                    help="int4 dots: the nibbles as bfloat16 128 + u (the tiling switch)")
     a = p.parse_args(argv)
@@ -205,12 +208,36 @@ def compile_sm90(ttir: str, sizes, elements: int, workdir: Path) -> dict:
                           "-o", str(workdir / "kernel.cubin")], capture_output=True, text=True)
     regs = re.search(r"Used (\d+) registers", out.stderr)
     spill = re.search(r"(\d+) bytes spill stores", out.stderr)
+    sass = subprocess.run([str(bins[0].parent / "cuobjdump"), "-sass",
+                           str(workdir / "kernel.cubin")], capture_output=True, text=True).stdout
+    (workdir / "kernel.sass").write_text(sass)
+    sass_mix = op_counts("\n".join(sass_loop(sass)), SASS_OP)
     return {"shared_bytes": kernel.metadata.shared, "loop_instructions": sum(mix.values()),
             "elements_per_thread_step": elements,
             "instructions_per_element": sum(mix.values()) / elements, "loop_mix": mix,
+            "sass_loop_instructions": sum(sass_mix.values()),
+            "sass_per_element": sum(sass_mix.values()) / elements, "sass_loop_mix": sass_mix,
             "registers": int(regs.group(1)) if regs else None,
             "spill_store_bytes": int(spill.group(1)) if spill else None,
             "ptxas": out.stderr.strip()[-400:]}
+
+
+# a SASS instruction line of cuobjdump: /*0a60*/  [@P0] OPCODE[.modifiers] ...
+SASS_OP = r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)"
+
+
+def sass_loop(sass: str) -> list[str]:
+    """The SASS lines of the longest backward branch (the main loop), what the SM issues."""
+    lines = sass.splitlines()
+    at = {int(m.group(1), 16): i for i, line in enumerate(lines)
+          if (m := re.search(r"/\*([0-9a-f]{4,})\*/", line))}
+    best = (0, -1)
+    for i, line in enumerate(lines):
+        branch = re.search(r"\bBRA\s+(0x[0-9a-f]+)", line)
+        start = at.get(int(branch.group(1), 16)) if branch else None
+        if start is not None and start < i and i - start > best[1] - best[0]:
+            best = (start, i)
+    return lines[best[0]:best[1] + 1]
 
 
 def run(argv: list[str] | None = None) -> dict:
@@ -238,10 +265,14 @@ def run(argv: list[str] | None = None) -> dict:
     except ImportError:
         record["sm90"] = None  # the IR only; see the module docstring
     else:
-        record["sm90"] = compile_sm90(ttir, sizes, elements, Path(tempfile.mkdtemp()))
+        workdir = Path(tempfile.mkdtemp())
+        record["sm90"] = compile_sm90(ttir, sizes, elements, workdir)
+        if a.sass:
+            Path(a.sass).write_text((workdir / "kernel.sass").read_text())
         sm = record["sm90"]
-        print(f"{record['tiling']}: {sm['instructions_per_element']:.2f} instructions per "
-              f"element, {sm['registers']} registers, {sm['shared_bytes']} B shared", flush=True)
+        print(f"{record['tiling']}: {sm['instructions_per_element']:.2f} PTX / "
+              f"{sm['sass_per_element']:.2f} SASS instructions per element, {sm['registers']} "
+              f"registers, {sm['shared_bytes']} B shared", flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(record, indent=1))
     return record

@@ -110,6 +110,23 @@ def test_kernel_ptx_reads_the_triton_ir_without_a_gpu(tmp_path):
         "fma": 1, "ld": 1}
 
 
+def test_sass_loop_is_the_longest_backward_branch():
+    """cuobjdump lines: the loop is what lies between the longest backward branch and its
+    target (a branch to itself, the kernel's trailing trap, is no loop)."""
+    from pjinfer.benchmarks import kernel_ptx
+
+    lines = ["        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+             "        /*0010*/                   IMAD.MOV.U32 R2, RZ, RZ, 0x1 ;",
+             "        /*0020*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;",
+             "        /*0030*/               @P0 BRA 0x10 ;",
+             "        /*0040*/                   EXIT ;",
+             "        /*0050*/                   BRA 0x50;"]
+    loop = kernel_ptx.sass_loop("\n".join(lines))
+    assert loop == lines[1:4]
+    assert kernel_ptx.op_counts("\n".join(loop), kernel_ptx.SASS_OP) == {
+        "IMAD": 1, "HMMA": 1, "BRA": 1}
+
+
 def test_kernel_ptx_reads_the_decode_attention_kernel(tmp_path):
     """Over an fp8 cache the bf16 query's kernel widens each page to float16 (one convert
     per K and V load) and both dots take float16 operands."""
