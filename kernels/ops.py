@@ -215,10 +215,16 @@ def default_grouped_block_sizes(rows: int, groups: int, k: int, n: int) -> dict[
     divide the weights, so a tp shard's slice (e.g. 768 / 8 = 96 columns) is never padded,
     which would copy the weights every call. The prefill tiling is the best of 24 tilings
     swept (19 compiled) on the H200 at Qwen3-30B-A3B shapes (`benchmarks/moe.py`, RESULTS
-    round 12)."""
+    round 12), its programs in bands of a quarter of an average expert's row tiles
+    (`grouped_matmul.band_order`; RESULTS round 19: Qwen3-30B-A3B's ~4 tiles an expert best
+    column-fastest, gate/up 0.66 -> 0.71-0.73 of the matmul rate, down 0.55 -> 0.61-0.62;
+    Mixtral-8x7B's 16 in bands of 4, 0.81 / 0.84 -> 0.88 / 0.92, where column-fastest
+    re-streams an expert's 112 gate/up column blocks for every tile: 0.65)."""
     if rows > 4 * groups:
-        return dict(block_m=128, block_n=_dividing(256, n), block_k=_dividing(64, k),
-                    num_warps=8, num_stages=4)
+        block_m = 128
+        quarter = max(1, rows // (groups * block_m * 4))
+        return dict(block_m=block_m, block_n=_dividing(256, n), block_k=_dividing(64, k),
+                    num_warps=8, num_stages=3, band=1 << (quarter.bit_length() - 1))
     bn, bk = _dividing(128, n), _dividing(128, k)
     programs = min(rows, groups) * -(-n // bn)  # (tile, column) programs when all are busy
     splits = 1  # split K until ~512 programs stream weights, each keeping >= 4 K steps

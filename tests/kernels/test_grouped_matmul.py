@@ -216,6 +216,17 @@ def test_default_tiling_divides_a_tp_shards_weights():
     # Mixtral's down projection at batch 1: 2 experts x 32 column blocks, K split 8 ways
     assert ops.default_grouped_block_sizes(2, 8, 14336, 4096)["k_splits"] == 8
     prefill = ops.default_grouped_block_sizes(65536, 128, 96, 2048)
-    assert prefill == dict(block_m=128, block_n=256, block_k=32, num_warps=8, num_stages=4)
+    assert prefill == dict(block_m=128, block_n=256, block_k=32, num_warps=8, num_stages=3,
+                           band=1)
+
+
+@pytest.mark.parametrize("rows, groups, band", [
+    (65536, 128, 1),  # Qwen3-30B-A3B, 8,192 tokens: ~4 tiles an expert, column-fastest
+    (16384, 8, 4),  # Mixtral-8x7B, 8,192 tokens: 16 tiles an expert
+    (12288, 8, 2),  # 12 tiles an expert: a power of two, rounded down
+    (4 * 128 * 2 + 8, 2, 1),  # just in the prefill regime
+])
+def test_prefill_bands_are_a_quarter_of_an_experts_tiles(rows, groups, band):
+    assert ops.default_grouped_block_sizes(rows, groups, 2048, 1536)["band"] == band
     # a 96-column tp slice of the gate/up weights: N shrinks to divide it
     assert ops.default_grouped_block_sizes(65536, 128, 2048, 96)["block_n"] == 32
