@@ -203,7 +203,7 @@ ROUTED_SPLITS = 128
 
 def _routed_kernel(ids_ref, lhs_ref, rhs_ref, o_ref, *, block_n: int, block_k: int,
                    k_steps: int, per_assignment: bool, splits: int, padded: tuple[int, int]):
-    """Program (column block, split s, K range q): assignments s, s + splits, ... of the flat
+    """Program (column block, K range q, split s): assignments s, s + splits, ... of the flat
     [T*k] ids. Each one that is its expert's first (and not inactive) multiplies every token
     that chose that expert over K range q (`k_steps` blocks), as one dense [T, bk] x [bk, bn]
     dot (other tokens' rows masked to 0), and stores to those tokens' assignment rows of
@@ -213,7 +213,7 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, o_ref, *, block_n: int, block_k: i
     `padded` [Tp, kp] (Tp >= 16 for the dot) with the extra entries inactive (-1), and a
     padding token's lhs row clamped to lhs's last, masked out like any token that did not
     choose the expert."""
-    col, split, k_range = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    col, k_range, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     (real_t, choices), (num_tokens, top_k) = ids_ref.shape, padded
     token = jnp.arange(num_tokens, dtype=jnp.int32)
     choice = jnp.arange(top_k, dtype=jnp.int32)
@@ -263,7 +263,7 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
                   out_dtype=None, interpret: bool = False) -> jax.Array:
     """ids [T, k] (expert per token and choice, < 0: none) -> [T*k, N]: row t*k+j is
     lhs[t] (lhs [T, K]) or lhs[t*k+j] (`per_assignment`, lhs [T*k, K]) times rhs[ids[t, j]],
-    0 where ids[t, j] < 0. Grid (column block, split, K range): the programs of a column
+    0 where ids[t, j] < 0. Grid (column block, K range, split): the programs of a column
     block share the step's assignments (`splits` of them, at most one per assignment), each
     expert is read once whatever number of tokens chose it; T and k are padded to powers of
     two (>= 16 tokens: Triton's dot) inside the kernel. `k_splits` > 1 cuts K into that many
@@ -290,7 +290,9 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
         functools.partial(_routed_kernel, block_n=block_n, block_k=block_k,
                           k_steps=k_blocks // k_splits, per_assignment=per_assignment,
                           splits=splits, padded=(tp, kp)),
-        grid=(width // block_n, splits, k_splits),
+        # splits slowest: the programs of the first (real) assignments run first, every K
+        # range of them, and the padding's programs (which only find nothing to do) after
+        grid=(width // block_n, k_splits, splits),
         in_specs=[whole(ids_i.shape), whole(lhs_p.shape), whole(rhs_p.shape)],
         out_specs=whole((k_splits * tp * kp, width)),
         out_shape=jax.ShapeDtypeStruct((k_splits * tp * kp, width),
