@@ -78,6 +78,11 @@ def next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+def prev_pow2(x: int) -> int:
+    """Largest power of two <= x (>= 1)."""
+    return 1 << max(0, x.bit_length() - 1)
+
+
 def load_kv(x: jax.Array, dtype) -> jax.Array:
     """Cached K/V rows in the compute dtype (an fp8 cache is widened in registers)."""
     return x if x.dtype == dtype else x.astype(dtype)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from pjinfer.kernels import lora_matmul
 from pjinfer.kernels import quantized_matmul as qmm
 from pjinfer.kernels.backends import BACKENDS
-from pjinfer.kernels.common import AttentionParams
+from pjinfer.kernels.common import AttentionParams, prev_pow2
 from pjinfer.kernels.decode_attention import (
     decode_attention,
     decode_attention_reference,
@@ -222,9 +222,9 @@ def default_grouped_block_sizes(rows: int, groups: int, k: int, n: int) -> dict[
     re-streams an expert's 112 gate/up column blocks for every tile: 0.65)."""
     if rows > 4 * groups:
         block_m = 128
-        quarter = max(1, rows // (groups * block_m * 4))
+        band = prev_pow2(rows // (groups * block_m * 4))  # a quarter of an expert's tiles
         return dict(block_m=block_m, block_n=_dividing(256, n), block_k=_dividing(64, k),
-                    num_warps=8, num_stages=3, band=1 << (quarter.bit_length() - 1))
+                    num_warps=8, num_stages=3, band=band)
     bn, bk = _dividing(128, n), _dividing(128, k)
     programs = min(rows, groups) * -(-n // bn)  # (tile, column) programs when all are busy
     splits = 1  # split K until ~512 programs stream weights, each keeping >= 4 K steps

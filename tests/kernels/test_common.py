@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
-from pjinfer.kernels.common import AttentionParams, query_operand
+from pjinfer.kernels.common import AttentionParams, prev_pow2, query_operand
 from pjinfer.kernels.decode_attention import DecodeBlockSizes, decode_attention_reference
 from pjinfer.kernels.ragged_attention import RaggedBlockSizes
 
@@ -48,3 +48,8 @@ def test_query_operand_is_float16_only_for_bf16_over_fp8():
     for q_dtype, cache in ((jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float8_e4m3fn)):
         op, rest = query_operand(q.astype(q_dtype), cache, attn)
         assert op.dtype == q_dtype and rest == attn.score_scale
+
+
+@pytest.mark.parametrize("x, want", [(0, 1), (1, 1), (3, 2), (4, 4), (1000, 512)])
+def test_prev_pow2_rounds_down_to_at_least_one(x, want):
+    assert prev_pow2(x) == want

@@ -66,8 +66,8 @@ def test_band_order_visits_every_program_once(tiles, cols, band):
     """Bands of `band` tiles (the last one shorter), column blocks walked inside each."""
     program = jnp.arange(tiles * cols)
     tile, col = (np.asarray(a) for a in band_order(program, tiles, cols, min(band, tiles)))
-    assert sorted(zip(tile.tolist(), col.tolist(), strict=True)) == [(t, c) for t in range(tiles)
-                                                        for c in range(cols)]
+    visited = sorted(zip(tile.tolist(), col.tolist(), strict=True))
+    assert visited == [(t, c) for t in range(tiles) for c in range(cols)]
     assert np.all(np.diff(tile // band) >= 0)  # band by band
     if band == 1:
         assert col.tolist() == list(range(cols)) * tiles  # column fastest
@@ -218,6 +218,8 @@ def test_default_tiling_divides_a_tp_shards_weights():
     prefill = ops.default_grouped_block_sizes(65536, 128, 96, 2048)
     assert prefill == dict(block_m=128, block_n=256, block_k=32, num_warps=8, num_stages=3,
                            band=1)
+    # a 96-column tp slice of the gate/up weights: N shrinks to divide it
+    assert ops.default_grouped_block_sizes(65536, 128, 2048, 96)["block_n"] == 32
 
 
 @pytest.mark.parametrize("rows, groups, band", [
@@ -228,5 +230,3 @@ def test_default_tiling_divides_a_tp_shards_weights():
 ])
 def test_prefill_bands_are_a_quarter_of_an_experts_tiles(rows, groups, band):
     assert ops.default_grouped_block_sizes(rows, groups, 2048, 1536)["band"] == band
-    # a 96-column tp slice of the gate/up weights: N shrinks to divide it
-    assert ops.default_grouped_block_sizes(65536, 128, 2048, 96)["block_n"] == 32
