@@ -275,7 +275,9 @@ def _band(text: str) -> int | None:
     """--band value: 'all' (None: one band of every tile) or a positive tile count."""
     if text == "all":
         return None
-    return positive_int(text)
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of tiles >= 1, or 'all'")
+    return int(text)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,7 +50,8 @@ def test_tile_flags_must_be_powers_of_two(capsys):
     for argv, said in ((["--routed-n", "24"], "tile sizes are powers of two"),
                        (["--block-m", "48"], "tile sizes are powers of two"),
                        (["--k-splits", "0"], "give positive integers"),
-                       (["--band", "0"], "give positive integers")):
+                       (["--band", "0"], "give a number of tiles >= 1, or 'all'"),
+                       (["--band", "x"], "give a number of tiles >= 1, or 'all'")):
         with pytest.raises(SystemExit):
             main(["--smoke", *argv])
         assert said in capsys.readouterr().err
