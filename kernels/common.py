@@ -83,6 +83,15 @@ def prev_pow2(x: int) -> int:
     return 1 << max(0, x.bit_length() - 1)
 
 
+def pow2_dividing(n: int, cap: int, floor: int) -> int | None:
+    """The largest power of two in [floor, cap] dividing n (a tile that needs no padding),
+    else None."""
+    b = cap
+    while b > floor and n % b:
+        b //= 2
+    return b if b >= floor and n % b == 0 else None
+
+
 def load_kv(x: jax.Array, dtype) -> jax.Array:
     """Cached K/V rows in the compute dtype (an fp8 cache is widened in registers)."""
     return x if x.dtype == dtype else x.astype(dtype)

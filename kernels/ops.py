@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from pjinfer.kernels import lora_matmul
 from pjinfer.kernels import quantized_matmul as qmm
 from pjinfer.kernels.backends import BACKENDS
-from pjinfer.kernels.common import AttentionParams, prev_pow2
+from pjinfer.kernels.common import AttentionParams, pow2_dividing, prev_pow2
 from pjinfer.kernels.decode_attention import (
     decode_attention,
     decode_attention_reference,
@@ -239,10 +239,7 @@ DECODE_PROGRAMS = 512  # ~4 per SM of an H100/H200
 
 def _dividing(block: int, dim: int) -> int:
     """The largest power of two <= block (and >= 16) dividing dim, else block (padded)."""
-    b = block
-    while b > 16 and dim % b:
-        b //= 2
-    return b if dim % b == 0 else block
+    return pow2_dividing(dim, block, 16) or block
 
 
 def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None,

@@ -161,14 +161,6 @@ DOT_WARPS_STAGES = (8, 3)
 DOT_SMEM_BYTES = 128 * 1024
 
 
-def _pow2_dividing(n: int, cap: int, floor: int) -> int | None:
-    """The largest power of two in [floor, cap] dividing n, else None."""
-    b = cap
-    while b > floor and n % b:
-        b //= 2
-    return b if b >= floor and n % b == 0 else None
-
-
 def _min_tile(kind: str, elementwise: bool) -> int:
     """Smallest `block_k`: a dot needs 16 stored rows (int4: 32 input rows)."""
     per_row = 2 if kind == "int4" else 1
@@ -207,19 +199,19 @@ def pick_block_sizes(num_tokens: int, w: QuantizedWeight,
     small = num_tokens <= (INT4_DOT_ROWS if int4 else 16)
     bt = common.next_pow2(num_tokens) if elementwise else (16 if small else 64)
     block = 2 * w.span if int4 else group_rows  # a load stays inside this many input rows
-    bk = _pow2_dividing(block, per_row * LOAD_ROWS, _min_tile(w.kind, elementwise))
+    bk = common.pow2_dividing(block, per_row * LOAD_ROWS, _min_tile(w.kind, elementwise))
     if bk is None:
         return QuantMatmulBlockSizes(block_t=bt, block_k=group_rows + 1)  # unsupported
     load_rows = bk // per_row
     cap = rules.block_n
     if elementwise:
         cap = min(cap, max(16, ACC_ELEMENTS // (bt * load_rows)))
-    bn = _pow2_dividing(math.gcd(*widths), cap, 16) or cap
+    bn = common.pow2_dividing(math.gcd(*widths), cap, 16) or cap
     step = rules.step_bytes // (load_rows * bn)
     if not elementwise:  # x tiles (bf16) and packed tiles per stage
         per_load = load_rows * bn + bt * bk * 2
         step = min(step, DOT_SMEM_BYTES // (rules.num_stages * per_load))
-    unroll = _pow2_dividing(rows // bk, max(1, step), 1)
+    unroll = common.pow2_dividing(rows // bk, max(1, step), 1)
     token_tiles = -(-num_tokens // bt)
     splits = _splits(rows // (bk * unroll), token_tiles * (sum(widths) // bn), rules.programs)
     return QuantMatmulBlockSizes(block_t=bt, block_n=bn, block_k=bk, unroll=unroll,
