@@ -1,5 +1,6 @@
 """The Mosaic GPU int4 GEMV probe on CPU: the streaming variant (C) computes the reference in
-Pallas' GPU interpret mode, every other variant lowers for CUDA, bad configs and shapes say why."""
+Pallas' GPU interpret mode, every other variant lowers for CUDA, the GPU runner's records hold
+together (in interpret mode), bad configs and shapes say why."""
 
 from __future__ import annotations
 
@@ -10,32 +11,46 @@ import jax.numpy as jnp
 import pytest
 
 from pjinfer.benchmarks import int4_mosaic as im
+from pjinfer.benchmarks import int4_mosaic_kernels as K
 
 
 @pytest.mark.parametrize("k_splits, per_cta", [(1, 1), (3, 2), (3, 3)])
 def test_streaming_variant_matches_the_reference(k_splits, per_cta):
-    groups, n = 6, 2 * im.WG_ROWS  # 6 groups: 2 tiles x 3 splits = 6 units, 2 or 3 a CTA
-    x = jax.random.normal(jax.random.key(3), (8, groups * im.GROUP)).astype(jnp.bfloat16)
-    w = im.random_weight(jax.random.key(4), n, groups * im.GROUP)
-    got = im.carry_partials(x, *w, k_splits=k_splits, per_cta=per_cta,
+    groups, n = 6, 2 * K.WG_ROWS  # 6 groups: 2 tiles x 3 splits = 6 units, 2 or 3 a CTA
+    x = jax.random.normal(jax.random.key(3), (8, groups * K.GROUP)).astype(jnp.bfloat16)
+    w = K.random_weight(jax.random.key(4), n, groups * K.GROUP)
+    got = K.carry_partials(x, *w, k_splits=k_splits, per_cta=per_cta,
                             interp=im._interpret_params())
     assert got.shape == (k_splits, n, 8)
-    ref = im.reference(x, *w)
+    ref = K.reference(x, *w)
     assert float(jnp.linalg.norm(got.sum(0).T - ref) / jnp.linalg.norm(ref)) < 1e-5
 
 
 def test_every_variant_lowers_for_cuda(tmp_path):
     out = tmp_path / "m.json"
-    im.main(["--out", str(out), "--configs", "A:4:2", "B:4:4:128:2", "T:6:8", "C:4:2:2"])
+    names = ["A:4:2", "B:4:4:128:2", "U:6:8", "T:6:8", "H:6:8", "H:4:2:128", "C:4:2:2", "Q"]
+    im.main(["--out", str(out), "--configs", *names])
     runs = json.loads(out.read_text())["runs"]
-    assert [r["name"] for r in runs] == ["A:4:2", "B:4:4:128:2", "T:6:8", "C:4:2:2"]
-    assert all(r.get("lowered_for_cuda") for r in runs[:3])
-    assert runs[3]["rel_err"] < 1e-5
+    assert [r["name"] for r in runs] == names
+    assert all(r.get("lowered_for_cuda") for r in runs[:6])
+    assert runs[6]["rel_err"] < 1e-5 and "skipped" in runs[7]
+
+
+def test_gpu_runner_records_each_form_beside_bf16(tmp_path):
+    rows = im.time_on_gpu([im.parse_config("Q"), im.parse_config("C:2:2:1")], [3], 1,
+                          tmp_path / "prof", k=8 * K.GROUP, n=2 * K.WG_ROWS,
+                          timing={"calls": 1, "samples": 1, "warmup": 0}, interpret=True)
+    assert [r["name"] for r in rows] == ["bf16", "Q", "C:2:2:1"]
+    assert rows[0]["bytes_per_call"] == 8 * K.GROUP * 2 * K.WG_ROWS * 2
+    # int4 values + bf16 scales and zeros; Q: int4 + float32 scales (symmetric, no zeros)
+    assert rows[1]["bytes_per_call"] == rows[2]["bytes_per_call"] == 8 * K.GROUP * K.WG_ROWS + \
+        8 * 2 * K.WG_ROWS * 4
+    assert all(r["rel_err"] < 1e-5 and "profile" in r for r in rows[1:])
 
 
 def test_pretile_keeps_each_step_tile_contiguous():
     w = jnp.arange(128 * 256, dtype=jnp.int32).reshape(128, 256)
-    t = im.pretile(w)
+    t = K.pretile(w)
     assert t.shape == (2, 2, 64, 128)
     assert (t[1, 0] == w[64:, :128]).all() and (t[0, 1] == w[:64, 128:]).all()
 
@@ -48,9 +63,9 @@ def test_bad_configs_say_what_is_wanted(text, says):
 
 
 def test_untileable_shape_is_refused():
-    x = jnp.zeros((8, 4 * im.GROUP), jnp.bfloat16)
-    w = im.random_weight(jax.random.key(0), im.WG_ROWS, 4 * im.GROUP)
+    x = jnp.zeros((8, 4 * K.GROUP), jnp.bfloat16)
+    w = K.random_weight(jax.random.key(0), K.WG_ROWS, 4 * K.GROUP)
     with pytest.raises(ValueError, match="unsupported probe shape"):
-        im.wg_partials(x, *w, k_splits=3)
+        K.wg_partials(x, *w, k_splits=3)
     with pytest.raises(ValueError, match="do not split"):
-        im.carry_partials(x, *w, k_splits=2, per_cta=3)
+        K.carry_partials(x, *w, k_splits=2, per_cta=3)
