@@ -142,6 +142,8 @@ def wg_partials(x, w, scales, zeros, *, stages: int = 4, k_splits: int = 1, rows
     tp, k = x.shape
     n = w.shape[0] * (w.shape[2] if pretiled else 1)
     ks = _check(x, n, k, scales.shape[0], gps * GROUP, k_splits)
+    if dequant not in ("full", "cast"):
+        raise ValueError(f"dequant must be 'full' or 'cast', got {dequant!r}")
     if n % rows or (pretiled and (rows, gps) != (WG_ROWS, 1)):
         raise ValueError(f"unsupported probe tiling: rows {rows}, gps {gps}, pretiled {pretiled}")
     steps, full = ks // (gps * GROUP), dequant == "full"

@@ -69,3 +69,5 @@ def test_untileable_shape_is_refused():
         K.wg_partials(x, *w, k_splits=3)
     with pytest.raises(ValueError, match="do not split"):
         K.carry_partials(x, *w, k_splits=2, per_cta=3)
+    with pytest.raises(ValueError, match="dequant must be"):
+        K.wg_partials(x, *w, dequant="none")
