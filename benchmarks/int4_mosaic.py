@@ -3,14 +3,16 @@ and the engine's Triton int4 kernel, on 24 x 4096 x 14336 (GPTQ g128 shapes), in
 
 Why: the Triton int4 kernel (`kernels/quantized_matmul.py`) stalled at ~0.45 of the bf16 GEMV's
 bandwidth through every tiling tried; this asks whether Mosaic GPU's loads and tensor-core path
-do better, and (variants H, U, `--profile`) where the time of such a kernel goes. Findings:
-benchmarks/RESULTS.md, round 20.
+do better, and (variants H, U, F, P, M, `--shape`, `--profile`) where the time of such a kernel
+goes. Findings: benchmarks/RESULTS.md, rounds 20 and 21.
 
   python -m pjinfer.benchmarks.int4_mosaic --configs Q B:6:8 H:6:8 U:6:8 --profile /tmp/p \
       --out int4_mosaic.json
 A config is variant:stages:splits[:extra]: A:st:S[:wgs], B:st:S[:rows:gps], U:st:S (B without
-the zero and the scale: timing only), T:st:S, C:st:S[:per_cta], H:st:S[:block_k] (bf16
-weights), or Q (the engine's Triton kernel, its default tiling). Bytes are counted as each
+the zero and the scale: timing only), F:st:S (B with the zero folded into the scale's op),
+T:st:S, C:st:S[:per_cta], H:st:S[:block_k] (bf16 weights), P:st:S[:gps] (x, scales and zeros
+loaded once a CTA), M:st:S[:gps] (P's loads without arithmetic: timing only), or Q (the
+engine's Triton kernel, its default tiling). Bytes are counted as each
 form stores them; the share is of the bf16 XLA GEMV's bandwidth measured in the same process.
 `--profile DIR` also traces each form's pipelined calls (`jax.profiler`) and records per call
 the device's busy and idle time and its kernels (`trace_summary.py`): the GEMV kernel against
@@ -41,12 +43,15 @@ VARIANTS = {  # letter -> (kernel, names of the extra fields, the weights it rea
     "A": (K.ws_partials, ("wgs",), "int4"),
     "B": (K.wg_partials, ("rows", "gps"), "int4"),
     "U": (functools.partial(K.wg_partials, dequant="cast"), (), "int4"),
+    "F": (functools.partial(K.wg_partials, dequant="fma"), (), "int4"),
     "T": (functools.partial(K.wg_partials, pretiled=True), (), "int4_tiled"),
     "C": (K.carry_partials, ("per_cta",), "int4"),
     "H": (K.half_partials, ("block_k",), "bf16"),
+    "P": (K.preload_partials, ("gps",), "int4"),
+    "M": (functools.partial(K.preload_partials, memory_only=True), ("gps",), "int4"),
 }
-USAGE = ("variants A:st:S[:wgs], B:st:S[:rows:gps], U:st:S, T:st:S, C:st:S[:per_cta], "
-         "H:st:S[:block_k], Q")
+USAGE = ("variants A:st:S[:wgs], B:st:S[:rows:gps], U:st:S, F:st:S, T:st:S, C:st:S[:per_cta], "
+         "H:st:S[:block_k], P:st:S[:gps], M:st:S[:gps], Q")
 
 
 @dataclass(frozen=True)
@@ -223,6 +228,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--configs", nargs="+", default=["Q", "B:6:8"], help="see the docstring")
     p.add_argument("--tokens", type=int, nargs="+", default=[1])
     p.add_argument("--matrices", type=int, default=24)
+    p.add_argument("--shape", type=int, nargs=2, default=[4096, 14336], metavar=("K", "N"),
+                   help="each matrix's input and output size")
     p.add_argument("--profile", type=Path, default=None, metavar="DIR",
                    help="also trace each form's calls and summarize the device's kernels")
     a = p.parse_args(argv)
@@ -231,9 +238,10 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as e:
         p.error(str(e))
     on_cpu = jax.default_backend() == "cpu"
-    record = {"device": jax.devices()[0].device_kind, "configs": a.configs, "runs": (
+    record = {"device": jax.devices()[0].device_kind, "configs": a.configs, "shape": a.shape,
+              "runs": (
         check_on_cpu(configs) if on_cpu else
-        time_on_gpu(configs, a.tokens, a.matrices, a.profile))}
+        time_on_gpu(configs, a.tokens, a.matrices, a.profile, k=a.shape[0], n=a.shape[1]))}
     Path(a.out).write_text(json.dumps(record, indent=1))
     return record
 

@@ -9,8 +9,8 @@ kernel writes float32 partial sums [splits, N, Tp], added by XLA.
   A  warp-specialized: a memory warpgroup issues the TMA loads, `wgs` compute warpgroups of 64
      rows each (`plgpu.emit_pipeline_warp_specialized`); one CTA an SM by its register split
   B  one warpgroup a CTA of `rows` (64 / 128) rows, `gps` groups a pipeline step
-     (`plgpu.emit_pipeline`): many CTAs an SM; `dequant="cast"` skips the zero and the scale
-     (what the dequantization's two bf16 ops a pair cost; wrong values, timing only)
+     (`plgpu.emit_pipeline`): many CTAs an SM; `dequant="fma"` folds the zero into the
+     scale's op (F), `dequant="cast"` skips both (U: what they cost; wrong values, timing only)
   T  B over weights pre-tiled [N/64, K/128, 64, 128], each step's 4 KB tile contiguous
   C  B's CTA streaming `per_cta` units (64 rows x a K range) through one pipeline; each step's
      dot gets a fresh accumulator, scaled by the group's scales into a float32 carry (the
@@ -46,15 +46,25 @@ def _load(ref, idx, layout, interp):
     return ref[idx] if interp else plgpu.load(ref, idx, layout=layout)
 
 
-def _dequant(w_ref, s_ref, z_ref, g: int, interp, scale: bool = True, zero: bool = True):
-    """[64, 128] int4 -> bf16 (v - zero) [* scale] for the step's group `g`."""
+FORMS = ("full", "fma", "cast", "zero")  # B's dequantizations; "zero" is C's (no scale)
+
+
+def _dequant(w_ref, s_ref, z_ref, g: int, interp, form: str = "full"):
+    """[64, 128] int4 -> bf16 for the step's group `g`: (v - zero) * scale ("full"),
+    v * scale + (-zero * scale) ("fma": one op a pair after the cast, if contracted), the bare
+    cast ("cast": timing only) or v - zero ("zero")."""
     wv = _load(w_ref, (), UP4, interp)
     wv = (wv if interp else plgpu.layout_cast(wv, WGMMA)).astype(jnp.bfloat16)
-    if zero:
-        wv = wv - lax.broadcast_in_dim(_load(z_ref, (g,), ROW, interp), wv.shape, [0])
-    if scale:
-        wv = wv * lax.broadcast_in_dim(_load(s_ref, (g,), ROW, interp), wv.shape, [0])
-    return wv
+    if form == "cast":
+        return wv
+    z = _load(z_ref, (g,), ROW, interp)
+    if form == "zero":
+        return wv - lax.broadcast_in_dim(z, wv.shape, [0])
+    s = _load(s_ref, (g,), ROW, interp)
+    if form == "fma":
+        return (wv * lax.broadcast_in_dim(s, wv.shape, [0])
+                + lax.broadcast_in_dim(-(z * s), wv.shape, [0]))
+    return (wv - lax.broadcast_in_dim(z, wv.shape, [0])) * lax.broadcast_in_dim(s, wv.shape, [0])
 
 
 def _check(x, n: int, k: int, groups: int, block_k: int, k_splits: int) -> int:
@@ -142,11 +152,11 @@ def wg_partials(x, w, scales, zeros, *, stages: int = 4, k_splits: int = 1, rows
     tp, k = x.shape
     n = w.shape[0] * (w.shape[2] if pretiled else 1)
     ks = _check(x, n, k, scales.shape[0], gps * GROUP, k_splits)
-    if dequant not in ("full", "cast"):
-        raise ValueError(f"dequant must be 'full' or 'cast', got {dequant!r}")
+    if dequant not in FORMS[:3]:
+        raise ValueError(f"dequant must be one of {FORMS[:3]}, got {dequant!r}")
     if n % rows or (pretiled and (rows, gps) != (WG_ROWS, 1)):
         raise ValueError(f"unsupported probe tiling: rows {rows}, gps {gps}, pretiled {pretiled}")
-    steps, full = ks // (gps * GROUP), dequant == "full"
+    steps = ks // (gps * GROUP)
 
     def kernel(x_gmem, w_gmem, s_gmem, z_gmem, o_gmem, o_smem):
         n_idx, s_idx = lax.axis_index("n"), lax.axis_index("s")
@@ -158,7 +168,7 @@ def wg_partials(x, w, scales, zeros, *, stages: int = 4, k_splits: int = 1, rows
                     for g in range(gps):
                         ksl = pl.ds(g * GROUP, GROUP)
                         wv = _dequant(w_smem.at[rs, ksl], s_smem.at[:, rs], z_smem.at[:, rs], g,
-                                      None, scale=full, zero=full)
+                                      None, dequant)
                         plgpu.wgmma(acc, wv, x_smem.at[:, ksl].T)
                 plgpu.wgmma_wait(0)
 
@@ -213,6 +223,56 @@ def half_partials(x, w, *, stages: int = 4, k_splits: int = 1, block_k: int = 64
         grid=(n // WG_ROWS, k_splits), grid_names=("n", "s"), compiler_params=PARAMS)(x, w)
 
 
+def preload_partials(x, w, scales, zeros, *, stages: int = 4, k_splits: int = 1, gps: int = 1,
+                     memory_only: bool = False):
+    """P: B with the CTA's x slice, scales and zeros copied to shared memory once, up front, so
+    the pipeline streams only the weight (one TMA a step instead of four, two of them 128
+    bytes). M (`memory_only`): the same loads, no arithmetic: what the grid streams at best."""
+    tp, k = x.shape
+    n = w.shape[0]
+    ks = _check(x, n, k, scales.shape[0], gps * GROUP, k_splits)
+    steps, groups = ks // (gps * GROUP), ks // GROUP
+
+    def kernel(x_gmem, w_gmem, s_gmem, z_gmem, o_gmem, x_smem, s_smem, z_smem, bars, o_smem):
+        n_idx, s_idx = lax.axis_index("n"), lax.axis_index("s")
+        cols, gs = pl.ds(n_idx * WG_ROWS, WG_ROWS), pl.ds(s_idx * groups, groups)
+        sources = (x_gmem.at[:, pl.ds(s_idx * ks, ks)], s_gmem.at[gs, cols], z_gmem.at[gs, cols])
+        for b, (src, dst) in enumerate(zip(sources, (x_smem, s_smem, z_smem), strict=True)):
+            plgpu.copy_gmem_to_smem(src, dst, bars.at[b])
+
+        def scoped(acc):
+            def body(idx, w_smem):
+                @pl.when(idx[0] == 0)  # waited here, so the first weight loads are in flight
+                def _wait():
+                    for b in range(len(sources)):
+                        plgpu.barrier_wait(bars.at[b])
+
+                if memory_only:
+                    return
+                for g in range(gps):
+                    j = idx[0] * gps + g
+                    wv = _dequant(w_smem.at[:, pl.ds(g * GROUP, GROUP)], s_smem, z_smem, j, None)
+                    plgpu.wgmma(acc, wv, x_smem.at[:, pl.ds(j * GROUP, GROUP)].T)
+                plgpu.wgmma_wait(0)
+
+            plgpu.emit_pipeline(body, grid=(steps,), max_concurrent_steps=stages, in_specs=[
+                plgpu.BlockSpec((WG_ROWS, gps * GROUP), lambda i: (0, i),
+                                transforms=_tiled(GROUP * 4, 4))])(
+                w_gmem.at[cols, pl.ds(s_idx * ks, ks)])
+            _write(o_smem, [acc], lambda r: o_gmem.at[s_idx, cols])
+
+        pl.run_scoped(scoped, plgpu.ACC((WG_ROWS, tp), jnp.float32))
+
+    return plgpu.kernel(
+        kernel, out_type=_partials_type(k_splits, n, tp),
+        scratch_types=[plgpu.SMEM((tp, ks), jnp.bfloat16, transforms=_tiled(GROUP * 16, 16)),
+                       plgpu.SMEM((groups, WG_ROWS), jnp.bfloat16),
+                       plgpu.SMEM((groups, WG_ROWS), jnp.bfloat16),
+                       plgpu.Barrier(num_barriers=3), _partials_smem(1, tp)],
+        grid=(n // WG_ROWS, k_splits), grid_names=("n", "s"), compiler_params=PARAMS,
+    )(x, w, scales, zeros)
+
+
 def _zero(tp: int, interp):
     z = jnp.zeros((WG_ROWS, tp), jnp.float32)
     return z if interp else plgpu.layout_cast(z, WGMMA)
@@ -240,7 +300,7 @@ def carry_partials(x, w, scales, zeros, *, stages: int = 4, k_splits: int = 1,
 
         def body(idx, x_smem, w_smem, s_smem, z_smem, carry):
             j, i = idx
-            wv = _dequant(w_smem, s_smem, z_smem, 0, interp, scale=False)
+            wv = _dequant(w_smem, s_smem, z_smem, 0, interp, "zero")
             if interp:
                 part = jnp.dot(wv.astype(jnp.float32), x_smem[...].astype(jnp.float32).T)
             else:

@@ -28,12 +28,28 @@ def test_streaming_variant_matches_the_reference(k_splits, per_cta):
 
 def test_every_variant_lowers_for_cuda(tmp_path):
     out = tmp_path / "m.json"
-    names = ["A:4:2", "B:4:4:128:2", "U:6:8", "T:6:8", "H:6:8", "H:4:2:128", "C:2:2:2", "Q"]
-    im.main(["--out", str(out), "--configs", *names])
-    runs = json.loads(out.read_text())["runs"]
+    names = ["A:4:2", "B:4:4:128:2", "U:6:8", "F:4:8", "T:6:8", "H:6:8", "H:4:2:128", "P:4:4:2",
+             "M:4:8", "C:2:2:2", "Q"]
+    im.main(["--out", str(out), "--configs", *names, "--shape", "4096", "14336"])
+    record = json.loads(out.read_text())
+    assert record["shape"] == [4096, 14336]
+    runs = record["runs"]
     assert [r["name"] for r in runs] == names
-    assert all(r.get("lowered_for_cuda") for r in runs[:6])
-    assert runs[6]["rel_err"] < 1e-5 and "skipped" in runs[7]
+    assert all(r.get("lowered_for_cuda") for r in runs[:9])
+    assert runs[9]["rel_err"] < 1e-5 and "skipped" in runs[10]
+
+
+@pytest.mark.parametrize("form", ["full", "fma", "zero"])
+def test_dequant_forms_round_like_the_reference(form):
+    """The register forms on plain arrays (as the interpreter runs them): "fma" rounds -zero *
+    scale to bf16 before its one op, within a bf16 rounding of (v - zero) * scale."""
+    w, s, z = K.random_weight(jax.random.key(5), K.WG_ROWS, 2 * K.GROUP)
+    tile = w[:, K.GROUP:]  # the second group's [64, 128] tile
+    got = K._dequant(tile, s, z, 1, True, form).astype(jnp.float32)
+    v, zf, sf = tile.astype(jnp.float32), z[1].astype(jnp.float32)[:, None], s[1][:, None]
+    want = v - zf if form == "zero" else (v - zf) * sf.astype(jnp.float32)
+    tol = 2 ** -7 * (jnp.abs(want) + (0 if form == "zero" else 8 * sf.astype(jnp.float32)))
+    assert got.dtype == jnp.float32 and bool((jnp.abs(got - want) <= tol).all())
 
 
 def test_gpu_runner_records_each_form_beside_bf16(tmp_path):
