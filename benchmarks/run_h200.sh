@@ -60,6 +60,8 @@
 #                                         # reasons, per-SASS samples) for a few tilings, then
 #                                         # a grid sweep at one token (~7 min; INT4_TILINGS,
 #                                         # INT4_GRID override)
+#   bash benchmarks/run_h200.sh quantshapes  # int4 and fp8 kernel tilings at each of Llama-3-8B's
+#                                            # decode projections, one token (~8 min)
 #   bash benchmarks/run_h200.sh --smoke pjinfer hf serve   # the same plumbing, tiny, on CPU
 #
 # Each stage fits one 10-minute device command; every step has its own time limit, and a
@@ -439,6 +441,27 @@ stage_int4ncu() {
       "${sweep[@]}" --grid "${grid[@]}" --out "$JSON/int4_grid.json"
 }
 
+# Issue 14: the weight-only kernels' tilings at each of Llama-3-8B's decode projections (one
+# matrix a layer, 32 layers: qkv 4096 -> 6144, o 4096 -> 4096, down 14336 -> 4096, gate/up
+# 4096 -> 28672), int4 (GPTQ g128) and fp8 at one token, the bf16 GEMV beside each sweep.
+# QS_SHAPES / QS_KINDS / QS_GRID_INT4 / QS_GRID_FP8 override (~8 min).
+stage_quantshapes() {
+  local shapes=(${QS_SHAPES:-4096x4096 4096x6144 14336x4096 4096x28672})
+  local grid_int4=(${QS_GRID_INT4:-block_n=64,128,256 k_splits=2,4,7,8,14,16,28,32 num_warps=4,8})
+  local grid_fp8=(${QS_GRID_FP8:-block_n=32,64,128 k_splits=1,2,4,7,8,14,16 unroll=2,4})
+  local sweep=(--matrices 32)
+  [ $SMOKE = 1 ] && { shapes=(256x256); sweep=(--matrices 2 --samples 1 --calls 1); }
+  for shape in "${shapes[@]}"; do
+    for kind in ${QS_KINDS:-int4 fp8}; do
+      local grid=("${grid_int4[@]}")
+      [ $kind = fp8 ] && grid=("${grid_fp8[@]}")
+      step "qs_${kind}_$shape" 150 $PY -m pjinfer.benchmarks.quant_matmul --sweep --kinds $kind \
+          --tokens 1 --k ${shape%x*} --n ${shape#*x} "${sweep[@]}" --grid "${grid[@]}" \
+          --out "$JSON/qs_${kind}_$shape.json"
+    done
+  done
+}
+
 # The host's side of a batch-1 step (RESULTS.md, round 5): what a call's arguments cost, then
 # each model's decode step with the time its launch takes ("host") beside the device's.
 stage_host() {
@@ -603,7 +626,8 @@ for stage in "${STAGES[@]}"; do
     routedwide) stage_routedwide ;;
     loramulti) stage_loramulti ;;
     int4ncu) stage_int4ncu ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moeprofile | w8a8 | decodesplits | kvfp8 | w3fp8 | attnfp8 | kvprobe | raggedfp8 | routed | routedwide | loramulti | int4ncu)" ;;
+    quantshapes) stage_quantshapes ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moeprofile | w8a8 | decodesplits | kvfp8 | w3fp8 | attnfp8 | kvprobe | raggedfp8 | routed | routedwide | loramulti | int4ncu | quantshapes)" ;;
   esac
 done
 pack
