@@ -57,7 +57,19 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    help="with --sweep: the default tiling, then every combination of these "
                         "values (QuantMatmulBlockSizes fields, e.g. num_stages=2,3,4) in "
                         "place of the handful of single changes")
-    return p.parse_args(argv)
+    p.add_argument("--tilings", nargs="+", default=None, metavar="LINE",
+                   help="with --sweep: the default tiling, then these (describe() lines such "
+                        "as 't16 n256 k128x1 s8 w4 st3 (dot)') in place of the single changes")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with --sweep: time the candidates this many times, round-robin, so "
+                        "the device's drift falls on all of them; a tiling's ms is its best "
+                        "round, `round_ms` lists them")
+    a = p.parse_args(argv)
+    if a.grid and a.tilings:
+        p.error("--grid and --tilings both pick the sweep's candidates: give one")
+    if a.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {a.rounds}")
+    return a
 
 
 def quantize(kind: str, w, group_size: int):
@@ -128,7 +140,6 @@ def _sweep(a: argparse.Namespace, stack: list, measure, on_cpu: bool) -> dict:
     GEMV beside them as the yardstick. A tiling that fails (e.g. too much shared memory) is
     listed under `failed`, and the sweep goes on."""
     from pjinfer.benchmarks.ceilings import _filled
-    from pjinfer.kernels.quantized_matmul_tiling import grid_candidates, sweep_candidates
 
     out: dict = {}
     xs = {t: _filled((t, a.k), 1000 + t) for t in a.tokens}
@@ -137,19 +148,58 @@ def _sweep(a: argparse.Namespace, stack: list, measure, on_cpu: bool) -> dict:
     for kind in a.kinds:
         ws = [quantize(kind, w, a.group_size) for w in stack]
         for t, x in xs.items():
-            candidates = (grid_candidates(t, ws[0], x, a.grid) if a.grid
-                          else sweep_candidates(t, ws[0], x))
-            rows, failed = [], []
-            for sizes in candidates:
-                try:
-                    rows.append(_time_tiling(sizes, kind, x, ws, t, measure, on_cpu))
-                except Exception as e:  # noqa: BLE001 - any compile failure is a result
-                    failed.append({"tiling": sizes.describe(), "error": repr(e)[:500]})
-                    print(f"{sizes.describe()}: failed: {e!r:.200}", flush=True)
+            candidates = _candidates(a, t, ws[0], x)
+            timed: dict = {}  # tiling -> its rows, one a round
+            failed = []
+            for _ in range(a.rounds):
+                for sizes in candidates:
+                    if any(f["tiling"] == sizes.describe() for f in failed):
+                        continue
+                    try:
+                        row = _time_tiling(sizes, kind, x, ws, t, measure, on_cpu)
+                        timed.setdefault(sizes, []).append(row)
+                    except Exception as e:  # noqa: BLE001 - any compile failure is a result
+                        failed.append({"tiling": sizes.describe(), "error": repr(e)[:500]})
+                        print(f"{sizes.describe()}: failed: {e!r:.200}", flush=True)
+            rows = [_best_round(rs) for rs in timed.values()]
             out.setdefault(kind, {})[str(t)] = _summary(rows, failed, candidates[0], bf16[t])
             print(f"== {kind} T={t}: {json.dumps(_headline(out[kind][str(t)]))}", flush=True)
         del ws
     return out
+
+
+def _candidates(a: argparse.Namespace, t: int, w, x) -> list:
+    """The sweep's tilings for T = t: the default first, then the grid, the listed lines or
+    the handful of single changes."""
+    from pjinfer.kernels.quantized_matmul_tiling import (
+        QuantMatmulBlockSizes,
+        grid_candidates,
+        pick_block_sizes,
+        supported,
+        sweep_candidates,
+    )
+
+    if a.grid:
+        return grid_candidates(t, w, x, a.grid)
+    if not a.tilings:
+        return sweep_candidates(t, w, x)
+    out = [pick_block_sizes(t, w)]
+    for line in a.tilings:
+        sizes = QuantMatmulBlockSizes.parse(line)
+        if not supported(x, w, sizes):  # one list serves several shapes: skip, say so
+            print(f"--tilings {line!r}: skipped, the kernel cannot tile a {w.kind} weight "
+                  f"of {w.shape} with it (quantized_matmul_tiling.supported)", flush=True)
+        elif sizes not in out:
+            out.append(sizes)
+    return out
+
+
+def _best_round(rows: list[dict]) -> dict:
+    """One tiling's rounds as one row: the best round's, with every round's ms beside it."""
+    best = dict(min(rows, key=lambda r: r["ms"]))
+    best["round_ms"] = [r["ms"] for r in rows]
+    best["compile_and_time_s"] = sum(r["compile_and_time_s"] for r in rows)
+    return best
 
 
 def _time_tiling(sizes, kind: str, x, ws: list, t: int, measure, on_cpu: bool) -> dict:

@@ -444,19 +444,27 @@ stage_int4ncu() {
 # Issue 14: the weight-only kernels' tilings at each of Llama-3-8B's decode projections (one
 # matrix a layer, 32 layers: qkv 4096 -> 6144, o 4096 -> 4096, down 14336 -> 4096, gate/up
 # 4096 -> 28672), int4 (GPTQ g128) and fp8 at one token, the bf16 GEMV beside each sweep.
-# QS_SHAPES / QS_KINDS / QS_GRID_INT4 / QS_GRID_FP8 override (~8 min).
+# QS_SHAPES / QS_KINDS / QS_GRID_INT4 / QS_GRID_FP8 override; QS_TILINGS_INT4 / QS_TILINGS_FP8
+# (describe() lines, ';'-separated) time those tilings instead of a grid, QS_ROUNDS times
+# round-robin (~8 min).
 stage_quantshapes() {
   local shapes=(${QS_SHAPES:-4096x4096 4096x6144 14336x4096 4096x28672})
-  local grid_int4=(${QS_GRID_INT4:-block_n=64,128,256 k_splits=2,4,7,8,14,16,28,32 num_warps=4,8})
-  local grid_fp8=(${QS_GRID_FP8:-block_n=32,64,128 k_splits=1,2,4,7,8,14,16 unroll=2,4})
-  local sweep=(--matrices 32)
+  local sweep=(--matrices 32 --rounds ${QS_ROUNDS:-1})
   [ $SMOKE = 1 ] && { shapes=(256x256); sweep=(--matrices 2 --samples 1 --calls 1); }
   for shape in "${shapes[@]}"; do
     for kind in ${QS_KINDS:-int4 fp8}; do
-      local grid=("${grid_int4[@]}")
-      [ $kind = fp8 ] && grid=("${grid_fp8[@]}")
+      local pick=()
+      if [ $kind = int4 ] && [ -n "${QS_TILINGS_INT4:-}" ]; then
+        IFS=';' read -ra pick <<<"$QS_TILINGS_INT4"; pick=(--tilings "${pick[@]}")
+      elif [ $kind = fp8 ] && [ -n "${QS_TILINGS_FP8:-}" ]; then
+        IFS=';' read -ra pick <<<"$QS_TILINGS_FP8"; pick=(--tilings "${pick[@]}")
+      elif [ $kind = int4 ]; then
+        pick=(--grid ${QS_GRID_INT4:-block_n=64,128,256 k_splits=2,4,7,8,14,16,28,32 num_warps=4,8})
+      else
+        pick=(--grid ${QS_GRID_FP8:-block_n=32,64,128 k_splits=1,2,4,7,8,14,16 unroll=2,4})
+      fi
       step "qs_${kind}_$shape" 150 $PY -m pjinfer.benchmarks.quant_matmul --sweep --kinds $kind \
-          --tokens 1 --k ${shape%x*} --n ${shape#*x} "${sweep[@]}" --grid "${grid[@]}" \
+          --tokens 1 --k ${shape%x*} --n ${shape#*x} "${sweep[@]}" "${pick[@]}" \
           --out "$JSON/qs_${kind}_$shape.json"
     done
   done

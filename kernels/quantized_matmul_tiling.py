@@ -175,10 +175,44 @@ def _splits(total_steps: int, programs: int, target: int) -> int:
     return next((d for d in usable if programs * d >= target), usable[-1])
 
 
+# Tilings the rules above miss, per weight shape, measured on the H200 at one token (32 of
+# the shape streamed back to back, 3 rounds round-robin, median ms; benchmarks/results/
+# round22/call2, `run_h200.sh quantshapes`): Llama-3-8B's decode projections where a sweep
+# beat the rules' tiling by >= 5% in every round. (kind, K, N of the group) -> (the most
+# tokens the entry's kernel mode covers, the fields that differ from the rules' tiling).
+# int4 entries cover the 16-row dot (T <= 16 runs the same tiles), fp8 ones the elementwise
+# sum (T <= 2). At o's 4096 x 4096 and at 4096 x 14336 the rules' tiling was already best.
+TUNED: dict[tuple[str, int, int], tuple[int, dict[str, int]]] = {
+    ("int4", 4096, 28672): (16, {"block_n": 256, "k_splits": 8}),  # gate/up 0.978 vs 1.136 ms
+    ("int4", 14336, 4096): (16, {"block_n": 256, "k_splits": 16}),  # down 0.527 vs 0.582
+    ("int4", 4096, 6144): (16, {"k_splits": 8, "num_warps": 8}),  # q/k/v 0.333 vs 0.357
+    ("fp8", 4096, 28672): (2, {"k_splits": 4}),  # gate/up 1.351 vs 1.402
+    ("fp8", 14336, 4096): (2, {"k_splits": 4}),  # down 0.847 vs 0.894
+    ("fp8", 4096, 6144): (2, {"k_splits": 4}),  # q/k/v 0.370 vs 0.552
+}
+
+
 def pick_block_sizes(num_tokens: int, w: QuantizedWeight,
                      widths: Sequence[int] | None = None, *,
+                     elementwise: bool | None = None, tuned: bool = True
+                     ) -> QuantMatmulBlockSizes:
+    """The default tiling: the `TUNED` entry of the weight's shape where one covers
+    `num_tokens` (and `tuned`), else the rules' (`rule_block_sizes`)."""
+    sizes = rule_block_sizes(num_tokens, w, widths, elementwise=elementwise)
+    total = sum(widths or [w.shape[1]])
+    entry = TUNED.get((w.kind, w.shape[0], total)) if tuned and elementwise is None else None
+    if entry is None or num_tokens > entry[0]:
+        return sizes
+    candidate = dataclasses.replace(sizes, **entry[1])
+    widths_ok = all(width % candidate.block_n == 0 for width in widths or [w.shape[1]])
+    x = jax.ShapeDtypeStruct((num_tokens, w.shape[0]), jax.numpy.bfloat16)
+    return candidate if widths_ok and supported(x, w, candidate) else sizes
+
+
+def rule_block_sizes(num_tokens: int, w: QuantizedWeight,
+                     widths: Sequence[int] | None = None, *,
                      elementwise: bool | None = None) -> QuantMatmulBlockSizes:
-    """The default tiling for `num_tokens` rows of x times `w` (or a group of weights like it
+    """The rules' tiling for `num_tokens` rows of x times `w` (or a group of weights like it
     with output `widths`, side by side in one kernel): elementwise for a token or two (not
     int4, whose nibbles become bf16 pairs for a dot: `elementwise` forces either), else a
     dot over 16 (decode) or 64 (prefill) token rows; loads of `LOAD_ROWS` stored rows (fewer

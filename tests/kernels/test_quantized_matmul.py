@@ -24,6 +24,7 @@ from pjinfer.kernels.quantized_matmul import (
 )
 from pjinfer.kernels.quantized_matmul_tiling import (
     INT4_DOT_ROWS,
+    TUNED,
     grid_candidates,
     legacy_block_sizes,
     regime,
@@ -232,7 +233,7 @@ def test_block_sizes_fill_the_gpu_at_decode(kind, group, rows, cols):
     w = QuantizedWeight(packed, jnp.ones((rows // (group or rows), cols)), kind=kind)
     x = jnp.zeros((1, rows), jnp.bfloat16)
     for tokens in (1, 16):
-        b = pick_block_sizes(tokens, w)
+        b = pick_block_sizes(tokens, w, tuned=False)
         rules = regime(kind, b.elementwise)  # int4: a dot at one token too
         assert supported(x, w, b) and b.elementwise == (tokens == 1 and kind != "int4")
         assert (cols // b.block_n) * b.k_splits >= rules.programs
@@ -243,6 +244,7 @@ def test_block_sizes_fill_the_gpu_at_decode(kind, group, rows, cols):
     assert (prefill.block_t, prefill.k_splits) == (64, 1)
     candidates = sweep_candidates(1, w, x)
     assert candidates[0] == pick_block_sizes(1, w) and len(set(candidates)) == len(candidates)
+    assert candidates[0] == pick_block_sizes(1, w, tuned=False) or (kind, rows, cols) in TUNED
     assert legacy_block_sizes(1, w) in candidates and all(supported(x, w, c) for c in candidates)
 
 
@@ -357,6 +359,32 @@ def test_defaults_are_the_h200_sweeps_best(kind, tokens, best):
     packed = jnp.zeros(packed_shape(kind, 4096, 14336), dtype)
     w = QuantizedWeight(packed, jnp.ones((32 if kind == "int4" else 1, 14336)), kind=kind)
     assert pick_block_sizes(tokens, w).describe() == best
+
+
+@pytest.mark.parametrize("key", sorted(TUNED))
+def test_tuned_tilings_apply_to_their_shape_and_mode_only(key):
+    """A `TUNED` entry replaces the rules' tiling for its shape, whole or as the group of
+    weights the engine fuses (q/k/v, gate/up), up to its token count; above it, or at
+    another shape, the rules decide."""
+    kind, rows, cols = key
+    max_tokens, fields = TUNED[key]
+    group = 128 if kind == "int4" else None
+    dtype = jnp.float8_e4m3fn if kind == "fp8" else jnp.uint8
+    widths = {6144: [4096, 1024, 1024], 28672: [14336, 14336]}.get(cols, [cols])
+    ws = [QuantizedWeight(jnp.zeros(packed_shape(kind, rows, n), dtype),
+                          jnp.ones((rows // (group or rows), n)), kind=kind) for n in widths]
+    x = jnp.zeros((1, rows), jnp.bfloat16)
+    for tokens in (1, max_tokens):
+        rule = pick_block_sizes(tokens, ws[0], widths, tuned=False)
+        tuned = pick_block_sizes(tokens, ws[0], widths)
+        assert tuned == dataclasses.replace(rule, **fields) != rule
+        assert all(supported(x, w, tuned) for w in ws)
+    above = max_tokens + 1
+    assert (pick_block_sizes(above, ws[0], widths)
+            == pick_block_sizes(above, ws[0], widths, tuned=False))
+    other = QuantizedWeight(jnp.zeros(packed_shape(kind, rows, 2048), dtype),
+                            jnp.ones((rows // (group or rows), 2048)), kind=kind)
+    assert pick_block_sizes(1, other) == pick_block_sizes(1, other, tuned=False)
 
 
 def test_fp8_steps_compile_without_triton_gemm_autotuning_on_gpu(monkeypatch):
