@@ -7,6 +7,8 @@
 #                                                  # (~9 min)
 #   bash benchmarks/run_ab.sh .bench_base w3       # W3, both trees                (~6 min)
 #   bash benchmarks/run_ab.sh .bench_base qwen3    # Qwen3-30B-A3B W1, ABBA        (~8 min)
+#   bash benchmarks/run_ab.sh .bench_base quantw1  # W1 int4 then fp8, 8 steps a call, ABBA
+#                                                  # (~7 min)
 #   bash benchmarks/run_ab.sh --smoke .bench_base probe   # the same plumbing, tiny, on CPU
 #
 # JSON records land in $OUT as {base,head}_<workload>.json (W1: w1_1 and w1_2 per side), the
@@ -82,5 +84,17 @@ case $STAGE in
     for run in base:1 head:1 head:2 base:2; do
       bench ${run%:*} w1_qwen3_${run#*:} latency "${W1[@]}" --num-iters 2 --num-iters-warmup 1
     done ;;
-  *) echo "unknown stage $STAGE (probe | w3 | qwen3)"; exit 2 ;;
+  quantw1)  # W1 with int4 (GPTQ g128 shapes) then fp8 weights, 8 decode steps a call, ABBA
+    for kind in int4 fp8; do
+      quant=(--quantization fp8)
+      [ $kind = int4 ] && [ $SMOKE = 0 ] && { quant=(); MODEL=(--model
+          configs/models/llama3-8b-gptq-int4 --load-format dummy --dtype bfloat16); }
+      [ $kind = int4 ] && [ $SMOKE = 1 ] && continue  # the demo model has no int4 checkpoint
+      for run in base:1 head:1 head:2 base:2; do
+        bench ${run%:*} w1_${kind}_${run#*:} latency "${W1[@]}" "${quant[@]}" \
+            --num-scheduler-steps 8 --num-iters-warmup 1
+      done
+      [ $SMOKE = 0 ] && MODEL=(--model configs/models/llama3-8b --load-format dummy --dtype bfloat16)
+    done ;;
+  *) echo "unknown stage $STAGE (probe | w3 | qwen3 | quantw1)"; exit 2 ;;
 esac
