@@ -444,7 +444,7 @@ stage_int4ncu() {
 # Issue 14: the weight-only kernels' tilings at each of Llama-3-8B's decode projections (one
 # matrix a layer, 32 layers: qkv 4096 -> 6144, o 4096 -> 4096, down 14336 -> 4096, gate/up
 # 4096 -> 28672), int4 (GPTQ g128) and fp8 at one token, the bf16 GEMV beside each sweep.
-# QS_SHAPES / QS_KINDS / QS_GRID_INT4 / QS_GRID_FP8 override; QS_TILINGS_INT4 / QS_TILINGS_FP8
+# QS_SHAPES / QS_TOKENS / QS_KINDS / QS_GRID_INT4 / QS_GRID_FP8 override; QS_TILINGS_INT4 / QS_TILINGS_FP8
 # (describe() lines, ';'-separated) time those tilings instead of a grid, QS_ROUNDS times
 # round-robin (~8 min).
 stage_quantshapes() {
@@ -464,7 +464,7 @@ stage_quantshapes() {
         pick=(--grid ${QS_GRID_FP8:-block_n=32,64,128 k_splits=1,2,4,7,8,14,16 unroll=2,4})
       fi
       step "qs_${kind}_$shape" 150 $PY -m pjinfer.benchmarks.quant_matmul --sweep --kinds $kind \
-          --tokens 1 --k ${shape%x*} --n ${shape#*x} "${sweep[@]}" "${pick[@]}" \
+          --tokens ${QS_TOKENS:-1} --k ${shape%x*} --n ${shape#*x} "${sweep[@]}" "${pick[@]}" \
           --out "$JSON/qs_${kind}_$shape.json"
     done
   done
