@@ -85,7 +85,7 @@ case $STAGE in
       bench ${run%:*} w1_qwen3_${run#*:} latency "${W1[@]}" --num-iters 2 --num-iters-warmup 1
     done ;;
   quantw1)  # W1 with int4 (GPTQ g128 shapes) then fp8 weights, 8 decode steps a call, ABBA
-    for kind in int4 fp8; do
+    for kind in ${QUANTW1_KINDS:-int4 fp8}; do
       quant=(--quantization fp8)
       [ $kind = int4 ] && [ $SMOKE = 0 ] && { quant=(); MODEL=(--model
           configs/models/llama3-8b-gptq-int4 --load-format dummy --dtype bfloat16); }

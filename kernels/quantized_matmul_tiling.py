@@ -175,20 +175,21 @@ def _splits(total_steps: int, programs: int, target: int) -> int:
     return next((d for d in usable if programs * d >= target), usable[-1])
 
 
-# Tilings the rules above miss, per weight shape, measured on the H200 at one token (32 of
-# the shape streamed back to back, 3 rounds round-robin, median ms; benchmarks/results/
-# round22/call2, `run_h200.sh quantshapes`): Llama-3-8B's decode projections where a sweep
-# beat the rules' tiling by >= 5% in every round. (kind, K, N of the group) -> (the most
-# tokens the entry's kernel mode covers, the fields that differ from the rules' tiling).
-# int4 entries cover the 16-row dot (T <= 16 runs the same tiles), fp8 ones the elementwise
-# sum (T <= 2). At o's 4096 x 4096 and at 4096 x 14336 the rules' tiling was already best.
-TUNED: dict[tuple[str, int, int], tuple[int, dict[str, int]]] = {
-    ("int4", 4096, 28672): (16, {"block_n": 256, "k_splits": 8}),  # gate/up 0.978 vs 1.136 ms
-    ("int4", 14336, 4096): (16, {"block_n": 256, "k_splits": 16}),  # down 0.527 vs 0.582
-    ("int4", 4096, 6144): (16, {"k_splits": 8, "num_warps": 8}),  # q/k/v 0.333 vs 0.357
-    ("fp8", 4096, 28672): (2, {"k_splits": 4}),  # gate/up 1.351 vs 1.402
-    ("fp8", 14336, 4096): (2, {"k_splits": 4}),  # down 0.847 vs 0.894
-    ("fp8", 4096, 6144): (2, {"k_splits": 4}),  # q/k/v 0.370 vs 0.552
+# Tilings the rules above miss, per weight shape, measured on the H200 (32 of the shape
+# streamed back to back, rounds round-robin; benchmarks/results/round22, `run_h200.sh
+# quantshapes`): Llama-3-8B's decode projections where a sweep beat the rules' tiling by
+# >= 5% in every round. (kind, K, N of the group) -> (fewest and most tokens the entry
+# covers, the fields that differ from the rules' tiling). The engine's batch-1 decode step
+# runs 8 token rows (one 16-row dot tile); ms are at T = 1 (int4, call 2) and T = 8 (fp8,
+# call 4). At o's 4096 x 4096 and at 4096 x 14336 the int4 rules were already best.
+TUNED: dict[tuple[str, int, int], tuple[int, int, dict[str, int]]] = {
+    ("int4", 4096, 28672): (1, 16, {"block_n": 256, "k_splits": 8}),  # gate/up 0.978 vs 1.136
+    ("int4", 14336, 4096): (1, 16, {"block_n": 256, "k_splits": 16}),  # down 0.527 vs 0.582
+    ("int4", 4096, 6144): (1, 16, {"k_splits": 8, "num_warps": 8}),  # q/k/v 0.333 vs 0.357
+    ("fp8", 4096, 28672): (3, 16, {"block_n": 128}),  # gate/up 1.445 vs 1.526
+    ("fp8", 14336, 4096): (3, 16, {"k_splits": 8}),  # down 0.712 vs 0.741
+    ("fp8", 4096, 6144): (3, 16, {"block_n": 128, "unroll": 1}),  # q/k/v 0.388 vs 0.422
+    ("fp8", 4096, 4096): (3, 16, {"block_n": 128, "unroll": 1}),  # o 0.309 vs 0.347
 }
 
 
@@ -201,9 +202,9 @@ def pick_block_sizes(num_tokens: int, w: QuantizedWeight,
     sizes = rule_block_sizes(num_tokens, w, widths, elementwise=elementwise)
     total = sum(widths or [w.shape[1]])
     entry = TUNED.get((w.kind, w.shape[0], total)) if tuned and elementwise is None else None
-    if entry is None or num_tokens > entry[0]:
+    if entry is None or not entry[0] <= num_tokens <= entry[1]:
         return sizes
-    candidate = dataclasses.replace(sizes, **entry[1])
+    candidate = dataclasses.replace(sizes, **entry[2])
     widths_ok = all(width % candidate.block_n == 0 for width in widths or [w.shape[1]])
     x = jax.ShapeDtypeStruct((num_tokens, w.shape[0]), jax.numpy.bfloat16)
     return candidate if widths_ok and supported(x, w, candidate) else sizes

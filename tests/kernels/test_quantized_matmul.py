@@ -367,21 +367,22 @@ def test_tuned_tilings_apply_to_their_shape_and_mode_only(key):
     weights the engine fuses (q/k/v, gate/up), up to its token count; above it, or at
     another shape, the rules decide."""
     kind, rows, cols = key
-    max_tokens, fields = TUNED[key]
+    min_tokens, max_tokens, fields = TUNED[key]
     group = 128 if kind == "int4" else None
     dtype = jnp.float8_e4m3fn if kind == "fp8" else jnp.uint8
     widths = {6144: [4096, 1024, 1024], 28672: [14336, 14336]}.get(cols, [cols])
     ws = [QuantizedWeight(jnp.zeros(packed_shape(kind, rows, n), dtype),
                           jnp.ones((rows // (group or rows), n)), kind=kind) for n in widths]
     x = jnp.zeros((1, rows), jnp.bfloat16)
-    for tokens in (1, max_tokens):
+    for tokens in (min_tokens, max_tokens):
         rule = pick_block_sizes(tokens, ws[0], widths, tuned=False)
         tuned = pick_block_sizes(tokens, ws[0], widths)
         assert tuned == dataclasses.replace(rule, **fields) != rule
         assert all(supported(x, w, tuned) for w in ws)
-    above = max_tokens + 1
-    assert (pick_block_sizes(above, ws[0], widths)
-            == pick_block_sizes(above, ws[0], widths, tuned=False))
+    for outside in (min_tokens - 1, max_tokens + 1):
+        if outside >= 1:
+            assert (pick_block_sizes(outside, ws[0], widths)
+                    == pick_block_sizes(outside, ws[0], widths, tuned=False))
     other = QuantizedWeight(jnp.zeros(packed_shape(kind, rows, 2048), dtype),
                             jnp.ones((rows // (group or rows), 2048)), kind=kind)
     assert pick_block_sizes(1, other) == pick_block_sizes(1, other, tuned=False)
