@@ -14,7 +14,7 @@ Needs the `triton` package (not a pjinfer dependency), e.g.
     python -m pip install triton==3.9.0 --no-deps --target /tmp/triton
     python -m pjinfer.benchmarks.kernel_ptx --triton-path /tmp/triton --kind int4 --tokens 16 \
         --out int4_t16.json [--block-n 128 --num-warps 4 ...: tiling fields over the default;
-        --int4-offset: the int4 dot's 128 + u form]
+        --int4-offset: the int4 dot's 128 + u form; --float16-dot: fp8 dots over float16 x]
     python -m pjinfer.benchmarks.kernel_ptx --triton-path /tmp/triton --kind decode_attention \
         --kv-dtype float8_e4m3fn --out decode_fp8.json   # Llama-3-8B heads, pages of 16
     (--kind ragged_attention: the mixed-step kernel, 2,048 query tokens of 256 sequences)
@@ -58,6 +58,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sass", default=None, help="also write the kernel's SASS (cuobjdump) here")
     p.add_argument("--int4-offset", action="store_true",
                    help="int4 dots: the nibbles as bfloat16 128 + u (the tiling switch)")
+    p.add_argument("--float16-dot", action="store_true",
+                   help="fp8 dots over float16 x, e4m3 widened to float16 (the tiling switch)")
     a = p.parse_args(argv)
     if a.pages is not None and (a.pages < 1 or a.pages & (a.pages - 1)):
         p.error(f"--pages must be a power of two (Triton tiles), got {a.pages}")
@@ -249,6 +251,8 @@ def run(argv: list[str] | None = None) -> dict:
     overrides = {f: getattr(a, f) for f in FIELDS if getattr(a, f) is not None}
     if a.int4_offset:
         overrides["int4_offset"] = True
+    if a.float16_dot:
+        overrides["float16_dot"] = True
     if a.kind in ATTENTION:
         pages = a.pages or (4 if a.kind == "decode_attention" else 2)  # the defaults' tilings
         ttir, sizes, elements = attention_ttir(a.kind, a.kv_dtype, pages)

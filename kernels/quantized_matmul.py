@@ -178,6 +178,8 @@ def _program(x_ref, xs_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point:
         fp8: [bn, load_rows]): (v - z) s = f (scale s) - (offset + z) s, one FMA an element."""
         if native:
             return int4_bf16_native(p, s, z if z is not None else zero_point, out_major)
+        if sizes.float16_dot and late_scale:  # e4m3 as stored: the dot widens it to float16
+            return [p]
         fs, scale, offset = stored_values(p, kind)
         if late_scale:
             return list(fs)
@@ -262,6 +264,9 @@ def _program(x_ref, xs_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point:
             pltriton.store(o_ref.at[rows[:, None], cols[None, :]], out, mask=valid[:, None])
 
 
+F16_MAX = float(jnp.finfo(jnp.float16).max)
+
+
 def native_int4(kind: str, x_dtype, sizes: QuantMatmulBlockSizes, interpret: bool) -> bool:
     """Whether int4 tiles become bfloat16 weights by `tile_dequant.INT4_BF16_ASM` (compiled
     for a GPU, bfloat16 x, not the 128 + u dot): interpret mode keeps the float32 FMA form, which
@@ -332,13 +337,15 @@ def quantized_matmuls(x: jax.Array, ws: tuple[QuantizedWeight, ...], *, out_dtyp
         tiles=tiles, late_scale=w0.kind == "fp8" and w0.scales.shape[0] == 1,
         native=native_int4(w0.kind, x.dtype, sizes, interpret), has_xsum=has_xsum)
     sums = [x_load_sums(x, sizes.block_k // 2, w0.span)] if has_xsum else []
+    partial = x.dtype if splits == 1 else jnp.float32
+    if sizes.float16_dot:  # the dot's operand: inf-free, exact in float16's normal range
+        x = jnp.clip(x.astype(jnp.float32), -F16_MAX, F16_MAX).astype(jnp.float16)
     out = pl.pallas_call(  # every input whole: the kernel slices its own tiles (pow2 loads)
         kernel,
         grid=(-(-t // bt), sum(tiles), splits),
         in_specs=[common.whole_spec(a.shape) for a in (x, *sums, *parts)],
         out_specs=pl.BlockSpec((None, bt, sizes.block_n), lambda i, j, s: (s, i, j)),
-        out_shape=jax.ShapeDtypeStruct((splits, t, sum(widths)),
-                                       x.dtype if splits == 1 else jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((splits, t, sum(widths)), partial),
         compiler_params=common.triton_params(sizes.num_warps, sizes.num_stages),
         interpret=interpret,
         name=f"weight_only_{w0.kind}_matmul",

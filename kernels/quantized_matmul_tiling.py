@@ -54,7 +54,11 @@ class QuantMatmulBlockSizes(common.BlockSizes):
     when it starts and >= 2 prefetches the next step's into registers. `weight_operand`: the
     dequantized tile's place in a dot, 2 (x @ w: 16 token rows) or 1 (w^T @ x^T: the MMA's
     rows are the weight's columns, the operand an MMA may take from registers, so the tile
-    need not be staged through shared memory; tokens are its narrow side)."""
+    need not be staged through shared memory; tokens are its narrow side). `float16_dot` (fp8
+    dots): x goes into the kernel as float16 (clamped to its range; exact for bf16 values in
+    float16's normal range) so that each e4m3 weight widens to the dot's dtype exactly in one
+    conversion per two elements (to bfloat16 it goes through float16 and float32: sm_90 PTX,
+    4.2 -> 2.6 instructions a weight at T=8), as the fp8 KV cache's attention dots do."""
 
     block_t: int = 16
     block_n: int = 128
@@ -65,6 +69,7 @@ class QuantMatmulBlockSizes(common.BlockSizes):
     num_stages: int = 3
     weight_operand: int = 2
     int4_offset: bool = False
+    float16_dot: bool = False
 
     @property
     def elementwise(self) -> bool:
@@ -79,6 +84,7 @@ class QuantMatmulBlockSizes(common.BlockSizes):
         """One short line for benchmark records: t16 n128 k128x2 s8 w8 st3 (dot)."""
         mode = "sum" if self.elementwise else "wT.dot" if self.weight_lhs else "dot"
         mode += "+128" if self.int4_offset and not self.elementwise else ""
+        mode += "+f16" if self.float16_dot and not self.elementwise else ""
         return (f"t{self.block_t} n{self.block_n} k{self.block_k}x{self.unroll} "
                 f"s{self.k_splits} w{self.num_warps} st{self.num_stages} ({mode})")
 
@@ -86,14 +92,14 @@ class QuantMatmulBlockSizes(common.BlockSizes):
     def parse(cls, text: str) -> QuantMatmulBlockSizes:
         """The tiling a `describe` line names (benchmark records back into tilings)."""
         m = re.fullmatch(r"t(\d+) n(\d+) k(\d+)x(\d+) s(\d+) w(\d+) st(\d+)"
-                         r" \((sum|dot|wT\.dot)(\+128)?\)", text.strip())
+                         r" \((sum|dot|wT\.dot)(\+128)?(\+f16)?\)", text.strip())
         if m is None:
             raise ValueError(f"not a tiling line like 't16 n256 k128x2 s4 w8 st3 (dot)': "
                              f"{text!r}")
         t, n, k, u, s, w, st = (int(g) for g in m.groups()[:7])
         return cls(block_t=t, block_n=n, block_k=k, unroll=u, k_splits=s, num_warps=w,
                    num_stages=st, weight_operand=1 if m[8] == "wT.dot" else 2,
-                   int4_offset=m[9] is not None)
+                   int4_offset=m[9] is not None, float16_dot=m[10] is not None)
 
 
 def supported(x: jax.Array, w: QuantizedWeight, sizes: QuantMatmulBlockSizes) -> bool:
@@ -109,7 +115,8 @@ def supported(x: jax.Array, w: QuantizedWeight, sizes: QuantMatmulBlockSizes) ->
             and (w.kind != "int4" or (bk % 2 == 0 and w.span % load_rows == 0))
             and all(common.is_pow2(b) for b in (sizes.block_t, sizes.block_n, load_rows))
             and sizes.weight_operand in (1, 2)
-            and (sizes.elementwise or min(sizes.block_n, load_rows) >= DOT_MIN_ROWS))
+            and (sizes.elementwise or min(sizes.block_n, load_rows) >= DOT_MIN_ROWS)
+            and (not sizes.float16_dot or (w.kind == "fp8" and not sizes.elementwise)))
 
 
 MIN_PROGRAMS = 264  # two per SM of an H100 / H200 (132 SMs)
@@ -273,7 +280,7 @@ def sweep_candidates(num_tokens: int, w: QuantizedWeight, x: jax.Array
     """A handful of tilings around the default for a sweep (the default first, then single
     changes: warps, column width, unroll, splits, stages / prefetch, the dot for one token,
     the weight as a dot's first operand, the legacy tiling last), each one `supported`,
-    without repeats: <= 11 per call."""
+    without repeats: <= 12 per call."""
     base = pick_block_sizes(num_tokens, w)
     swap = dataclasses.replace
     more_warps = 4 if base.num_warps == 8 else 8
@@ -286,9 +293,12 @@ def sweep_candidates(num_tokens: int, w: QuantizedWeight, x: jax.Array
         variants += [swap(base, num_stages=2),
                      swap(base, block_t=16, num_warps=DOT_WARPS_STAGES[0],
                           num_stages=DOT_WARPS_STAGES[1])]
-    else:  # one more stage; the weight as the dot's first operand; int4 nibbles as 128 + u
+    else:  # one more stage; the weight as the dot's first operand; fp8 dots over float16
+        # x; int4 nibbles as 128 + u
         variants += [swap(base, num_stages=base.num_stages + 1),
                      swap(base, weight_operand=1)]
+        if w.kind == "fp8":
+            variants.append(swap(base, float16_dot=True))
         if w.kind == "int4":
             variants.append(swap(base, int4_offset=True))
             if num_tokens <= ELEMENTWISE_MAX_TOKENS:  # the float32 form, no dot

@@ -52,6 +52,26 @@ def test_sweep_grid_times_each_combination(tmp_path):
     assert all(r["relative_error"] < quant_matmul.MAX_ERROR for r in sweep["tilings"])
 
 
+def test_sweep_times_listed_tilings_in_rounds(tmp_path, capsys):
+    """--tilings: the default, then the listed lines (one that does not tile this weight is
+    skipped and said); --rounds: every tiling timed that many times, its best kept."""
+    out = tmp_path / "t.json"
+    lines = ["t16 n32 k64x1 s2 w4 st3 (dot+f16)", "t16 n32 k64x1 s1 w4 st3 (dot)",
+             "t16 n64 k64x1 s1 w4 st3 (dot)"]  # 64 columns do not divide 32
+    quant_matmul.run(["--out", str(out), "--sweep", "--matrices", "1", "--k", "128", "--n",
+                      "32", "--tokens", "8", "--kinds", "fp8", "--samples", "1", "--calls",
+                      "1", "--rounds", "2", "--tilings", *lines])
+    sweep = json.loads(out.read_text())["sweep"]["fp8"]["8"]
+    timed = {r["tiling"] for r in sweep["tilings"]}
+    assert timed == {sweep["default"], *lines[:2]}
+    assert all(len(r["round_ms"]) == 2 and r["ms"] == min(r["round_ms"])
+               for r in sweep["tilings"])
+    assert "skipped" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        quant_matmul.run(["--out", str(out), "--sweep", "--grid", "num_warps=4",
+                          "--tilings", lines[0]])
+
+
 def test_profile_driver_launches_each_tiling_in_order():
     from pjinfer.benchmarks import quant_profile
 

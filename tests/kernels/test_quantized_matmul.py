@@ -187,6 +187,55 @@ def test_fp8_w8a8_is_within_activation_rounding_of_the_reference():
     assert rel_err(out, quantized_matmul_reference(x, w)) < 0.05  # e4m3 activations: 2^-4
 
 
+@pytest.mark.parametrize("group", [192, 64])
+@pytest.mark.parametrize("tokens, sizes", [
+    (8, QuantMatmulBlockSizes(block_t=16, block_n=32, block_k=64, unroll=1, k_splits=3,
+                              float16_dot=True)),
+    (37, QuantMatmulBlockSizes(block_t=16, block_n=64, block_k=32, unroll=2,
+                               float16_dot=True)),
+    (5, QuantMatmulBlockSizes(block_t=16, block_n=32, block_k=32, k_splits=2,
+                              weight_operand=1, float16_dot=True))])
+def test_fp8_float16_dots_match_the_reference(group, tokens, sizes):
+    """fp8 dots over float16 x (e4m3 widened exactly): per-channel (the scale after the sum)
+    and grouped scales, odd token counts, K split or not, the weight either operand; bf16 x
+    within float16's range converts exactly, so the result is the bf16 reference's."""
+    rng = np.random.default_rng(11)
+    w = _weight(rng, "fp8", 192, 128, group, False)
+    x = jnp.asarray(rng.standard_normal((tokens, 192)), jnp.bfloat16)
+    assert supported(x, w, sizes) and "+f16" in sizes.describe()
+    out = quantized_matmul(x, w, block_sizes=sizes, interpret=True)
+    assert out.shape == (tokens, 128) and out.dtype == jnp.bfloat16
+    exact = x.astype(jnp.float32) @ dequantize(w).astype(jnp.float32)
+    assert rel_err(out, exact) < TOL[jnp.bfloat16]
+    assert rel_err(out, quantized_matmul_reference(x, w)) < TOL[jnp.bfloat16]
+
+
+def test_float16_dots_clamp_x_to_float16s_range():
+    """bf16 activations beyond float16's range are clamped, not made inf: the output stays
+    finite (the row's result saturates instead of overflowing)."""
+    rng = np.random.default_rng(13)
+    w = _weight(rng, "fp8", 192, 128, 192, False)
+    x = jnp.asarray(rng.standard_normal((2, 192)), jnp.bfloat16).at[0, 3].set(1e6)
+    sizes = QuantMatmulBlockSizes(block_t=16, block_n=32, block_k=64, float16_dot=True)
+    out = quantized_matmul(x, w, block_sizes=sizes, interpret=True)
+    assert bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
+    assert rel_err(out[1:], quantized_matmul_reference(x, w)[1:]) < TOL[jnp.bfloat16]
+
+
+def test_float16_dots_only_for_fp8_dots():
+    """`float16_dot` is a switch of fp8 dots: not int4 / int8 weights, not the elementwise
+    form; its tiling line parses back."""
+    rng = np.random.default_rng(12)
+    dot = QuantMatmulBlockSizes(block_t=16, block_n=32, block_k=64, float16_dot=True)
+    x = jnp.zeros((8, 192), jnp.bfloat16)
+    assert supported(x, _weight(rng, "fp8", 192, 128, 192, False), dot)
+    assert not supported(x, _weight(rng, "int4", 192, 128, 64, True), dot)
+    assert not supported(x, _weight(rng, "int8", 192, 128, 64, True), dot)
+    assert not supported(x, _weight(rng, "fp8", 192, 128, 192, False),
+                         dataclasses.replace(dot, block_t=1))
+    assert QuantMatmulBlockSizes.parse(dot.describe()) == dot
+
+
 @pytest.mark.parametrize("tokens", [INT4_DOT_ROWS, INT4_DOT_ROWS + 1])
 def test_int4_steps_above_the_dot_rows_take_xla(tokens, monkeypatch):
     """int4 weights take the kernel up to INT4_DOT_ROWS rows, in 16-row dot tiles, and XLA's
