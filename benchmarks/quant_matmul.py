@@ -57,15 +57,19 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    help="with --sweep: the default tiling, then every combination of these "
                         "values (QuantMatmulBlockSizes fields, e.g. num_stages=2,3,4) in "
                         "place of the handful of single changes")
-    p.add_argument("--tilings", nargs="+", default=None, metavar="LINE",
-                   help="with --sweep: the default tiling, then these (describe() lines such "
-                        "as 't16 n256 k128x1 s8 w4 st3 (dot)') in place of the single changes")
+    p.add_argument("--tilings", nargs="*", default=None, metavar="LINE",
+                   help="with --sweep: the default tiling, the rules' tiling where a tuned one "
+                        "is the default (quantized_matmul_tiling.TUNED), then these "
+                        "(describe() lines such as 't16 n256 k128x1 s8 w4 st3 (dot)'; none: "
+                        "those two alone) in place of the single changes")
+    p.add_argument("--float16-twins", action="store_true",
+                   help="with --sweep: after each fp8 dot tiling, the same with float16_dot")
     p.add_argument("--rounds", type=int, default=1,
                    help="with --sweep: time the candidates this many times, round-robin, so "
                         "the device's drift falls on all of them; a tiling's ms is its best "
                         "round, `round_ms` lists them")
     a = p.parse_args(argv)
-    if a.grid and a.tilings:
+    if a.grid and a.tilings is not None:
         p.error("--grid and --tilings both pick the sweep's candidates: give one")
     if a.rounds < 1:
         p.error(f"--rounds must be >= 1, got {a.rounds}")
@@ -180,18 +184,33 @@ def _candidates(a: argparse.Namespace, t: int, w, x) -> list:
     )
 
     if a.grid:
-        return grid_candidates(t, w, x, a.grid)
-    if not a.tilings:
-        return sweep_candidates(t, w, x)
-    out = [pick_block_sizes(t, w)]
+        return _twins(a, x, w, grid_candidates(t, w, x, a.grid))
+    if a.tilings is None:
+        return _twins(a, x, w, sweep_candidates(t, w, x))
+    out = [pick_block_sizes(t, w), pick_block_sizes(t, w, tuned=False)]
     for line in a.tilings:
         sizes = QuantMatmulBlockSizes.parse(line)
         if not supported(x, w, sizes):  # one list serves several shapes: skip, say so
             print(f"--tilings {line!r}: skipped, the kernel cannot tile a {w.kind} weight "
                   f"of {w.shape} with it (quantized_matmul_tiling.supported)", flush=True)
-        elif sizes not in out:
+        else:
             out.append(sizes)
-    return out
+    return _twins(a, x, w, list(dict.fromkeys(out)))
+
+
+def _twins(a: argparse.Namespace, x, w, tilings: list) -> list:
+    """`tilings`, each fp8 dot followed by its float16_dot twin where --float16-twins asks."""
+    from pjinfer.kernels.quantized_matmul_tiling import supported
+
+    if not a.float16_twins:
+        return tilings
+    out = []
+    for sizes in tilings:
+        out.append(sizes)
+        twin = dataclasses.replace(sizes, float16_dot=True)
+        if supported(x, w, twin):
+            out.append(twin)
+    return list(dict.fromkeys(out))
 
 
 def _best_round(rows: list[dict]) -> dict:

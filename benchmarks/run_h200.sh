@@ -62,6 +62,8 @@
 #                                         # INT4_GRID override)
 #   bash benchmarks/run_h200.sh quantshapes  # int4 and fp8 kernel tilings at each of Llama-3-8B's
 #                                            # decode projections, one token (~8 min)
+#   bash benchmarks/run_h200.sh quanttuned   # the tuned tilings vs the rules' at 8 token rows,
+#                                            # fp8 dots with and without float16 x (~4 min)
 #   bash benchmarks/run_h200.sh --smoke pjinfer hf serve   # the same plumbing, tiny, on CPU
 #
 # Each stage fits one 10-minute device command; every step has its own time limit, and a
@@ -470,6 +472,21 @@ stage_quantshapes() {
   done
 }
 
+# Issue 14: each tuned weight-only tiling (quantized_matmul_tiling.TUNED) against the rules'
+# tiling at the engine's batch-1 decode rows (8), and every fp8 dot beside its float16_dot
+# twin, 3 rounds round-robin, at Llama-3-8B's four decode projections (~4 min).
+stage_quanttuned() {
+  local shapes=(4096x4096 4096x6144 14336x4096 4096x28672) sweep=(--matrices 32 --rounds 3)
+  [ $SMOKE = 1 ] && { shapes=(256x256); sweep=(--matrices 2 --samples 1 --calls 1); }
+  for shape in "${shapes[@]}"; do
+    for kind in int4 fp8; do
+      step "qt_${kind}_$shape" 150 $PY -m pjinfer.benchmarks.quant_matmul --sweep --kinds $kind \
+          --tokens 8 --k ${shape%x*} --n ${shape#*x} "${sweep[@]}" --tilings --float16-twins \
+          --out "$JSON/qt_${kind}_$shape.json"
+    done
+  done
+}
+
 # The host's side of a batch-1 step (RESULTS.md, round 5): what a call's arguments cost, then
 # each model's decode step with the time its launch takes ("host") beside the device's.
 stage_host() {
@@ -635,7 +652,8 @@ for stage in "${STAGES[@]}"; do
     loramulti) stage_loramulti ;;
     int4ncu) stage_int4ncu ;;
     quantshapes) stage_quantshapes ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moeprofile | w8a8 | decodesplits | kvfp8 | w3fp8 | attnfp8 | kvprobe | raggedfp8 | routed | routedwide | loramulti | int4ncu | quantshapes)" ;;
+    quanttuned) stage_quanttuned ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moeprofile | w8a8 | decodesplits | kvfp8 | w3fp8 | attnfp8 | kvprobe | raggedfp8 | routed | routedwide | loramulti | int4ncu | quantshapes | quanttuned)" ;;
   esac
 done
 pack

@@ -72,6 +72,18 @@ def test_sweep_times_listed_tilings_in_rounds(tmp_path, capsys):
                           "--tilings", lines[0]])
 
 
+def test_sweep_float16_twins_follow_each_fp8_dot(tmp_path):
+    """--tilings with no lines: the default (and the rules' tiling, where a tuned one is the
+    default) alone; --float16-twins adds each fp8 dot's float16_dot twin after it."""
+    out = tmp_path / "f.json"
+    quant_matmul.run(["--out", str(out), "--sweep", "--matrices", "1", "--k", "128", "--n",
+                      "32", "--tokens", "8", "--kinds", "fp8", "--samples", "1", "--calls",
+                      "1", "--tilings", "--float16-twins"])
+    sweep = json.loads(out.read_text())["sweep"]["fp8"]["8"]
+    timed = {r["tiling"] for r in sweep["tilings"]}
+    assert timed == {sweep["default"], sweep["default"].replace("(dot)", "(dot+f16)")}
+
+
 def test_profile_driver_launches_each_tiling_in_order():
     from pjinfer.benchmarks import quant_profile
 
