@@ -87,6 +87,20 @@ def test_routing_renormalises_only_when_asked():
     np.testing.assert_allclose(w[0], probs[:2] / probs[:2].sum(), rtol=1e-6)
 
 
+def test_renormalised_routing_is_the_softmax_then_top_k_of_transformers():
+    """Renormalised routing takes the top k of the logits and a softmax over those: the same
+    weights and experts as transformers' softmax -> top-k -> divide by the sum, on random
+    logits with a wide range (some probabilities far below float32's resolution of 1)."""
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(0, 6, (64, 128)), jnp.bfloat16)  # ties included
+    w, ids = route(logits, 8, renormalize=True)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    want_w, want_ids = jax.lax.top_k(probs, 8)
+    want_w = want_w / want_w.sum(axis=-1, keepdims=True)
+    assert ids.dtype == jnp.int32 and (np.asarray(ids) == np.asarray(want_ids)).all()
+    np.testing.assert_allclose(np.asarray(w), np.asarray(want_w), rtol=1e-5, atol=1e-7)
+
+
 def _block_params(seed: int, d=16, e=6, i=8):
     rng = np.random.default_rng(seed)
     return {"router": jnp.asarray(rng.normal(size=(d, e)), jnp.float32),
