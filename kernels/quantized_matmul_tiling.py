@@ -1,7 +1,10 @@
 """Tilings of the weight-only quantized matmul (`quantized_matmul`): what a tiling is, which
 weights it can tile, the default picked per call, and the candidates a sweep times.
 
-The defaults are the best tilings of the H200 sweep (`python -m pjinfer.benchmarks.quant_matmul
+The rules below carry the best tilings of one shape to every shape; where a sweep of a
+shape found better, `TUNED` holds that shape's tiling (Llama-3-8B's decode projections,
+benchmarks/RESULTS.md round 22). The rules' tilings are the best of the H200 sweep
+(`python -m pjinfer.benchmarks.quant_matmul
 --sweep --tokens 1 16`, 24 matrices of 4096 x 14336, benchmarks/results/round3/quant_sweep.json;
 ms for the stack, bf16 XLA 0.754 at T=1, 0.785 at T=16; int4, stored [N, K/2] and dequantized
 in bf16 pairs, from a grid of 96 tilings (`--sweep --grid`, benchmarks/results/round18/call10/
