@@ -61,7 +61,7 @@ class QuantMatmulBlockSizes(common.BlockSizes):
     dots): x goes into the kernel as float16 (clamped to its range; exact for bf16 values in
     float16's normal range) so that each e4m3 weight widens to the dot's dtype exactly in one
     conversion per two elements (to bfloat16 it goes through float16 and float32: sm_90 PTX,
-    4.2 -> 2.6 instructions a weight at T=8), as the fp8 KV cache's attention dots do."""
+    4.2 -> 2.2 instructions a weight at T=8), as the fp8 KV cache's attention dots do."""
 
     block_t: int = 16
     block_n: int = 128
