@@ -274,9 +274,9 @@ stage_moe() {
 
 # Issue 13's throughput target: Qwen3-30B-A3B shapes, 1,000 x 1,024 in / 256 out (N_MOE
 # overrides the prompt count), against the active-parameter compute roofline.
-stage_moetput() {
+stage_moetput() {  # MOE_MAX_SEQS: sequences a step (each decode step streams every expert)
   local qwen=(--model configs/models/qwen3-30b-a3b --load-format dummy --dtype bfloat16
-              --max-num-seqs 256 --max-num-batched-tokens 8192)
+              --max-num-seqs ${MOE_MAX_SEQS:-256} --max-num-batched-tokens 8192)
   local n=${N_MOE:-1000} tput=(--input-len 1024 --output-len 256)
   [ $SMOKE = 1 ] && qwen=("${ENGINE[@]}") && n=4 && tput=(--input-len 16 --output-len 4)
   step moe_qwen3_throughput 540 "${BENCH[@]}" throughput "${qwen[@]}" \
