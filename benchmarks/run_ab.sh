@@ -85,16 +85,19 @@ case $STAGE in
       bench ${run%:*} w1_qwen3_${run#*:} latency "${W1[@]}" --num-iters 2 --num-iters-warmup 1
     done ;;
   quantw1)  # W1 with int4 (GPTQ g128 shapes) then fp8 weights, 8 decode steps a call, ABBA
+    dense=("${MODEL[@]}")
     for kind in ${QUANTW1_KINDS:-int4 fp8}; do
-      quant=(--quantization fp8)
-      [ $kind = int4 ] && [ $SMOKE = 0 ] && { quant=(); MODEL=(--model
-          configs/models/llama3-8b-gptq-int4 --load-format dummy --dtype bfloat16); }
-      [ $kind = int4 ] && [ $SMOKE = 1 ] && continue  # the demo model has no int4 checkpoint
+      MODEL=("${dense[@]}") quant=(--quantization fp8)
+      if [ $kind = int4 ]; then
+        [ $SMOKE = 1 ] && continue  # the demo model has no int4 checkpoint
+        MODEL=(--model configs/models/llama3-8b-gptq-int4 --load-format dummy --dtype bfloat16)
+        quant=()
+      fi
       for run in base:1 head:1 head:2 base:2; do
         bench ${run%:*} w1_${kind}_${run#*:} latency "${W1[@]}" "${quant[@]}" \
             --num-scheduler-steps 8 --num-iters-warmup 1
       done
-      [ $SMOKE = 0 ] && MODEL=(--model configs/models/llama3-8b --load-format dummy --dtype bfloat16)
-    done ;;
+    done
+    MODEL=("${dense[@]}") ;;
   *) echo "unknown stage $STAGE (probe | w3 | qwen3 | quantw1)"; exit 2 ;;
 esac

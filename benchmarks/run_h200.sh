@@ -451,23 +451,20 @@ stage_int4ncu() {
 # round-robin (~8 min).
 stage_quantshapes() {
   local shapes=(${QS_SHAPES:-4096x4096 4096x6144 14336x4096 4096x28672})
-  local sweep=(--matrices 32 --rounds ${QS_ROUNDS:-1})
-  [ $SMOKE = 1 ] && { shapes=(256x256); sweep=(--matrices 2 --samples 1 --calls 1); }
+  [ $SMOKE = 1 ] && shapes=(256x256)
   for shape in "${shapes[@]}"; do
     for kind in ${QS_KINDS:-int4 fp8}; do
-      local pick=()
-      if [ $kind = int4 ] && [ -n "${QS_TILINGS_INT4:-}" ]; then
-        IFS=';' read -ra pick <<<"$QS_TILINGS_INT4"; pick=(--tilings "${pick[@]}")
-      elif [ $kind = fp8 ] && [ -n "${QS_TILINGS_FP8:-}" ]; then
-        IFS=';' read -ra pick <<<"$QS_TILINGS_FP8"; pick=(--tilings "${pick[@]}")
-      elif [ $kind = int4 ]; then
-        pick=(--grid ${QS_GRID_INT4:-block_n=64,128,256 k_splits=2,4,7,8,14,16,28,32 num_warps=4,8})
+      local tilings grid pick
+      if [ $kind = int4 ]; then
+        tilings=${QS_TILINGS_INT4:-}
+        grid=${QS_GRID_INT4:-block_n=64,128,256 k_splits=2,4,7,8,14,16,28,32 num_warps=4,8}
       else
-        pick=(--grid ${QS_GRID_FP8:-block_n=32,64,128 k_splits=1,2,4,7,8,14,16 unroll=2,4})
+        tilings=${QS_TILINGS_FP8:-}
+        grid=${QS_GRID_FP8:-block_n=32,64,128 k_splits=1,2,4,7,8,14,16 unroll=2,4}
       fi
-      step "qs_${kind}_$shape" 150 $PY -m pjinfer.benchmarks.quant_matmul --sweep --kinds $kind \
-          --tokens ${QS_TOKENS:-1} --k ${shape%x*} --n ${shape#*x} "${sweep[@]}" "${pick[@]}" \
-          --out "$JSON/qs_${kind}_$shape.json"
+      pick=(--grid $grid)
+      if [ -n "$tilings" ]; then IFS=';' read -ra pick <<<"$tilings"; pick=(--tilings "${pick[@]}"); fi
+      quant_sweep qs $kind $shape ${QS_TOKENS:-1} ${QS_ROUNDS:-1} "${pick[@]}"
     done
   done
 }
@@ -476,15 +473,22 @@ stage_quantshapes() {
 # tiling at the engine's batch-1 decode rows (8), and every fp8 dot beside its float16_dot
 # twin, 3 rounds round-robin, at Llama-3-8B's four decode projections (~4 min).
 stage_quanttuned() {
-  local shapes=(4096x4096 4096x6144 14336x4096 4096x28672) sweep=(--matrices 32 --rounds 3)
-  [ $SMOKE = 1 ] && { shapes=(256x256); sweep=(--matrices 2 --samples 1 --calls 1); }
+  local shapes=(4096x4096 4096x6144 14336x4096 4096x28672)
+  [ $SMOKE = 1 ] && shapes=(256x256)
   for shape in "${shapes[@]}"; do
-    for kind in int4 fp8; do
-      step "qt_${kind}_$shape" 150 $PY -m pjinfer.benchmarks.quant_matmul --sweep --kinds $kind \
-          --tokens 8 --k ${shape%x*} --n ${shape#*x} "${sweep[@]}" --tilings --float16-twins \
-          --out "$JSON/qt_${kind}_$shape.json"
-    done
+    for kind in int4 fp8; do quant_sweep qt $kind $shape 8 3 --tilings --float16-twins; done
   done
+}
+
+# quant_sweep PREFIX KIND KxN TOKENS ROUNDS ARGS...: one `quant_matmul --sweep` step over 32
+# matrices of the shape (smoke: 2, one sample), its JSON named PREFIX_KIND_KxN.
+quant_sweep() {
+  local prefix=$1 kind=$2 shape=$3 tokens=$4 rounds=$5; shift 5
+  local size=(--matrices 32 --rounds $rounds)
+  [ $SMOKE = 1 ] && size=(--matrices 2 --samples 1 --calls 1)
+  step "${prefix}_${kind}_$shape" 150 $PY -m pjinfer.benchmarks.quant_matmul --sweep \
+      --kinds $kind --tokens $tokens --k ${shape%x*} --n ${shape#*x} "${size[@]}" "$@" \
+      --out "$JSON/${prefix}_${kind}_$shape.json"
 }
 
 # The host's side of a batch-1 step (RESULTS.md, round 5): what a call's arguments cost, then

@@ -209,13 +209,13 @@ def pick_block_sizes(num_tokens: int, w: QuantizedWeight,
                      ) -> QuantMatmulBlockSizes:
     """The default tiling: the `TUNED` entry of the weight's shape where one covers
     `num_tokens` (and `tuned`), else the rules' (`rule_block_sizes`)."""
+    widths = list(widths or [w.shape[1]])
     sizes = rule_block_sizes(num_tokens, w, widths, elementwise=elementwise)
-    total = sum(widths or [w.shape[1]])
-    entry = TUNED.get((w.kind, w.shape[0], total)) if tuned and elementwise is None else None
+    entry = TUNED.get((w.kind, w.shape[0], sum(widths))) if tuned and elementwise is None else None
     if entry is None or not entry[0] <= num_tokens <= entry[1]:
         return sizes
     candidate = dataclasses.replace(sizes, **entry[2])
-    widths_ok = all(width % candidate.block_n == 0 for width in widths or [w.shape[1]])
+    widths_ok = all(width % candidate.block_n == 0 for width in widths)
     x = jax.ShapeDtypeStruct((num_tokens, w.shape[0]), jax.numpy.bfloat16)
     return candidate if widths_ok and supported(x, w, candidate) else sizes
 
