@@ -73,6 +73,13 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--grid and --tilings both pick the sweep's candidates: give one")
     if a.rounds < 1:
         p.error(f"--rounds must be >= 1, got {a.rounds}")
+    from pjinfer.kernels.quantized_matmul_tiling import QuantMatmulBlockSizes
+
+    try:  # a mistyped line fails here, not after the stack is built and quantized
+        a.tilings = (None if a.tilings is None
+                     else [QuantMatmulBlockSizes.parse(line) for line in a.tilings])
+    except ValueError as e:
+        p.error(f"--tilings: {e}")
     return a
 
 
@@ -176,7 +183,6 @@ def _candidates(a: argparse.Namespace, t: int, w, x) -> list:
     """The sweep's tilings for T = t: the default first, then the grid, the listed lines or
     the handful of single changes."""
     from pjinfer.kernels.quantized_matmul_tiling import (
-        QuantMatmulBlockSizes,
         grid_candidates,
         pick_block_sizes,
         supported,
@@ -188,11 +194,11 @@ def _candidates(a: argparse.Namespace, t: int, w, x) -> list:
     if a.tilings is None:
         return _twins(a, x, w, sweep_candidates(t, w, x))
     out = [pick_block_sizes(t, w), pick_block_sizes(t, w, tuned=False)]
-    for line in a.tilings:
-        sizes = QuantMatmulBlockSizes.parse(line)
+    for sizes in a.tilings:
         if not supported(x, w, sizes):  # one list serves several shapes: skip, say so
-            print(f"--tilings {line!r}: skipped, the kernel cannot tile a {w.kind} weight "
-                  f"of {w.shape} with it (quantized_matmul_tiling.supported)", flush=True)
+            print(f"--tilings {sizes.describe()!r}: skipped, the kernel cannot tile a "
+                  f"{w.kind} weight of {w.shape} with it (quantized_matmul_tiling.supported)",
+                  flush=True)
         else:
             out.append(sizes)
     return _twins(a, x, w, list(dict.fromkeys(out)))

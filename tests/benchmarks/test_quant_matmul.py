@@ -70,6 +70,9 @@ def test_sweep_times_listed_tilings_in_rounds(tmp_path, capsys):
     with pytest.raises(SystemExit):
         quant_matmul.run(["--out", str(out), "--sweep", "--grid", "num_warps=4",
                           "--tilings", lines[0]])
+    with pytest.raises(SystemExit):  # a mistyped line is refused before any work
+        quant_matmul.run(["--out", str(out), "--sweep", "--tilings", "t16 n32 (dot)"])
+    assert "--tilings: not a tiling line" in capsys.readouterr().err
 
 
 def test_sweep_float16_twins_follow_each_fp8_dot(tmp_path):
