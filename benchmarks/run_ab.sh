@@ -6,7 +6,8 @@
 #   bash benchmarks/run_ab.sh .bench_base probe    # step probe + W1 (ABBA) + W2, both trees
 #                                                  # (~9 min)
 #   bash benchmarks/run_ab.sh .bench_base w3       # W3, both trees                (~6 min)
-#   bash benchmarks/run_ab.sh .bench_base qwen3    # Qwen3-30B-A3B W1, ABBA        (~8 min)
+#   bash benchmarks/run_ab.sh .bench_base qwen3    # Qwen3-30B-A3B W1, 8 steps a call, ABBA
+#                                                  # (~8 min)
 #   bash benchmarks/run_ab.sh .bench_base quantw1  # W1 int4 then fp8, 8 steps a call, ABBA
 #                                                  # (~7 min)
 #   bash benchmarks/run_ab.sh --smoke .bench_base probe   # the same plumbing, tiny, on CPU
@@ -82,7 +83,8 @@ case $STAGE in
     # and in round 6 both first-process Qwen3 runs were the slowest of their calls
     bench base warmup latency "${W1[@]}" --output-len 32 --num-iters 1 --num-iters-warmup 1
     for run in base:1 head:1 head:2 base:2; do
-      bench ${run%:*} w1_qwen3_${run#*:} latency "${W1[@]}" --num-iters 2 --num-iters-warmup 1
+      bench ${run%:*} w1_qwen3_${run#*:} latency "${W1[@]}" --num-iters 2 --num-iters-warmup 1 \
+          --num-scheduler-steps 8
     done ;;
   quantw1)  # W1 with int4 (GPTQ g128 shapes) then fp8 weights, 8 decode steps a call, ABBA
     dense=("${MODEL[@]}")

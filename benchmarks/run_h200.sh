@@ -34,7 +34,8 @@
 #   bash benchmarks/run_h200.sh loramulti # the lora stage's engine passes (200 prompts) with
 #                                         # --num-scheduler-steps 8 (~6 min)
 #   bash benchmarks/run_h200.sh moeprofile  # Qwen3-30B-A3B (batch 1, 10 x 2,560) and
-#                                           # Mixtral-8x7B decode steps profiled (~6 min)
+#                                           # Mixtral-8x7B decode steps profiled (~6 min;
+#                                           # MOEPROFILE_MODELS picks qwen3 / mixtral)
 #   bash benchmarks/run_h200.sh w8a8      # fp8 weights [N, K]: kernel vs W8A8 vs bf16 at 1 to
 #                                         # 2,048 tokens, W3 bf16 vs fp8, W1 fp8 (~9 min with
 #                                         # N_W3=300)
@@ -191,13 +192,16 @@ stage_profile() {
 # kernels (Qwen3-30B-A3B at batch 1 and 10 concurrent at 2,560 tokens; Mixtral-8x7B batch 1).
 stage_moeprofile() {
   if [ $SMOKE = 1 ]; then log "SKIP moeprofile in smoke mode (MoE shapes only)"; return 0; fi
-  step qwen3_step_profile 240 $PY benchmarks/step_probe.py --model configs/models/qwen3-30b-a3b \
-      --layouts decode_1x768 decode_10x2560 --backends auto --num-kv-blocks 4096 \
-      --max-model-len 4096 \
+  local models=" ${MOEPROFILE_MODELS:-qwen3 mixtral} "
+  [[ $models == *" qwen3 "* ]] && step qwen3_step_profile 240 $PY benchmarks/step_probe.py \
+      --model configs/models/qwen3-30b-a3b --layouts decode_1x768 decode_10x2560 \
+      --backends auto --num-kv-blocks 4096 --max-model-len 4096 \
       --profile /tmp/pjinfer-prof-qwen3 --out "$JSON/qwen3_step_profile.json"
-  step mixtral_step_profile 240 $PY benchmarks/step_probe.py --model configs/models/mixtral-8x7b \
-      --layouts decode_1x768 --backends auto --num-kv-blocks 2048 \
+  [[ $models == *" mixtral "* ]] && step mixtral_step_profile 240 $PY benchmarks/step_probe.py \
+      --model configs/models/mixtral-8x7b --layouts decode_1x768 --backends auto \
+      --num-kv-blocks 2048 \
       --profile /tmp/pjinfer-prof-mixtral --out "$JSON/mixtral_step_profile.json"
+  return 0
 }
 
 # W4's steps over the bf16 cache and the fp8 one, profiled: where fp8 KV loses its time.

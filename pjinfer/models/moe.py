@@ -69,16 +69,11 @@ class MoeConfig:
 
 def route(logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
     """Router logits [T, E] -> (weights [T, k] float32, expert ids [T, k]): softmax in float32,
-    the k largest, optionally renormalised to sum to 1 (as transformers' routers do).
-
-    Renormalised, the weights are the softmax of the k largest logits alone (the softmax's
-    denominator cancels), so the full [T, E] softmax is not computed: the k largest logits
-    are the k largest probabilities, and a decode step keeps one reduction over E fewer."""
-    logits = logits.astype(jnp.float32)
+    the k largest, optionally renormalised to sum to 1 (as transformers' routers do)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, top_k)
     if renormalize:
-        top, ids = jax.lax.top_k(logits, top_k)
-        return jax.nn.softmax(top, axis=-1), ids.astype(jnp.int32)
-    weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, ids.astype(jnp.int32)
 
 
