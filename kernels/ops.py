@@ -1,5 +1,5 @@
 """The one dispatch module for the kernels: paged attention (cache layout, KV writes,
-attention), the grouped matmul (MoE experts), the weight-only quantized matmul and the
+attention), MoE routing, the grouped matmul (MoE experts), the weight-only quantized matmul and the
 multi-LoRA term.
 
 The engine calls only these functions (and builds `AttentionParams`, re-exported here, so
@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pjinfer.kernels import lora_matmul
+from pjinfer.kernels import lora_matmul, moe_route
 from pjinfer.kernels import quantized_matmul as qmm
 from pjinfer.kernels.backends import BACKENDS
 from pjinfer.kernels.common import AttentionParams, pow2_dividing, prev_pow2
@@ -157,6 +157,23 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     return pallas_grouped_matmul(lhs, rhs, group_sizes, out_dtype=out_dtype,
                                  interpret=_interpret(),
                                  **default_grouped_block_sizes(lhs.shape[0], *rhs.shape))
+
+
+def route_experts(x: jax.Array, router: jax.Array, top_k: int, renormalize: bool,
+                  valid: jax.Array | None = None, *, backend: str = "auto"
+                  ) -> tuple[jax.Array, jax.Array]:
+    """A MoE layer's routing, x [T, D] and router [D, E] -> (weights [T, k] float32, expert
+    ids [T, k] int32, -1 and 0 for tokens where `valid` [T] is false): one Pallas kernel for a
+    decode-sized step (up to `moe_route.MAX_TOKENS` tokens, no tensor-parallel mesh), where
+    XLA runs five small ones; `moe_route.moe_route_reference` elsewhere."""
+    t, d = x.shape
+    block_k = pow2_dividing(d, 128, 16)
+    if (_use_pallas(backend) and t <= moe_route.MAX_TOKENS and block_k is not None
+            and traced_tp_mesh() is None):
+        ones = jnp.ones((t,), jnp.int32) if valid is None else valid
+        return moe_route.moe_route(x, router, ones, top_k=top_k, renormalize=renormalize,
+                                   block_k=block_k, interpret=_interpret())
+    return moe_route.moe_route_reference(x, router, top_k, renormalize, valid)
 
 
 def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignment: bool,

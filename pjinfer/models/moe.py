@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pjinfer.kernels import ops
+from pjinfer.kernels.moe_route import route_logits
 from pjinfer.models.layers import gated_mlp, linear
 from pjinfer.sharding.attention import shard_map
 from pjinfer.sharding.mesh import traced_tp_mesh
@@ -67,35 +68,30 @@ class MoeConfig:
                              f"{self.num_experts}")
 
 
-def route(logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
-    """Router logits [T, E] -> (weights [T, k] float32, expert ids [T, k]): softmax in float32,
-    the k largest, optionally renormalised to sum to 1 (as transformers' routers do)."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, ids = jax.lax.top_k(probs, top_k)
-    if renormalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, ids.astype(jnp.int32)
-
-
 def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Array,
-               down: jax.Array, first_expert: jax.Array | int = 0, *,
+               down: jax.Array, first_expert: jax.Array | int | None = None, *,
                backend: str = "auto", path: str = "auto") -> jax.Array:
     """Sum over each token's k experts of weight * down(silu(gate(x)) * up(x)), float32 [T, D].
 
-    x [T, D]; weights/ids [T, k] (weight 0: skipped); gate_up [E', D, 2, I']; down [E', I', D]
-    hold experts first_expert .. first_expert + E' - 1 (all of them, or one EP shard's), each
-    over I' columns (all of I, or one TP shard's: then the result is a partial sum).
+    x [T, D]; weights/ids [T, k] (id < 0: none; weight 0: adds nothing); gate_up [E', D, 2, I'];
+    down [E', I', D] hold every expert (`first_expert` None) or experts first_expert ..
+    first_expert + E' - 1 (one EP shard's), each over I' columns (all of I, or one TP shard's:
+    then the result is a partial sum).
     `path` "sorted" / "routed" overrides `ops.prefers_routed_matmul` (benchmarks).
     """
     if path not in ("auto", "sorted", "routed"):
         raise ValueError(f"path must be auto, sorted or routed, got {path!r}")
     t, k = ids.shape
     num_local, d, _, inter = gate_up.shape
-    local = ids - first_expert
-    mine = (local >= 0) & (local < num_local) & (weights > 0)  # [T, k]
+    if first_expert is None:  # every expert here: no remap, one select kernel fewer a layer
+        mine, local = ids >= 0, ids
+    else:
+        local = ids - first_expert
+        mine = (local >= 0) & (local < num_local) & (weights > 0)  # [T, k]
+        local = jnp.where(mine, local, -1)
     gate_up = gate_up.reshape(num_local, d, 2 * inter)
     if path == "routed" or (path == "auto" and ops.prefers_routed_matmul(backend, t)):
-        y = _routed_experts(x, jnp.where(mine, local, -1), gate_up, down, backend)
+        y = _routed_experts(x, local, gate_up, down, backend)
     else:
         y = _sorted_experts(x, jnp.where(mine, local, num_local).reshape(-1), gate_up, down,
                             k, backend)
@@ -140,7 +136,7 @@ def _sharded_expert_ffn(x, weights, ids, gate_up, down, *, expert_parallel: bool
         specs = (P(None, None, None, "tp"), P(None, "tp", None))
 
     def local(x, weights, ids, gate_up, down):
-        first = jax.lax.axis_index("tp") * gate_up.shape[0] if expert_parallel else 0
+        first = jax.lax.axis_index("tp") * gate_up.shape[0] if expert_parallel else None
         part = expert_ffn(x, weights, ids, gate_up, down, first, backend=backend)
         return jax.lax.psum(part.astype(x.dtype), "tp")  # summed in x's dtype, as dense MLPs
 
@@ -151,9 +147,12 @@ def _sharded_expert_ffn(x, weights, ids, gate_up, down, *, expert_parallel: bool
 def moe_block(lp: dict, x: jax.Array, *, moe: MoeConfig, valid: jax.Array | None = None,
               expert_parallel: bool = False, backend: str = "auto") -> jax.Array:
     """The sparse MLP of one layer: x [T, D] -> [T, D]; `valid` [T] marks real tokens."""
-    weights, ids = route(linear(x, lp["router"]), moe.top_k, moe.norm_topk_prob)  # [T, k]
-    if valid is not None:
-        weights = jnp.where(valid[:, None], weights, 0.0)
+    router = lp["router"]
+    if isinstance(router, jax.Array):  # a plain weight: one routing kernel where it runs
+        weights, ids = ops.route_experts(x, router, moe.top_k, moe.norm_topk_prob, valid,
+                                         backend=backend)  # [T, k]
+    else:
+        weights, ids = route_logits(linear(x, router), moe.top_k, moe.norm_topk_prob, valid)
     out = _sharded_expert_ffn(x, weights, ids, lp["experts_gate_up"], lp["experts_down"],
                               expert_parallel=expert_parallel, backend=backend
                               ).astype(jnp.float32)

@@ -1,0 +1,109 @@
+"""The MoE routing kernel (interpret mode on CPU, compiled on a GPU) against its reference, and
+the reference against transformers' softmax -> top-k -> renormalise."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pjinfer.kernels import ops
+from pjinfer.kernels.moe_route import moe_route, moe_route_reference, route_logits
+from tests.kernels.lowering import cuda_module
+
+INTERPRET = jax.default_backend() != "gpu"
+
+
+def _inputs(seed: int, t: int, d: int, e: int, dtype):
+    """x and router of small integers: every dot is exact in float32, so the kernel's and
+    XLA's logits round to the same value in any dtype, and ties between experts are common
+    (the tie-break is tested, not the summation order)."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.integers(-3, 4, (t, d)), dtype)
+    router = jnp.asarray(rng.integers(-2, 3, (d, e)), dtype)
+    valid = jnp.asarray(rng.random(t) < 0.75).at[0].set(True)
+    return x, router, valid
+
+
+@pytest.mark.parametrize("t, d, e, k, block_k, dtype", [
+    (1, 64, 16, 2, 32, jnp.float32),  # one token (a dot tile of 16 rows)
+    (3, 192, 60, 4, 64, jnp.bfloat16),  # E not a power of two (Qwen2-MoE's 60): padded to 64
+    (8, 128, 8, 2, 128, jnp.bfloat16),  # Mixtral's 8 experts, padded to the dot's 16
+    (17, 96, 128, 8, 32, jnp.bfloat16),  # Qwen3's 128 experts, top-8, T past a power of two
+    (64, 64, 32, 3, 16, jnp.float32),  # the most tokens it takes; k not a power of two
+])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_kernel_matches_reference(t, d, e, k, block_k, dtype, renormalize):
+    x, router, valid = _inputs(t * d + e, t, d, e, dtype)
+    w, ids = moe_route(x, router, valid, top_k=k, renormalize=renormalize, block_k=block_k,
+                       interpret=INTERPRET)
+    want_w, want_ids = moe_route_reference(x, router, k, renormalize, valid)
+    assert w.dtype == jnp.float32 and ids.dtype == jnp.int32 and ids.shape == (t, k)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_allclose(np.asarray(w), np.asarray(want_w), rtol=1e-5, atol=1e-7)
+    dropped = ~np.asarray(valid)
+    assert (np.asarray(ids)[dropped] == -1).all() and not np.asarray(w)[dropped].any()
+
+
+def test_reference_is_transformers_routing():
+    """softmax in float32 -> top-k -> renormalise when asked (transformers' Qwen3-MoE and
+    Mixtral routers), on random bf16 logits with a wide range and ties."""
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(0, 6, (64, 128)), jnp.bfloat16)
+    probs = np.asarray(jax.nn.softmax(logits.astype(jnp.float32), axis=-1))
+    for renormalize in (True, False):
+        w, ids = route_logits(logits, 8, renormalize)
+        want_ids = np.argsort(-probs, axis=-1, kind="stable")[:, :8]  # ties: the lower expert
+        want_w = np.take_along_axis(probs, want_ids, axis=-1)
+        if renormalize:
+            want_w = want_w / want_w.sum(axis=-1, keepdims=True)
+        assert ids.dtype == jnp.int32 and (np.asarray(ids) == want_ids).all()
+        np.testing.assert_allclose(np.asarray(w), want_w, rtol=1e-5, atol=1e-7)
+
+
+def test_reference_marks_invalid_tokens():
+    logits = jnp.asarray([[2.0, 1.0, 0.5, -1.0], [0.0, 3.0, 1.0, 2.0]])
+    w, ids = route_logits(logits, 2, True, valid=jnp.asarray([True, False]))
+    probs = jax.nn.softmax(logits[0])
+    np.testing.assert_allclose(w[0], probs[:2] / probs[:2].sum(), rtol=1e-6)
+    assert ids.tolist() == [[0, 1], [-1, -1]] and not np.asarray(w[1]).any()
+
+
+def test_dispatch_runs_the_kernel_for_decode_steps_only():
+    """"pallas" runs the kernel (interpret mode here) up to its token limit and the reference
+    past it or for "reference"; both give the same routing."""
+    x, router, valid = _inputs(0, 80, 64, 16, jnp.float32)
+
+    def calls(fn, *args):
+        return str(jax.make_jaxpr(fn)(*args)).count("pallas_call")
+
+    kernel = lambda x: ops.route_experts(x, router, 2, True, valid[:x.shape[0]],  # noqa: E731
+                                         backend="pallas")
+    assert calls(kernel, x[:64]) == 1 and calls(kernel, x) == 0
+    assert calls(lambda x: ops.route_experts(x, router, 2, True, backend="reference"), x) == 0
+    for rows in (5, 80):
+        got = ops.route_experts(x[:rows], router, 2, True, valid[:rows], backend="pallas")
+        want = moe_route_reference(x[:rows], router, 2, True, valid[:rows])
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5)
+
+
+def test_bad_shapes_are_refused():
+    x, router, valid = _inputs(0, 4, 64, 16, jnp.float32)
+    with pytest.raises(ValueError, match="top_k"):
+        moe_route(x, router, valid, top_k=17, renormalize=True, interpret=True)
+    with pytest.raises(ValueError, match="at most 64 tokens"):
+        moe_route(jnp.zeros((65, 64)), router, jnp.ones(65), top_k=2, renormalize=True,
+                  interpret=True)
+
+
+def test_kernel_lowers_to_triton_ir_for_qwen3():
+    """Without a GPU: Qwen3-30B-A3B's routing of an 8-token decode step (D 2048, 128 experts,
+    top-8) and Mixtral's (D 4096, 8 experts, top-2) lower through Pallas to Triton IR."""
+    for d, e, k in ((2048, 128, 8), (4096, 8, 2)):
+        fn = lambda x, r, v, k=k: moe_route(x, r, v, top_k=k, renormalize=True)  # noqa: E731
+        text = cuda_module(fn, jax.ShapeDtypeStruct((8, d), jnp.bfloat16),
+                           jax.ShapeDtypeStruct((d, e), jnp.bfloat16),
+                           jax.ShapeDtypeStruct((8,), jnp.int32))
+        assert "xla.gpu.triton" in text
