@@ -159,21 +159,19 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                                  **default_grouped_block_sizes(lhs.shape[0], *rhs.shape))
 
 
-def route_experts(x: jax.Array, router: jax.Array, top_k: int, renormalize: bool,
+def route_experts(logits: jax.Array, top_k: int, renormalize: bool,
                   valid: jax.Array | None = None, *, backend: str = "auto"
                   ) -> tuple[jax.Array, jax.Array]:
-    """A MoE layer's routing, x [T, D] and router [D, E] -> (weights [T, k] float32, expert
-    ids [T, k] int32, -1 and 0 for tokens where `valid` [T] is false): one Pallas kernel for a
+    """A MoE layer's routing, router logits [T, E] -> (weights [T, k] float32, expert ids
+    [T, k] int32, -1 and 0 for tokens where `valid` [T] is false): one Pallas kernel for a
     decode-sized step (up to `moe_route.MAX_TOKENS` tokens, no tensor-parallel mesh), where
-    XLA runs five small ones; `moe_route.moe_route_reference` elsewhere."""
-    t, d = x.shape
-    block_k = pow2_dividing(d, 128, 16)
-    if (_use_pallas(backend) and t <= moe_route.MAX_TOKENS and block_k is not None
-            and traced_tp_mesh() is None):
+    XLA runs four small ones; `moe_route.route_logits` elsewhere."""
+    t = logits.shape[0]
+    if _use_pallas(backend) and t <= moe_route.MAX_TOKENS and traced_tp_mesh() is None:
         ones = jnp.ones((t,), jnp.int32) if valid is None else valid
-        return moe_route.moe_route(x, router, ones, top_k=top_k, renormalize=renormalize,
-                                   block_k=block_k, interpret=_interpret())
-    return moe_route.moe_route_reference(x, router, top_k, renormalize, valid)
+        return moe_route.moe_route(logits, ones, top_k=top_k, renormalize=renormalize,
+                                   interpret=_interpret())
+    return moe_route.route_logits(logits, top_k, renormalize, valid)
 
 
 def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignment: bool,

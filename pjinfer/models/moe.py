@@ -35,7 +35,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pjinfer.kernels import ops
-from pjinfer.kernels.moe_route import route_logits
 from pjinfer.models.layers import gated_mlp, linear
 from pjinfer.sharding.attention import shard_map
 from pjinfer.sharding.mesh import traced_tp_mesh
@@ -147,12 +146,8 @@ def _sharded_expert_ffn(x, weights, ids, gate_up, down, *, expert_parallel: bool
 def moe_block(lp: dict, x: jax.Array, *, moe: MoeConfig, valid: jax.Array | None = None,
               expert_parallel: bool = False, backend: str = "auto") -> jax.Array:
     """The sparse MLP of one layer: x [T, D] -> [T, D]; `valid` [T] marks real tokens."""
-    router = lp["router"]
-    if isinstance(router, jax.Array):  # a plain weight: one routing kernel where it runs
-        weights, ids = ops.route_experts(x, router, moe.top_k, moe.norm_topk_prob, valid,
-                                         backend=backend)  # [T, k]
-    else:
-        weights, ids = route_logits(linear(x, router), moe.top_k, moe.norm_topk_prob, valid)
+    weights, ids = ops.route_experts(linear(x, lp["router"]), moe.top_k, moe.norm_topk_prob,
+                                     valid, backend=backend)  # [T, k]
     out = _sharded_expert_ffn(x, weights, ids, lp["experts_gate_up"], lp["experts_down"],
                               expert_parallel=expert_parallel, backend=backend
                               ).astype(jnp.float32)
