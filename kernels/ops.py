@@ -1,5 +1,5 @@
 """The one dispatch module for the kernels: paged attention (cache layout, KV writes,
-attention), MoE routing, the grouped matmul (MoE experts), the weight-only quantized matmul and the
+attention), the grouped matmul (MoE experts), the weight-only quantized matmul and the
 multi-LoRA term.
 
 The engine calls only these functions (and builds `AttentionParams`, re-exported here, so
@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pjinfer.kernels import lora_matmul, moe_route
+from pjinfer.kernels import lora_matmul
 from pjinfer.kernels import quantized_matmul as qmm
 from pjinfer.kernels.backends import BACKENDS
 from pjinfer.kernels.common import AttentionParams, pow2_dividing, prev_pow2
@@ -157,21 +157,6 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     return pallas_grouped_matmul(lhs, rhs, group_sizes, out_dtype=out_dtype,
                                  interpret=_interpret(),
                                  **default_grouped_block_sizes(lhs.shape[0], *rhs.shape))
-
-
-def route_experts(logits: jax.Array, top_k: int, renormalize: bool,
-                  valid: jax.Array | None = None, *, backend: str = "auto"
-                  ) -> tuple[jax.Array, jax.Array]:
-    """A MoE layer's routing, router logits [T, E] -> (weights [T, k] float32, expert ids
-    [T, k] int32, -1 and 0 for tokens where `valid` [T] is false): one Pallas kernel for a
-    decode-sized step (up to `moe_route.MAX_TOKENS` tokens, no tensor-parallel mesh), where
-    XLA runs four small ones; `moe_route.route_logits` elsewhere."""
-    t = logits.shape[0]
-    if _use_pallas(backend) and t <= moe_route.MAX_TOKENS and traced_tp_mesh() is None:
-        ones = jnp.ones((t,), jnp.int32) if valid is None else valid
-        return moe_route.moe_route(logits, ones, top_k=top_k, renormalize=renormalize,
-                                   interpret=_interpret())
-    return moe_route.route_logits(logits, top_k, renormalize, valid)
 
 
 def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignment: bool,

@@ -67,6 +67,21 @@ class MoeConfig:
                              f"{self.num_experts}")
 
 
+def route(logits: jax.Array, top_k: int, renormalize: bool,
+          valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Router logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int32): softmax in
+    float32, the k largest, optionally renormalised to sum to 1 (as transformers' routers
+    do); tokens where `valid` [T] is false get id -1 (no expert) and weight 0."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, top_k)
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    ids = ids.astype(jnp.int32)
+    if valid is None:
+        return weights, ids
+    return jnp.where(valid[:, None], weights, 0.0), jnp.where(valid[:, None], ids, -1)
+
+
 def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Array,
                down: jax.Array, first_expert: jax.Array | int | None = None, *,
                backend: str = "auto", path: str = "auto") -> jax.Array:
@@ -146,8 +161,7 @@ def _sharded_expert_ffn(x, weights, ids, gate_up, down, *, expert_parallel: bool
 def moe_block(lp: dict, x: jax.Array, *, moe: MoeConfig, valid: jax.Array | None = None,
               expert_parallel: bool = False, backend: str = "auto") -> jax.Array:
     """The sparse MLP of one layer: x [T, D] -> [T, D]; `valid` [T] marks real tokens."""
-    weights, ids = ops.route_experts(linear(x, lp["router"]), moe.top_k, moe.norm_topk_prob,
-                                     valid, backend=backend)  # [T, k]
+    weights, ids = route(linear(x, lp["router"]), moe.top_k, moe.norm_topk_prob, valid)
     out = _sharded_expert_ffn(x, weights, ids, lp["experts_gate_up"], lp["experts_down"],
                               expert_parallel=expert_parallel, backend=backend
                               ).astype(jnp.float32)

@@ -14,9 +14,8 @@ import pytest
 from pjinfer.config import ModelConfig
 from pjinfer.errors import ModelLoadError
 from pjinfer.kernels import ops
-from pjinfer.kernels.moe_route import route_logits
 from pjinfer.models.dense import dense_logits
-from pjinfer.models.moe import MoeConfig, expert_ffn, moe_block
+from pjinfer.models.moe import MoeConfig, expert_ffn, moe_block, route
 from pjinfer.weights import load_model
 from tests.kernels.test_grouped_matmul import F32_TOL
 from tests.models.test_parity import PROMPTS, _hf_logits, _pad, _rel_err
@@ -78,6 +77,30 @@ def test_dummy_weights_run(moe_models):
     assert np.isfinite(np.asarray(logits)).all()
 
 
+def test_routing_is_transformers_routing():
+    """softmax in float32 -> top-k -> renormalise when asked (transformers' Qwen3-MoE and
+    Mixtral routers), on random bf16 logits with a wide range and ties."""
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(0, 6, (64, 128)), jnp.bfloat16)
+    probs = np.asarray(jax.nn.softmax(logits.astype(jnp.float32), axis=-1))
+    for renormalize in (True, False):
+        w, ids = route(logits, 8, renormalize)
+        want_ids = np.argsort(-probs, axis=-1, kind="stable")[:, :8]  # ties: the lower expert
+        want_w = np.take_along_axis(probs, want_ids, axis=-1)
+        if renormalize:
+            want_w = want_w / want_w.sum(axis=-1, keepdims=True)
+        assert ids.dtype == jnp.int32 and (np.asarray(ids) == want_ids).all()
+        np.testing.assert_allclose(np.asarray(w), want_w, rtol=1e-5, atol=1e-7)
+
+
+def test_routing_marks_padding_tokens():
+    logits = jnp.asarray([[2.0, 1.0, 0.5, -1.0], [0.0, 3.0, 1.0, 2.0]])
+    w, ids = route(logits, 2, True, valid=jnp.asarray([True, False]))
+    probs = jax.nn.softmax(logits[0])
+    np.testing.assert_allclose(w[0], probs[:2] / probs[:2].sum(), rtol=1e-6)
+    assert ids.tolist() == [[0, 1], [-1, -1]] and not np.asarray(w[1]).any()
+
+
 def _block_params(seed: int, d=16, e=6, i=8):
     rng = np.random.default_rng(seed)
     return {"router": jnp.asarray(rng.normal(size=(d, e)), jnp.float32),
@@ -90,7 +113,7 @@ def test_block_equals_per_token_loop_and_expert_shards_sum_to_it():
     split in two halves (expert parallelism) give partial sums that add up to it."""
     lp = _block_params(0)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(7, 16)), jnp.float32)
-    weights, ids = route_logits(x @ lp["router"], 2, renormalize=True)
+    weights, ids = route(x @ lp["router"], 2, renormalize=True)
     gu, down = np.asarray(lp["experts_gate_up"]), np.asarray(lp["experts_down"])
     want = np.zeros((7, 16), np.float32)
     for t in range(7):
@@ -113,7 +136,7 @@ def test_routed_decode_path_equals_sorted_one():
     lp = _block_params(0)  # 6 experts, top-2: 3 tokens make 6 assignments
     gu, down = lp["experts_gate_up"], lp["experts_down"]
     x = jnp.asarray(np.random.default_rng(3).normal(size=(3, 16)), jnp.float32)
-    weights, ids = route_logits(x @ lp["router"], 2, renormalize=True)
+    weights, ids = route(x @ lp["router"], 2, renormalize=True)
     weights = weights.at[2].set(0.0)  # a padding token
     assert ops.prefers_routed_matmul("pallas", 16)
     assert not ops.prefers_routed_matmul("pallas", 2048)
@@ -132,7 +155,7 @@ def test_padding_tokens_do_not_change_real_ones():
     moe = MoeConfig(6, 2, 8, True, (True,))
     x = jnp.asarray(np.random.default_rng(2).normal(size=(5, 16)), jnp.float32)
     full = moe_block(lp, x[:3], moe=moe)
-    for backend in ("reference", "pallas"):  # XLA's routing, or one kernel (interpret mode)
+    for backend in ("reference", "pallas"):  # the sorted XLA path, or the routed kernels
         padded = moe_block(lp, x, moe=moe, valid=jnp.arange(5) < 3, backend=backend)
         np.testing.assert_allclose(padded[:3], full, rtol=1e-5, atol=1e-6)
         assert not np.any(np.asarray(padded[3:]))
