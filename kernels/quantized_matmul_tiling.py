@@ -3,7 +3,7 @@ weights it can tile, the default picked per call, and the candidates a sweep tim
 
 The rules below carry the best tilings of one shape to every shape; where a sweep of a
 shape found better, `TUNED` holds that shape's tiling (Llama-3-8B's decode projections,
-benchmarks/RESULTS.md round 22). The rules' tilings are the best of the H200 sweep
+benchmarks/RESULTS.md rounds 22-23). The rules' tilings are the best of the H200 sweep
 (`python -m pjinfer.benchmarks.quant_matmul
 --sweep --tokens 1 16`, 24 matrices of 4096 x 14336, benchmarks/results/round3/quant_sweep.json;
 ms for the stack, bf16 XLA 0.754 at T=1, 0.785 at T=16; int4, stored [N, K/2] and dequantized
@@ -61,7 +61,8 @@ class QuantMatmulBlockSizes(common.BlockSizes):
     dots): x goes into the kernel as float16 (clamped to its range; exact for bf16 values in
     float16's normal range) so that each e4m3 weight widens to the dot's dtype exactly in one
     conversion per two elements (to bfloat16 it goes through float16 and float32: sm_90 PTX,
-    4.2 -> 2.2 instructions a weight at T=8), as the fp8 KV cache's attention dots do."""
+    4.2 -> 2.2 instructions a weight at T=8), as the fp8 KV cache's attention dots do. On the
+    H200 it paid only at gate/up's shape (RESULTS.md round 23), whose `TUNED` entry sets it."""
 
     block_t: int = 16
     block_n: int = 128
