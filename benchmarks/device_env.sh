@@ -10,5 +10,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# The engine imports llguidance (structured outputs): without it every engine run fails at
+# import, so say so once, up front (round 23 lost a device call to this).
+$PY -c "import llguidance" 2>/dev/null \
+  || echo "device_env.sh: llguidance is not importable; carry the wheels in .whl/ (run's carry)" >&2
 # Import the repository as `pjinfer` without installing it.
 eval "$(bash "$REPO/benchmarks/make_shim.sh" "$REPO" /tmp/pjinfer-shim)"
