@@ -13,7 +13,7 @@ import argparse
 from collections.abc import Iterable
 from typing import Any
 
-from pjinfer.engine.config import ENGINE_ARGS, EngineArg
+from pjinfer.engine.config import ENGINE_ARGS, INT_LIST, EngineArg
 from pjinfer.plugins import PLUGIN_GROUP, load_plugins, parse_plugin_names
 from pjinfer.run_config import RunConfig, load_run_config
 
@@ -44,6 +44,9 @@ def _add_flag(group: argparse._ArgumentGroup, arg: EngineArg) -> None:
     if arg.type is bool:
         group.add_argument(arg.flag, dest=arg.name, action=argparse.BooleanOptionalAction,
                            default=None, help=text)
+    elif arg.type == INT_LIST:
+        group.add_argument(arg.flag, dest=arg.name, type=int, nargs="+", default=None,
+                           metavar="N", help=text)
     else:
         group.add_argument(arg.flag, dest=arg.name, type=arg.type, choices=arg.choices,
                            default=None, metavar=None if arg.choices else arg.name.upper(),

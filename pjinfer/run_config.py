@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pjinfer.engine.config import ENGINE_ARGS, SECTIONS
+from pjinfer.engine.config import ENGINE_ARGS, INT_LIST, SECTIONS
 
 # TOML keys that are not engine arguments: section -> key -> type
 _OTHER_KEYS: dict[str, dict[str, type]] = {
@@ -217,8 +217,10 @@ def _has_type(value: Any, expected: type | tuple[type, ...]) -> bool:
         return ok and math.isfinite(value)
     if expected is int:
         return isinstance(value, int) and not isinstance(value, bool)
+    if expected == INT_LIST:
+        return isinstance(value, list) and all(_has_type(v, int) for v in value)
     return isinstance(value, expected)
 
 
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
-               list: "an array"}
+               list: "an array", INT_LIST: "an array of integers"}

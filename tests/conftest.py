@@ -112,9 +112,10 @@ def moe_models(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture
 def engine_arg_values(tmp_path) -> dict[str, object]:
     """A valid value, not the default, for every engine argument (model: an existing folder)."""
-    from pjinfer.engine.config import ENGINE_ARGS
+    from pjinfer.engine.config import ENGINE_ARGS, INT_LIST
 
-    samples = {int: 32, float: 0.5, str: str(tmp_path)}  # 32: a power of two, for block_size
+    # 32: a power of two, for block_size
+    samples = {int: 32, float: 0.5, str: str(tmp_path), INT_LIST: (2, 8)}
     values: dict[str, object] = {}
     for name, arg in ENGINE_ARGS.items():
         if name == "scheduling_policy":  # checked against the (pluggable) policy registry

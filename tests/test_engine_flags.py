@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pjinfer.cli import build_parser, engine_config, run_config_from_args
-from pjinfer.engine.config import ENGINE_ARGS, EngineArg, EngineConfig
+from pjinfer.engine.config import ENGINE_ARGS, INT_LIST, EngineArg, EngineConfig
 from pjinfer.engine_flags import given_engine_args
 
 COMMANDS = {"serve": ["serve"], "generate": ["generate", "a prompt"]}
@@ -14,6 +14,8 @@ COMMANDS = {"serve": ["serve"], "generate": ["generate", "a prompt"]}
 def _argv(arg: EngineArg, value: object) -> list[str]:
     if arg.type is bool:
         return [arg.flag if value else "--no-" + arg.flag.removeprefix("--")]
+    if arg.type == INT_LIST:
+        return [arg.flag, *map(str, value)]
     return [arg.flag, str(value)]
 
 

@@ -67,6 +67,8 @@ def test_flags_override_the_file(tmp_path):
     ("[cache]\nblock_size = '16'\n", ["[cache] block_size must be an integer"]),
     ("[cache]\nenable_prefix_caching = 1\n", ["enable_prefix_caching must be true or false"]),
     ("[scheduler]\nmax_num_seqs = 1.5\n", ["max_num_seqs must be an integer"]),
+    ("[compilation]\ncuda_graph_sizes = 8\n", ["cuda_graph_sizes must be an array of integers"]),
+    ("[compilation]\ncuda_graph_sizes = [2, '8']\n", ["an array of integers, got list"]),
     ("[parallel]\nnum_processes = 2\n", ["coordinator_address"]),
     ("cache = 3\n", ["must be a [cache] table"]),
     ("[cache\n", ["not valid TOML"]),

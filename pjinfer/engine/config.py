@@ -25,6 +25,7 @@ from pjinfer.quantization.config import QUANTIZATION_METHODS
 LOAD_FORMATS = ("auto", "safetensors", "dummy", "orbax")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 SECTIONS = ("model", "parallel", "cache", "scheduler", "compilation")  # TOML tables
+INT_LIST = tuple[int, ...]  # the type of a list-valued argument (a flag of several integers)
 
 
 def arg(default: Any, help: str, section: str, *, key: str | None = None,
@@ -100,6 +101,12 @@ class EngineConfig:
                                    "scheduler")
     async_scheduling: bool = arg(True, "schedule and build step t+1 while step t runs on the "
                                  "device; off runs every step to completion first", "scheduler")
+    cuda_graph_sizes: tuple[int, ...] | None = arg(
+        None, "padded batch sizes (sequences a step) that steps are compiled for, vLLM's "
+        "CUDA graph sizes: a step runs at the smallest one holding its sequences, so smaller "
+        "sizes pad low-concurrency decodes less and compile more executables (default 8, 32, "
+        "128, ... up to max_num_seqs; a size below 2 counts as 2, max_num_seqs is always one; "
+        "one value is one size, not vLLM's pattern up to it)", "compilation")
     warmup: bool = arg(True, "compile every step shape at start-up (a model under 64 MiB: "
                        "the smallest ones, the others on first use)", "compilation")
     compilation_cache_dir: str | None = arg(None, "folder of the persistent compilation cache: "
@@ -133,6 +140,8 @@ class EngineConfig:
         if self.model is not None and not Path(self.model).exists():
             raise ValueError(f"model: {self.model!r} is not a local folder; pjinfer loads "
                              "Hugging Face model folders from disk (nothing is downloaded)")
+        if self.cuda_graph_sizes is not None:
+            object.__setattr__(self, "cuda_graph_sizes", _sizes(self.cuda_graph_sizes))
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
 
@@ -151,7 +160,7 @@ class EngineArg:
     """One row of the table, as the flag and TOML generators read it."""
 
     name: str  # the EngineConfig field
-    type: type  # str, int, float or bool; for a field that may be None, the other type
+    type: Any  # str, int, float, bool or INT_LIST; for a field that may be None, the other type
     default: Any
     help: str
     section: str  # TOML table
@@ -187,6 +196,16 @@ def _check_types_and_choices(cfg: EngineConfig) -> None:
             raise ValueError(f"{a.name} must be true or false, got {value!r}")
         if a.choices is not None and value not in a.choices and value is not None:
             raise ValueError(f"{a.name} must be one of {', '.join(a.choices)}, got {value!r}")
+
+
+def _sizes(value: Any) -> tuple[int, ...]:
+    """cuda_graph_sizes as a sorted tuple of distinct positive integers."""
+    ok = isinstance(value, list | tuple) and value and all(
+        isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+    if not ok:
+        raise ValueError(f"cuda_graph_sizes must be a non-empty list of positive integers "
+                         f"(e.g. --cuda-graph-sizes 2 8 32), got {value!r}")
+    return tuple(sorted(set(value)))
 
 
 def _positive_ints(cfg: EngineConfig, *names: str) -> None:

@@ -9,6 +9,7 @@ two sequences, even with max_num_seqs=1 (see `MIN_PADDED_SEQS`).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jax
@@ -50,16 +51,23 @@ def max_padded_seqs(max_seqs: int) -> int:
     return max(max_seqs, MIN_PADDED_SEQS)
 
 
-def seq_buckets(max_seqs: int) -> list[int]:
-    return _bucket_sizes(MIN_SEQ_BUCKET, 4, max_padded_seqs(max_seqs))
+def seq_buckets(max_seqs: int, sizes: Sequence[int] | None = None) -> list[int]:
+    """The padded sequence counts a step may have: `sizes` (`cuda_graph_sizes`) below the
+    widest step, each at least MIN_PADDED_SEQS, then the widest; by default MIN_SEQ_BUCKET
+    times powers of 4."""
+    widest = max_padded_seqs(max_seqs)
+    if sizes is None:
+        return _bucket_sizes(MIN_SEQ_BUCKET, 4, widest)
+    return sorted({max(s, MIN_PADDED_SEQS) for s in sizes if s < widest} | {widest})
 
 
 def bucket_tokens(n: int, max_tokens: int) -> int:
     return _pow_bucket(n, 2, MIN_TOKEN_BUCKET, max_tokens)
 
 
-def bucket_seqs(n: int, max_seqs: int) -> int:
-    return _pow_bucket(n, 4, MIN_SEQ_BUCKET, max_padded_seqs(max_seqs))
+def bucket_seqs(n: int, max_seqs: int, sizes: Sequence[int] | None = None) -> int:
+    """The padded sequences of a step of n: the smallest of `seq_buckets` holding them."""
+    return next((s for s in seq_buckets(max_seqs, sizes) if s >= n), n)
 
 
 @jax.tree_util.register_dataclass
@@ -106,12 +114,12 @@ class BatchLayout:
     decode_only: bool
 
 
-def batch_layout(chunks: list[Chunk], *, max_num_batched_tokens: int,
-                 max_num_seqs: int) -> BatchLayout:
+def batch_layout(chunks: list[Chunk], *, max_num_batched_tokens: int, max_num_seqs: int,
+                 seq_sizes: Sequence[int] | None = None) -> BatchLayout:
     """Real and padded (bucketed) sizes of a step."""
     num_tokens = sum(c.num_new for c in chunks)
     decode_only = num_tokens == len(chunks)
-    s_pad = bucket_seqs(len(chunks), max_num_seqs)
+    s_pad = bucket_seqs(len(chunks), max_num_seqs, seq_sizes)
     t_pad = s_pad if decode_only else max(bucket_tokens(num_tokens, max_num_batched_tokens),
                                           s_pad)
     return BatchLayout(num_tokens, len(chunks), t_pad, s_pad, decode_only)
@@ -121,10 +129,12 @@ def build_step_inputs(chunks: list[Chunk], *, block_size: int, max_blocks_per_se
                       max_num_batched_tokens: int, max_num_seqs: int,
                       prev_tokens: jax.Array | np.ndarray,
                       block_tables: np.ndarray | None = None,
-                      lora_slots: list[int] | None = None) -> tuple[StepInputs, BatchLayout]:
+                      lora_slots: list[int] | None = None,
+                      seq_sizes: Sequence[int] | None = None) -> tuple[StepInputs, BatchLayout]:
     """One padded ragged batch; `prev_tokens` [P] are the previous step's sampled tokens.
     `block_tables` [S_pad, W]: the chunks' tables from the persistent batch (else built here).
     `lora_slots` [S]: each chunk's adapter slot, spread over its tokens (None: LoRA is off).
+    `seq_sizes`: the engine's `cuda_graph_sizes` (see `seq_buckets`).
 
     Vectorised over tokens (a step can hold a thousand sequences): Python touches each chunk
     only to concatenate its lists.
@@ -133,7 +143,7 @@ def build_step_inputs(chunks: list[Chunk], *, block_size: int, max_blocks_per_se
     q_lens = np.fromiter((c.num_new for c in chunks), np.int32, num_seqs)
     computed = np.fromiter((c.num_computed for c in chunks), np.int32, num_seqs)
     layout = batch_layout(chunks, max_num_batched_tokens=max_num_batched_tokens,
-                          max_num_seqs=max_num_seqs)
+                          max_num_seqs=max_num_seqs, seq_sizes=seq_sizes)
     num_tokens, s_pad, t_pad = layout.num_tokens, layout.padded_seqs, layout.padded_tokens
 
     qsl = np.zeros(s_pad + 1, np.int32)

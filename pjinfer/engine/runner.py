@@ -231,7 +231,7 @@ class ModelRunner:
     def warmup_shapes(self) -> list[tuple[int, int, bool]]:
         """(tokens, seqs, decode_only) of every bucket the scheduler can produce; for a model
         under SMALL_MODEL_BYTES only the smallest decode and prefill buckets."""
-        seqs = seq_buckets(self.ecfg.max_num_seqs)
+        seqs = seq_buckets(self.ecfg.max_num_seqs, self.ecfg.cuda_graph_sizes)
         tokens = token_buckets(self.ecfg.max_num_batched_tokens)
         if sum(x.nbytes for x in jax.tree.leaves(self.params)) < SMALL_MODEL_BYTES:
             seqs, tokens = seqs[:1], [t for t in tokens if t >= seqs[0]][:1]
@@ -317,7 +317,8 @@ class ModelRunner:
             chunks, block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq,
             max_num_batched_tokens=self.ecfg.max_num_batched_tokens,
             max_num_seqs=self.ecfg.max_num_seqs, prev_tokens=prev_tokens, block_tables=tables,
-            lora_slots=None if self.lora_weights is None else (lora_slots or [0] * len(chunks)))
+            lora_slots=None if self.lora_weights is None else (lora_slots or [0] * len(chunks)),
+            seq_sizes=self.ecfg.cuda_graph_sizes)
         return inputs, layout, prev_tokens, partial(SamplingMetadata.build, rows,
                                                     layout.padded_seqs, columns, history)
 
@@ -358,7 +359,8 @@ class ModelRunner:
         requests; Nones for a one-off batch of anonymous chunks, built from its lists."""
         if not chunks or chunks[0].request_id is None:
             return None, None, None
-        padded = bucket_seqs(len(chunks), self.ecfg.max_num_seqs)  # the step's padded rows
+        padded = bucket_seqs(len(chunks), self.ecfg.max_num_seqs,
+                             self.ecfg.cuda_graph_sizes)  # the step's padded rows
         batch_rows = self.batch.rows_for(chunks, rows, refresh=refresh)
         tables, columns = self.batch.gather(batch_rows, padded)
         return tables, columns, partial(self.batch.token_history, batch_rows, rows, padded)

@@ -8,14 +8,21 @@ import sys
 
 import pytest
 
-from pjinfer.engine.config import ENGINE_ARGS, LOAD_FORMATS, SECTIONS, EngineConfig, arg
+from pjinfer.engine.config import (
+    ENGINE_ARGS,
+    INT_LIST,
+    LOAD_FORMATS,
+    SECTIONS,
+    EngineConfig,
+    arg,
+)
 
 
 def test_every_field_is_a_documented_row():
     assert list(ENGINE_ARGS) == [f.name for f in dataclasses.fields(EngineConfig)]
     for a in ENGINE_ARGS.values():
         assert a.help and a.section in SECTIONS
-        assert a.type in (str, int, float, bool)
+        assert a.type in (str, int, float, bool, INT_LIST)
         assert a.flag == "--" + a.name.replace("_", "-")
 
 
@@ -47,3 +54,14 @@ def test_the_table_imports_without_jax():
     """`pjinfer --help` builds its flags from the table; that must not start JAX."""
     code = "import sys, pjinfer.engine.config; assert 'jax' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("sizes", [[], [0, 8], [2, -1], 8, "2 8", [2.0], [True]])
+def test_cuda_graph_sizes_must_be_positive_integers(sizes):
+    with pytest.raises(ValueError, match="cuda_graph_sizes must be a non-empty list of positive "
+                                         "integers"):
+        EngineConfig(cuda_graph_sizes=sizes)
+
+
+def test_cuda_graph_sizes_are_kept_sorted_and_distinct():
+    assert EngineConfig(cuda_graph_sizes=[32, 2, 8, 2]).cuda_graph_sizes == (2, 8, 32)

@@ -62,6 +62,13 @@ def test_default_settings(hf_models, hf_reference):
     _check(llm, _prompts(0), hf_reference)
 
 
+def test_cuda_graph_sizes(hf_models, hf_reference):
+    """Steps padded to 2 and 4 sequences (and the widest, 8) instead of 8: same tokens."""
+    llm = LLM(str(hf_models["llama"]), max_model_len=128, max_num_seqs=8,
+              cuda_graph_sizes=[2, 4])
+    _check(llm, _prompts(0), hf_reference)
+
+
 def test_preemption_keeps_outputs_identical(hf_models, hf_reference):
     llm = LLM(str(hf_models["llama"]), max_model_len=64, num_kv_blocks=12)
     _check(llm, _prompts(1), hf_reference)

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from pjinfer.engine.inputs import Chunk, build_step_inputs
+from pjinfer.engine.inputs import Chunk, bucket_seqs, build_step_inputs, seq_buckets
 from pjinfer.engine.step import StepOptions, init_kv_caches, model_step
 from pjinfer.models.dense import dense_logits
 from pjinfer.weights import load_model
@@ -109,3 +109,19 @@ def test_pending_token_is_read_from_the_previous_steps_tokens(hf_models):
     caches = init_kv_caches(cfg, NUM_BLOCKS, BLOCK_SIZE, params["embed"].dtype)
     got, _ = step(params, caches, pending)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_cuda_graph_sizes_set_the_padded_sequences():
+    """The default buckets pad a step to 8, 32, 128, ... sequences; `cuda_graph_sizes` replaces
+    them (each at least 2, the widest step always one), so one decode pads to 2, not 8."""
+    assert seq_buckets(256) == [8, 32, 128, 256]
+    assert seq_buckets(256, (1, 2, 8, 512)) == [2, 8, 256]
+    assert [bucket_seqs(n, 256, (2, 8)) for n in (1, 2, 3, 9, 256)] == [2, 2, 8, 256, 256]
+    assert [bucket_seqs(n, 256) for n in (1, 9, 200)] == [8, 32, 256]
+    decode = [Chunk([PROMPT[5]], 5, 1, [3])]
+    kwargs = dict(block_size=BLOCK_SIZE, max_blocks_per_seq=MAX_LEN // BLOCK_SIZE,
+                  max_num_batched_tokens=64, max_num_seqs=8, prev_tokens=NO_PREV)
+    for sizes, rows in ((None, 8), ((2, 4), 2)):
+        inputs, layout = build_step_inputs(decode, seq_sizes=sizes, **kwargs)
+        assert layout.decode_only and layout.padded_seqs == layout.padded_tokens == rows
+        assert inputs.token_ids.shape == (rows,)

@@ -43,6 +43,14 @@ def test_a_large_model_warms_up_every_shape(monkeypatch):
         runner.warmup_shapes())
 
 
+def test_cuda_graph_sizes_are_the_warmed_sequence_buckets(monkeypatch):
+    runner = pjinfer.LLM(None, cuda_graph_sizes=[2, 64]).engine.runner
+    monkeypatch.setattr(runner_module, "SMALL_MODEL_BYTES", 0)
+    shapes = runner.warmup_shapes()
+    assert sorted(s for _, s, decode in shapes if decode) == [2, 64, 256]
+    assert len(shapes) == 3 + 8 + 6 + 4  # decodes; 16-2048 tokens over 2, 64 (>= 64), 256
+
+
 def test_steps_served_by_jax_cache_are_not_stored_broken(tmp_path, restore_jax_cache_flags):
     """A new pjinfer changes every executable-cache key while JAX's own cache still holds the
     steps: those come from JAX's cache and are not stored again (on the CPU such a copy lacks
