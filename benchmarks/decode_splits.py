@@ -1,7 +1,8 @@
-"""Paged decode attention at a few-sequence, long-context step, swept over context splits and
-pages per compute block: the engine's shapes for Qwen3-30B-A3B with 10 sequences of 2,560
-tokens (round 10: this kernel took 1.80 ms of an 11.6 ms step, 2.5 GB of KV at 0.29 of the
-bandwidth, with `default_decode_block_sizes`' 5 splits).
+"""Paged decode attention at a few-sequence, long-context step, swept over context splits, pages
+per compute block, pipeline stages, warps and the prefetching form: the engine's shapes for
+Qwen3-30B-A3B with 10 sequences of 2,560 tokens (round 10: this kernel took 1.80 ms of an
+11.6 ms step, 2.5 GB of KV at 0.29 of the bandwidth, with `default_decode_block_sizes`' 5
+splits).
 
 Inputs are laid out as the engine's step has them: the batch padded to its sequence bucket
 (padding rows have length 0), block tables as wide as `--max-model-len` allows, pages
@@ -10,6 +11,8 @@ shuffled over the cache. Each tiling is checked against the reference, then time
 the default tiling's place. `--kv-dtype float8_e4m3fn` runs the fp8 cache's kernels.
 
   python -m pjinfer.benchmarks.decode_splits --out decode_splits.json   # H200
+  python -m pjinfer.benchmarks.decode_splits --splits 5 16 --pages 4 8 --stages 2 3 \
+      --warps 4 8 --prefetch both --out decode_prefetch.json
   python -m pjinfer.benchmarks.decode_splits --smoke --out /tmp/d.json  # CPU plumbing
 """
 
@@ -34,6 +37,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=positive_int, default=4096)
     p.add_argument("--splits", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--pages", type=positive_int, nargs="+", default=[4, 8])
+    p.add_argument("--stages", type=positive_int, nargs="+", default=[2],
+                   help="Triton pipeline depths (2: the default tiling's)")
+    p.add_argument("--warps", type=positive_int, nargs="+", default=[4])
+    p.add_argument("--prefetch", choices=("off", "on", "both"), default="off",
+                   help="the form that loads step c + 1's K/V while step c computes")
     p.add_argument("--calls", type=positive_int, default=20)
     p.add_argument("--samples", type=positive_int, default=5)
     p.add_argument("--kv-dtype", choices=["bfloat16", "float8_e4m3fn"], default="bfloat16",
@@ -47,6 +55,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     if a.smoke:
         a.heads, a.kv_heads, a.head_dim, a.seqs, a.padded_seqs = 4, 2, 16, 2, 4
         a.context, a.max_model_len, a.splits, a.pages = 40, 64, [1, 2], [1]
+        a.stages, a.warps = a.stages[:2], a.warps[:1]
         a.calls, a.samples = 1, 1
     return a
 
@@ -94,19 +103,27 @@ def run(argv: list[str] | None = None) -> dict:
     ref = np.asarray(decode_attention_reference(*args, attn), np.float32)[:a.seqs]
     default = default_decode_block_sizes(a.padded_seqs, a.kv_heads, args[3].shape[1],
                                          a.block_size)
-    tilings = {DecodeBlockSizes(pages_per_compute_block=p, num_splits=s)
-               for p in a.pages for s in a.splits} | {default}
+    forms = {"off": (False,), "on": (True,), "both": (False, True)}[a.prefetch]
+    tilings = {DecodeBlockSizes(pages_per_compute_block=p, num_splits=s, num_warps=w,
+                                num_stages=st, prefetch=f)
+               for p in a.pages for s in a.splits for w in a.warps for st in a.stages
+               for f in forms}
     rows = []
-    for sizes in sorted(tilings, key=lambda b: (b.pages_per_compute_block, b.num_splits)):
+    for sizes in sorted(tilings | {default}, key=lambda b: (
+            b.pages_per_compute_block, b.num_splits, b.num_warps, b.num_stages, b.prefetch)):
         fn = jax.jit(lambda *x, sizes=sizes: decode_attention(
             *x, attn, block_sizes=sizes, interpret=interpret))
         out = np.asarray(fn(*args), np.float32)[:a.seqs]
         err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
         seconds = median_call_seconds(fn, *args, reps=a.calls, repeats=a.samples)
         rows.append({"pages": sizes.pages_per_compute_block, "splits": sizes.num_splits,
+                     "warps": sizes.num_warps, "stages": sizes.num_stages,
+                     "prefetch": sizes.prefetch,
                      "default": sizes == default, "ms": seconds * 1e3,
                      "tb_per_s": kv_bytes / seconds / 1e12, "rel_err": err})
-        print(f"pages {rows[-1]['pages']:2d} splits {rows[-1]['splits']:3d}"
+        print(f"pages {rows[-1]['pages']:2d} splits {rows[-1]['splits']:3d} warps "
+              f"{sizes.num_warps} stages {sizes.num_stages}"
+              f"{' prefetch' if sizes.prefetch else ''}"
               f"{' (default)' if sizes == default else ''}: {seconds * 1e3:7.3f} ms  "
               f"{rows[-1]['tb_per_s']:5.2f} TB/s  err {err:.1e}", flush=True)
     best = min(rows, key=lambda r: r["ms"])

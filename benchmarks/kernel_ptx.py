@@ -17,6 +17,8 @@ Needs the `triton` package (not a pjinfer dependency), e.g.
         --int4-offset: the int4 dot's 128 + u form; --float16-dot: fp8 dots over float16 x]
     python -m pjinfer.benchmarks.kernel_ptx --triton-path /tmp/triton --kind decode_attention \
         --kv-dtype float8_e4m3fn --out decode_fp8.json   # Llama-3-8B heads, pages of 16
+        [--num-warps / --num-stages over the default tiling; --prefetch: the decode kernel's
+        form that loads step c + 1's K/V while step c computes]
     (--kind ragged_attention: the mixed-step kernel, 2,048 query tokens of 256 sequences)
 Without it only the Triton IR's op counts are recorded. Triton writes some instructions
 (conversions) as inline assembly, unindented: the loop mix counts those lines too.
@@ -60,6 +62,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    help="int4 dots: the nibbles as bfloat16 128 + u (the tiling switch)")
     p.add_argument("--float16-dot", action="store_true",
                    help="fp8 dots over float16 x, e4m3 widened to float16 (the tiling switch)")
+    p.add_argument("--prefetch", action="store_true",
+                   help="decode attention: K/V loaded a step ahead (the tiling switch)")
     a = p.parse_args(argv)
     if a.pages is not None and (a.pages < 1 or a.pages & (a.pages - 1)):
         p.error(f"--pages must be a power of two (Triton tiles), got {a.pages}")
@@ -89,10 +93,12 @@ def kernel_ttir(kind: str, tokens: int, k: int, n: int, group_size: int,
     return captured[0], sizes
 
 
-def attention_ttir(kind: str, kv_dtype: str, pages: int) -> tuple[str, object, int]:
+def attention_ttir(kind: str, kv_dtype: str, pages: int,
+                   overrides: dict | None = None) -> tuple[str, object, int]:
     """(Triton IR text, tiling, K/V elements a loop step reads) of the paged attention kernel
     `kind` ("decode_attention" or "ragged_attention") with Llama-3-8B's heads (32 query, 8 KV,
-    128 wide), 16-token pages and a bfloat16 query (ragged: 2,048 tokens of 256 sequences)."""
+    128 wide), 16-token pages and a bfloat16 query (ragged: 2,048 tokens of 256 sequences);
+    `overrides`: num_warps / num_stages of the tiling."""
     import jax
     import jax.numpy as jnp
 
@@ -107,13 +113,13 @@ def attention_ttir(kind: str, kv_dtype: str, pages: int) -> tuple[str, object, i
     tables = jax.ShapeDtypeStruct((seqs, width), jnp.int32)
     lens = jax.ShapeDtypeStruct((seqs,), jnp.int32)
     if kind == "decode_attention":
-        sizes = DecodeBlockSizes(pages_per_compute_block=pages)
+        sizes = DecodeBlockSizes(pages_per_compute_block=pages, **(overrides or {}))
         captured = triton_ir(lambda *a: decode_attention(*a, attn, block_sizes=sizes),
                              jax.ShapeDtypeStruct((seqs, heads, dim), jnp.bfloat16), cache,
                              cache, tables, lens)
     else:
         tokens = 2048
-        sizes = RaggedBlockSizes(pages_per_compute_block=pages)
+        sizes = RaggedBlockSizes(pages_per_compute_block=pages, **(overrides or {}))
         md = AttentionMetadata(jax.ShapeDtypeStruct((tokens,), jnp.int32), tables, lens,
                                jax.ShapeDtypeStruct((seqs + 1,), jnp.int32))
         captured = triton_ir(lambda q, k, v, md: ragged_attention(q, k, v, md, attn,
@@ -255,7 +261,15 @@ def run(argv: list[str] | None = None) -> dict:
         overrides["float16_dot"] = True
     if a.kind in ATTENTION:
         pages = a.pages or (4 if a.kind == "decode_attention" else 2)  # the defaults' tilings
-        ttir, sizes, elements = attention_ttir(a.kind, a.kv_dtype, pages)
+        tiling = {f: v for f, v in overrides.items() if f in ("num_warps", "num_stages")}
+        if a.prefetch:
+            if a.kind != "decode_attention":
+                raise SystemExit("--prefetch is a switch of --kind decode_attention")
+            tiling["prefetch"] = True
+        if set(overrides) - set(tiling):
+            raise SystemExit(f"--kind {a.kind} takes --pages, --num-warps and --num-stages, "
+                             f"not {', '.join(sorted(set(overrides) - set(tiling)))}")
+        ttir, sizes, elements = attention_ttir(a.kind, a.kv_dtype, pages, tiling)
         record = {"kind": a.kind, "kv_dtype": a.kv_dtype, "tiling": str(sizes)}
     else:
         ttir, sizes = kernel_ttir(a.kind, a.tokens, a.k, a.n, a.group_size, overrides)

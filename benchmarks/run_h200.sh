@@ -40,7 +40,8 @@
 #                                         # 2,048 tokens, W3 bf16 vs fp8, W1 fp8 (~9 min with
 #                                         # N_W3=300)
 #   bash benchmarks/run_h200.sh decodesplits  # paged decode attention at Qwen3's 10 x 2,560
-#                                             # step, context splits x pages swept (~1 min)
+#                                             # step, context splits x pages swept (~1 min;
+#                                             # DS_ARGS adds e.g. "--stages 2 3 4 --warps 4 8")
 #   bash benchmarks/run_h200.sh kvfp8     # W4 with the bf16 KV cache vs fp8, ABBA (the first
 #                                         # engine process of a call runs slow; KVFP8_ORDER=
 #                                         # "fp8 auto auto fp8" runs BAAB) (~7 min)
@@ -344,7 +345,7 @@ stage_decodesplits() {
   local smoke=()
   [ $SMOKE = 1 ] && smoke=(--smoke)
   step decode_splits 150 $PY -m pjinfer.benchmarks.decode_splits "${smoke[@]}" \
-      --out "$JSON/decode_splits.json"
+      ${DS_ARGS:-} --out "$JSON/decode_splits.json"
 }
 
 # W4's decode attention (Llama-3-8B heads, 256 sequences of 512 tokens) over a bf16 and an

@@ -24,3 +24,13 @@ def test_fp8_cache_counts_one_byte_an_element(tmp_path):
     assert record["kv_bytes"] == 2 * 40 * 2 * 16 * 2 * 1  # K and V, one byte each
     assert record["shape"]["kv_dtype"] == "float8_e4m3fn"
     assert all(r["rel_err"] < 1e-2 for r in record["rows"])  # against the same fp8 cache
+
+
+def test_stages_warps_and_prefetch_are_swept(tmp_path):
+    out = tmp_path / "ds.json"
+    decode_splits.run(["--smoke", "--stages", "2", "3", "--prefetch", "both",
+                       "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["splits"], r["stages"], r["prefetch"]) for r in rows if r["pages"] == 1} == {
+        (s, st, f) for s in (1, 2) for st in (2, 3) for f in (False, True)}
+    assert all(r["warps"] == 4 and r["rel_err"] < 1e-2 for r in rows)

@@ -31,29 +31,33 @@ def _check(b, dtype, sizes, attn):
     [(1, 64, 16, 2, 1), (4, 128, 32, 1, 3), (8, 64, 16, 4, 2), (4, 64, 16, 1, 8),
      (16, 64, 16, 2, 2)],
 )
-def test_decode_matches_reference(group, head_dim, block_size, pages, splits):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_decode_matches_reference(group, head_dim, block_size, pages, splits, prefetch):
     rng = np.random.default_rng(group + head_dim + splits)
     b = make_batch(rng, [1] * 4, SEQ_LENS, num_kv_heads=2, group=group, head_dim=head_dim,
                    block_size=block_size)
-    sizes = DecodeBlockSizes(pages_per_compute_block=pages, num_splits=splits)
+    sizes = DecodeBlockSizes(pages_per_compute_block=pages, num_splits=splits,
+                             prefetch=prefetch)
     _check(b, jnp.float32, sizes, AttentionParams(scale=head_dim**-0.5))
 
 
-@pytest.mark.parametrize("window,cap", [(7, None), (None, 3.0), (20, 2.0)])
-def test_decode_window_and_cap(window, cap):
+@pytest.mark.parametrize("window,cap,prefetch", [(7, None, False), (None, 3.0, False),
+                                                 (20, 2.0, False), (20, 2.0, True)])
+def test_decode_window_and_cap(window, cap, prefetch):
     rng = np.random.default_rng(11)
     b = make_batch(rng, [1] * 4, SEQ_LENS, num_kv_heads=2, group=4, head_dim=64, block_size=16)
-    sizes = DecodeBlockSizes(pages_per_compute_block=1, num_splits=2)
+    sizes = DecodeBlockSizes(pages_per_compute_block=1, num_splits=2, prefetch=prefetch)
     _check(b, jnp.float32, sizes, AttentionParams(scale=0.3, sliding_window=window, soft_cap=cap))
 
 
-def test_decode_bfloat16_with_padding_seq():
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_decode_bfloat16_with_padding_seq(prefetch):
     rng = np.random.default_rng(5)
     # The padding sequence (seq_len 0) still owns a padding token, since T == S.
     b = make_batch(rng, [1, 1, 1, 0], [40, 1, 77, 0], num_kv_heads=1, group=8, head_dim=128,
                    block_size=32, dtype=jnp.bfloat16, pad_tokens=1)
     args = (b.q, b.k_cache, b.v_cache, b.md.block_tables, b.md.seq_lens, AttentionParams(0.1))
-    sizes = DecodeBlockSizes(pages_per_compute_block=2, num_splits=2)
+    sizes = DecodeBlockSizes(pages_per_compute_block=2, num_splits=2, prefetch=prefetch)
     out = decode_attention(*args, block_sizes=sizes, interpret=True)
     ref = decode_attention_reference(*args)
     assert out.dtype == jnp.bfloat16
@@ -84,7 +88,9 @@ def test_decode_bf16_query_over_fp8_caches(k_scale, v_scale):
                    dtype=jnp.bfloat16)
     b8, _ = to_fp8(b, k_scale, v_scale)
     attn = AttentionParams(scale=0.125, k_scale=k_scale, v_scale=v_scale)
-    _check(b8, jnp.bfloat16, DecodeBlockSizes(pages_per_compute_block=2, num_splits=2), attn)
+    for prefetch in (False, True):
+        sizes = DecodeBlockSizes(pages_per_compute_block=2, num_splits=2, prefetch=prefetch)
+        _check(b8, jnp.bfloat16, sizes, attn)
 
 
 def test_query_group_is_not_padded_in_xla():
@@ -102,3 +108,19 @@ def test_query_group_is_not_padded_in_xla():
     assert len(re.findall(r"custom_call @", text)) == 1
     pads = [line for line in text.splitlines() if "stablehlo.pad" in line]
     assert not [line for line in pads if "bf16" in line]  # (the block tables' pad is a no-op)
+
+
+def test_prefetch_form_lowers_to_one_triton_call():
+    """The form that loads step c + 1's K/V while step c computes lowers for CUDA (exported,
+    no GPU needed) at Qwen3-30B-A3B's 10 x 2,560 step shapes, bf16 and fp8 caches."""
+    import jax
+
+    s, heads, kv_heads, d, blocks, bs = 16, 32, 4, 128, 1601, 16
+    for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
+        args = (jax.ShapeDtypeStruct((s, heads, d), jnp.bfloat16),
+                *[jax.ShapeDtypeStruct((blocks, bs, kv_heads, d), dtype)] * 2,
+                jax.ShapeDtypeStruct((s, 256), jnp.int32), jax.ShapeDtypeStruct((s,), jnp.int32))
+        sizes = DecodeBlockSizes(num_splits=5, prefetch=True)
+        text = cuda_module(lambda *a, z=sizes: decode_attention(
+            *a, AttentionParams(scale=d ** -0.5), block_sizes=z), *args)
+        assert text.count("xla.gpu.triton") >= 1
