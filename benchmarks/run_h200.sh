@@ -569,11 +569,14 @@ stage_multistep() {
             --num-iters-warmup 1);;
     esac
     local run steps
-    # ABBA: a device call's first engine process runs slow (MULTISTEP_RUNS=steps:run ... overrides)
+    # ABBA: a device call's first engine process runs slow (MULTISTEP_RUNS=steps:run ... overrides;
+    # a run named x... adds MULTISTEP_X_FLAGS, e.g. "8:1 8:x1 8:x2 8:2" with
+    # MULTISTEP_X_FLAGS="--cuda-graph-sizes 2 8 32 128 512": one flag's A/B in one call)
     for run in ${MULTISTEP_RUNS:-1:1 8:1 8:2 1:2}; do
       steps=${run%:*}
+      local x=(); [[ ${run#*:} == x* ]] && x=(${MULTISTEP_X_FLAGS:-})
       step "multistep_${name}_${steps}_${run#*:}" $limit "${BENCH[@]}" latency "${m[@]}" \
-          "${eng[@]}" --num-scheduler-steps $steps --compilation-cache-dir "$CACHE" \
+          "${eng[@]}" "${x[@]}" --num-scheduler-steps $steps --compilation-cache-dir "$CACHE" \
           "${run_args[@]}" --output-json "$JSON/multistep_${name}_${steps}_${run#*:}.json"
     done
   done
