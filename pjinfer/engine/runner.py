@@ -359,8 +359,7 @@ class ModelRunner:
         requests; Nones for a one-off batch of anonymous chunks, built from its lists."""
         if not chunks or chunks[0].request_id is None:
             return None, None, None
-        padded = bucket_seqs(len(chunks), self.ecfg.max_num_seqs,
-                             self.ecfg.cuda_graph_sizes)  # the step's padded rows
+        padded = bucket_seqs(len(chunks), self.ecfg.max_num_seqs, self.ecfg.cuda_graph_sizes)
         batch_rows = self.batch.rows_for(chunks, rows, refresh=refresh)
         tables, columns = self.batch.gather(batch_rows, padded)
         return tables, columns, partial(self.batch.token_history, batch_rows, rows, padded)
