@@ -189,19 +189,22 @@ def _splits(total_steps: int, programs: int, target: int) -> int:
 # Tilings the rules above miss, per weight shape, measured on the H200 (32 of the shape
 # streamed back to back, rounds round-robin; benchmarks/results/round22, `run_h200.sh
 # quantshapes`): Llama-3-8B's decode projections where a sweep beat the rules' tiling by
-# >= 5% in every round. (kind, K, N of the group) -> (fewest and most tokens the entry
-# covers, the fields that differ from the rules' tiling). The engine's batch-1 decode step
+# >= 5% in every round. (kind, K, N of the group) -> entries of (fewest and most tokens the
+# entry covers, the fields that differ from the rules' tiling). The engine's batch-1 decode step
 # runs 8 token rows (one 16-row dot tile); ms are at T = 1 (int4, call 2) and T = 8 (fp8,
 # call 4). At o's 4096 x 4096 and at 4096 x 14336 the int4 rules were already best.
-TUNED: dict[tuple[str, int, int], tuple[int, int, dict[str, int | bool]]] = {
-    ("int4", 4096, 28672): (1, 16, {"block_n": 256, "k_splits": 8}),  # gate/up 0.978 vs 1.136
-    ("int4", 14336, 4096): (1, 16, {"block_n": 256, "k_splits": 16}),  # down 0.527 vs 0.582
-    ("int4", 4096, 6144): (1, 16, {"k_splits": 8, "num_warps": 8}),  # q/k/v 0.333 vs 0.357
+TUNED: dict[tuple[str, int, int], tuple[tuple[int, int, dict[str, int | bool]], ...]] = {
+    ("int4", 4096, 28672): ((1, 16, {"block_n": 256, "k_splits": 8}),),  # gate/up 0.978 vs 1.136
+    ("int4", 14336, 4096): ((1, 16, {"block_n": 256, "k_splits": 16}),),  # down 0.527 vs 0.582
+    ("int4", 4096, 6144): ((1, 16, {"k_splits": 8, "num_warps": 8}),),  # q/k/v 0.333 vs 0.357
     # gate/up 1.445 vs 1.526; float16 x 1.399 vs 1.468 (round 23, 4.3-5.2% in each round)
-    ("fp8", 4096, 28672): (3, 16, {"block_n": 128, "float16_dot": True}),
-    ("fp8", 14336, 4096): (3, 16, {"k_splits": 8}),  # down 0.712 vs 0.741
-    ("fp8", 4096, 6144): (3, 16, {"block_n": 128, "unroll": 1}),  # q/k/v 0.388 vs 0.422
-    ("fp8", 4096, 4096): (3, 16, {"block_n": 128, "unroll": 1}),  # o 0.309 vs 0.347
+    ("fp8", 4096, 28672): ((3, 16, {"block_n": 128, "float16_dot": True}),),
+    ("fp8", 14336, 4096): ((3, 16, {"k_splits": 8}),),  # down 0.712 vs 0.741
+    # q/k/v: elementwise at 1-2 tokens (round 22 call 2, T=1: 0.367-0.393 vs 0.551-0.558; a
+    # step of 1-2 rows needs --cuda-graph-sizes 2), the dot 0.388 vs 0.422 at 3-16
+    ("fp8", 4096, 6144): ((1, 2, {"k_splits": 4}),
+                          (3, 16, {"block_n": 128, "unroll": 1})),
+    ("fp8", 4096, 4096): ((3, 16, {"block_n": 128, "unroll": 1}),),  # o 0.309 vs 0.347
 }
 
 
@@ -213,8 +216,10 @@ def pick_block_sizes(num_tokens: int, w: QuantizedWeight,
     `num_tokens` (and `tuned`), else the rules' (`rule_block_sizes`)."""
     widths = list(widths or [w.shape[1]])
     sizes = rule_block_sizes(num_tokens, w, widths, elementwise=elementwise)
-    entry = TUNED.get((w.kind, w.shape[0], sum(widths))) if tuned and elementwise is None else None
-    if entry is None or not entry[0] <= num_tokens <= entry[1]:
+    entries = TUNED.get((w.kind, w.shape[0], sum(widths)), ()) if tuned and elementwise is None \
+        else ()
+    entry = next((e for e in entries if e[0] <= num_tokens <= e[1]), None)
+    if entry is None:
         return sizes
     candidate = dataclasses.replace(sizes, **entry[2])
     widths_ok = all(width % candidate.block_n == 0 for width in widths)
