@@ -75,13 +75,16 @@ def _decode_kernel(
         s = common.scores(q, k, score_scale)  # [Gp, N]
         return common.softmax_step(state, common.cap_scores(s, attn.soft_cap), valid[None, :], v)
 
+    def keys(c):  # key positions [N], their cache rows [N], which of them attend [N]
+        pos, rows = common.block_rows(tables_ref, seq, c, pages=pages, block_size=block_size)
+        return pos, rows, (pos < seq_len) & (pos >= lo_key)
+
     if prefetch:
         last = tables_ref.shape[1] // pages - 1
 
         def rows_at(c):  # (valid [N], rows [N]) of step c; past the split: block 0's rows
-            pos, rows = common.block_rows(tables_ref, seq, jnp.clip(c, 0, last), pages=pages,
-                                          block_size=block_size)
-            valid = (pos < seq_len) & (pos >= lo_key) & (c < end)
+            pos, rows, valid = keys(jnp.clip(c, 0, last))
+            valid = valid & (c < end)
             return valid, jnp.where(valid, rows, pos % block_size)
 
         def tile(valid_rows):
@@ -97,9 +100,7 @@ def _decode_kernel(
         acc, m, l_sum = jax.lax.fori_loop(start, end, body, carry)[0]
     else:
         def body(c, state):
-            pos, rows = common.block_rows(tables_ref, seq, c, pages=pages,
-                                          block_size=block_size)
-            valid = (pos < seq_len) & (pos >= lo_key)  # [N]
+            _, rows, valid = keys(c)
             return attend(state, valid, k_ref[rows, head, :], v_ref[rows, head, :])
 
         acc, m, l_sum = jax.lax.fori_loop(start, end, body, common.softmax_init(*q.shape))

@@ -216,8 +216,8 @@ def pick_block_sizes(num_tokens: int, w: QuantizedWeight,
     `num_tokens` (and `tuned`), else the rules' (`rule_block_sizes`)."""
     widths = list(widths or [w.shape[1]])
     sizes = rule_block_sizes(num_tokens, w, widths, elementwise=elementwise)
-    entries = TUNED.get((w.kind, w.shape[0], sum(widths)), ()) if tuned and elementwise is None \
-        else ()
+    key = (w.kind, w.shape[0], sum(widths))
+    entries = TUNED.get(key, ()) if tuned and elementwise is None else ()
     entry = next((e for e in entries if e[0] <= num_tokens <= e[1]), None)
     if entry is None:
         return sizes

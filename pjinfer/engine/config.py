@@ -101,7 +101,7 @@ class EngineConfig:
                                    "scheduler")
     async_scheduling: bool = arg(True, "schedule and build step t+1 while step t runs on the "
                                  "device; off runs every step to completion first", "scheduler")
-    cuda_graph_sizes: tuple[int, ...] | None = arg(
+    cuda_graph_sizes: INT_LIST | None = arg(
         None, "padded batch sizes (sequences a step) that steps are compiled for, vLLM's "
         "CUDA graph sizes: a step runs at the smallest one holding its sequences, so smaller "
         "sizes pad low-concurrency decodes less and compile more executables (default 8, 32, "
@@ -200,16 +200,18 @@ def _check_types_and_choices(cfg: EngineConfig) -> None:
 
 def _sizes(value: Any) -> tuple[int, ...]:
     """cuda_graph_sizes as a sorted tuple of distinct positive integers."""
-    ok = isinstance(value, list | tuple) and value and all(
-        isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
-    if not ok:
+    if not (isinstance(value, list | tuple) and value and all(map(_is_positive_int, value))):
         raise ValueError(f"cuda_graph_sizes must be a non-empty list of positive integers "
                          f"(e.g. --cuda-graph-sizes 2 8 32), got {value!r}")
     return tuple(sorted(set(value)))
 
 
+def _is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def _positive_ints(cfg: EngineConfig, *names: str) -> None:
     for name in names:
         value = getattr(cfg, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        if not _is_positive_int(value):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")

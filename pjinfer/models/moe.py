@@ -97,7 +97,7 @@ def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Ar
         raise ValueError(f"path must be auto, sorted or routed, got {path!r}")
     t, k = ids.shape
     num_local, d, _, inter = gate_up.shape
-    if first_expert is None:  # every expert here: no remap, one select kernel fewer a layer
+    if first_expert is None:  # every expert here: `route`'s ids (-1: none) index them as is
         mine, local = ids >= 0, ids
     else:
         local = ids - first_expert
