@@ -7,8 +7,9 @@ splits).
 Inputs are laid out as the engine's step has them: the batch padded to its sequence bucket
 (padding rows have length 0), block tables as wide as `--max-model-len` allows, pages
 shuffled over the cache. Each tiling is checked against the reference, then timed (median of
-`--samples` samples of `--calls` back-to-back calls); the record has ms, TB/s of KV read, and
-the default tiling's place. `--kv-dtype float8_e4m3fn` runs the fp8 cache's kernels.
+`--samples` samples of `--calls` back-to-back calls; with `--device-time` the device-busy time
+of `--calls` profiled calls instead, since a kernel of tens of microseconds is timed by the
+host's dispatch otherwise); the record has ms, TB/s of KV read, and the default tiling's place. `--kv-dtype float8_e4m3fn` runs the fp8 cache's kernels.
 
   python -m pjinfer.benchmarks.decode_splits --out decode_splits.json   # H200
   python -m pjinfer.benchmarks.decode_splits --splits 5 16 --pages 4 8 --stages 2 3 \
@@ -22,6 +23,7 @@ import argparse
 
 from pjinfer.benchmarks.common import median_call_seconds, positive_int
 from pjinfer.benchmarks.quant_matmul import write_record
+from pjinfer.benchmarks.trace_summary import device_busy_seconds
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -46,6 +48,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--samples", type=positive_int, default=5)
     p.add_argument("--kv-dtype", choices=["bfloat16", "float8_e4m3fn"], default="bfloat16",
                    help="the cache's dtype (float8_e4m3fn: what --kv-cache-dtype fp8 stores)")
+    p.add_argument("--device-time", action="store_true",
+                   help="also profile each tiling's calls: device-busy ms (a small kernel's "
+                        "wall-clock ms is the host's dispatch); the best is then by these")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
@@ -115,11 +120,14 @@ def run(argv: list[str] | None = None) -> dict:
             *x, attn, block_sizes=sizes, interpret=interpret))
         out = np.asarray(fn(*args), np.float32)[:a.seqs]
         err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
-        seconds = median_call_seconds(fn, *args, reps=a.calls, repeats=a.samples)
+        wall = median_call_seconds(fn, *args, reps=a.calls, repeats=a.samples)
+        busy = device_busy_seconds(fn, *args, calls=a.calls) if a.device_time else None
+        seconds = busy or wall
         rows.append({"pages": sizes.pages_per_compute_block, "splits": sizes.num_splits,
                      "warps": sizes.num_warps, "stages": sizes.num_stages,
-                     "prefetch": sizes.prefetch,
-                     "default": sizes == default, "ms": seconds * 1e3,
+                     "prefetch": sizes.prefetch, "default": sizes == default,
+                     "ms": seconds * 1e3, "wall_ms": wall * 1e3,
+                     "device_ms": None if busy is None else busy * 1e3,
                      "tb_per_s": kv_bytes / seconds / 1e12, "rel_err": err})
         print(f"pages {rows[-1]['pages']:2d} splits {rows[-1]['splits']:3d} warps "
               f"{sizes.num_warps} stages {sizes.num_stages}"

@@ -41,7 +41,8 @@
 #                                         # N_W3=300)
 #   bash benchmarks/run_h200.sh decodesplits  # paged decode attention at Qwen3's 10 x 2,560
 #                                             # step, context splits x pages swept (~1 min;
-#                                             # DS_ARGS adds e.g. "--stages 2 3 4 --warps 4 8")
+#                                             # DS_ARGS adds e.g. "--stages 2 3 4 --warps 4 8";
+#                                             # ";" separates sweeps: decode_splits_N.json)
 #   bash benchmarks/run_h200.sh kvfp8     # W4 with the bf16 KV cache vs fp8, ABBA (the first
 #                                         # engine process of a call runs slow; KVFP8_ORDER=
 #                                         # "fp8 auto auto fp8" runs BAAB) (~7 min)
@@ -66,6 +67,7 @@
 #                                            # decode projections, one token (~8 min)
 #   bash benchmarks/run_h200.sh quanttuned   # the tuned tilings vs the rules' at 8 token rows,
 #                                            # fp8 dots with and without float16 x (~4 min)
+#   bash benchmarks/run_h200.sh quantt2   # fp8 at 2 token rows: elementwise vs dot (~2 min)
 #   bash benchmarks/run_h200.sh --smoke pjinfer hf serve   # the same plumbing, tiny, on CPU
 #
 # Each stage fits one 10-minute device command; every step has its own time limit, and a
@@ -342,10 +344,14 @@ stage_w8a8() {
 # Qwen3-30B-A3B's decode attention with 10 sequences of 2,560 tokens (round 10: 1.80 ms a step
 # at 0.29 of bandwidth): context splits and pages per compute block against the default.
 stage_decodesplits() {
-  local smoke=()
+  local smoke=() args n=0
   [ $SMOKE = 1 ] && smoke=(--smoke)
-  step decode_splits 150 $PY -m pjinfer.benchmarks.decode_splits "${smoke[@]}" \
-      ${DS_ARGS:-} --out "$JSON/decode_splits.json"
+  IFS=';' read -ra sweeps <<< "${DS_ARGS:- }"
+  for args in "${sweeps[@]}"; do
+    n=$((n + 1))
+    step decode_splits_$n 150 $PY -m pjinfer.benchmarks.decode_splits "${smoke[@]}" \
+        $args --out "$JSON/decode_splits_$n.json"
+  done
 }
 
 # W4's decode attention (Llama-3-8B heads, 256 sequences of 512 tokens) over a bf16 and an
@@ -482,6 +488,21 @@ stage_quanttuned() {
   [ $SMOKE = 1 ] && shapes=(256x256)
   for shape in "${shapes[@]}"; do
     for kind in int4 fp8; do quant_sweep qt $kind $shape 8 3 --tilings --float16-twins; done
+  done
+}
+
+# fp8 at 2 token rows (a step padded to `--cuda-graph-sizes 2`): the rules' elementwise
+# tiling vs the dot each shape takes at 8 rows, per Llama-3-8B decode projection.
+stage_quantt2() {
+  local shape dot
+  local -A dots=([4096x6144]="t16 n128 k64x1 s8 w4 st3 (dot)"
+                 [4096x4096]="t16 n128 k64x1 s16 w4 st3 (dot)"
+                 [14336x4096]="t16 n64 k64x2 s8 w4 st3 (dot)"
+                 [4096x28672]="t16 n128 k64x2 s2 w4 st3 (dot+f16)")
+  for shape in 4096x6144 4096x4096 14336x4096 4096x28672; do
+    dot=${dots[$shape]}
+    [ $SMOKE = 1 ] && { [ $shape = 4096x6144 ] || continue; shape=256x256; dot="t16 n64 k64x1 s1 w4 st3 (dot)"; }
+    quant_sweep t2 fp8 $shape 2 3 --tilings "$dot"
   done
 }
 
@@ -665,7 +686,8 @@ for stage in "${STAGES[@]}"; do
     int4ncu) stage_int4ncu ;;
     quantshapes) stage_quantshapes ;;
     quanttuned) stage_quanttuned ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moeprofile | w8a8 | decodesplits | kvfp8 | w3fp8 | attnfp8 | kvprobe | raggedfp8 | routed | routedwide | loramulti | int4ncu | quantshapes | quanttuned)" ;;
+    quantt2) stage_quantt2 ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moeprofile | w8a8 | decodesplits | kvfp8 | w3fp8 | attnfp8 | kvprobe | raggedfp8 | routed | routedwide | loramulti | int4ncu | quantshapes | quanttuned | quantt2)" ;;
   esac
 done
 pack

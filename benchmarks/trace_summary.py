@@ -75,3 +75,22 @@ def summarize_dir(log_dir: str | Path, steps: int) -> dict[str, Any]:
         summary["processes"] = sorted({str(e.get("args", {}).get("name")) for e in events
                                        if e.get("name") == "process_name"})
     return summary
+
+
+def device_busy_seconds(fn, *args, calls: int = 20) -> float | None:
+    """Device-busy seconds per call of a jitted `fn(*args)` over `calls` back-to-back calls,
+    from a profile: what the kernels take, without the host's dispatch that bounds a small
+    kernel's wall-clock timing. None where the trace holds no device activity (CPU)."""
+    import tempfile
+
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+            for _ in range(calls):
+                out = fn(*args)
+            jax.block_until_ready(out)
+        summary = summarize_dir(log_dir, calls)
+    busy = summary.get("busy_us_per_step")
+    return None if not busy else busy * 1e-6
