@@ -8,6 +8,8 @@
 #   bash benchmarks/run_ab.sh .bench_base w3       # W3, both trees                (~6 min)
 #   bash benchmarks/run_ab.sh .bench_base qwen3    # Qwen3-30B-A3B W1, 8 steps a call, ABBA
 #                                                  # (~8 min)
+#   bash benchmarks/run_ab.sh .bench_base qwen3c10  # Qwen3-30B-A3B, 10 x 2,048 in / 256 out,
+#                                                   # ABBA (~8 min)
 #   bash benchmarks/run_ab.sh .bench_base quantw1  # W1 int4 then fp8, 8 steps a call, ABBA
 #                                                  # (~7 min)
 #   bash benchmarks/run_ab.sh --smoke .bench_base probe   # the same plumbing, tiny, on CPU
@@ -86,6 +88,18 @@ case $STAGE in
       bench ${run%:*} w1_qwen3_${run#*:} latency "${W1[@]}" --num-iters 2 --num-iters-warmup 1 \
           --num-scheduler-steps 8
     done ;;
+  qwen3c10)  # issue 13's 10 concurrent sequences of 2,048 tokens on Qwen3-30B-A3B, 256 decode
+    # steps a run (the TPOT target's context, shorter output so that ABBA fits one call)
+    if [ $SMOKE = 0 ]; then
+      MODEL=(--model configs/models/qwen3-30b-a3b --load-format dummy --dtype bfloat16)
+      ENGINE=(--max-num-seqs 256 --max-num-batched-tokens 8192); LIMIT=150
+      W1=(--batch-size 10 --input-len 2048 --output-len 256)
+    fi
+    bench base warmup latency "${W1[@]}" --output-len 16 --num-iters 1 --num-iters-warmup 1
+    for run in base:1 head:1 head:2 base:2; do
+      bench ${run%:*} c10_qwen3_${run#*:} latency "${W1[@]}" --num-iters 1 \
+          --num-iters-warmup 1 --num-scheduler-steps 8
+    done ;;
   quantw1)  # W1 with int4 (GPTQ g128 shapes) then fp8 weights, 8 decode steps a call, ABBA
     dense=("${MODEL[@]}")
     for kind in ${QUANTW1_KINDS:-int4 fp8}; do
@@ -101,5 +115,5 @@ case $STAGE in
       done
     done
     MODEL=("${dense[@]}") ;;
-  *) echo "unknown stage $STAGE (probe | w3 | qwen3 | quantw1)"; exit 2 ;;
+  *) echo "unknown stage $STAGE (probe | w3 | qwen3 | qwen3c10 | quantw1)"; exit 2 ;;
 esac

@@ -216,10 +216,15 @@ def default_decode_block_sizes(
     """Picks splits so that (seq, kv head, split) programs fill the GPU about twice.
 
     132 SMs on an H100/H200; more splits than compute blocks would leave splits idle.
-    Compute blocks of 64 tokens keep the two dots at a `tl.dot`-friendly N.
+    Compute blocks of 64 tokens keep the two dots at a `tl.dot`-friendly N; where the
+    context is split (few sequences, each long) blocks of 128 tokens, which halve a split's
+    loop steps: on the H200, 10 sequences x 4 KV heads at 2,560 tokens took 22.5 us a call
+    against 27.2 (2,048 tokens: 18.6 against 19.8), and 256 x 512 without splits ran best at
+    64 (benchmarks/RESULTS.md round 24).
     """
-    pages = max(1, 64 // block_size)
     programs = num_seqs * num_kv_heads
+    wanted = -(-2 * 132 // programs)
+    pages = max(1, (64 if wanted == 1 else 128) // block_size)
     compute_blocks = max(1, -(-max_blocks_per_seq // pages))
-    splits = max(1, min(-(-2 * 132 // programs), compute_blocks, 64))
+    splits = max(1, min(wanted, compute_blocks, 64))
     return DecodeBlockSizes(pages_per_compute_block=pages, num_splits=splits)

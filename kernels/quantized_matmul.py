@@ -20,7 +20,7 @@ and one reduction per group instead of per weight, and the narrow k / v projecti
 run a few dozen programs on their own.
 
 Two reductions: `block_t` >= 16 multiplies each dequantized tile with `jnp.dot` (Triton's
-smallest dot has 16 rows); `block_t` < 16 (int8 / fp8 decode, a token or two) multiplies
+smallest dot has 16 rows); `block_t` < 16 (int8 / fp8 decode, one token) multiplies
 elementwise into a [rows, block_n] float32 accumulator per token, summed over rows once at the
 end, so a single token neither pads to 16 rows nor reduces across threads every step (int4
 dots at one token too: its bf16 pairs make the dot the cheaper form). x itself is never

@@ -125,7 +125,10 @@ def supported(x: jax.Array, w: QuantizedWeight, sizes: QuantMatmulBlockSizes) ->
 
 MIN_PROGRAMS = 264  # two per SM of an H100 / H200 (132 SMs)
 INT4_DOT_ROWS = 48  # int4 tokens the 16-row dot tiles take (the Pallas dispatch's limit)
-ELEMENTWISE_MAX_TOKENS = 2  # up to here no dot (no padding to 16 rows); above, `jnp.dot`
+# up to here no dot (no padding to 16 rows); above, `jnp.dot`. At 2 rows (a step padded to
+# `--cuda-graph-sizes 2`) the fp8 elementwise tilings ran 1.3-1.8x the dots' times on the
+# H200 at each Llama-3-8B projection (RESULTS.md round 24), so only one token skips the dot
+ELEMENTWISE_MAX_TOKENS = 1
 LOAD_ROWS = 64  # stored rows per load (int4: 128 input rows, one GPTQ g128 group)
 
 
@@ -198,13 +201,13 @@ TUNED: dict[tuple[str, int, int], tuple[tuple[int, int, dict[str, int | bool]], 
     ("int4", 14336, 4096): ((1, 16, {"block_n": 256, "k_splits": 16}),),  # down 0.527 vs 0.582
     ("int4", 4096, 6144): ((1, 16, {"k_splits": 8, "num_warps": 8}),),  # q/k/v 0.333 vs 0.357
     # gate/up 1.445 vs 1.526; float16 x 1.399 vs 1.468 (round 23, 4.3-5.2% in each round)
-    ("fp8", 4096, 28672): ((3, 16, {"block_n": 128, "float16_dot": True}),),
-    ("fp8", 14336, 4096): ((3, 16, {"k_splits": 8}),),  # down 0.712 vs 0.741
-    # q/k/v: elementwise at 1-2 tokens (round 22 call 2, T=1: 0.367-0.393 vs 0.551-0.558; a
-    # step of 1-2 rows needs --cuda-graph-sizes 2), the dot 0.388 vs 0.422 at 3-16
-    ("fp8", 4096, 6144): ((1, 2, {"k_splits": 4}),
-                          (3, 16, {"block_n": 128, "unroll": 1})),
-    ("fp8", 4096, 4096): ((3, 16, {"block_n": 128, "unroll": 1}),),  # o 0.309 vs 0.347
+    ("fp8", 4096, 28672): ((2, 16, {"block_n": 128, "float16_dot": True}),),
+    ("fp8", 14336, 4096): ((2, 16, {"k_splits": 8}),),  # down 0.712 vs 0.741
+    # q/k/v: elementwise at 1 token (round 22 call 2: 0.367-0.393 vs 0.551-0.558), the dot
+    # 0.388 vs 0.422 at 2-16
+    ("fp8", 4096, 6144): ((1, 1, {"k_splits": 4}),
+                          (2, 16, {"block_n": 128, "unroll": 1})),
+    ("fp8", 4096, 4096): ((2, 16, {"block_n": 128, "unroll": 1}),),  # o 0.309 vs 0.347
 }
 
 
@@ -231,7 +234,7 @@ def rule_block_sizes(num_tokens: int, w: QuantizedWeight,
                      widths: Sequence[int] | None = None, *,
                      elementwise: bool | None = None) -> QuantMatmulBlockSizes:
     """The rules' tiling for `num_tokens` rows of x times `w` (or a group of weights like it
-    with output `widths`, side by side in one kernel): elementwise for a token or two (not
+    with output `widths`, side by side in one kernel): elementwise for one token (not
     int4, whose nibbles become bf16 pairs for a dot: `elementwise` forces either), else a
     dot over 16 (decode) or 64 (prefill) token rows; loads of `LOAD_ROWS` stored rows (fewer
     when a group or an int4 nibble block is smaller) x the regime's columns (a power of two
