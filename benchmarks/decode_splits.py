@@ -1,5 +1,5 @@
 """Paged decode attention at a few-sequence, long-context step, swept over context splits, pages
-per compute block, pipeline stages, warps and the prefetching form: the engine's shapes for
+per compute block, pipeline stages and warps: by default the engine's shapes for
 Qwen3-30B-A3B with 10 sequences of 2,560 tokens (round 10: this kernel took 1.80 ms of an
 11.6 ms step, 2.5 GB of KV at 0.29 of the bandwidth, with `default_decode_block_sizes`' 5
 splits).
@@ -9,11 +9,12 @@ Inputs are laid out as the engine's step has them: the batch padded to its seque
 shuffled over the cache. Each tiling is checked against the reference, then timed (median of
 `--samples` samples of `--calls` back-to-back calls; with `--device-time` the device-busy time
 of `--calls` profiled calls instead, since a kernel of tens of microseconds is timed by the
-host's dispatch otherwise); the record has ms, TB/s of KV read, and the default tiling's place. `--kv-dtype float8_e4m3fn` runs the fp8 cache's kernels.
+host's dispatch otherwise); the record has ms, TB/s of KV read, and the default tiling's
+place. `--kv-dtype float8_e4m3fn` runs the fp8 cache's kernels.
 
   python -m pjinfer.benchmarks.decode_splits --out decode_splits.json   # H200
   python -m pjinfer.benchmarks.decode_splits --splits 5 16 --pages 4 8 --stages 2 3 \
-      --warps 4 8 --prefetch both --out decode_prefetch.json
+      --warps 4 8 --device-time --out decode_tilings.json
   python -m pjinfer.benchmarks.decode_splits --smoke --out /tmp/d.json  # CPU plumbing
 """
 
@@ -42,8 +43,6 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stages", type=positive_int, nargs="+", default=[2],
                    help="Triton pipeline depths (2: the default tiling's)")
     p.add_argument("--warps", type=positive_int, nargs="+", default=[4])
-    p.add_argument("--prefetch", choices=("off", "on", "both"), default="off",
-                   help="the form that loads step c + 1's K/V while step c computes")
     p.add_argument("--calls", type=positive_int, default=20)
     p.add_argument("--samples", type=positive_int, default=5)
     p.add_argument("--kv-dtype", choices=["bfloat16", "float8_e4m3fn"], default="bfloat16",
@@ -108,14 +107,12 @@ def run(argv: list[str] | None = None) -> dict:
     ref = np.asarray(decode_attention_reference(*args, attn), np.float32)[:a.seqs]
     default = default_decode_block_sizes(a.padded_seqs, a.kv_heads, args[3].shape[1],
                                          a.block_size)
-    forms = {"off": (False,), "on": (True,), "both": (False, True)}[a.prefetch]
     tilings = {DecodeBlockSizes(pages_per_compute_block=p, num_splits=s, num_warps=w,
-                                num_stages=st, prefetch=f)
-               for p in a.pages for s in a.splits for w in a.warps for st in a.stages
-               for f in forms}
+                                num_stages=st)
+               for p in a.pages for s in a.splits for w in a.warps for st in a.stages}
     rows = []
     for sizes in sorted(tilings | {default}, key=lambda b: (
-            b.pages_per_compute_block, b.num_splits, b.num_warps, b.num_stages, b.prefetch)):
+            b.pages_per_compute_block, b.num_splits, b.num_warps, b.num_stages)):
         fn = jax.jit(lambda *x, sizes=sizes: decode_attention(
             *x, attn, block_sizes=sizes, interpret=interpret))
         out = np.asarray(fn(*args), np.float32)[:a.seqs]
@@ -125,13 +122,12 @@ def run(argv: list[str] | None = None) -> dict:
         seconds = busy or wall
         rows.append({"pages": sizes.pages_per_compute_block, "splits": sizes.num_splits,
                      "warps": sizes.num_warps, "stages": sizes.num_stages,
-                     "prefetch": sizes.prefetch, "default": sizes == default,
+                     "default": sizes == default,
                      "ms": seconds * 1e3, "wall_ms": wall * 1e3,
                      "device_ms": None if busy is None else busy * 1e3,
                      "tb_per_s": kv_bytes / seconds / 1e12, "rel_err": err})
         print(f"pages {rows[-1]['pages']:2d} splits {rows[-1]['splits']:3d} warps "
               f"{sizes.num_warps} stages {sizes.num_stages}"
-              f"{' prefetch' if sizes.prefetch else ''}"
               f"{' (default)' if sizes == default else ''}: {seconds * 1e3:7.3f} ms  "
               f"{rows[-1]['tb_per_s']:5.2f} TB/s  err {err:.1e}", flush=True)
     best = min(rows, key=lambda r: r["ms"])

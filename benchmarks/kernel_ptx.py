@@ -17,8 +17,7 @@ Needs the `triton` package (not a pjinfer dependency), e.g.
         --int4-offset: the int4 dot's 128 + u form; --float16-dot: fp8 dots over float16 x]
     python -m pjinfer.benchmarks.kernel_ptx --triton-path /tmp/triton --kind decode_attention \
         --kv-dtype float8_e4m3fn --out decode_fp8.json   # Llama-3-8B heads, pages of 16
-        [--num-warps / --num-stages over the default tiling; --prefetch: the decode kernel's
-        form that loads step c + 1's K/V while step c computes]
+        [--num-warps / --num-stages over the default tiling]
     (--kind ragged_attention: the mixed-step kernel, 2,048 query tokens of 256 sequences)
 Without it only the Triton IR's op counts are recorded. Triton writes some instructions
 (conversions) as inline assembly, unindented: the loop mix counts those lines too.
@@ -62,8 +61,6 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    help="int4 dots: the nibbles as bfloat16 128 + u (the tiling switch)")
     p.add_argument("--float16-dot", action="store_true",
                    help="fp8 dots over float16 x, e4m3 widened to float16 (the tiling switch)")
-    p.add_argument("--prefetch", action="store_true",
-                   help="decode attention: K/V loaded a step ahead (the tiling switch)")
     a = p.parse_args(argv)
     if a.pages is not None and (a.pages < 1 or a.pages & (a.pages - 1)):
         p.error(f"--pages must be a power of two (Triton tiles), got {a.pages}")
@@ -262,10 +259,6 @@ def run(argv: list[str] | None = None) -> dict:
     if a.kind in ATTENTION:
         pages = a.pages or (4 if a.kind == "decode_attention" else 2)  # the defaults' tilings
         tiling = {f: v for f, v in overrides.items() if f in ("num_warps", "num_stages")}
-        if a.prefetch:
-            if a.kind != "decode_attention":
-                raise SystemExit("--prefetch is a switch of --kind decode_attention")
-            tiling["prefetch"] = True
         if set(overrides) - set(tiling):
             raise SystemExit(f"--kind {a.kind} takes --pages, --num-warps and --num-stages, "
                              f"not {', '.join(sorted(set(overrides) - set(tiling)))}")

@@ -31,12 +31,7 @@ class DecodeBlockSizes(common.BlockSizes):
     pages_per_compute_block: int = 4  # pages gathered per inner-loop step
     num_splits: int = 1  # context partitions per (seq, kv head), merged afterwards
     num_warps: int = 4
-    num_stages: int = 2
-    # issue each step's K/V loads one step ahead (their table entries two ahead), in registers:
-    # deeper Triton pipelines change nothing for these gathers whose addresses come from the
-    # block table (the sm_90 kernel has the same 55 KB of shared memory at num_stages 2, 3
-    # and 4), so a step may wait for a table load and then for its K/V (RESULTS.md round 23)
-    prefetch: bool = False
+    num_stages: int = 2  # 2, 3 and 4 compile to the same sm_90 kernel (RESULTS.md round 23)
 
 
 def _decode_kernel(
@@ -52,7 +47,6 @@ def _decode_kernel(
     block_size: int,
     pages: int,
     attn: AttentionParams,
-    prefetch: bool,
 ):
     seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_splits = pl.num_programs(2)
@@ -75,35 +69,12 @@ def _decode_kernel(
         s = common.scores(q, k, score_scale)  # [Gp, N]
         return common.softmax_step(state, common.cap_scores(s, attn.soft_cap), valid[None, :], v)
 
-    def keys(c):  # key positions [N], their cache rows [N], which of them attend [N]
+    def body(c, state):
         pos, rows = common.block_rows(tables_ref, seq, c, pages=pages, block_size=block_size)
-        return pos, rows, (pos < seq_len) & (pos >= lo_key)
+        valid = (pos < seq_len) & (pos >= lo_key)  # [N]
+        return attend(state, valid, k_ref[rows, head, :], v_ref[rows, head, :])
 
-    if prefetch:
-        last = tables_ref.shape[1] // pages - 1
-
-        def rows_at(c):  # (valid [N], rows [N]) of step c; past the split: block 0's rows
-            pos, rows, valid = keys(jnp.clip(c, 0, last))
-            valid = valid & (c < end)
-            return valid, jnp.where(valid, rows, pos % block_size)
-
-        def tile(valid_rows):
-            valid, rows = valid_rows
-            return valid, k_ref[rows, head, :], v_ref[rows, head, :]
-
-        def body(c, carry):
-            state, current, ahead = carry
-            upcoming = tile(ahead)  # step c + 1's K/V, loading while step c is computed
-            return attend(state, *current), upcoming, rows_at(c + 2)
-
-        carry = (common.softmax_init(*q.shape), tile(rows_at(start)), rows_at(start + 1))
-        acc, m, l_sum = jax.lax.fori_loop(start, end, body, carry)[0]
-    else:
-        def body(c, state):
-            _, rows, valid = keys(c)
-            return attend(state, valid, k_ref[rows, head, :], v_ref[rows, head, :])
-
-        acc, m, l_sum = jax.lax.fori_loop(start, end, body, common.softmax_init(*q.shape))
+    acc, m, l_sum = jax.lax.fori_loop(start, end, body, common.softmax_init(*q.shape))
     o_ref[...] = acc * attn.v_scale
     m_ref[...] = m
     l_ref[...] = l_sum
@@ -157,7 +128,7 @@ def _decode_call(lens, tables, qg, k_flat, v_flat, *, gp: int, block_size: int,
     splits = block_sizes.num_splits
     kernel = functools.partial(
         _decode_kernel, block_size=block_size, pages=block_sizes.pages_per_compute_block,
-        attn=attn, prefetch=block_sizes.prefetch,
+        attn=attn,
     )
     out_shape = (
         jax.ShapeDtypeStruct((splits, num_seqs, num_kv_heads, gp, head_dim), jnp.float32),

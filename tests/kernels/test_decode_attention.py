@@ -11,6 +11,7 @@ from pjinfer.kernels.decode_attention import (
     DecodeBlockSizes,
     decode_attention,
     decode_attention_reference,
+    default_decode_block_sizes,
 )
 from tests.kernels.lowering import cuda_module
 from tests.kernels.paged_inputs import TOL, make_batch, rel_err, to_fp8
@@ -31,33 +32,29 @@ def _check(b, dtype, sizes, attn):
     [(1, 64, 16, 2, 1), (4, 128, 32, 1, 3), (8, 64, 16, 4, 2), (4, 64, 16, 1, 8),
      (16, 64, 16, 2, 2)],
 )
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_decode_matches_reference(group, head_dim, block_size, pages, splits, prefetch):
+def test_decode_matches_reference(group, head_dim, block_size, pages, splits):
     rng = np.random.default_rng(group + head_dim + splits)
     b = make_batch(rng, [1] * 4, SEQ_LENS, num_kv_heads=2, group=group, head_dim=head_dim,
                    block_size=block_size)
-    sizes = DecodeBlockSizes(pages_per_compute_block=pages, num_splits=splits,
-                             prefetch=prefetch)
+    sizes = DecodeBlockSizes(pages_per_compute_block=pages, num_splits=splits)
     _check(b, jnp.float32, sizes, AttentionParams(scale=head_dim**-0.5))
 
 
-@pytest.mark.parametrize("window,cap,prefetch", [(7, None, False), (None, 3.0, False),
-                                                 (20, 2.0, False), (20, 2.0, True)])
-def test_decode_window_and_cap(window, cap, prefetch):
+@pytest.mark.parametrize("window,cap", [(7, None), (None, 3.0), (20, 2.0)])
+def test_decode_window_and_cap(window, cap):
     rng = np.random.default_rng(11)
     b = make_batch(rng, [1] * 4, SEQ_LENS, num_kv_heads=2, group=4, head_dim=64, block_size=16)
-    sizes = DecodeBlockSizes(pages_per_compute_block=1, num_splits=2, prefetch=prefetch)
+    sizes = DecodeBlockSizes(pages_per_compute_block=1, num_splits=2)
     _check(b, jnp.float32, sizes, AttentionParams(scale=0.3, sliding_window=window, soft_cap=cap))
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_decode_bfloat16_with_padding_seq(prefetch):
+def test_decode_bfloat16_with_padding_seq():
     rng = np.random.default_rng(5)
     # The padding sequence (seq_len 0) still owns a padding token, since T == S.
     b = make_batch(rng, [1, 1, 1, 0], [40, 1, 77, 0], num_kv_heads=1, group=8, head_dim=128,
                    block_size=32, dtype=jnp.bfloat16, pad_tokens=1)
     args = (b.q, b.k_cache, b.v_cache, b.md.block_tables, b.md.seq_lens, AttentionParams(0.1))
-    sizes = DecodeBlockSizes(pages_per_compute_block=2, num_splits=2, prefetch=prefetch)
+    sizes = DecodeBlockSizes(pages_per_compute_block=2, num_splits=2)
     out = decode_attention(*args, block_sizes=sizes, interpret=True)
     ref = decode_attention_reference(*args)
     assert out.dtype == jnp.bfloat16
@@ -88,9 +85,8 @@ def test_decode_bf16_query_over_fp8_caches(k_scale, v_scale):
                    dtype=jnp.bfloat16)
     b8, _ = to_fp8(b, k_scale, v_scale)
     attn = AttentionParams(scale=0.125, k_scale=k_scale, v_scale=v_scale)
-    for prefetch in (False, True):
-        sizes = DecodeBlockSizes(pages_per_compute_block=2, num_splits=2, prefetch=prefetch)
-        _check(b8, jnp.bfloat16, sizes, attn)
+    sizes = DecodeBlockSizes(pages_per_compute_block=2, num_splits=2)
+    _check(b8, jnp.bfloat16, sizes, attn)
 
 
 def test_query_group_is_not_padded_in_xla():
@@ -110,17 +106,33 @@ def test_query_group_is_not_padded_in_xla():
     assert not [line for line in pads if "bf16" in line]  # (the block tables' pad is a no-op)
 
 
-def test_prefetch_form_lowers_to_one_triton_call():
-    """The form that loads step c + 1's K/V while step c computes lowers for CUDA (exported,
-    no GPU needed) at Qwen3-30B-A3B's 10 x 2,560 step shapes, bf16 and fp8 caches."""
+@pytest.mark.parametrize("seqs,kv_heads,pages,splits", [
+    (16, 4, 8, 5),  # Qwen3-30B-A3B's 10 concurrent (16 padded): split, 128-token blocks
+    (8, 8, 8, 5),  # Llama-3-8B, a few sequences
+    (64, 8, 4, 1),  # enough (seq, KV head) programs: no split, 64-token blocks
+    (256, 8, 4, 1),
+])
+def test_default_tiling_splits_few_long_sequences(seqs, kv_heads, pages, splits):
+    """Few (seq, KV head) programs: the context splits, in 128-token compute blocks (block
+    size 16); enough to fill the GPU twice: one split of 64-token blocks."""
+    sizes = default_decode_block_sizes(seqs, kv_heads, 256, 16)
+    assert (sizes.pages_per_compute_block, sizes.num_splits) == (pages, splits)
+    assert default_decode_block_sizes(seqs, kv_heads, 256, 64).pages_per_compute_block == (
+        pages // 4)
+    assert default_decode_block_sizes(seqs, kv_heads, 3, 16).num_splits == 1  # one block
+
+
+def test_default_tiling_lowers_at_qwen3_concurrent_shapes():
+    """The default tiling at Qwen3-30B-A3B's 10 x 2,560 step shapes lowers for CUDA (exported,
+    no GPU needed) to one Triton call, bf16 and fp8 caches."""
     import jax
 
     s, heads, kv_heads, d, blocks, bs = 16, 32, 4, 128, 1601, 16
+    sizes = default_decode_block_sizes(s, kv_heads, 256, bs)
     for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
         args = (jax.ShapeDtypeStruct((s, heads, d), jnp.bfloat16),
                 *[jax.ShapeDtypeStruct((blocks, bs, kv_heads, d), dtype)] * 2,
                 jax.ShapeDtypeStruct((s, 256), jnp.int32), jax.ShapeDtypeStruct((s,), jnp.int32))
-        sizes = DecodeBlockSizes(num_splits=5, prefetch=True)
-        text = cuda_module(lambda *a, z=sizes: decode_attention(
-            *a, AttentionParams(scale=d ** -0.5), block_sizes=z), *args)
+        text = cuda_module(lambda *a: decode_attention(
+            *a, AttentionParams(scale=d ** -0.5), block_sizes=sizes), *args)
         assert text.count("xla.gpu.triton") >= 1
