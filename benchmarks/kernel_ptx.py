@@ -7,7 +7,8 @@ before device time: this exports `quantized_matmul` for CUDA (the Pallas -> Trit
 lowering), compiles that IR with the `triton` package for sm_90a, and records the main
 loop's instruction mix per weight element each thread handles, in PTX and in the SASS that
 ptxas makes of it (cuobjdump: what the SM issues, after ptxas' own rewrites; `--sass FILE`
-keeps the listing), shared memory, registers and spills (ptxas -v). The device numbers (ms,
+keeps the listing; `--ttgir FILE` Triton's GPU IR, whose buffers say what shared memory
+holds), shared memory, registers and spills (ptxas -v). The device numbers (ms,
 TB/s) still come from `quant_matmul --sweep`.
 
 Needs the `triton` package (not a pjinfer dependency), e.g.
@@ -57,6 +58,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     for f in FIELDS:
         p.add_argument(f"--{f.replace('_', '-')}", type=int, default=None)
     p.add_argument("--sass", default=None, help="also write the kernel's SASS (cuobjdump) here")
+    p.add_argument("--ttgir", default=None,
+                   help="also write Triton's GPU IR here (its shared-memory buffers: "
+                        "ttg.local_alloc, and what cp.async fills: async_copy_global_to_local)")
     p.add_argument("--int4-offset", action="store_true",
                    help="int4 dots: the nibbles as bfloat16 128 + u (the tiling switch)")
     p.add_argument("--float16-dot", action="store_true",
@@ -204,6 +208,7 @@ def compile_sm90(ttir: str, sizes, elements: int, workdir: Path) -> dict:
                                      "num_stages": sizes.num_stages})
     ptx = kernel.asm["ptx"]
     (workdir / "kernel.ptx").write_text(ptx)
+    (workdir / "kernel.ttgir").write_text(kernel.asm["ttgir"])
     loop = "\n".join(main_loop(ptx))
     mix = op_counts(loop, LOOP_OP)
     elements //= 32 * sizes.num_warps  # per thread
@@ -278,8 +283,9 @@ def run(argv: list[str] | None = None) -> dict:
     else:
         workdir = Path(tempfile.mkdtemp())
         record["sm90"] = compile_sm90(ttir, sizes, elements, workdir)
-        if a.sass:
-            Path(a.sass).write_text((workdir / "kernel.sass").read_text())
+        for path, name in ((a.sass, "kernel.sass"), (a.ttgir, "kernel.ttgir")):
+            if path:
+                Path(path).write_text((workdir / name).read_text())
         sm = record["sm90"]
         print(f"{record['tiling']}: {sm['instructions_per_element']:.2f} PTX / "
               f"{sm['sass_per_element']:.2f} SASS instructions per element, {sm['registers']} "
