@@ -491,18 +491,19 @@ stage_quanttuned() {
   done
 }
 
-# fp8 at 2 token rows (a step padded to `--cuda-graph-sizes 2`): the rules' elementwise
-# tiling vs the dot each shape takes at 8 rows, per Llama-3-8B decode projection.
+# fp8 at 2 token rows (a step padded to `--cuda-graph-sizes 2`): the default, a dot since
+# round 24, vs the elementwise tiling the rules picked for 2 rows before it, per Llama-3-8B
+# decode projection (round 24's call 3 ran the same pairs with the elementwise one default).
 stage_quantt2() {
-  local shape dot
-  local -A dots=([4096x6144]="t16 n128 k64x1 s8 w4 st3 (dot)"
-                 [4096x4096]="t16 n128 k64x1 s16 w4 st3 (dot)"
-                 [14336x4096]="t16 n64 k64x2 s8 w4 st3 (dot)"
-                 [4096x28672]="t16 n128 k64x2 s2 w4 st3 (dot+f16)")
+  local shape sum
+  local -A sums=([4096x6144]="t2 n64 k64x4 s4 w8 st1 (sum)"
+                 [4096x4096]="t2 n64 k64x4 s8 w8 st1 (sum)"
+                 [14336x4096]="t2 n64 k64x4 s14 w8 st1 (sum)"
+                 [4096x28672]="t2 n64 k64x4 s2 w8 st1 (sum)")
   for shape in 4096x6144 4096x4096 14336x4096 4096x28672; do
-    dot=${dots[$shape]}
-    [ $SMOKE = 1 ] && { [ $shape = 4096x6144 ] || continue; shape=256x256; dot="t16 n64 k64x1 s1 w4 st3 (dot)"; }
-    quant_sweep t2 fp8 $shape 2 3 --tilings "$dot"
+    sum=${sums[$shape]}
+    [ $SMOKE = 1 ] && { [ $shape = 4096x6144 ] || continue; shape=256x256; sum="t2 n64 k64x4 s1 w8 st1 (sum)"; }
+    quant_sweep t2 fp8 $shape 2 3 --tilings "$sum"
   done
 }
 

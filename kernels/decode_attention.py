@@ -64,14 +64,6 @@ def _decode_kernel(
     q = q_ref[seq, head, common.clamped_rows(0, gp, group) if gp > group else pl.ds(0, gp), :]
     q, score_scale = common.query_operand(q, k_ref.dtype, attn)
 
-    def body(c, state):
-        pos, rows = common.block_rows(tables_ref, seq, c, pages=pages, block_size=block_size)
-        valid = (pos < seq_len) & (pos >= lo_key)  # [N]
-        k = common.load_kv(k_ref[rows, head, :], q.dtype)  # [N, D]
-        s = common.scores(q, k, score_scale)  # [Gp, N]
-        return common.softmax_step(state, common.cap_scores(s, attn.soft_cap), valid[None, :],
-                                   load_v(rows, valid))
-
     def load_v(rows, valid):
         """V rows [N, D] in the dot's dtype, those past the sequence zeroed: their slots may
         hold a freed block's stale values, inf included, and 0 * inf is NaN."""
@@ -83,6 +75,14 @@ def _decode_kernel(
         cols = jnp.arange(v_ref.shape[-1], dtype=jnp.int32)[None, :]  # [1, D]
         return pltriton.load(v_ref.at[rows[:, None], head, cols], mask=valid[:, None],
                              other=0.0)
+
+    def body(c, state):
+        pos, rows = common.block_rows(tables_ref, seq, c, pages=pages, block_size=block_size)
+        valid = (pos < seq_len) & (pos >= lo_key)  # [N]
+        k = common.load_kv(k_ref[rows, head, :], q.dtype)  # [N, D]
+        s = common.scores(q, k, score_scale)  # [Gp, N]
+        return common.softmax_step(state, common.cap_scores(s, attn.soft_cap), valid[None, :],
+                                   load_v(rows, valid))
 
     acc, m, l_sum = jax.lax.fori_loop(start, end, body, common.softmax_init(*q.shape))
     o_ref[...] = acc * attn.v_scale
