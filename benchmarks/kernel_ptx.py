@@ -284,7 +284,8 @@ def run(argv: list[str] | None = None) -> dict:
         workdir = Path(tempfile.mkdtemp())
         record["sm90"] = compile_sm90(ttir, sizes, elements, workdir)
         for path, name in ((a.sass, "kernel.sass"), (a.ttgir, "kernel.ttgir")):
-            if path:
+            if path:  # its folder made as --out's is
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
                 Path(path).write_text((workdir / name).read_text())
         sm = record["sm90"]
         print(f"{record['tiling']}: {sm['instructions_per_element']:.2f} PTX / "
