@@ -106,7 +106,7 @@ def run(argv: list[str] | None = None) -> dict:
     kv_bytes = a.seqs * a.context * a.kv_heads * a.head_dim * 2 * args[1].dtype.itemsize  # K, V
     ref = np.asarray(decode_attention_reference(*args, attn), np.float32)[:a.seqs]
     default = default_decode_block_sizes(a.padded_seqs, a.kv_heads, args[3].shape[1],
-                                         a.block_size)
+                                         a.block_size, args[1].dtype)
     tilings = {DecodeBlockSizes(pages_per_compute_block=p, num_splits=s, num_warps=w,
                                 num_stages=st)
                for p in a.pages for s in a.splits for w in a.warps for st in a.stages}

@@ -12,6 +12,9 @@
 #                                                   # ABBA (~8 min)
 #   bash benchmarks/run_ab.sh .bench_base quantw1  # W1 int4 then fp8, 8 steps a call, ABBA
 #                                                  # (~7 min)
+#   bash benchmarks/run_ab.sh .bench_base decodesplits  # the decode_splits sweeps in DS_ARGS
+#                                                  # (";" between sweeps), base then head, twice
+#                                                  # (~1 min a sweep and tree)
 #   bash benchmarks/run_ab.sh --smoke .bench_base probe   # the same plumbing, tiny, on CPU
 #
 # JSON records land in $OUT as {base,head}_<workload>.json (W1: w1_1 and w1_2 per side), the
@@ -115,5 +118,17 @@ case $STAGE in
       done
     done
     MODEL=("${dense[@]}") ;;
-  *) echo "unknown stage $STAGE (probe | w3 | qwen3 | qwen3c10 | quantw1)"; exit 2 ;;
+  decodesplits)  # decode-attention kernel tilings from both trees, by device time
+    IFS=';' read -ra sweeps <<< "${DS_ARGS:- }"
+    n=0
+    for args in "${sweeps[@]}"; do
+      n=$((n + 1))
+      [ $SMOKE = 1 ] && args=--smoke
+      for run in base:1 head:1 base:2 head:2; do
+        in_tree ${run%:*} $PY -m pjinfer.benchmarks.decode_splits $args \
+            --out "$OUT/${run%:*}_decode_splits_${n}_${run#*:}.json"
+      done
+    done ;;
+  *) echo "unknown stage $STAGE (probe | w3 | qwen3 | qwen3c10 | quantw1 | decodesplits)"
+     exit 2 ;;
 esac

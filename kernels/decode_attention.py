@@ -67,11 +67,12 @@ def _decode_kernel(
     def load_v(rows, valid):
         """V rows [N, D] in the dot's dtype, those past the sequence zeroed: their slots may
         hold a freed block's stale values, inf included, and 0 * inf is NaN."""
-        if jnp.dtype(v_ref.dtype).itemsize == 1:  # fp8: widened in registers either way
+        if jnp.dtype(v_ref.dtype).itemsize == 1:  # fp8: widened in registers either way; a
+            # masked load ran 8-14% slower at 256 x 512 (RESULTS.md round 25)
             return jnp.where(valid[:, None], common.load_kv(v_ref[rows, head, :], q.dtype), 0)
         # bf16: the load itself masks, so the dot takes V from its cp.async buffer; a `where`
         # after the load made Triton stage a second copy every step (sm_90a: 55 -> 39 KB of
-        # shared memory, 154 -> 96 registers; RESULTS.md round 24, offline)
+        # shared memory; H200: 10 x 2,048 tokens 18.5 -> 14.8 us a call, round 25)
         cols = jnp.arange(v_ref.shape[-1], dtype=jnp.int32)[None, :]  # [1, D]
         return pltriton.load(v_ref.at[rows[:, None], head, cols], mask=valid[:, None],
                              other=0.0)
@@ -192,20 +193,22 @@ def decode_attention_reference(
 
 
 def default_decode_block_sizes(
-    num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int
+    num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
+    cache_dtype: jnp.dtype = jnp.bfloat16,
 ) -> DecodeBlockSizes:
     """Picks splits so that (seq, kv head, split) programs fill the GPU about twice.
 
     132 SMs on an H100/H200; more splits than compute blocks would leave splits idle.
-    Compute blocks of 64 tokens keep the two dots at a `tl.dot`-friendly N; where the
-    context is split (few sequences, each long) blocks of 128 tokens, which halve a split's
-    loop steps: on the H200, 10 sequences x 4 KV heads at 2,560 tokens took 22.5 us a call
-    against 27.2 (2,048 tokens: 18.6 against 19.8), and 256 x 512 without splits ran best at
-    64 (benchmarks/RESULTS.md round 24).
+    Compute blocks of 128 tokens: with V masked by its load, on the H200 they beat 64 at
+    each shape timed (device time, RESULTS.md round 25): 10 sequences x 4 KV heads at
+    2,048 tokens 14.8 us a call against 17.6, 256 x 512 without splits 142.8 against 144.9,
+    one sequence of 1,024 tokens 7.0 against 7.7. An fp8 cache without splits keeps 64
+    (256 x 512: 109.1 against 111.1 us).
     """
     programs = num_seqs * num_kv_heads
     wanted = -(-2 * 132 // programs)
-    pages = max(1, (64 if wanted == 1 else 128) // block_size)
+    tokens = 64 if wanted == 1 and jnp.dtype(cache_dtype).itemsize == 1 else 128
+    pages = max(1, tokens // block_size)
     compute_blocks = max(1, -(-max_blocks_per_seq // pages))
     splits = max(1, min(wanted, compute_blocks, 64))
     return DecodeBlockSizes(pages_per_compute_block=pages, num_splits=splits)

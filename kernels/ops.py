@@ -116,7 +116,7 @@ def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, attn, pallas:
     if not pallas:
         return decode_attention_reference(*args)
     sizes = default_decode_block_sizes(
-        q.shape[0], k_cache.shape[2], block_tables.shape[1], k_cache.shape[1]
+        q.shape[0], k_cache.shape[2], block_tables.shape[1], k_cache.shape[1], k_cache.dtype
     )
     return decode_attention(*args, block_sizes=sizes, interpret=_interpret())
 

@@ -107,19 +107,20 @@ def test_query_group_is_not_padded_in_xla():
 
 
 @pytest.mark.parametrize("seqs,kv_heads,pages,splits", [
-    (16, 4, 8, 5),  # Qwen3-30B-A3B's 10 concurrent (16 padded): split, 128-token blocks
+    (16, 4, 8, 5),  # Qwen3-30B-A3B's 10 concurrent (16 padded): split
     (8, 8, 8, 5),  # Llama-3-8B, a few sequences
-    (64, 8, 4, 1),  # enough (seq, KV head) programs: no split, 64-token blocks
-    (256, 8, 4, 1),
+    (64, 8, 8, 1),  # enough (seq, KV head) programs: no split
+    (256, 8, 8, 1),
 ])
 def test_default_tiling_splits_few_long_sequences(seqs, kv_heads, pages, splits):
-    """Few (seq, KV head) programs: the context splits, in 128-token compute blocks (block
-    size 16); enough to fill the GPU twice: one split of 64-token blocks."""
+    """Few (seq, KV head) programs: the context splits; enough to fill the GPU twice: one
+    split. Compute blocks are 128 tokens either way (8 pages of 16, 2 of 64)."""
     sizes = default_decode_block_sizes(seqs, kv_heads, 256, 16)
     assert (sizes.pages_per_compute_block, sizes.num_splits) == (pages, splits)
-    assert default_decode_block_sizes(seqs, kv_heads, 256, 64).pages_per_compute_block == (
-        pages // 4)
+    assert default_decode_block_sizes(seqs, kv_heads, 256, 64).pages_per_compute_block == 2
     assert default_decode_block_sizes(seqs, kv_heads, 3, 16).num_splits == 1  # one block
+    fp8 = default_decode_block_sizes(seqs, kv_heads, 256, 16, jnp.float8_e4m3fn)
+    assert fp8.pages_per_compute_block == (8 if splits > 1 else 4)  # fp8 unsplit: 64 tokens
 
 
 def test_default_tiling_lowers_at_qwen3_concurrent_shapes():
