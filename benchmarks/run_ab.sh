@@ -15,6 +15,9 @@
 #   bash benchmarks/run_ab.sh .bench_base decodesplits  # the decode_splits sweeps in DS_ARGS
 #                                                  # (";" between sweeps), base then head, twice
 #                                                  # (~1 min a sweep and tree)
+#   bash benchmarks/run_ab.sh .bench_base ragged   # the ragged kernel's quick tiling sweep on
+#                                                  # W3/W4 layouts, base then head (~4 min;
+#                                                  # RAGGED_LAYOUTS overrides the layouts)
 #   bash benchmarks/run_ab.sh --smoke .bench_base probe   # the same plumbing, tiny, on CPU
 #
 # JSON records land in $OUT as {base,head}_<workload>.json (W1: w1_1 and w1_2 per side), the
@@ -129,6 +132,13 @@ case $STAGE in
             --out "$OUT/${run%:*}_decode_splits_${n}_${run#*:}.json"
       done
     done ;;
-  *) echo "unknown stage $STAGE (probe | w3 | qwen3 | qwen3c10 | quantw1 | decodesplits)"
+  ragged)  # the ragged (prefill / mixed) kernel's tilings from both trees
+    if [ $SMOKE = 1 ]; then log "SKIP ragged in smoke mode (Llama-3-8B shapes only)"; exit 0; fi
+    for t in base head; do
+      in_tree $t $PY benchmarks/bench_attention.py --skip-tune --skip-decode --quick \
+          --layouts ${RAGGED_LAYOUTS:-prefill_8x512 mixed_255dec1k+1792 mixed_256dec300+8x220} \
+          --out "$OUT/${t}_ragged.json"
+    done ;;
+  *) echo "unknown stage $STAGE (probe | w3 | qwen3 | qwen3c10 | quantw1 | decodesplits | ragged)"
      exit 2 ;;
 esac

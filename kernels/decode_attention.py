@@ -14,7 +14,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from pjinfer.kernels import common
 from pjinfer.kernels.common import AttentionParams
@@ -64,26 +63,13 @@ def _decode_kernel(
     q = q_ref[seq, head, common.clamped_rows(0, gp, group) if gp > group else pl.ds(0, gp), :]
     q, score_scale = common.query_operand(q, k_ref.dtype, attn)
 
-    def load_v(rows, valid):
-        """V rows [N, D] in the dot's dtype, those past the sequence zeroed: their slots may
-        hold a freed block's stale values, inf included, and 0 * inf is NaN."""
-        if jnp.dtype(v_ref.dtype).itemsize == 1:  # fp8: widened in registers either way; a
-            # masked load ran 8-14% slower at 256 x 512 (RESULTS.md round 25)
-            return jnp.where(valid[:, None], common.load_kv(v_ref[rows, head, :], q.dtype), 0)
-        # bf16: the load itself masks, so the dot takes V from its cp.async buffer; a `where`
-        # after the load made Triton stage a second copy every step (sm_90a: 55 -> 39 KB of
-        # shared memory; H200: 10 x 2,048 tokens 18.5 -> 14.8 us a call, round 25)
-        cols = jnp.arange(v_ref.shape[-1], dtype=jnp.int32)[None, :]  # [1, D]
-        return pltriton.load(v_ref.at[rows[:, None], head, cols], mask=valid[:, None],
-                             other=0.0)
-
     def body(c, state):
         pos, rows = common.block_rows(tables_ref, seq, c, pages=pages, block_size=block_size)
         valid = (pos < seq_len) & (pos >= lo_key)  # [N]
         k = common.load_kv(k_ref[rows, head, :], q.dtype)  # [N, D]
         s = common.scores(q, k, score_scale)  # [Gp, N]
         return common.softmax_step(state, common.cap_scores(s, attn.soft_cap), valid[None, :],
-                                   load_v(rows, valid))
+                                   common.load_v(v_ref, rows, head, valid, q.dtype))
 
     acc, m, l_sum = jax.lax.fori_loop(start, end, body, common.softmax_init(*q.shape))
     o_ref[...] = acc * attn.v_scale

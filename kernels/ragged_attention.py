@@ -93,8 +93,7 @@ def _ragged_kernel(
         k_pos, slots = common.block_rows(tables_ref, seq, c, pages=pages, block_size=block_size)
         mask = common.key_mask(q_pos, k_pos, window) & row_valid[:, None]  # [M, N]
         k = common.load_kv(k_ref[slots, head, :], q.dtype)  # [N, D]
-        v = jnp.where((k_pos < key_end)[:, None], common.load_kv(v_ref[slots, head, :], q.dtype),
-                      0)  # [N, D]
+        v = common.load_v(v_ref, slots, head, k_pos < key_end, q.dtype)  # [N, D]
         s = common.scores(q, k, score_scale)  # [M, N]
         return common.softmax_step(state, common.cap_scores(s, attn.soft_cap), mask, v)
 
