@@ -17,7 +17,8 @@
 #                                                  # (~1 min a sweep and tree)
 #   bash benchmarks/run_ab.sh .bench_base ragged   # the ragged kernel's quick tiling sweep on
 #                                                  # W3/W4 layouts, base then head (~4 min;
-#                                                  # RAGGED_LAYOUTS overrides the layouts)
+#                                                  # RAGGED_LAYOUTS overrides the layouts,
+#                                                  # RAGGED_KV=float8_e4m3fn the cache dtype)
 #   bash benchmarks/run_ab.sh --smoke .bench_base probe   # the same plumbing, tiny, on CPU
 #
 # JSON records land in $OUT as {base,head}_<workload>.json (W1: w1_1 and w1_2 per side), the
@@ -137,7 +138,7 @@ case $STAGE in
     for t in base head; do
       in_tree $t $PY benchmarks/bench_attention.py --skip-tune --skip-decode --quick \
           --layouts ${RAGGED_LAYOUTS:-prefill_8x512 mixed_255dec1k+1792 mixed_256dec300+8x220} \
-          --out "$OUT/${t}_ragged.json"
+          --kv-dtype ${RAGGED_KV:-bfloat16} --out "$OUT/${t}_ragged_${RAGGED_KV:-bfloat16}.json"
     done ;;
   *) echo "unknown stage $STAGE (probe | w3 | qwen3 | qwen3c10 | quantw1 | decodesplits | ragged)"
      exit 2 ;;

@@ -98,16 +98,16 @@ def load_kv(x: jax.Array, dtype) -> jax.Array:
     return x if x.dtype == dtype else x.astype(dtype)
 
 
-def load_v(v_ref, rows: jax.Array, head, valid: jax.Array, dtype) -> jax.Array:
+def load_v(v_ref, rows: jax.Array, head, valid: jax.Array, dtype, *,
+           by_load: bool = True) -> jax.Array:
     """V rows [N, D] of one KV head in the dot's dtype, rows not `valid` [N] zeroed: their
     slots may hold a freed block's stale values, inf included, and 0 * inf is NaN.
 
-    bf16: the load itself masks, so the dot takes V from its cp.async buffer; a `where`
+    `by_load`: the load itself masks, so the dot takes V from its cp.async buffer; a `where`
     after the load made Triton stage a second shared-memory copy every loop step (decode,
-    H200: 10 x 2,048 tokens 18.5 -> 14.8 us a call; RESULTS.md round 25). fp8 is widened in
-    registers either way, and its masked load ran 8-14% slower at 256 x 512 (round 25).
+    H200: 10 x 2,048 tokens 18.5 -> 14.8 us a call; RESULTS.md round 25). Else the `where`.
     """
-    if jnp.dtype(v_ref.dtype).itemsize == 1:
+    if not by_load:
         return jnp.where(valid[:, None], load_kv(v_ref[rows, head, :], dtype), 0)
     cols = jnp.arange(v_ref.shape[-1], dtype=jnp.int32)[None, :]  # [1, D]
     v = pltriton.load(v_ref.at[rows[:, None], head, cols], mask=valid[:, None], other=0.0)

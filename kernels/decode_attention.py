@@ -68,8 +68,11 @@ def _decode_kernel(
         valid = (pos < seq_len) & (pos >= lo_key)  # [N]
         k = common.load_kv(k_ref[rows, head, :], q.dtype)  # [N, D]
         s = common.scores(q, k, score_scale)  # [Gp, N]
-        return common.softmax_step(state, common.cap_scores(s, attn.soft_cap), valid[None, :],
-                                   common.load_v(v_ref, rows, head, valid, q.dtype))
+        # an fp8 cache's V masked by its load took 168 registers against 96 and ran 8-14%
+        # slower at 256 x 512 (RESULTS.md round 25), so fp8 keeps the `where`
+        v = common.load_v(v_ref, rows, head, valid, q.dtype,
+                          by_load=jnp.dtype(v_ref.dtype).itemsize != 1)  # [N, D]
+        return common.softmax_step(state, common.cap_scores(s, attn.soft_cap), valid[None, :], v)
 
     acc, m, l_sum = jax.lax.fori_loop(start, end, body, common.softmax_init(*q.shape))
     o_ref[...] = acc * attn.v_scale
