@@ -24,8 +24,9 @@ class DecodeBlockSizes(common.BlockSizes):
     """Static tiling of the decode kernel.
 
     On an H200 at batch 64 x context 4096 (bf16, block size 16) 4 pages, 4 warps and
-    2 stages were best (0.291 ms) of a 54-point sweep spanning 0.291-0.540 ms; splits
-    1, 2 and 4 tie there, so `default_decode_block_sizes` adds splits only for small batches.
+    2 stages were best (0.291 ms) of a 54-point sweep spanning 0.291-0.540 ms (V then masked
+    by a `where`); the engine's tiling is `default_decode_block_sizes`' (splits for small
+    batches, 128-token blocks since V is masked by its load: RESULTS.md round 25).
     """
 
     pages_per_compute_block: int = 4  # pages gathered per inner-loop step
