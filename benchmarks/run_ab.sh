@@ -18,7 +18,10 @@
 #   bash benchmarks/run_ab.sh .bench_base ragged   # the ragged kernel's quick tiling sweep on
 #                                                  # W3/W4 layouts, base then head (~4 min;
 #                                                  # RAGGED_LAYOUTS overrides the layouts,
-#                                                  # RAGGED_KV=float8_e4m3fn the cache dtype)
+#                                                  # RAGGED_KV=float8_e4m3fn the cache dtype;
+#                                                  # by device time; RAGGED_FLAGS=" " times by
+#                                                  # wall clock, as a base older than round 25
+#                                                  # must)
 #   bash benchmarks/run_ab.sh --smoke .bench_base probe   # the same plumbing, tiny, on CPU
 #
 # JSON records land in $OUT as {base,head}_<workload>.json (W1: w1_1 and w1_2 per side), the
@@ -137,6 +140,7 @@ case $STAGE in
     if [ $SMOKE = 1 ]; then log "SKIP ragged in smoke mode (Llama-3-8B shapes only)"; exit 0; fi
     for t in base head; do
       in_tree $t $PY benchmarks/bench_attention.py --skip-tune --skip-decode --quick \
+          ${RAGGED_FLAGS:---device-time} \
           --layouts ${RAGGED_LAYOUTS:-prefill_8x512 mixed_255dec1k+1792 mixed_256dec300+8x220} \
           --kv-dtype ${RAGGED_KV:-bfloat16} --out "$OUT/${t}_ragged_${RAGGED_KV:-bfloat16}.json"
     done ;;
