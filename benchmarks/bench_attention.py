@@ -245,9 +245,10 @@ def prefill_rows(quick: bool, layouts: list[str] | None = None, kv_dtype=DTYPE,
                             print("ragged fail", name, sizes, type(e).__name__, str(e)[:200])
                             continue
                         busy = device_busy_seconds(fn, *args, calls=5) if device_time else None
+                        seconds = busy or t  # wall clock where the trace has no device
                         rows.append(dict(layout=name, block_sizes=dataclasses.asdict(sizes),
-                                         pallas_s=busy or t, wall_s=t, device_s=busy,
-                                         tflops=kernel_flops / (busy or t) / 1e12,
+                                         pallas_s=seconds, wall_s=t, device_s=busy,
+                                         tflops=kernel_flops / seconds / 1e12,
                                          skip_single_tokens=skip))
         if len(q_lens) == 1 and q_lens == seq_lens:
             rows.append(cudnn_row(name, q_lens[0], flops))
