@@ -184,9 +184,9 @@ def engine_pass(args: argparse.Namespace, adapters: list[Any] | None) -> dict[st
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    from pjinfer.cli import set_memory_fraction
+    from pjinfer.engine.kv_budget import claim_device_memory
 
-    set_memory_fraction(args.gpu_memory_utilization)
+    claim_device_memory(args.gpu_memory_utilization)
     from pjinfer.config import ModelConfig
     from pjinfer.demo import DEMO_MODEL_DIR
     from pjinfer.lora.request import LoRARequest

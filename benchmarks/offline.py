@@ -20,6 +20,7 @@ from pjinfer.benchmarks.common import Progress, percentile
 from pjinfer.benchmarks.datasets import SampleRequest
 from pjinfer.benchmarks.roofline import ModelShape
 from pjinfer.engine.config import ENGINE_ARGS
+from pjinfer.engine.kv_budget import claim_device_memory
 
 _ids = itertools.count()
 STAT_FIELDS = ("num_steps", "num_preemptions", "num_prompt_tokens", "num_generation_tokens",
@@ -38,6 +39,9 @@ def start_run(command: str, args: Any, argv: list[str]) -> tuple[dict, Any, Any]
 
     record = new_record(command, argv, vars(args))
     engine_args = engine_flags.run_config_from_flags(args).engine_args()
+    # before the ceilings start JAX: the pool is sized once, and the engine needs its share
+    claim_device_memory(engine_args.get("gpu_memory_utilization",
+                                        ENGINE_ARGS["gpu_memory_utilization"].default))
     tokens = engine_args.get("max_num_batched_tokens",
                              ENGINE_ARGS["max_num_batched_tokens"].default)
     ceilings = ceilings_from_args(args, lambda: planned_shape(engine_args), tokens)

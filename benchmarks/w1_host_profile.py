@@ -109,9 +109,9 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    from pjinfer.cli import set_memory_fraction
+    from pjinfer.engine.kv_budget import claim_device_memory
 
-    set_memory_fraction(args.gpu_memory_utilization)
+    claim_device_memory(args.gpu_memory_utilization)
     record = new_record("w1_host_profile", argv, vars(args))
     record["device"] = jax_device_info()
     record["results"] = res = measure(args)

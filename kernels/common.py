@@ -12,6 +12,9 @@ from jax.experimental.pallas import triton as pltriton
 # Finite "minus infinity": exp(MASK_VALUE - m) is exactly 0 for any real running max m,
 # and unlike -inf it never yields inf - inf = NaN when a whole row is masked.
 MASK_VALUE = -1e30
+# Programs that fill an H100 / H200 twice (132 SMs): what the decode kernel's context splits
+# and the quantized GEMV's column blocks aim for.
+MIN_PROGRAMS = 2 * 132
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -93,6 +96,11 @@ def pow2_dividing(n: int, cap: int, floor: int) -> int | None:
     return b if b >= floor and n % b == 0 else None
 
 
+def is_fp8(dtype) -> bool:
+    """A one-byte float cache or weight dtype (e4m3 / e5m2): stored scaled, widened on load."""
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 1
+
+
 def load_kv(x: jax.Array, dtype) -> jax.Array:
     """Cached K/V rows in the compute dtype (an fp8 cache is widened in registers)."""
     return x if x.dtype == dtype else x.astype(dtype)
@@ -120,7 +128,7 @@ def query_operand(q: jax.Array, cache_dtype, attn: AttentionParams) -> tuple[jax
     two elements, to bfloat16 only through float16 (sm_90 PTX: three a pair, and the packing
     moves). The score scale goes into q first, so q * scale (not q) must fit float16's range,
     and p in [0, 1] cast to float16 keeps more bits than bfloat16."""
-    if jnp.dtype(cache_dtype).itemsize != 1 or q.dtype != jnp.bfloat16:
+    if not is_fp8(cache_dtype) or q.dtype != jnp.bfloat16:
         return q, attn.score_scale
     return (q.astype(jnp.float32) * attn.score_scale).astype(jnp.float16), 1.0
 

@@ -72,7 +72,7 @@ def _decode_kernel(
         # an fp8 cache's V masked by its load took 168 registers against 96 and ran 8-14%
         # slower at 256 x 512 (RESULTS.md round 25), so fp8 keeps the `where`
         v = common.load_v(v_ref, rows, head, valid, q.dtype,
-                          by_load=jnp.dtype(v_ref.dtype).itemsize != 1)  # [N, D]
+                          by_load=not common.is_fp8(v_ref.dtype))  # [N, D]
         return common.softmax_step(state, common.cap_scores(s, attn.soft_cap), valid[None, :], v)
 
     acc, m, l_sum = jax.lax.fori_loop(start, end, body, common.softmax_init(*q.shape))
@@ -188,7 +188,8 @@ def default_decode_block_sizes(
 ) -> DecodeBlockSizes:
     """Picks splits so that (seq, kv head, split) programs fill the GPU about twice.
 
-    132 SMs on an H100/H200; more splits than compute blocks would leave splits idle.
+    Aims at `common.MIN_PROGRAMS` (132 SMs on an H100/H200); more splits than compute
+    blocks would leave splits idle.
     Compute blocks of 128 tokens: with V masked by its load, on the H200 they beat 64 at
     each shape timed (device time, RESULTS.md round 25): 10 sequences x 4 KV heads at
     2,048 tokens 14.8 us a call against 17.6, 256 x 512 without splits 142.8 against 144.9,
@@ -196,8 +197,8 @@ def default_decode_block_sizes(
     (256 x 512: 109.1 against 111.1 us).
     """
     programs = num_seqs * num_kv_heads
-    wanted = -(-2 * 132 // programs)
-    tokens = 64 if wanted == 1 and jnp.dtype(cache_dtype).itemsize == 1 else 128
+    wanted = -(-common.MIN_PROGRAMS // programs)
+    tokens = 64 if wanted == 1 and common.is_fp8(cache_dtype) else 128
     pages = max(1, tokens // block_size)
     compute_blocks = max(1, -(-max_blocks_per_seq // pages))
     splits = max(1, min(wanted, compute_blocks, 64))

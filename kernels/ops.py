@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from pjinfer.kernels import lora_matmul
 from pjinfer.kernels import quantized_matmul as qmm
 from pjinfer.kernels.backends import BACKENDS
-from pjinfer.kernels.common import AttentionParams, pow2_dividing, prev_pow2
+from pjinfer.kernels.common import AttentionParams, is_fp8, pow2_dividing, prev_pow2
 from pjinfer.kernels.decode_attention import (
     decode_attention,
     decode_attention_reference,
@@ -66,8 +66,7 @@ def write_kv(
 
 def to_cache(x: jax.Array, dtype, scale: float = 1.0) -> jax.Array:
     """K or V in the cache dtype: fp8 stores x / scale clipped to its finite range."""
-    dtype = jnp.dtype(dtype)
-    if dtype.itemsize != 1:
+    if not is_fp8(dtype):
         return x.astype(dtype)
     top = float(jnp.finfo(dtype).max)
     return jnp.clip(x.astype(jnp.float32) / scale, -top, top).astype(dtype)

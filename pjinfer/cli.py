@@ -108,20 +108,15 @@ def _name_source(message: str, config: RunConfig) -> str:
     return f"{arg.flag}{where}: {message}"
 
 
-def set_memory_fraction(gpu_memory_utilization: float) -> None:
-    """XLA reads its GPU memory pool size when the backend starts: set it before that, unless
-    the user already chose (setting both the old and the new variable is an XLA error)."""
-    if not {"XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION"} & set(os.environ):
-        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(gpu_memory_utilization)
-
-
 # ---- commands -----------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
     config = with_default_cache(run_config_from_args(args))
     srv = server_args(config)
     _setup_logging(srv["log_level"])
     ecfg = engine_config(config)
-    set_memory_fraction(ecfg.gpu_memory_utilization)
+    from pjinfer.engine.kv_budget import claim_device_memory
+
+    claim_device_memory(ecfg.gpu_memory_utilization)  # before check_devices starts JAX
     check_devices(config)
     from pjinfer.server.app import ServerOptions
     from pjinfer.server.pool_config import build_engine, build_pool
@@ -182,8 +177,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _setup_logging("warning")
     params = _sampling_params(args)
     ecfg = engine_config(config)
-    set_memory_fraction(ecfg.gpu_memory_utilization)
-    from pjinfer.llm import LLM
+    from pjinfer.llm import LLM  # its engine claims the device memory first
 
     engine_args = config.engine_args()
     engine_args.setdefault("warmup", False)

@@ -24,6 +24,7 @@ from pjinfer.cache.prefix_cache import BlockHash, iter_block_hashes
 from pjinfer.engine.async_engine import AsyncEngine
 from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.engine import LLMEngine
+from pjinfer.engine.kv_budget import claim_device_memory
 from pjinfer.engine.metrics import EngineStats
 from pjinfer.lora.request import LoRARequest
 from pjinfer.outputs import RequestOutput
@@ -74,6 +75,7 @@ class DataParallelEngine:
     def __init__(self, config: EngineConfig, data_parallel_size: int, *,
                  devices: Sequence | None = None):
         self.config = config
+        claim_device_memory(config.gpu_memory_utilization)  # before replica_devices starts JAX
         self.replicas = [
             Replica(AsyncEngine(config, engine=LLMEngine(config, devices=group)))
             for group in replica_devices(data_parallel_size, config.tensor_parallel_size,

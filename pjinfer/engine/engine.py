@@ -24,6 +24,7 @@ from pjinfer.cache.kv_cache_manager import KVCacheManager
 from pjinfer.demo import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from pjinfer.engine.compilation_cache import use_compilation_cache
 from pjinfer.engine.config import EngineConfig
+from pjinfer.engine.kv_budget import claim_device_memory
 from pjinfer.engine.metrics import EngineMetrics
 from pjinfer.engine.output_processor import OutputProcessor
 from pjinfer.engine.phase_timer import timed, timed_call
@@ -65,6 +66,7 @@ class LLMEngine:
         """`devices`: the devices of this engine alone (a data-parallel replica's)."""
         self.config = config
         self._devices = devices
+        claim_device_memory(config.gpu_memory_utilization)
         if config.compilation_cache_dir:
             use_compilation_cache(config.compilation_cache_dir)
         model_dir = config.model or str(DEMO_MODEL_DIR)

@@ -3,6 +3,7 @@ has left after the weights and the largest step's activations."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import jax
@@ -16,6 +17,37 @@ from pjinfer.sharding.mesh import tp_size
 
 CPU_KV_CACHE_BYTES = 256 << 20
 GiB = 1 << 30
+POOL_VARIABLES = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION")
+XLA_DEFAULT_POOL_FRACTION = 0.75  # what XLA's GPU client preallocates when told nothing
+
+log = logging.getLogger("pjinfer")
+
+
+def claim_device_memory(gpu_memory_utilization: float) -> None:
+    """Size XLA's GPU memory pool to `gpu_memory_utilization` of the device, as vLLM's flag
+    means: XLA reads the pool's fraction once, when its backend starts, and otherwise takes
+    0.75, which would cap the KV cache whatever the flag says. Every entry point calls this
+    before touching a device; it does nothing once a backend is up (the pool is fixed then:
+    `device_kv_budget` says so) or when the user set the fraction (setting both variables
+    is an XLA error)."""
+    if set(POOL_VARIABLES) & set(os.environ) or _backends_started():
+        return
+    os.environ[POOL_VARIABLES[0]] = str(gpu_memory_utilization)
+
+
+def _backends_started() -> bool:
+    from jax._src import xla_bridge  # no public API tells whether the pool exists yet
+
+    started = getattr(xla_bridge, "backends_are_initialized", None)
+    return True if started is None else bool(started())
+
+
+def pool_fraction() -> float:
+    """The fraction of device memory XLA's pool was (or will be) created with."""
+    for name in POOL_VARIABLES:
+        if name in os.environ:
+            return float(os.environ[name])
+    return XLA_DEFAULT_POOL_FRACTION
 
 
 def num_kv_blocks(cfg: ModelConfig, ecfg: EngineConfig, *, kv_dtype, act_dtype,
@@ -44,10 +76,18 @@ def device_kv_budget(ecfg: EngineConfig, activations: int) -> int:
     """Bytes left for the KV cache in JAX's device pool after weights and activations."""
     stats = jax.local_devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit", 0)
-    pool_fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75))
-    budget = min(limit, limit / pool_fraction * ecfg.gpu_memory_utilization)
+    fraction = pool_fraction()
+    if ecfg.gpu_memory_utilization > fraction + 1e-6:
+        log.warning("gpu_memory_utilization=%s, but JAX's device memory pool holds %s of the "
+                    "device (it started before the engine); set XLA_PYTHON_CLIENT_MEM_FRACTION="
+                    "%s before JAX starts to give the KV cache the rest",
+                    ecfg.gpu_memory_utilization, fraction, ecfg.gpu_memory_utilization)
+    budget = min(limit, limit / fraction * ecfg.gpu_memory_utilization)
     weights = stats.get("bytes_in_use", 0)
     free = budget - weights - activations
+    log.info("device memory: budget %.1f GiB (pool %.1f GiB) = weights %.1f + activations "
+             "(reserved) %.1f + KV cache %.1f", budget / GiB, limit / GiB, weights / GiB,
+             activations / GiB, free / GiB)
     if free <= 0:
         raise ValueError(
             f"the model does not fit: weights {weights / GiB:.1f} GiB + activations "

@@ -39,6 +39,7 @@ from pjinfer.engine.step import (
     init_kv_caches,
     model_step,
 )
+from pjinfer.kernels.common import is_fp8
 from pjinfer.kernels.metadata import AttentionMetadata
 from pjinfer.lora.adapter import LoRAAdapter
 from pjinfer.lora.weights import engine_slots, slot_contents, slot_writer
@@ -119,7 +120,7 @@ class ModelRunner:
                                         self.kv_dtype, kv_sharding)
         self._base_opts = StepOptions(cfg=self.cfg, max_model_len=max_model_len,
                                       backend=ecfg.attention_backend, mesh=mesh,
-                                      kv_scales=kv_scales if self.kv_dtype.itemsize == 1 else ())
+                                      kv_scales=kv_scales if is_fp8(self.kv_dtype) else ())
         self._compiled: dict[tuple, object] = {}
         width = max_padded_seqs(ecfg.max_num_seqs)
         self._sample = jax.jit(partial(_sample_padded, width=width),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
-from pjinfer.kernels.common import AttentionParams, prev_pow2, query_operand
+from pjinfer.kernels.common import AttentionParams, is_fp8, prev_pow2, query_operand
 from pjinfer.kernels.decode_attention import DecodeBlockSizes, decode_attention_reference
 from pjinfer.kernels.ragged_attention import RaggedBlockSizes
 
@@ -53,3 +53,10 @@ def test_query_operand_is_float16_only_for_bf16_over_fp8():
 @pytest.mark.parametrize("x, want", [(0, 1), (1, 1), (3, 2), (4, 4), (1000, 512)])
 def test_prev_pow2_rounds_down_to_at_least_one(x, want):
     assert prev_pow2(x) == want
+
+
+@pytest.mark.parametrize("dtype, want", [(jnp.float8_e4m3fn, True), (jnp.float8_e5m2, True),
+                                         (jnp.int8, False), (jnp.uint8, False),
+                                         (jnp.bfloat16, False), (jnp.float32, False)])
+def test_is_fp8_means_one_byte_floats_only(dtype, want):
+    assert is_fp8(dtype) is want and is_fp8(jnp.dtype(dtype)) is want

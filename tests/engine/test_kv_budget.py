@@ -1,0 +1,86 @@
+"""The KV cache's share of device memory: XLA's pool sized from gpu_memory_utilization, and
+the budget left after the weights and the activation reserve."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from pjinfer.engine import kv_budget
+from pjinfer.engine.config import EngineConfig
+
+GiB = kv_budget.GiB
+
+
+@pytest.fixture
+def no_pool_env(monkeypatch):
+    for name in kv_budget.POOL_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_claim_sets_the_pool_fraction_before_jax_starts(no_pool_env, monkeypatch):
+    monkeypatch.setattr(kv_budget, "_backends_started", lambda: False)
+    kv_budget.claim_device_memory(0.9)
+    assert kv_budget.pool_fraction() == 0.9
+
+
+@pytest.mark.parametrize("name", kv_budget.POOL_VARIABLES)
+def test_claim_keeps_the_users_fraction(no_pool_env, monkeypatch, name):
+    monkeypatch.setattr(kv_budget, "_backends_started", lambda: False)
+    monkeypatch.setenv(name, "0.5")
+    kv_budget.claim_device_memory(0.9)
+    assert kv_budget.pool_fraction() == 0.5
+    assert set(kv_budget.POOL_VARIABLES) & set(os.environ) == {name}  # never both: XLA refuses
+
+
+def test_claim_after_jax_started_changes_nothing(no_pool_env):
+    """Once a backend is up the pool is fixed: XLA's default, and the budget knows it."""
+    kv_budget.jax.devices()
+    assert kv_budget._backends_started()
+    kv_budget.claim_device_memory(0.9)
+    assert kv_budget.pool_fraction() == kv_budget.XLA_DEFAULT_POOL_FRACTION
+
+
+class _Device:
+    def __init__(self, limit: int, in_use: int):
+        self.stats = {"bytes_limit": limit, "bytes_in_use": in_use}
+
+    def memory_stats(self):
+        return self.stats
+
+
+def _budget(monkeypatch, *, limit, weights, activations, utilization):
+    monkeypatch.setattr(kv_budget.jax, "local_devices", lambda: [_Device(limit, weights)])
+    return kv_budget.device_kv_budget(EngineConfig(gpu_memory_utilization=utilization),
+                                      activations)
+
+
+def test_budget_is_utilization_of_the_device_minus_weights_and_activations(
+        no_pool_env, monkeypatch):
+    monkeypatch.setenv(kv_budget.POOL_VARIABLES[0], "0.9")  # a 100 GiB device's pool
+    free = _budget(monkeypatch, limit=90 * GiB, weights=16 * GiB, activations=3 * GiB,
+                   utilization=0.5)
+    assert free == (50 - 16 - 3) * GiB
+    free = _budget(monkeypatch, limit=90 * GiB, weights=16 * GiB, activations=3 * GiB,
+                   utilization=0.9)
+    assert free == (90 - 16 - 3) * GiB
+
+
+def test_a_pool_smaller_than_asked_caps_the_budget_and_says_why(no_pool_env, monkeypatch,
+                                                                 caplog):
+    """JAX started at XLA's default 75% before the engine: the KV cache gets what the pool
+    has, and the log names the variable that would give it the rest."""
+    with caplog.at_level(logging.WARNING, logger="pjinfer"):
+        free = _budget(monkeypatch, limit=75 * GiB, weights=16 * GiB, activations=3 * GiB,
+                       utilization=0.9)
+    assert free == (75 - 16 - 3) * GiB
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.9" in caplog.text
+
+
+def test_a_model_that_does_not_fit_names_the_fixes(no_pool_env, monkeypatch):
+    with pytest.raises(ValueError, match="exceed the 75.0 GiB budget by 5.0 GiB.*"
+                                         "gpu_memory_utilization"):
+        _budget(monkeypatch, limit=75 * GiB, weights=70 * GiB, activations=10 * GiB,
+                utilization=0.75)
