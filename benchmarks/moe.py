@@ -7,9 +7,11 @@
 Shapes: Qwen3-30B-A3B's experts (hidden 2048, expert intermediate 768, 128 experts, top-8),
 gate/up fused ([T*k, 2048] x [E, 2048, 1536]) and down ([T*k, 768] x [E, 768, 2048]);
 `--shapes mixtral`: hidden 4096, intermediate 14336, 8 experts, top-2.
-- prefill: 8,192 tokens, routed uniformly at random (Qwen3: every expert gets ~512 rows). Rate =
-  2 x rows x K x N FLOPs / time, over the bf16 matmul rate measured here the way
-  `pjinfer.benchmarks.ceilings` measures it (the step's own projection shapes, pipelined).
+- prefill: 8,192 tokens (`--prefill-tokens`), routed uniformly at random (Qwen3: every expert
+  gets ~512 rows). Rate = 2 x rows x K x N FLOPs / time, over the bf16 matmul rate measured
+  here the way `pjinfer.benchmarks.ceilings` measures it (the step's own projection shapes,
+  pipelined); beside it the bytes (each touched expert read once, rows in and out) over the
+  bandwidth, which is the bound at a mixed step's ~2,048 tokens (~128 rows an expert).
 - decode: 1-64 tokens. Bytes = the experts the routing actually touched (distinct experts x
   K x N x 2 B) + activations in and out, over the weight-streaming GEMV bandwidth measured
   here (16 GB stream, pipelined).
@@ -136,6 +138,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     import jax
 
     s = SMOKE if args.smoke else SHAPES[args.shapes]
+    if args.prefill_tokens is not None:
+        s = {**s, "prefill_tokens": args.prefill_tokens}
     on_cpu = jax.default_backend() == "cpu"
     timing = timing_plan(args.calls, args.samples, 2, on_cpu=on_cpu)
     record = new_record("moe_grouped_matmul", argv, vars(args))
@@ -154,26 +158,33 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                  args.block_m, args.block_n, args.block_k, args.k_splits, args.num_warps,
                  args.num_stages, args.band)]
     fns = _kernels(sweep)
-    record["prefill"] = _prefill(fns, s, timing, ceilings.matmul_flops_per_s, args.seed)
+    record["prefill"] = _prefill(fns, s, timing, ceilings, args.seed)
     decode_fns = fns if args.decode_sweep else {k: fns[k] for k in ("ragged_dot", "auto")}
     record["decode"] = _decode(decode_fns, s, timing, ceilings.hbm_bytes_per_s, args.seed)
     _print(record)
     return record
 
 
-def _prefill(fns, s, timing, matmul_rate, seed) -> dict[str, Any]:
+def _prefill(fns, s, timing, ceilings, seed) -> dict[str, Any]:
     tokens, top_k = s["prefill_tokens"], s["top_k"]
     sizes = routed_group_sizes(tokens, s["experts"], top_k, seed)
-    out = {"tokens": tokens, "rows": int(sizes.sum()), "rows_per_expert_max": int(sizes.max())}
+    touched, m = int((sizes > 0).sum()), tokens * top_k
+    out = {"tokens": tokens, "rows": int(sizes.sum()), "rows_per_expert_max": int(sizes.max()),
+           "experts_touched": touched}
     for name, k, n in _gemms(s):
-        res = run_case(fns, tokens * top_k, k, n, sizes, timing, check=True)
-        flops = 2 * tokens * top_k * k * n
+        res = run_case(fns, m, k, n, sizes, timing, check=True)
+        flops = 2 * m * k * n
+        moved = 2 * (touched * k * n + m * k + m * n)  # experts read once, rows in and out
+        roofline_s = max(flops / ceilings.matmul_flops_per_s, moved / ceilings.hbm_bytes_per_s)
         for kernel, t in res.items():
             if kernel.startswith(("max_abs", "failed")):
                 continue
             t["tflops_best"] = flops / t["best_s"] / 1e12
-            t["vs_matmul_rate"] = flops / t["best_s"] / matmul_rate
-        out[name] = {"k": k, "n": n, "flops": flops, **res}
+            t["vs_matmul_rate"] = flops / t["best_s"] / ceilings.matmul_flops_per_s
+            t["vs_bandwidth"] = moved / t["best_s"] / ceilings.hbm_bytes_per_s
+            t["vs_roofline"] = roofline_s / t["best_s"]
+        out[name] = {"k": k, "n": n, "flops": flops, "bytes": moved, "roofline_s": roofline_s,
+                     **res}
     return out
 
 
@@ -255,14 +266,16 @@ def _print(record: dict[str, Any]) -> None:
     for name in ("gate_up", "down"):
         for kernel in ("auto", "ragged_dot"):
             r = record["prefill"][name][kernel]
-            rows.append((f"prefill {name} {kernel} (ms, x matmul rate)",
-                         f"{r['best_s'] * 1e3:.3f}, {r['vs_matmul_rate']:.2f}"))
+            rows.append((f"prefill {name} {kernel} (ms, x matmul rate, x roofline)",
+                         f"{r['best_s'] * 1e3:.3f}, {r['vs_matmul_rate']:.2f}, "
+                         f"{r['vs_roofline']:.2f}"))
         swept = {k: v for k, v in record["prefill"][name].items() if k.startswith("pallas_")}
         if swept:
             best = min(swept, key=lambda k: swept[k]["best_s"])
             rows.append((f"prefill {name} best of {len(swept)}: {best}",
                          f"{swept[best]['best_s'] * 1e3:.3f}, "
-                         f"{swept[best]['vs_matmul_rate']:.2f}"))
+                         f"{swept[best]['vs_matmul_rate']:.2f}, "
+                         f"{swept[best]['vs_roofline']:.2f}"))
     for d in record["decode"]:
         for name in ("gate_up", "down"):
             r = d[name]["auto"]
@@ -287,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check)")
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="qwen3",
                         help="the experts' shapes: Qwen3-30B-A3B or Mixtral-8x7B")
+    parser.add_argument("--prefill-tokens", type=positive_int, default=None,
+                        help="tokens of the prefill case (default: the shapes' 8,192; a "
+                        "mixed step's ~2,048 gives ~128 rows an expert, bandwidth-bound)")
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--samples", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)

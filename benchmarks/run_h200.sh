@@ -31,6 +31,8 @@
 #                                         # bf16 fp8 int4 qwen3 qwen3c10 mixtral)
 #   bash benchmarks/run_h200.sh moetput   # issue 13: Qwen3-30B-A3B 1,000 x 1,024/256
 #                                         # throughput (~6 min)
+#   bash benchmarks/run_h200.sh moemid    # Qwen3's grouped GEMMs at a mixed step's 2,048
+#                                         # tokens (~128 rows an expert): row tiles 64-256
 #   bash benchmarks/run_h200.sh loramulti # the lora stage's engine passes (200 prompts) with
 #                                         # --num-scheduler-steps 8 (~6 min)
 #   bash benchmarks/run_h200.sh moeprofile  # Qwen3-30B-A3B (batch 1, 10 x 2,560) and
@@ -281,6 +283,16 @@ stage_moe() {
 
 # Issue 13's throughput target: Qwen3-30B-A3B shapes, 1,000 x 1,024 in / 256 out (N_MOE
 # overrides the prompt count), against the active-parameter compute roofline.
+# A mixed step's ~128 rows an expert are bandwidth-bound, and the prefill tiling's 128-row
+# tiles cut most experts into two (each reading its weights): wider and narrower row tiles.
+stage_moemid() {
+  local smoke=() tokens=${MOEMID_TOKENS:-2048}
+  [ $SMOKE = 1 ] && smoke=(--smoke --calls 1 --samples 1) && tokens=24
+  step moe_mid_tiles 400 $PY -m pjinfer.benchmarks.moe "${smoke[@]}" --prefill-tokens $tokens \
+      --block-m 64 128 256 --block-n 128 256 --block-k 64 --num-warps 4 8 --num-stages 3 \
+      --out "$JSON/moe_mid_tiles.json"
+}
+
 stage_moetput() {  # MOE_MAX_SEQS: sequences a step (each decode step streams every expert)
   local qwen=(--model configs/models/qwen3-30b-a3b --load-format dummy --dtype bfloat16
               --max-num-seqs ${MOE_MAX_SEQS:-256} --max-num-batched-tokens 8192)
@@ -673,6 +685,7 @@ for stage in "${STAGES[@]}"; do
     host) stage_host ;;
     multistep) stage_multistep ;;
     moetput) stage_moetput ;;
+    moemid) stage_moemid ;;
     moeprofile) stage_moeprofile ;;
     w8a8) stage_w8a8 ;;
     decodesplits) stage_decodesplits ;;
@@ -688,7 +701,7 @@ for stage in "${STAGES[@]}"; do
     quantshapes) stage_quantshapes ;;
     quanttuned) stage_quanttuned ;;
     quantt2) stage_quantt2 ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moeprofile | w8a8 | decodesplits | kvfp8 | w3fp8 | attnfp8 | kvprobe | raggedfp8 | routed | routedwide | loramulti | int4ncu | quantshapes | quanttuned | quantt2)" ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moemid | moeprofile | w8a8 | decodesplits | kvfp8 | w3fp8 | attnfp8 | kvprobe | raggedfp8 | routed | routedwide | loramulti | int4ncu | quantshapes | quanttuned | quantt2)" ;;
   esac
 done
 pack

@@ -32,6 +32,26 @@ def test_smoke_record(tmp_path):
     assert rec["decode"][0]["experts_touched"] == 2
 
 
+def test_prefill_tokens_sets_the_grouped_case_and_its_roofline(tmp_path):
+    """--prefill-tokens: a mixed step's few rows an expert, timed against max(FLOPs at the
+    matmul rate, touched experts' bytes at the bandwidth)."""
+    out = tmp_path / "moe.json"
+    assert main(["--smoke", "--calls", "1", "--samples", "1", "--prefill-tokens", "24",
+                 "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    prefill, c = rec["prefill"], rec["ceilings"]
+    assert prefill["tokens"] == 24 and prefill["rows"] == 24 * 2
+    assert 0 < prefill["experts_touched"] <= 8
+    for name, k, n in (("gate_up", 64, 64), ("down", 32, 64)):
+        g = prefill[name]
+        m = 24 * 2
+        assert g["bytes"] == 2 * (prefill["experts_touched"] * k * n + m * k + m * n)
+        assert g["roofline_s"] == pytest.approx(max(g["flops"] / c["matmul_flops_per_s"],
+                                                    g["bytes"] / c["hbm_bytes_per_s"]))
+        auto = g["auto"]
+        assert auto["vs_roofline"] == pytest.approx(g["roofline_s"] / auto["best_s"])
+
+
 def test_decode_layer_record(tmp_path):
     """--decode-layer: both expert paths and the routed tiling, per number of real tokens."""
     out = tmp_path / "layer.json"
