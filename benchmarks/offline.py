@@ -55,6 +55,7 @@ def start_run(command: str, args: Any, argv: list[str]) -> tuple[dict, Any, Any]
     # the process before this (interpreter, CLI, ceilings), imports, then the engine's phases
     record["startup_phases"] = {"process_before_engine": before, "imports": imports,
                                 **llm.engine.startup_phases}
+    record["device_memory"] = llm.engine.memory_report  # pool vs the largest step (GPU)
     start = time.perf_counter()
     run_requests(llm.engine, [SampleRequest([1, 2, 3], 3, 1)], progress=False)
     record["startup_phases"]["first_token"] = time.perf_counter() - start

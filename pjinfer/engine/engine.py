@@ -17,8 +17,8 @@ import logging
 import random
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 from pjinfer.cache.kv_cache_manager import KVCacheManager
 from pjinfer.demo import DEMO_MODEL_DIR, DEMO_MODEL_NAME
@@ -29,9 +29,10 @@ from pjinfer.engine.metrics import EngineMetrics
 from pjinfer.engine.output_processor import OutputProcessor
 from pjinfer.engine.phase_timer import timed, timed_call
 from pjinfer.engine.request import Request, RequestStatus
-from pjinfer.engine.runner import LaunchedForward, LaunchedStep, ModelRunner, StepResult
+from pjinfer.engine.runner import ModelRunner
 from pjinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepUpdate
 from pjinfer.engine.scheduling_policy import make_policy
+from pjinfer.engine.step_handles import InFlightStep, StepResult
 from pjinfer.errors import EngineOverloadedError, RequestFailedError
 from pjinfer.lora.manager import LoRAManager
 from pjinfer.lora.request import LoRARequest
@@ -44,19 +45,6 @@ from pjinfer.tokenizer import load_tokenizer
 from pjinfer.weights import load_engine_model
 
 log = logging.getLogger("pjinfer")
-
-
-@dataclass(slots=True)
-class _Launched:
-    """A step on the device, with the schedule that produced it. A step with structured-output
-    rows is launched in two halves: `forward` first, `step` (its sampler) once the token mask
-    can be filled, i.e. once the step before has been finished."""
-
-    sched: SchedulerOutput
-    forward: LaunchedForward | None
-    step: LaunchedStep | None
-    start: float
-    mask: Future | None = None  # the constrained rows' token bitmask, once its fill started
 
 
 class LLMEngine:
@@ -123,12 +111,15 @@ class LLMEngine:
                                    policy or make_policy(config.scheduling_policy))
         self.metrics = EngineMetrics()
         self._rng = random.Random(config.seed)
-        self._in_flight: _Launched | None = None
+        self._in_flight: InFlightStep | None = None
         self._failures: dict[str, RequestFailedError] = {}
+        # the pool against the largest step (GPU, after warm-up): what the benchmarks record
+        self.memory_report: dict[str, int] = {}
         if config.warmup:
             n = self.runner.warmup(self.startup_phases)
             log.info("%d step shapes ready in %.1fs", n,
                      self.startup_phases["step_load"] + self.startup_phases["compile"])
+            self.memory_report = self.runner.memory_report()
 
     def _load(self, model_dir: str, params) -> tuple:
         """(model config, params, mesh): one loader for every format, one device or sharded
@@ -316,7 +307,7 @@ class LLMEngine:
         self.output_processor.drop(group_id)
         self._failures[group_id] = RequestFailedError(group_id, error)
 
-    def _launch(self, sched: SchedulerOutput) -> _Launched | None:
+    def _launch(self, sched: SchedulerOutput) -> InFlightStep | None:
         """Dispatch the scheduled batch (the scheduler has already advanced its requests); a
         batch with constrained rows only its forward (see `_sample`)."""
         start = time.perf_counter()
@@ -330,14 +321,14 @@ class LLMEngine:
                      prev=self._in_flight.step if self._in_flight is not None else None,
                      refresh_tables=bool(sched.copy_ops))
         if sched.num_steps is not None:  # a multi-step decode: no constrained rows
-            return _Launched(sched, None, self.runner.launch_multi(
+            return InFlightStep(sched, None, self.runner.launch_multi(
                 num_steps=sched.num_steps, **batch), start)
         wants_prompt_lp = any(c.next_token_ids is not None for c in sched.chunks)
         forward = self.runner.forward(prompt_logprobs=self.config.max_logprobs
                                       if wants_prompt_lp else None, **batch)
         if self.structured_output.constrained(sched):
-            return _Launched(sched, forward, None, start)
-        return _Launched(sched, None, self.runner.sample(forward), start)
+            return InFlightStep(sched, forward, None, start)
+        return InFlightStep(sched, None, self.runner.sample(forward), start)
 
     def _lora_slots(self, sched: SchedulerOutput) -> list[int] | None:
         """Each chunk's adapter slot; the requests of an adapter that can no longer be read
@@ -351,7 +342,7 @@ class LLMEngine:
                     self._fail(c.request.group_id, error)
         return self.lora.step_slots([c.request.lora_request for c in sched.scheduled], fail)
 
-    def _fill_mask(self, launched: _Launched) -> None:
+    def _fill_mask(self, launched: InFlightStep) -> None:
         """Start filling a constrained step's token mask (on the mask thread). Called once the
         step before has been collected, so every matcher has consumed the token sampled
         there."""
@@ -359,7 +350,7 @@ class LLMEngine:
             launched.mask = self.structured_output.start_bitmask(
                 launched.sched, launched.forward.layout.padded_seqs)
 
-    def _sample(self, launched: _Launched) -> None:
+    def _sample(self, launched: InFlightStep) -> None:
         """Launch a constrained step's sampler with its token mask (waiting for the fill)."""
         if launched.step is None:
             self._fill_mask(launched)
@@ -367,7 +358,7 @@ class LLMEngine:
             launched.step = self.runner.sample(launched.forward, mask)
             launched.forward = launched.mask = None
 
-    def _collect(self, launched: _Launched) -> tuple[_Launched, StepResult, StepUpdate]:
+    def _collect(self, launched: InFlightStep) -> tuple[InFlightStep, StepResult, StepUpdate]:
         """Wait for a launched step and apply its tokens to the requests and their grammars:
         all the next constrained step's mask needs (its text comes after, `_process`)."""
         result = self.runner.fetch(launched.step)
@@ -378,7 +369,7 @@ class LLMEngine:
                                        RequestStatus.FINISHED_STOPPED)  # grammar complete
         return launched, result, update
 
-    def _process(self, collected: tuple[_Launched, StepResult, StepUpdate]) -> set[str]:
+    def _process(self, collected: tuple[InFlightStep, StepResult, StepUpdate]) -> set[str]:
         """A collected step's logprobs and text (stop strings end requests here); returns
         the changed groups."""
         launched, result, update = collected

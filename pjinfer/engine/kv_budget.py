@@ -107,3 +107,37 @@ def activation_bytes(cfg: ModelConfig, ecfg: EngineConfig, act_dtype) -> int:
         width += moe.top_k * (3 * c.hidden_size + 3 * moe.intermediate_size)
     per_token = width * np.dtype(act_dtype).itemsize
     return 2 * (t * per_token + 3 * s * c.vocab_size * 4) + GiB
+
+
+def step_headroom(executables: list, reserve: int) -> dict[str, int]:
+    """After warm-up, with the KV cache allocated: the pool's free bytes against what the
+    largest compiled step allocates as it runs (`step_allocation`) and the reserve the
+    budget set aside for it (`activation_bytes`). Logs the three; warns when the step would
+    not fit, so an out-of-memory at the first full batch is announced at start-up with its
+    fix. Empty where the backend has no pool (CPU)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return {}
+    step_bytes = max(map(step_allocation, executables), default=0)
+    report = {"pool_bytes": int(stats["bytes_limit"]), "in_use_bytes": int(stats["bytes_in_use"]),
+              "largest_step_bytes": step_bytes, "activation_reserve_bytes": reserve}
+    free = report["pool_bytes"] - report["in_use_bytes"]
+    log.info("device memory after warm-up: %.2f GiB free in the pool; the largest step "
+             "allocates %.2f GiB as it runs (reserved for it: %.2f GiB)", free / GiB,
+             step_bytes / GiB, reserve / GiB)
+    if step_bytes > free:
+        log.warning("the largest compiled step needs %.2f GiB but the pool has %.2f GiB free: "
+                    "a full batch would run out of device memory; lower "
+                    "gpu_memory_utilization, max_num_batched_tokens or max_num_seqs (or fix "
+                    "the KV cache with num_kv_blocks)", step_bytes / GiB, free / GiB)
+    return report
+
+
+def step_allocation(fn) -> int:
+    """Bytes a compiled executable allocates per call beyond its arguments (XLA's memory
+    analysis: temporaries plus outputs not aliased to a donated input); 0 if unknown."""
+    try:
+        m = fn.memory_analysis()
+        return int(m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+    except Exception:  # noqa: BLE001 - a backend without the analysis
+        return 0

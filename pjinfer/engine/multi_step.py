@@ -49,6 +49,10 @@ class MultiStepExecutables:
         self.num_compiles = 0
         self.num_cache_loads = 0
 
+    def executables(self) -> list:
+        """Every multi-step decode compiled or loaded so far."""
+        return list(self._compiled.values())
+
     def get(self, max_logprobs: int, args: tuple):
         """The executable for these arguments (params, caches, packed, *lora): from memory,
         else from the executable cache, else compiled (and stored there)."""

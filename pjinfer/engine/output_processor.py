@@ -18,8 +18,8 @@ import numpy as np
 from pjinfer.engine.detokenizer import IncrementalDetokenizer
 from pjinfer.engine.metrics import EngineMetrics
 from pjinfer.engine.request import Request, RequestStatus
-from pjinfer.engine.runner import StepResult
 from pjinfer.engine.scheduler import NewTokens, SchedulerOutput
+from pjinfer.engine.step_handles import StepResult
 from pjinfer.outputs import (
     CompletionOutput,
     Logprob,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 
 import jax
@@ -19,7 +19,6 @@ from pjinfer.engine.executable_cache import ExecutableCache, compile_step
 from pjinfer.engine.host_pack import Packed, pack, unpack
 from pjinfer.engine.input_batch import InputBatch
 from pjinfer.engine.inputs import (
-    BatchLayout,
     Chunk,
     StepInputs,
     bucket_seqs,
@@ -28,7 +27,7 @@ from pjinfer.engine.inputs import (
     seq_buckets,
     token_buckets,
 )
-from pjinfer.engine.kv_budget import num_kv_blocks
+from pjinfer.engine.kv_budget import activation_bytes, num_kv_blocks, step_headroom
 from pjinfer.engine.multi_step import MultiStepExecutables, row_step_counts
 from pjinfer.engine.phase_timer import timed
 from pjinfer.engine.sampler import SamplerOutput, sample
@@ -39,6 +38,7 @@ from pjinfer.engine.step import (
     init_kv_caches,
     model_step,
 )
+from pjinfer.engine.step_handles import LaunchedForward, LaunchedStep, StepResult
 from pjinfer.kernels.common import is_fp8
 from pjinfer.kernels.metadata import AttentionMetadata
 from pjinfer.lora.adapter import LoRAAdapter
@@ -54,41 +54,6 @@ log = logging.getLogger("pjinfer")
 # from the executable cache) on first use. Above it, a lazy compile would stall every running
 # request for tens of seconds, so warm-up compiles every shape the scheduler can produce.
 SMALL_MODEL_BYTES = 64 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class LaunchedForward:
-    """A dispatched model forward whose sampler is not launched yet: a structured-output
-    row's token mask needs the previous step's tokens on the host first."""
-
-    logits: jax.Array  # [S, V] f32
-    md: SamplingMetadata
-    prev_tokens: jax.Array  # [P]
-    prompt_logprobs: tuple[jax.Array, ...] | None
-    layout: BatchLayout
-    max_logprobs: int
-
-
-@dataclass(frozen=True, slots=True)
-class LaunchedStep:
-    """A dispatched step whose outputs are still on (or on their way to) the device."""
-
-    sampled: jax.Array  # SamplerOutput.to_words() of the padded rows ([J, W]: J steps)
-    prompt_logprobs: tuple[jax.Array, ...] | None
-    next_tokens: jax.Array  # [P] sampled tokens padded to max_padded_seqs: the next prev_tokens
-    layout: BatchLayout
-
-
-@dataclass(frozen=True, slots=True)
-class StepResult:
-    """Host copies of what one step produced, for the real (unpadded) sequences; J = the
-    step's decode steps (1, or num_scheduler_steps for a multi-step decode)."""
-
-    token_ids: np.ndarray  # [S, J]
-    logprobs: np.ndarray  # [S, J, 1+K], column 0 = chosen token
-    logprob_token_ids: np.ndarray  # [S, J, 1+K]
-    ranks: np.ndarray  # [S, J]
-    prompt_logprobs: tuple[np.ndarray, ...] | None = None  # per token: (lp, rank, top, ids)
 
 
 class ModelRunner:
@@ -228,6 +193,11 @@ class ModelRunner:
         with timed(phases, "compile"):
             compile_all(work)
         return len(shapes)
+
+    def memory_report(self) -> dict[str, int]:
+        """After warm-up: the pool against the largest compiled step (`step_headroom`)."""
+        fns = [*self._compiled.values(), *(self._multi.executables() if self._multi else [])]
+        return step_headroom(fns, activation_bytes(self.cfg, self.ecfg, self.act_dtype))
 
     def warmup_shapes(self) -> list[tuple[int, int, bool]]:
         """(tokens, seqs, decode_only) of every bucket the scheduler can produce; for a model

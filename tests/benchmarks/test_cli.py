@@ -48,6 +48,7 @@ def test_throughput_random(tmp_path):
     # 2-core machine where a 0.5 s start-up left 26 ms between phases
     assert engine == pytest.approx(rec["startup_s"], rel=0.05, abs=0.1)
     assert rec["process_to_first_token_s"] > rec["startup_s"]
+    assert rec["device_memory"] == {}  # the pool against the largest step: GPU only
     assert rec["engine_args"]["max_num_seqs"] == 8
     assert rec["ceilings"]["source"] == "given"
     assert 0 < rec["ratios"]["output_tokens_per_s_vs_roofline"]

@@ -84,3 +84,50 @@ def test_a_model_that_does_not_fit_names_the_fixes(no_pool_env, monkeypatch):
                                          "gpu_memory_utilization"):
         _budget(monkeypatch, limit=75 * GiB, weights=70 * GiB, activations=10 * GiB,
                 utilization=0.75)
+
+
+class _Analysis:
+    temp_size_in_bytes, output_size_in_bytes, alias_size_in_bytes = 300, 1000, 900
+
+
+class _Compiled:
+    def memory_analysis(self):
+        return _Analysis()
+
+
+def test_a_step_allocates_its_temporaries_and_unaliased_outputs():
+    """The donated KV cache comes back in place (aliased): only the rest is new memory."""
+    assert kv_budget.step_allocation(_Compiled()) == 300 + 1000 - 900
+    assert kv_budget.step_allocation(object()) == 0  # a backend without the analysis
+
+
+def test_step_allocation_of_a_real_executable():
+    import jax
+    import jax.numpy as jnp
+
+    def step(cache, x):  # [4, 1024] f32 cache, donated and updated in place
+        return cache.at[0].set(x), jnp.tanh(jnp.outer(x, x)).sum(0)
+
+    compiled = jax.jit(step, donate_argnums=0).lower(
+        jnp.zeros((4, 1024)), jnp.zeros(1024)).compile()
+    m = compiled.memory_analysis()
+    assert kv_budget.step_allocation(compiled) == (
+        m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+    assert kv_budget.step_allocation(compiled) >= 1024 * 4  # the new [1024] output at least
+
+
+def test_headroom_reports_the_pool_and_warns_before_a_step_cannot_fit(monkeypatch, caplog):
+    monkeypatch.setattr(kv_budget.jax, "local_devices",
+                        lambda: [_Device(limit=10 * GiB, in_use=9 * GiB)])
+    monkeypatch.setattr(_Analysis, "temp_size_in_bytes", 2 * GiB)
+    with caplog.at_level(logging.INFO, logger="pjinfer"):
+        report = kv_budget.step_headroom([_Compiled()], reserve=GiB)
+    assert report == {"pool_bytes": 10 * GiB, "in_use_bytes": 9 * GiB,
+                      "largest_step_bytes": 2 * GiB + 100, "activation_reserve_bytes": GiB}
+    assert "1.00 GiB free in the pool" in caplog.text
+    assert "a full batch would run out of device memory" in caplog.text
+
+
+def test_headroom_is_empty_without_a_pool():
+    """The CPU backend reports no memory stats: nothing to compare, nothing logged."""
+    assert kv_budget.step_headroom([_Compiled()], reserve=GiB) == {}

@@ -9,29 +9,42 @@ import jax
 
 import pjinfer
 from pjinfer import SamplingParams
+from pjinfer.engine import kv_budget
 from pjinfer.engine import runner as runner_module
 from pjinfer.engine.executable_cache import SUBDIR
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
 
-def _serve_once(cache_dir):
-    """The demo engine as `pjinfer serve` builds it (warm-up on), then one short request."""
+class _GpuLikeDevice:
+    def memory_stats(self):
+        return {"bytes_limit": 8 << 30, "bytes_in_use": 1 << 30}
+
+
+def _serve_once(cache_dir, monkeypatch):
+    """The demo engine as `pjinfer serve` builds it (warm-up on), then one short request;
+    also its steps' memory as a GPU pool would see it (the CPU has none)."""
     llm = pjinfer.LLM(None, compilation_cache_dir=str(cache_dir), warmup=True)
     runner = llm.engine.runner
+    assert llm.engine.memory_report == {}
     warm = (runner.num_compiles, runner.num_cache_loads)
+    with monkeypatch.context() as m:
+        m.setattr(kv_budget.jax, "local_devices", lambda: [_GpuLikeDevice()])
+        step_bytes = runner.memory_report()["largest_step_bytes"]
     text = llm.generate(["Beautiful is better than"], GREEDY)[0].outputs[0].text
-    return warm, (runner.num_compiles, runner.num_cache_loads), text
+    return warm, (runner.num_compiles, runner.num_cache_loads), text, step_bytes
 
 
-def test_demo_warms_up_two_shapes_and_a_restart_compiles_none(tmp_path,
+def test_demo_warms_up_two_shapes_and_a_restart_compiles_none(tmp_path, monkeypatch,
                                                               restore_jax_cache_flags):
-    warm, after, text = _serve_once(tmp_path)
+    warm, after, text, step_bytes = _serve_once(tmp_path, monkeypatch)
     assert warm == (2, 0)  # of the 28 shapes the default scheduler settings can produce
     assert after == warm and text.startswith(" ugly.\nExplicit")  # the request needed no more
+    assert step_bytes > 0  # XLA's analysis of the compiled steps
 
-    warm, after, again = _serve_once(tmp_path)
+    warm, after, again, loaded_bytes = _serve_once(tmp_path, monkeypatch)
     assert warm == after == (0, 2) and again == text
+    assert loaded_bytes == step_bytes  # the executables read back from disk say the same
 
 
 def test_a_large_model_warms_up_every_shape(monkeypatch):
@@ -51,14 +64,16 @@ def test_cuda_graph_sizes_are_the_warmed_sequence_buckets(monkeypatch):
     assert len(shapes) == 3 + 8 + 6 + 4  # decodes; 16-2048 tokens over 2, 64 (>= 64), 256
 
 
-def test_steps_served_by_jax_cache_are_not_stored_broken(tmp_path, restore_jax_cache_flags):
+def test_steps_served_by_jax_cache_are_not_stored_broken(tmp_path, monkeypatch,
+                                                          restore_jax_cache_flags):
     """A new pjinfer changes every executable-cache key while JAX's own cache still holds the
     steps: those come from JAX's cache and are not stored again (on the CPU such a copy lacks
     its kernels), so every later start still answers."""
-    _serve_once(tmp_path)
+    _serve_once(tmp_path, monkeypatch)
     shutil.rmtree(tmp_path / SUBDIR)  # as if pjinfer's source had changed
     for _ in range(2):
         jax.clear_caches()  # a restart: only the disk caches are left
-        warm, after, text = _serve_once(tmp_path)
+        warm, after, text, step_bytes = _serve_once(tmp_path, monkeypatch)
         assert warm == after == (2, 0) and text.startswith(" ugly.\nExplicit")
+        assert step_bytes > 0  # the analysis of steps JAX's cache served
     assert not (tmp_path / SUBDIR).exists()
