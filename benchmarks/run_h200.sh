@@ -199,7 +199,8 @@ stage_moeprofile() {
   if [ $SMOKE = 1 ]; then log "SKIP moeprofile in smoke mode (MoE shapes only)"; return 0; fi
   local models=" ${MOEPROFILE_MODELS:-qwen3 mixtral} "
   [[ $models == *" qwen3 "* ]] && step qwen3_step_profile 240 $PY benchmarks/step_probe.py \
-      --model configs/models/qwen3-30b-a3b --layouts decode_1x768 decode_10x2560 \
+      --model configs/models/qwen3-30b-a3b \
+      --layouts ${MOEPROFILE_LAYOUTS:-decode_1x768 decode_10x2560} \
       --backends auto --num-kv-blocks 4096 --max-model-len 4096 \
       --profile /tmp/pjinfer-prof-qwen3 --out "$JSON/qwen3_step_profile.json"
   [[ $models == *" mixtral "* ]] && step mixtral_step_profile 240 $PY benchmarks/step_probe.py \

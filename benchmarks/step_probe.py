@@ -55,8 +55,18 @@ from functools import partial
 import numpy as np
 
 MODEL = "configs/models/llama3-8b"
-LAYOUTS = ("decode_1x768", "decode_8x160", "decode_10x2560", "prefill_2x1024",
-           "mixed_1792+255dec", "decode_256x1024", "mixed_8x220+248dec300")
+# Each layout's sequences as (length, tokens already computed, new tokens this step).
+SPECS = {"decode_1x768": [(769, 768, 1)], "decode_8x160": [(161, 160, 1)] * 8,
+         # issue 13's 10 concurrent 2,048 / 1,024 at mid-generation
+         "decode_10x2560": [(2561, 2560, 1)] * 10,
+         "prefill_2x1024": [(1024, 0, 1024)] * 2,
+         # the prompt steps of a 1,024-token throughput run at 8,192 tokens a step
+         "prefill_8x1024": [(1024, 0, 1024)] * 8,
+         "mixed_1792+255dec": [(1025, 1024, 1)] * 255 + [(1792, 0, 1792)],
+         "decode_256x1024": [(1025, 1024, 1)] * 256,
+         # W4's (synthetic ShareGPT) steps: short prompts beside decodes at ~300 tokens
+         "mixed_8x220+248dec300": [(301, 300, 1)] * 248 + [(220, 0, 220)] * 8}
+LAYOUTS = tuple(SPECS)
 
 
 def _import_repo() -> None:
@@ -93,22 +103,19 @@ def quantized_model(model: str, quantization: str | None, root: str) -> tuple[st
     return str(dst), None
 
 
+def layout_tokens(kind: str) -> int:
+    """New tokens of one step of the layout (the engine's token budget must hold them)."""
+    return sum(new for _, _, new in SPECS[kind])
+
+
 def layout_chunks(kind: str, rng: np.random.Generator, room: int = 1) -> list:
     """One Chunk per sequence, disjoint block tables with slots for `room` tokens past the
     chunk (a multi-step call writes that many); request ids, so the runner keeps them in its
     persistent batch as it does the engine's requests."""
     from pjinfer.engine.inputs import Chunk
 
-    specs = {"decode_1x768": [(769, 768, 1)], "decode_8x160": [(161, 160, 1)] * 8,
-             # issue 13's 10 concurrent 2,048 / 1,024 at mid-generation
-             "decode_10x2560": [(2561, 2560, 1)] * 10,
-             "prefill_2x1024": [(1024, 0, 1024)] * 2,
-             "mixed_1792+255dec": [(1025, 1024, 1)] * 255 + [(1792, 0, 1792)],
-             "decode_256x1024": [(1025, 1024, 1)] * 256,
-             # W4's (synthetic ShareGPT) steps: short prompts beside decodes at ~300 tokens
-             "mixed_8x220+248dec300": [(301, 300, 1)] * 248 + [(220, 0, 220)] * 8}[kind]
     chunks, next_block = [], 1
-    for i, (length, computed, new) in enumerate(specs):
+    for i, (length, computed, new) in enumerate(SPECS[kind]):
         blocks = -(-(length + room - 1) // 16)
         table = list(range(next_block, next_block + blocks))
         next_block += blocks
@@ -146,7 +153,8 @@ def probe(backend: str, model: str, layouts: list[str], profile: str | None,
     model, method = quantized_model(model, quantization, tempfile.mkdtemp())
     engine = LLMEngine(EngineConfig(
         model=model, load_format="dummy", dtype="bfloat16", max_model_len=max_model_len,
-        max_num_seqs=256, max_num_batched_tokens=2048, num_kv_blocks=num_kv_blocks, warmup=False,
+        max_num_seqs=256, max_num_batched_tokens=max(2048, *map(layout_tokens, layouts)),
+        num_kv_blocks=num_kv_blocks, warmup=False,
         attention_backend=backend, quantization=method, kv_cache_dtype=kv_cache_dtype,
         num_scheduler_steps=num_scheduler_steps, **lora_args))
     adapters = _adapters(engine, loras, lora_rank, tempfile.mkdtemp()) if loras else []

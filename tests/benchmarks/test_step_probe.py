@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pjinfer.benchmarks.step_probe import layout_chunks, quantized_model
+from pjinfer.benchmarks.step_probe import LAYOUTS, layout_chunks, layout_tokens, quantized_model
 from pjinfer.quantization.config import QuantConfig
 
 DEMO = Path(__file__).resolve().parents[2] / "pjinfer" / "demo"
@@ -38,3 +38,14 @@ def test_chunks_leave_room_for_a_multi_step_call():
             assert len(c.block_table) * 16 >= c.num_computed + c.num_new + room - 1
         blocks = [b for c in chunks for b in c.block_table]
         assert len(blocks) == len(set(blocks)) and 0 not in blocks
+
+
+def test_each_layout_is_the_step_its_name_says():
+    """The engine's token budget is sized from `layout_tokens`: the throughput run's 8,192-
+    token prompt step needs 4x the default 2,048."""
+    assert layout_tokens("prefill_8x1024") == 8192
+    assert layout_tokens("mixed_1792+255dec") == 1792 + 255
+    assert layout_tokens("decode_10x2560") == 10
+    for kind in LAYOUTS:
+        chunks = layout_chunks(kind, np.random.default_rng(0))
+        assert sum(c.num_new for c in chunks) == layout_tokens(kind)
