@@ -63,7 +63,8 @@ def num_kv_blocks(cfg: ModelConfig, ecfg: EngineConfig, *, kv_dtype, act_dtype,
     elif jax.default_backend() == "cpu":
         blocks = CPU_KV_CACHE_BYTES // per_block
     else:
-        blocks = device_kv_budget(ecfg, activation_bytes(cfg, ecfg, act_dtype)) // per_block
+        blocks = device_kv_budget(ecfg, activation_bytes(cfg, ecfg, act_dtype),
+                                  engine_device(mesh)) // per_block
     if blocks < -(-max_model_len // ecfg.block_size) + 1:
         raise ValueError(
             f"the KV cache holds {max(blocks - 1, 0) * ecfg.block_size} tokens but "
@@ -72,9 +73,17 @@ def num_kv_blocks(cfg: ModelConfig, ecfg: EngineConfig, *, kv_dtype, act_dtype,
     return int(blocks)
 
 
-def device_kv_budget(ecfg: EngineConfig, activations: int) -> int:
+def engine_device(mesh: Mesh | None):
+    """The device whose pool sizes the engine: its mesh's first one of this process (a
+    data-parallel replica's own GPU, not device 0, which another replica fills)."""
+    if mesh is None:
+        return jax.local_devices()[0]
+    return next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+
+
+def device_kv_budget(ecfg: EngineConfig, activations: int, device) -> int:
     """Bytes left for the KV cache in JAX's device pool after weights and activations."""
-    stats = jax.local_devices()[0].memory_stats() or {}
+    stats = device.memory_stats() or {}
     limit = stats.get("bytes_limit", 0)
     fraction = pool_fraction()
     if ecfg.gpu_memory_utilization > fraction + 1e-6:
@@ -109,13 +118,13 @@ def activation_bytes(cfg: ModelConfig, ecfg: EngineConfig, act_dtype) -> int:
     return 2 * (t * per_token + 3 * s * c.vocab_size * 4) + GiB
 
 
-def step_headroom(executables: list, reserve: int) -> dict[str, int]:
+def step_headroom(executables: list, reserve: int, device) -> dict[str, int]:
     """After warm-up, with the KV cache allocated: the pool's free bytes against what the
     largest compiled step allocates as it runs (`step_allocation`) and the reserve the
     budget set aside for it (`activation_bytes`). Logs the three; warns when the step would
     not fit, so an out-of-memory at the first full batch is announced at start-up with its
     fix. Empty where the backend has no pool (CPU)."""
-    stats = jax.local_devices()[0].memory_stats() or {}
+    stats = device.memory_stats() or {}
     if "bytes_limit" not in stats:
         return {}
     step_bytes = max(map(step_allocation, executables), default=0)

@@ -27,7 +27,12 @@ from pjinfer.engine.inputs import (
     seq_buckets,
     token_buckets,
 )
-from pjinfer.engine.kv_budget import activation_bytes, num_kv_blocks, step_headroom
+from pjinfer.engine.kv_budget import (
+    activation_bytes,
+    engine_device,
+    num_kv_blocks,
+    step_headroom,
+)
 from pjinfer.engine.multi_step import MultiStepExecutables, row_step_counts
 from pjinfer.engine.phase_timer import timed
 from pjinfer.engine.sampler import SamplerOutput, sample
@@ -197,7 +202,8 @@ class ModelRunner:
     def memory_report(self) -> dict[str, int]:
         """After warm-up: the pool against the largest compiled step (`step_headroom`)."""
         fns = [*self._compiled.values(), *(self._multi.executables() if self._multi else [])]
-        return step_headroom(fns, activation_bytes(self.cfg, self.ecfg, self.act_dtype))
+        return step_headroom(fns, activation_bytes(self.cfg, self.ecfg, self.act_dtype),
+                             engine_device(self.mesh))
 
     def warmup_shapes(self) -> list[tuple[int, int, bool]]:
         """(tokens, seqs, decode_only) of every bucket the scheduler can produce; for a model

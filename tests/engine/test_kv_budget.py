@@ -52,9 +52,8 @@ class _Device:
 
 
 def _budget(monkeypatch, *, limit, weights, activations, utilization):
-    monkeypatch.setattr(kv_budget.jax, "local_devices", lambda: [_Device(limit, weights)])
     return kv_budget.device_kv_budget(EngineConfig(gpu_memory_utilization=utilization),
-                                      activations)
+                                      activations, _Device(limit, weights))
 
 
 def test_budget_is_utilization_of_the_device_minus_weights_and_activations(
@@ -117,11 +116,10 @@ def test_step_allocation_of_a_real_executable():
 
 
 def test_headroom_reports_the_pool_and_warns_before_a_step_cannot_fit(monkeypatch, caplog):
-    monkeypatch.setattr(kv_budget.jax, "local_devices",
-                        lambda: [_Device(limit=10 * GiB, in_use=9 * GiB)])
     monkeypatch.setattr(_Analysis, "temp_size_in_bytes", 2 * GiB)
     with caplog.at_level(logging.INFO, logger="pjinfer"):
-        report = kv_budget.step_headroom([_Compiled()], reserve=GiB)
+        report = kv_budget.step_headroom([_Compiled()], GiB,
+                                         _Device(limit=10 * GiB, in_use=9 * GiB))
     assert report == {"pool_bytes": 10 * GiB, "in_use_bytes": 9 * GiB,
                       "largest_step_bytes": 2 * GiB + 100, "activation_reserve_bytes": GiB}
     assert "1.00 GiB free in the pool" in caplog.text
@@ -130,4 +128,17 @@ def test_headroom_reports_the_pool_and_warns_before_a_step_cannot_fit(monkeypatc
 
 def test_headroom_is_empty_without_a_pool():
     """The CPU backend reports no memory stats: nothing to compare, nothing logged."""
-    assert kv_budget.step_headroom([_Compiled()], reserve=GiB) == {}
+    assert kv_budget.step_headroom([_Compiled()], GiB, kv_budget.engine_device(None)) == {}
+
+
+def test_a_replica_is_sized_by_its_own_device():
+    """A data-parallel replica on devices 2-3 reads device 2's pool, not device 0's (which
+    another replica's weights and cache fill)."""
+    import jax
+
+    from pjinfer.sharding.mesh import make_mesh
+
+    devices = jax.devices()
+    assert kv_budget.engine_device(None) == jax.local_devices()[0]
+    mesh = make_mesh(2, devices=devices[2:4])
+    assert kv_budget.engine_device(mesh) == devices[2]
