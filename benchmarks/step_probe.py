@@ -64,8 +64,10 @@ SPECS = {"decode_1x768": [(769, 768, 1)], "decode_8x160": [(161, 160, 1)] * 8,
          "prefill_8x1024": [(1024, 0, 1024)] * 8,
          "mixed_1792+255dec": [(1025, 1024, 1)] * 255 + [(1792, 0, 1792)],
          "decode_256x1024": [(1025, 1024, 1)] * 256,
-         # W4's (synthetic ShareGPT) steps: short prompts beside decodes at ~300 tokens
-         "mixed_8x220+248dec300": [(301, 300, 1)] * 248 + [(220, 0, 220)] * 8}
+         # W4's (synthetic ShareGPT) steps: short prompts beside decodes at ~300 tokens, and
+         # its decode-only calls (512 sequences a step)
+         "mixed_8x220+248dec300": [(301, 300, 1)] * 248 + [(220, 0, 220)] * 8,
+         "decode_512x300": [(301, 300, 1)] * 512}
 LAYOUTS = tuple(SPECS)
 
 
@@ -153,7 +155,8 @@ def probe(backend: str, model: str, layouts: list[str], profile: str | None,
     model, method = quantized_model(model, quantization, tempfile.mkdtemp())
     engine = LLMEngine(EngineConfig(
         model=model, load_format="dummy", dtype="bfloat16", max_model_len=max_model_len,
-        max_num_seqs=256, max_num_batched_tokens=max(2048, *map(layout_tokens, layouts)),
+        max_num_seqs=max(256, *(len(SPECS[k]) for k in layouts)),
+        max_num_batched_tokens=max(2048, *map(layout_tokens, layouts)),
         num_kv_blocks=num_kv_blocks, warmup=False,
         attention_backend=backend, quantization=method, kv_cache_dtype=kv_cache_dtype,
         num_scheduler_steps=num_scheduler_steps, **lora_args))
