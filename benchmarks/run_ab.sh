@@ -37,6 +37,9 @@ mkdir -p "$OUT"
 LOG=$OUT/ab_log_$STAGE.txt
 PY=${PYTHON:-python3}
 source "$REPO/benchmarks/device_env.sh"
+# One memory pool for both trees: a base older than round 26 left XLA's default 75% to its
+# offline runs (the KV cache sized from it), the head claims gpu_memory_utilization's 90%.
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 
 if [ $SMOKE = 1 ]; then
   MODEL=(); ENGINE=(--max-num-seqs 8 --max-num-batched-tokens 64)
