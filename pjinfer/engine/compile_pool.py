@@ -32,6 +32,6 @@ def compile_all(work: list[tuple[str, Callable[[], object]]], *,
             fn()
         except Exception as e:
             raise ValueError(
-                f"compiling {what} failed: {e}. If the device ran out of memory, lower "
-                "gpu_memory_utilization (or max_num_seqs / max_num_batched_tokens) to leave "
-                "XLA room to compile") from e
+                f"compiling {what} failed: {e}. If the device ran out of memory, leave XLA "
+                "room to compile with a smaller KV cache (kv_cache_memory or num_kv_blocks) "
+                "or lower max_num_seqs / max_num_batched_tokens") from e

@@ -136,9 +136,9 @@ def step_headroom(executables: list, reserve: int, device) -> dict[str, int]:
              step_bytes / GiB, reserve / GiB)
     if step_bytes > free:
         log.warning("the largest compiled step needs %.2f GiB but the pool has %.2f GiB free: "
-                    "a full batch would run out of device memory; lower "
-                    "gpu_memory_utilization, max_num_batched_tokens or max_num_seqs (or fix "
-                    "the KV cache with num_kv_blocks)", step_bytes / GiB, free / GiB)
+                    "a full batch would run out of device memory; leave it room with a "
+                    "smaller KV cache (kv_cache_memory or num_kv_blocks) or lower "
+                    "max_num_batched_tokens / max_num_seqs", step_bytes / GiB, free / GiB)
     return report
 
 

@@ -40,7 +40,8 @@ def test_a_compile_that_failed_in_the_pool_is_retried_alone(caplog):
 def test_a_second_failure_says_what_to_change():
     work = [("the step of 512 tokens / 512 sequences", _Compile(failures=2))]
     with pytest.raises(ValueError, match=r"compiling the step of 512 tokens / 512 sequences "
-                                           r"failed: RESOURCE_EXHAUSTED.*gpu_memory_utilization"):
+                                           r"failed: RESOURCE_EXHAUSTED.*smaller KV cache "
+                                           r"\(kv_cache_memory or num_kv_blocks\)"):
         compile_all(work, max_workers=2)
 
 
