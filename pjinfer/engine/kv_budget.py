@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 from pjinfer.config import ModelConfig
 from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.step import kv_bytes_per_block
+from pjinfer.kernels.common import is_fp8
 from pjinfer.sharding.mesh import tp_size
 
 CPU_KV_CACHE_BYTES = 256 << 20
@@ -65,12 +66,37 @@ def num_kv_blocks(cfg: ModelConfig, ecfg: EngineConfig, *, kv_dtype, act_dtype,
     else:
         blocks = device_kv_budget(ecfg, activation_bytes(cfg, ecfg, act_dtype),
                                   engine_device(mesh)) // per_block
+    blocks = outside_offset_overflow(blocks, cfg, ecfg, kv_dtype, mesh)
     if blocks < -(-max_model_len // ecfg.block_size) + 1:
         raise ValueError(
             f"the KV cache holds {max(blocks - 1, 0) * ecfg.block_size} tokens but "
             f"max_model_len is {max_model_len}: lower max_model_len, or give the cache "
             "more memory (gpu_memory_utilization, kv_cache_memory or num_kv_blocks)")
     return int(blocks)
+
+
+def outside_offset_overflow(blocks: int, cfg: ModelConfig, ecfg: EngineConfig, kv_dtype,
+                            mesh: Mesh | None) -> int:
+    """`blocks`, or fewer for an fp8 cache whose per-layer K or V array would hold 2**31 to
+    2**32 elements: Pallas' Triton lowering indexes an array with 32-bit offsets unless it
+    exceeds 2**32 bytes (jax's `_compute_offsets_from_indices`), so a one-byte array in that
+    band overflows them and the attention kernels would read outside the cache (a 1-3B model's
+    fp8 cache on an 80-141 GB GPU lands there). A fixed num_kv_blocks there is an error."""
+    if not is_fp8(kv_dtype) or jax.default_backend() != "gpu" \
+            or ecfg.attention_backend == "reference":
+        return blocks
+    per_block = ecfg.block_size * cfg.num_key_value_heads * cfg.head_dim // tp_size(mesh)
+    cap = (2**31 - 1) // per_block
+    if not cap < blocks <= 2**32 // per_block:
+        return blocks
+    why = (f"{blocks} fp8 KV blocks make each layer's K and V arrays {blocks * per_block:,} "
+           "bytes, where the Triton attention kernels' 32-bit offsets overflow (2**31 to "
+           "2**32 one-byte elements)")
+    if ecfg.num_kv_blocks is not None:
+        raise ValueError(f"num_kv_blocks: {why}; use at most {cap} or more than "
+                         f"{2**32 // per_block}")
+    log.warning("%s; the cache keeps %d blocks", why, cap)
+    return cap
 
 
 def engine_device(mesh: Mesh | None):

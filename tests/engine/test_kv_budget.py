@@ -142,3 +142,44 @@ def test_a_replica_is_sized_by_its_own_device():
     assert kv_budget.engine_device(None) == jax.local_devices()[0]
     mesh = make_mesh(2, devices=devices[2:4])
     assert kv_budget.engine_device(mesh) == devices[2]
+
+
+@pytest.fixture
+def on_gpu(monkeypatch):
+    """num_kv_blocks as the GPU sees it (no device is touched for a given size)."""
+    monkeypatch.setattr(kv_budget.jax, "default_backend", lambda: "gpu")
+
+
+def _blocks(kv_dtype="float8_e4m3fn", **engine):
+    import jax.numpy as jnp
+
+    from pjinfer.config import ModelConfig
+    from pjinfer.demo import DEMO_MODEL_DIR
+
+    cfg = ModelConfig.from_pretrained(DEMO_MODEL_DIR)
+    per_block = 16 * cfg.num_key_value_heads * cfg.head_dim  # one layer's K, one byte each
+    blocks = kv_budget.num_kv_blocks(cfg, EngineConfig(**engine), kv_dtype=jnp.dtype(kv_dtype),
+                                     act_dtype=jnp.bfloat16, mesh=None, max_model_len=512)
+    return blocks, per_block
+
+
+def test_an_fp8_cache_stays_out_of_the_32_bit_offset_band(on_gpu, caplog):
+    """A layer's one-byte K array of 2**31 to 2**32 elements overflows the Triton kernels'
+    32-bit offsets: the cache is cut to below 2**31; outside the band it is left alone."""
+    _, per_block = _blocks(num_kv_blocks=64)
+    layer_bytes = 2 * 4 * per_block  # K and V of the demo's 4 layers, a block
+    in_band = 3 * 2**30 // per_block
+    with caplog.at_level(logging.WARNING, logger="pjinfer"):
+        blocks, _ = _blocks(kv_cache_memory=in_band * layer_bytes)
+    assert blocks == (2**31 - 1) // per_block and "32-bit offsets overflow" in caplog.text
+    for fine in (2**30 // per_block, 5 * 2**30 // per_block):  # 1 GiB; 5 GiB (64-bit offsets)
+        assert _blocks(kv_cache_memory=fine * layer_bytes)[0] == fine
+    assert _blocks("bfloat16", kv_cache_memory=2 * in_band * layer_bytes)[0] == in_band
+    assert _blocks(kv_cache_memory=in_band * layer_bytes,
+                   attention_backend="reference")[0] == in_band
+
+
+def test_a_fixed_fp8_block_count_in_the_band_is_refused(on_gpu):
+    _, per_block = _blocks(num_kv_blocks=64)
+    with pytest.raises(ValueError, match=r"^num_kv_blocks: .* use at most \d+ or more than"):
+        _blocks(num_kv_blocks=3 * 2**30 // per_block)
