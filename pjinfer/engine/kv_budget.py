@@ -154,7 +154,8 @@ def step_headroom(executables: list, reserve: int, device) -> dict[str, int]:
     if "bytes_limit" not in stats:
         return {}
     step_bytes = max(map(step_allocation, executables), default=0)
-    report = {"pool_bytes": int(stats["bytes_limit"]), "in_use_bytes": int(stats["bytes_in_use"]),
+    report = {"pool_bytes": int(stats["bytes_limit"]),
+              "in_use_bytes": int(stats.get("bytes_in_use", 0)),
               "largest_step_bytes": step_bytes, "activation_reserve_bytes": reserve}
     free = report["pool_bytes"] - report["in_use_bytes"]
     log.info("device memory after warm-up: %.2f GiB free in the pool; the largest step "
