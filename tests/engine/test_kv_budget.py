@@ -183,3 +183,20 @@ def test_a_fixed_fp8_block_count_in_the_band_is_refused(on_gpu):
     _, per_block = _blocks(num_kv_blocks=64)
     with pytest.raises(ValueError, match=r"^num_kv_blocks: .* use at most \d+ or more than"):
         _blocks(num_kv_blocks=3 * 2**30 // per_block)
+
+
+def test_the_llm_class_claims_the_pool_before_jax_starts(no_pool_env):
+    """In a fresh process `LLM(...)` is the first JAX work: the pool variable is set from
+    gpu_memory_utilization before the backend reads it (here the CPU's, which ignores it)."""
+    import subprocess
+    import sys
+
+    code = ("import os, pjinfer\n"
+            "pjinfer.LLM(None, gpu_memory_utilization=0.8)\n"
+            "from pjinfer.engine.kv_budget import pool_fraction\n"
+            "print(os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'], pool_fraction())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env={k: v for k, v in os.environ.items()
+                                           if k not in kv_budget.POOL_VARIABLES})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["0.8", "0.8"]
