@@ -7,6 +7,9 @@ inputs/outputs are replicated so every process schedules and samples identically
     from pjinfer.sharding import distributed
     distributed.initialize()            # reads PJINFER_* below, or pass the three values
     llm = pjinfer.LLM(model, tensor_parallel_size=jax.device_count())
+
+`initialize` also sizes XLA's GPU memory pool (`gpu_memory_utilization`, as the engine would):
+`jax.device_count()` starts JAX before the engine could.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import os
 from dataclasses import dataclass
 
 import jax
+
+from pjinfer.engine.kv_budget import claim_device_memory
 
 ENV_COORDINATOR = "PJINFER_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "PJINFER_NUM_PROCESSES"
@@ -62,8 +67,11 @@ def _env_int(name: str) -> int:
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *,
-               local_device_ids: list[int] | None = None) -> DistributedConfig | None:
-    """Join the process group; a no-op (returns None) when nothing configures one."""
+               local_device_ids: list[int] | None = None,
+               gpu_memory_utilization: float = 0.9) -> DistributedConfig | None:
+    """Join the process group; a no-op (returns None) when nothing configures one. Either
+    way, first size XLA's memory pool for the engine (`kv_budget.claim_device_memory`)."""
+    claim_device_memory(gpu_memory_utilization)
     cfg = DistributedConfig.resolve(coordinator_address, num_processes, process_id)
     if cfg is None or cfg.num_processes == 1:
         return cfg

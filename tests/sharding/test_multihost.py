@@ -87,3 +87,16 @@ def test_distributed_config_errors(monkeypatch, env, message):
 def test_initialize_without_configuration_is_a_noop(monkeypatch):
     monkeypatch.delenv("PJINFER_COORDINATOR_ADDRESS", raising=False)
     assert initialize() is None
+
+
+def test_initialize_sizes_the_memory_pool_first(monkeypatch):
+    """Multi-host scripts call `jax.device_count()` right after: the pool must be claimed
+    before, with or without a process group."""
+    from pjinfer.engine import kv_budget
+
+    monkeypatch.delenv("PJINFER_COORDINATOR_ADDRESS", raising=False)
+    for name in kv_budget.POOL_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(kv_budget, "_backends_started", lambda: False)
+    assert initialize(gpu_memory_utilization=0.7) is None
+    assert kv_budget.pool_fraction() == 0.7
