@@ -165,6 +165,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     return record
 
 
+def _bytes_moved(touched: int, m: int, k: int, n: int) -> int:
+    """bf16 bytes a grouped GEMM of m rows needs: each touched expert's [K, N] read once, the
+    rows read, the outputs written."""
+    return 2 * (touched * k * n + m * k + m * n)
+
+
 def _prefill(fns, s, timing, ceilings, seed) -> dict[str, Any]:
     tokens, top_k = s["prefill_tokens"], s["top_k"]
     sizes = routed_group_sizes(tokens, s["experts"], top_k, seed)
@@ -174,7 +180,7 @@ def _prefill(fns, s, timing, ceilings, seed) -> dict[str, Any]:
     for name, k, n in _gemms(s):
         res = run_case(fns, m, k, n, sizes, timing, check=True)
         flops = 2 * m * k * n
-        moved = 2 * (touched * k * n + m * k + m * n)  # experts read once, rows in and out
+        moved = _bytes_moved(touched, m, k, n)
         roofline_s = max(flops / ceilings.matmul_flops_per_s, moved / ceilings.hbm_bytes_per_s)
         for kernel, t in res.items():
             if kernel.startswith(("max_abs", "failed")):
@@ -197,7 +203,7 @@ def _decode(fns, s, timing, bandwidth, seed) -> list[dict[str, Any]]:
         for name, k, n in _gemms(s):
             m = tokens * s["top_k"]
             res = run_case(fns, m, k, n, sizes, timing, check=tokens == s["decode_tokens"][-1])
-            moved = 2 * (touched * k * n + m * k + m * n)  # experts read, x read, out written
+            moved = _bytes_moved(touched, m, k, n)
             for kernel, t in res.items():
                 if kernel.startswith(("max_abs", "failed")):
                     continue

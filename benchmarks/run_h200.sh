@@ -282,8 +282,6 @@ stage_moe() {
   stage_moetput
 }
 
-# Issue 13's throughput target: Qwen3-30B-A3B shapes, 1,000 x 1,024 in / 256 out (N_MOE
-# overrides the prompt count), against the active-parameter compute roofline.
 # A mixed step's ~128 rows an expert are bandwidth-bound, and the prefill tiling's 128-row
 # tiles cut most experts into two (each reading its weights): wider and narrower row tiles.
 stage_moemid() {
@@ -294,6 +292,8 @@ stage_moemid() {
       --out "$JSON/moe_mid_tiles.json"
 }
 
+# Issue 13's throughput target: Qwen3-30B-A3B shapes, 1,000 x 1,024 in / 256 out (N_MOE
+# overrides the prompt count), against the active-parameter compute roofline.
 stage_moetput() {  # MOE_MAX_SEQS: sequences a step (each decode step streams every expert)
   local qwen=(--model configs/models/qwen3-30b-a3b --load-format dummy --dtype bfloat16
               --max-num-seqs ${MOE_MAX_SEQS:-256} --max-num-batched-tokens 8192)

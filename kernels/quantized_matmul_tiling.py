@@ -44,6 +44,7 @@ from collections.abc import Sequence
 import jax
 
 from pjinfer.kernels import common
+from pjinfer.kernels.common import MIN_PROGRAMS
 from pjinfer.quantization.weight import QuantizedWeight
 
 DOT_MIN_ROWS = 16  # Triton's smallest dot: M, N and K all >= 16
@@ -123,7 +124,6 @@ def supported(x: jax.Array, w: QuantizedWeight, sizes: QuantMatmulBlockSizes) ->
             and (not sizes.float16_dot or (w.kind == "fp8" and not sizes.elementwise)))
 
 
-MIN_PROGRAMS = common.MIN_PROGRAMS
 INT4_DOT_ROWS = 48  # int4 tokens the 16-row dot tiles take (the Pallas dispatch's limit)
 # up to here no dot (no padding to 16 rows); above, `jnp.dot`. At 2 rows (a step padded to
 # `--cuda-graph-sizes 2`) the fp8 elementwise tilings ran 1.3-1.8x the dots' times on the

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import jax
 
+from pjinfer.engine.config import ENGINE_ARGS
 from pjinfer.engine.kv_budget import claim_device_memory
 
 ENV_COORDINATOR = "PJINFER_COORDINATOR_ADDRESS"
@@ -68,7 +69,8 @@ def _env_int(name: str) -> int:
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *,
                local_device_ids: list[int] | None = None,
-               gpu_memory_utilization: float = 0.9) -> DistributedConfig | None:
+               gpu_memory_utilization: float = ENGINE_ARGS["gpu_memory_utilization"].default,
+               ) -> DistributedConfig | None:
     """Join the process group; a no-op (returns None) when nothing configures one. Either
     way, first size XLA's memory pool for the engine (`kv_budget.claim_device_memory`)."""
     claim_device_memory(gpu_memory_utilization)

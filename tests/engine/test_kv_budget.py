@@ -51,7 +51,7 @@ class _Device:
         return self.stats
 
 
-def _budget(monkeypatch, *, limit, weights, activations, utilization):
+def _budget(*, limit, weights, activations, utilization):
     return kv_budget.device_kv_budget(EngineConfig(gpu_memory_utilization=utilization),
                                       activations, _Device(limit, weights))
 
@@ -59,29 +59,28 @@ def _budget(monkeypatch, *, limit, weights, activations, utilization):
 def test_budget_is_utilization_of_the_device_minus_weights_and_activations(
         no_pool_env, monkeypatch):
     monkeypatch.setenv(kv_budget.POOL_VARIABLES[0], "0.9")  # a 100 GiB device's pool
-    free = _budget(monkeypatch, limit=90 * GiB, weights=16 * GiB, activations=3 * GiB,
+    free = _budget(limit=90 * GiB, weights=16 * GiB, activations=3 * GiB,
                    utilization=0.5)
     assert free == (50 - 16 - 3) * GiB
-    free = _budget(monkeypatch, limit=90 * GiB, weights=16 * GiB, activations=3 * GiB,
+    free = _budget(limit=90 * GiB, weights=16 * GiB, activations=3 * GiB,
                    utilization=0.9)
     assert free == (90 - 16 - 3) * GiB
 
 
-def test_a_pool_smaller_than_asked_caps_the_budget_and_says_why(no_pool_env, monkeypatch,
-                                                                 caplog):
+def test_a_pool_smaller_than_asked_caps_the_budget_and_says_why(no_pool_env, caplog):
     """JAX started at XLA's default 75% before the engine: the KV cache gets what the pool
     has, and the log names the variable that would give it the rest."""
     with caplog.at_level(logging.WARNING, logger="pjinfer"):
-        free = _budget(monkeypatch, limit=75 * GiB, weights=16 * GiB, activations=3 * GiB,
+        free = _budget(limit=75 * GiB, weights=16 * GiB, activations=3 * GiB,
                        utilization=0.9)
     assert free == (75 - 16 - 3) * GiB
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.9" in caplog.text
 
 
-def test_a_model_that_does_not_fit_names_the_fixes(no_pool_env, monkeypatch):
+def test_a_model_that_does_not_fit_names_the_fixes(no_pool_env):
     with pytest.raises(ValueError, match="exceed the 75.0 GiB budget by 5.0 GiB.*"
                                          "gpu_memory_utilization"):
-        _budget(monkeypatch, limit=75 * GiB, weights=70 * GiB, activations=10 * GiB,
+        _budget(limit=75 * GiB, weights=70 * GiB, activations=10 * GiB,
                 utilization=0.75)
 
 
