@@ -199,3 +199,39 @@ def test_the_llm_class_claims_the_pool_before_jax_starts(no_pool_env):
                                            if k not in kv_budget.POOL_VARIABLES})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["0.8", "0.8"]
+
+
+@pytest.mark.parametrize("dtype, num_blocks, offsets", [
+    ("float8_e4m3fn", 98304, "i32"),  # 1.5 GiB a layer array: below 2**31 elements
+    ("float8_e4m3fn", 196608, "i32"),  # 3 GiB: 1.5 x 2**31 elements in 32-bit offsets
+    ("float8_e4m3fn", 393216, "i64"),  # 6 GiB: over 2**32 bytes
+    ("bfloat16", 196608, "i64"),  # 6 GiB, 1.5 x 2**31 elements
+])
+def test_the_band_is_where_pallas_indexes_with_32_bits(dtype, num_blocks, offsets):
+    """What `outside_offset_overflow` guards against, read from the lowering itself: the
+    decode kernel's K/V pointer offsets, lowered for CUDA (no GPU needed), are 32-bit up to
+    2**32 bytes whatever the element count, so one-byte arrays of 2**31-2**32 elements wrap."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from pjinfer.benchmarks.kernel_ptx import triton_ir
+    from pjinfer.kernels.common import AttentionParams
+    from pjinfer.kernels.decode_attention import decode_attention
+
+    cache = jax.ShapeDtypeStruct((num_blocks, 16, 8, 128), jnp.dtype(dtype))
+    ir = triton_ir(lambda *a: decode_attention(*a, AttentionParams(scale=0.088)),
+                   jax.ShapeDtypeStruct((8, 32, 128), jnp.bfloat16), cache, cache,
+                   jax.ShapeDtypeStruct((8, 64), jnp.int32),
+                   jax.ShapeDtypeStruct((8,), jnp.int32))[0]
+    pointee = "f8E4M3FN" if dtype.startswith("float8") else "bf16"
+    # K's and V's gathers: 4 pages of 16 rows (the default tiling) x 128
+    kv = re.findall(rf"tt\.addptr .*tensor<64x128x!tt\.ptr<{pointee}>>, tensor<64x128x(i\d+)>",
+                    ir)
+    assert len(kv) == 2 and set(kv) == {offsets}
+    per_block = 16 * 8 * 128  # elements of one layer's K a block
+    overflows = offsets == "i32" and num_blocks * per_block > 2**31 - 1
+    guarded = jnp.dtype(dtype).itemsize == 1 and \
+        (2**31 - 1) // per_block < num_blocks <= 2**32 // per_block  # the cap's band
+    assert overflows == guarded
