@@ -20,6 +20,10 @@ Needs the `triton` package (not a pjinfer dependency), e.g.
         --kv-dtype float8_e4m3fn --out decode_fp8.json   # Llama-3-8B heads, pages of 16
         [--num-warps / --num-stages over the default tiling]
     (--kind ragged_attention: the mixed-step kernel, 2,048 query tokens of 256 sequences)
+    python -m pjinfer.benchmarks.kernel_ptx --triton-path /tmp/triton --kind routed \
+        --expert-dtype float8_e4m3fn --tokens 8 --out routed_fp8.json
+    (--kind grouped / routed: the MoE expert GEMMs over Qwen3-30B-A3B's gate/up experts, 128
+    x 2048 -> 1536, float or quantized (`--expert-dtype`); grouped at --tokens x 8 rows)
 Without it only the Triton IR's op counts are recorded. Triton writes some instructions
 (conversions) as inline assembly, unindented: the loop mix counts those lines too.
 """
@@ -38,6 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 ATTENTION = ("decode_attention", "ragged_attention")  # the paged attention kernels
+EXPERTS = ("grouped", "routed")  # the MoE expert GEMMs
 FIELDS = ("block_t", "block_n", "block_k", "unroll", "k_splits", "num_warps", "num_stages",
           "weight_operand")
 
@@ -45,7 +50,11 @@ FIELDS = ("block_t", "block_n", "block_k", "unroll", "k_splits", "num_warps", "n
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="JSON record path")
-    p.add_argument("--kind", default="int4", choices=("int4", "int8", "fp8") + ATTENTION)
+    p.add_argument("--kind", default="int4",
+                   choices=("int4", "int8", "fp8") + ATTENTION + EXPERTS)
+    p.add_argument("--expert-dtype", default="bfloat16",
+                   choices=("bfloat16", "float8_e4m3fn", "int8"),
+                   help="grouped / routed: the experts' stored dtype (one byte: quantized)")
     p.add_argument("--kv-dtype", default="bfloat16", choices=("bfloat16", "float8_e4m3fn"),
                    help="attention: the cache's dtype (the query is bfloat16)")
     p.add_argument("--pages", type=int, default=None,
@@ -128,6 +137,42 @@ def attention_ttir(kind: str, kv_dtype: str, pages: int,
                              jax.ShapeDtypeStruct((tokens, heads, dim), jnp.bfloat16), cache,
                              cache, md)
     return captured[0], sizes, 2 * pages * block * dim
+
+
+def experts_ttir(kind: str, dtype: str, tokens: int) -> tuple[str, object, int]:
+    """(Triton IR text, tiling, weight elements a loop step reads) of the grouped (`tokens`
+    x top-8 rows, the default tiling for them) or routed (`tokens` rows, 2 K ranges) GEMM
+    over Qwen3-30B-A3B's gate/up experts stored as `dtype` (one byte: values [E, N, K] and
+    scales, `pjinfer.quantization.experts`)."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    from pjinfer.kernels import ops
+    from pjinfer.kernels.grouped_matmul import grouped_matmul, routed_matmul
+
+    experts, k, n, quantized = 128, 2048, 1536, jnp.dtype(dtype).itemsize == 1
+    values = jax.ShapeDtypeStruct((experts, n, k) if quantized else (experts, k, n), dtype)
+    scales = [jax.ShapeDtypeStruct((experts, n), jnp.float32)] if quantized else []
+    if kind == "grouped":
+        rows = tokens * 8
+        tiling = ops.default_grouped_block_sizes(rows, experts, k, n)
+        captured = triton_ir(lambda x, w, g, *s: grouped_matmul(
+            x, w, g, rhs_scales=s[0] if s else None, **tiling),
+            jax.ShapeDtypeStruct((rows, k), jnp.bfloat16), values,
+            jax.ShapeDtypeStruct((experts,), jnp.int32), *scales)
+        elements = tiling["block_k"] * tiling["block_n"]
+    else:
+        tiling = dict(block_n=128, block_k=128, num_warps=4, num_stages=3, k_splits=2)
+        captured = triton_ir(lambda x, w, i, *s: routed_matmul(
+            x, w, i, per_assignment=False, rhs_scales=s[0] if s else None, **tiling),
+            jax.ShapeDtypeStruct((tokens, k), jnp.bfloat16), values,
+            jax.ShapeDtypeStruct((tokens, 8), jnp.int32), *scales)
+        elements = tiling["block_k"] * tiling["block_n"]
+    sizes = types.SimpleNamespace(num_warps=tiling.get("num_warps", 4),
+                                  num_stages=tiling.get("num_stages", 3), tiling=tiling)
+    return captured[0], sizes, elements
 
 
 def triton_ir(fn, *args) -> list[str]:
@@ -269,12 +314,19 @@ def run(argv: list[str] | None = None) -> dict:
                              f"not {', '.join(sorted(set(overrides) - set(tiling)))}")
         ttir, sizes, elements = attention_ttir(a.kind, a.kv_dtype, pages, tiling)
         record = {"kind": a.kind, "kv_dtype": a.kv_dtype, "tiling": str(sizes)}
+    elif a.kind in EXPERTS:
+        if overrides:
+            raise SystemExit(f"--kind {a.kind} takes the default tiling (no tiling fields)")
+        ttir, sizes, elements = experts_ttir(a.kind, a.expert_dtype, a.tokens)
+        record = {"kind": a.kind, "expert_dtype": a.expert_dtype, "tokens": a.tokens,
+                  "tiling": str(sizes.tiling)}
     else:
         ttir, sizes = kernel_ttir(a.kind, a.tokens, a.k, a.n, a.group_size, overrides)
         elements = sizes.unroll * sizes.block_k * sizes.block_n  # weight elements a step
         record = {"kind": a.kind, "tokens": a.tokens, "k": a.k, "n": a.n,
                   "tiling": sizes.describe()}
-    record.update(block_sizes=dataclasses.asdict(sizes),
+    record.update(block_sizes=(sizes.tiling if a.kind in EXPERTS
+                               else dataclasses.asdict(sizes)),
                   ttir_ops=op_counts(ttir, r"= ([a-z_]+\.[a-z_\.]+)"))
     try:
         import triton  # noqa: F401

@@ -29,6 +29,7 @@ from pjinfer.kernels.grouped_matmul import routed_matmul_reference
 from pjinfer.kernels.metadata import AttentionMetadata
 from pjinfer.kernels.quantized_matmul_tiling import INT4_DOT_ROWS
 from pjinfer.kernels.ragged_attention import ragged_attention, ragged_attention_reference
+from pjinfer.quantization.experts import QuantizedExperts, dequantize_experts
 from pjinfer.quantization.weight import QuantizedWeight
 from pjinfer.sharding.mesh import traced_tp_mesh
 
@@ -140,32 +141,48 @@ def _mixed_attention(q, k_cache, v_cache, md: AttentionMetadata, attn: Attention
     return out.at[rows].set(out_single, mode="drop")
 
 
-def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+Experts = jax.Array | QuantizedExperts  # a stack [G, K, N], float or quantized
+
+
+def _stored(rhs: Experts) -> tuple[jax.Array, jax.Array | None]:
+    """What the kernels take: (a float stack [G, K, N], None) or (quantized values [G, N, K],
+    their scales [G, N])."""
+    if isinstance(rhs, QuantizedExperts):
+        return rhs.values, rhs.scales
+    return rhs, None
+
+
+def grouped_matmul(lhs: jax.Array, rhs: Experts, group_sizes: jax.Array, *,
                    backend: str = "auto", out_dtype=None) -> jax.Array:
     """lhs [M, K] (rows sorted by group) times rhs [G, K, N], group g taking the next
     group_sizes[g] rows -> [M, N] in `out_dtype` (default lhs's), float32 sums.
 
     Pallas on GPU: `jax.lax.ragged_dot` there runs ~100x below the matmul rate (71.6 ms for
     Qwen3-30B-A3B's 8,192-token prefill on an H200). `ragged_dot` elsewhere (and for
-    "reference"); "pallas"/"triton" force the kernel (interpret mode without a GPU).
+    "reference"), over quantized experts dequantized to lhs's dtype; "pallas"/"triton" force
+    the kernel (interpret mode without a GPU), which streams quantized values as stored.
     """
     out_dtype = out_dtype or lhs.dtype
     if not _use_pallas(backend):
+        if isinstance(rhs, QuantizedExperts):
+            rhs = dequantize_experts(rhs, lhs.dtype)
         return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),
                                   preferred_element_type=jnp.float32).astype(out_dtype)
-    return pallas_grouped_matmul(lhs, rhs, group_sizes, out_dtype=out_dtype,
-                                 interpret=_interpret(),
+    values, scales = _stored(rhs)
+    return pallas_grouped_matmul(lhs, values, group_sizes, rhs_scales=scales,
+                                 out_dtype=out_dtype, interpret=_interpret(),
                                  **default_grouped_block_sizes(lhs.shape[0], *rhs.shape))
 
 
-def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignment: bool,
+def routed_matmul(lhs: jax.Array, rhs: Experts, ids: jax.Array, *, per_assignment: bool,
                   backend: str = "auto", out_dtype=None) -> jax.Array:
     """ids [T, k] -> [T*k, N]: row t*k+j = lhs[t] (or lhs[t*k+j] when `per_assignment`) @
     rhs[ids[t, j]], 0 where ids[t, j] < 0; each chosen expert read once (Pallas)."""
+    groups, kk, n = rhs.shape  # of the float stack, quantized or not
+    rhs, scales = _stored(rhs)
     if not _use_pallas(backend):
         return routed_matmul_reference(lhs, rhs, ids, per_assignment=per_assignment,
-                                       out_dtype=out_dtype)
-    groups, kk, n = rhs.shape
+                                       rhs_scales=scales, out_dtype=out_dtype)
     # n128 / k128: round 7's sweep on the H200 (RESULTS.md) found them best or within 9% of
     # the best at 1-16 tokens for Qwen3-30B-A3B and Mixtral-8x7B experts
     bn, bk = _dividing(128, n), _dividing(128, kk)
@@ -173,7 +190,7 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
     # T with inactive rows, so T cannot tell how many experts a step reads
     busy = -(-n // bn) * min(ids.shape[1], groups)
     return pallas_routed_matmul(lhs, rhs, ids, per_assignment=per_assignment,
-                                out_dtype=out_dtype, interpret=_interpret(),
+                                rhs_scales=scales, out_dtype=out_dtype, interpret=_interpret(),
                                 block_n=bn, block_k=bk,
                                 k_splits=routed_k_splits(busy, -(-kk // bk)))
 

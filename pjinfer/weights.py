@@ -30,7 +30,13 @@ from pjinfer.errors import ModelLoadError
 from pjinfer.models.spec import ParamSpec, build_tree
 from pjinfer.quantization.config import QuantConfig
 from pjinfer.quantization.gguf_file import GGUFIndex, gguf_path
-from pjinfer.quantization.loader import load_quantized, quantizable, quantize_on_device
+from pjinfer.quantization.loader import (
+    load_quantized,
+    loads_quantized,
+    quantizable,
+    quantizable_experts,
+    quantize_on_device,
+)
 from pjinfer.sharding.checkpoint import is_orbax_checkpoint, restore_params
 from pjinfer.sharding.mesh import make_mesh
 from pjinfer.sharding.placement import Placer, shard_params
@@ -189,7 +195,7 @@ def load_params(model_dir: str | Path | None, cfg: ModelConfig, *, dtype: str = 
 def _safetensors(index: SafetensorsIndex | GGUFIndex, cfg: ModelConfig, placer: Placer,
                  model_dtype: Any, quantization: QuantConfig | None = None) -> Params:
     specs = cfg.param_specs()
-    quantized = {p.path for p in specs if quantization is not None and quantizable(p)}
+    quantized = {p.path for p in specs if loads_quantized(p, quantization)}
     floats = _read_ahead(index, [p for p in specs if p.path not in quantized], cfg)
 
     def load_float(p: ParamSpec, host: np.ndarray | None = None) -> jax.Array:
@@ -227,7 +233,8 @@ def _dummy(cfg: ModelConfig, placer: Placer, model_dtype: Any, seed: int,
 
     def make(n: int, p: ParamSpec) -> Any:
         w = placer.generate(p, p.target_dtype(model_dtype), jax.random.fold_in(key, n))
-        if quantization is not None and quantizable(p):
+        if quantization is not None and (quantizable(p)
+                                         or quantizable_experts(p, quantization)):
             return quantize_on_device(w, p, quantization, placer)
         return w
     return build_tree((p.path, make(n, p)) for n, p in enumerate(cfg.param_specs()))

@@ -3,7 +3,8 @@
 Params of a MoE layer (weights input-major, like every pjinfer linear):
   router [D, E]; experts_gate_up [E, D, 2, I] (gate then up of each expert); experts_down
   [E, I, D]; optional shared expert (Qwen2-MoE) `shared_expert` {gate_proj, up_proj,
-  down_proj} and `shared_expert_gate` [D, 1].
+  down_proj} and `shared_expert_gate` [D, 1]. Under fp8 / int8 quantization either expert stack
+  is a `QuantizedExperts` (pjinfer.quantization.experts), which the kernels read as stored.
 gate and up sit on their own axis of size 2 so that splitting I over tensor-parallel shards
 keeps each shard's gate and up columns together: a shard's [E, D, 2, I/tp] block reshapes for
 free to the [E, D, 2I/tp] of one fused grouped GEMM.
@@ -36,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from pjinfer.kernels import ops
 from pjinfer.models.layers import gated_mlp, linear
+from pjinfer.quantization.experts import QuantizedExperts, scale_axes, value_axes
 from pjinfer.sharding.attention import shard_map
 from pjinfer.sharding.mesh import traced_tp_mesh
 
@@ -82,15 +84,15 @@ def route(logits: jax.Array, top_k: int, renormalize: bool,
     return jnp.where(valid[:, None], weights, 0.0), jnp.where(valid[:, None], ids, -1)
 
 
-def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Array,
-               down: jax.Array, first_expert: jax.Array | int | None = None, *,
+def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: ops.Experts,
+               down: ops.Experts, first_expert: jax.Array | int | None = None, *,
                backend: str = "auto", path: str = "auto") -> jax.Array:
     """Sum over each token's k experts of weight * down(silu(gate(x)) * up(x)), float32 [T, D].
 
     x [T, D]; weights/ids [T, k] (id < 0: none; weight 0: adds nothing); gate_up [E', D, 2, I'];
     down [E', I', D] hold every expert (`first_expert` None) or experts first_expert ..
     first_expert + E' - 1 (one EP shard's), each over I' columns (all of I, or one TP shard's:
-    then the result is a partial sum).
+    then the result is a partial sum); either stack may be `QuantizedExperts`.
     `path` "sorted" / "routed" overrides `ops.prefers_routed_matmul` (benchmarks).
     """
     if path not in ("auto", "sorted", "routed"):
@@ -103,7 +105,8 @@ def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Ar
         local = ids - first_expert
         mine = (local >= 0) & (local < num_local) & (weights > 0)  # [T, k]
         local = jnp.where(mine, local, -1)
-    gate_up = gate_up.reshape(num_local, d, 2 * inter)
+    gate_up = (gate_up.with_out_shape(2 * inter) if isinstance(gate_up, QuantizedExperts)
+               else gate_up.reshape(num_local, d, 2 * inter))
     if path == "routed" or (path == "auto" and ops.prefers_routed_matmul(backend, t)):
         y = _routed_experts(x, local, gate_up, down, backend)
     else:
@@ -148,6 +151,7 @@ def _sharded_expert_ffn(x, weights, ids, gate_up, down, *, expert_parallel: bool
         specs = (P("tp", None, None, None), P("tp", None, None))
     else:
         specs = (P(None, None, None, "tp"), P(None, "tp", None))
+    specs = tuple(_stack_spec(w, spec) for w, spec in zip((gate_up, down), specs, strict=True))
 
     def local(x, weights, ids, gate_up, down):
         first = jax.lax.axis_index("tp") * gate_up.shape[0] if expert_parallel else None
@@ -156,6 +160,14 @@ def _sharded_expert_ffn(x, weights, ids, gate_up, down, *, expert_parallel: bool
 
     return shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), *specs),
                      out_specs=P())(x, weights, ids, gate_up, down)
+
+
+def _stack_spec(stack: ops.Experts, spec: P) -> P | QuantizedExperts:
+    """A stack's shard_map spec (of its float [E, K, *out]); a quantized one's values and
+    scales split along the same axes."""
+    if not isinstance(stack, QuantizedExperts):
+        return spec
+    return QuantizedExperts(P(*value_axes(tuple(spec))), P(*scale_axes(tuple(spec))))
 
 
 def moe_block(lp: dict, x: jax.Array, *, moe: MoeConfig, valid: jax.Array | None = None,

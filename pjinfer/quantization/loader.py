@@ -1,6 +1,7 @@
 """Quantized weights into their place: read from a checkpoint, quantized at load, or dummy.
 
-Which params are quantized: the decoder layers' Linear weights (`*_proj`); embeddings, norms,
+Which params are quantized: the decoder layers' Linear weights (`*_proj`) and, for fp8 / int8,
+a MoE layer's expert stacks (`pjinfer.quantization.experts`); embeddings, norms, routers,
 biases and the head stay in the model dtype. Pre-quantized formats replace HF Linear weights
 (one `.weight`, transposed to input-major except fp8's, which stay [out, in]); a checkpoint
 may leave some of them float (an `ignore` list, `modules_to_not_convert`): a layer is read as
@@ -19,12 +20,21 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 
 from pjinfer.errors import ModelLoadError
 from pjinfer.models.spec import ParamSpec, transpose
 from pjinfer.quantization import awq, compressed_tensors, fp8, gguf_blocks, gptq
 from pjinfer.quantization.config import QuantConfig
+from pjinfer.quantization.experts import (
+    EXPERT_KINDS,
+    QuantizedExperts,
+    expert_bytes,
+    quantize_experts,
+    scale_axes,
+    value_axes,
+)
 from pjinfer.quantization.host import HostQuant
 from pjinfer.quantization.weight import (
     OUT_MAJOR,
@@ -45,11 +55,33 @@ def quantizable(p: ParamSpec) -> bool:
     return p.path[0] == "layers" and str(p.path[-1]).endswith("_proj") and len(p.shape) == 2
 
 
+# A MoE layer's routed-expert stacks ([E, K, *out]; pjinfer.models.moe names them)
+EXPERT_STACKS = ("experts_gate_up", "experts_down")
+
+
+def loads_quantized(p: ParamSpec, q: QuantConfig | None) -> bool:
+    """Whether `load_quantized` loads `p`: a Linear weight, or an expert stack that `q`
+    quantizes or a quantized checkpoint may store quantized."""
+    if q is None:
+        return False
+    stack = p.path[0] == "layers" and p.path[-1] in EXPERT_STACKS and q.method != "gguf"
+    return quantizable(p) or quantizable_experts(p, q) or (stack and q.from_checkpoint)
+
+
+def quantizable_experts(p: ParamSpec, q: QuantConfig | None) -> bool:
+    """An expert stack that `q` turns into `QuantizedExperts`: fp8 / int8 quantization (on
+    the fly, dummy weights, or an fp8 checkpoint, which may store its experts float)."""
+    return (q is not None and p.path[0] == "layers" and p.path[-1] in EXPERT_STACKS
+            and q.method != "gguf" and q.weight_kind in EXPERT_KINDS)
+
+
 def device_bytes(p: ParamSpec, q: QuantConfig | None, itemsize: int) -> int:
     """Bytes a param will take on the device, from its spec alone (memory planning before a
     load): a Linear weight the quantization replaces at its bits plus float32 scales (and
     zeros, and an act-order permutation) per group; anything else at `itemsize` (the model
     dtype's). GGUF tensors, whose types only the file knows, count as float."""
+    if quantizable_experts(p, q):
+        return expert_bytes(p.shape)
     if q is None or q.method == "gguf" or not quantizable(p) or (
             q.from_checkpoint and not _stored_as_linear(p)):
         return math.prod(p.shape) * itemsize
@@ -89,6 +121,8 @@ def load_quantized(get: Callable[[str], Any], has: Callable[[str], bool], p: Par
     float weight (quantized on the device for the on-the-fly methods)."""
     if not q.from_checkpoint:
         return quantize_on_device(load_float(p), p, q, placer)
+    if p.path[-1] in EXPERT_STACKS:
+        return _checkpoint_experts(get, has, p, q, placer, load_float)
     prefix = p.hf_names[0].removesuffix(".weight")
     if not _stored_as_linear(p) or not has(f"{prefix}.{_marker(q)}"):
         return load_float(p)
@@ -98,6 +132,53 @@ def load_quantized(get: Callable[[str], Any], has: Callable[[str], bool], p: Par
         raise ModelLoadError(f"checkpoint is missing tensor {e.args[0]!r}: a {q.method} layer "
                              f"needs {', '.join(f'{prefix}.{n}' for n in _parts(q))}") from None
     return place_host(host, p, placer)
+
+
+def _checkpoint_experts(get: Callable[[str], Any], has: Callable[[str], bool], p: ParamSpec,
+                        q: QuantConfig, placer: Placer,
+                        load_float: Callable[[ParamSpec], jax.Array]) -> Any:
+    """An expert stack from a quantized checkpoint: float experts as they are; fp8 experts
+    (each a float8_e4m3fn [out, in] `.weight` with a per-tensor or per-channel
+    `.weight_scale`, as for a Linear) stacked into `QuantizedExperts`; any other stored
+    quantization refused by name."""
+    first = p.hf_names[0].removesuffix(".weight")
+    if not has(f"{first}.{_marker(q)}"):
+        return load_float(p)
+    if q.weight_kind != "fp8":
+        raise ModelLoadError(
+            f"tensor {first}.{_marker(q)}: MoE experts stored as {q.method} {q.bits}-bit weights "
+            "are not supported (pjinfer reads fp8 expert weights, or float ones it quantizes "
+            "with quantization='fp8' or 'int8'); use the model's float or fp8 checkpoint")
+    e, rows, *out = p.shape
+    try:  # each expert's HF [out, in] tensors, in the stack's order (gate/up: g0, u0, g1, ...)
+        hosts = [fp8.read(get, name.removesuffix(".weight"), (rows, out[-1]), q)
+                 for name in p.hf_names]
+    except KeyError as e:
+        raise ModelLoadError(f"checkpoint is missing tensor {e.args[0]!r}: fp8 experts need a "
+                             f"weight and a weight_scale for each of {first} ...") from None
+    values = np.stack([h.packed for h in hosts]).reshape(e, *out, rows)  # as stored
+    scales = np.stack([h.scales[0] for h in hosts]).reshape(e, *out)
+    value_spec, scale_spec = _part_specs(p, placer)
+    return QuantizedExperts(placer.from_host(value_spec, values),
+                            placer.from_host(scale_spec, scales))
+
+
+def _part_specs(p: ParamSpec, placer: Placer) -> tuple[ParamSpec, ParamSpec]:
+    """ParamSpecs of an expert stack's values [E, *out, K] and scales [E, *out], placed
+    along the float stack's axes."""
+    axes = placer.axes(p)
+    e, rows, *out = p.shape
+    return (ParamSpec((*p.path, "values"), (e, *out, rows), axes=value_axes(axes)),
+            ParamSpec((*p.path, "scales"), (e, *out), dtype="float32", axes=scale_axes(axes)))
+
+
+def _place_experts(qe: QuantizedExperts, p: ParamSpec, placer: Placer) -> QuantizedExperts:
+    """Values and scales split along the float stack's axes."""
+    if placer.mesh is None:
+        return qe
+    value_spec, scale_spec = _part_specs(p, placer)
+    return QuantizedExperts(jax.device_put(qe.values, placer.sharding(value_spec)),
+                            jax.device_put(qe.scales, placer.sharding(scale_spec)))
 
 
 def _check_whole_groups(p: ParamSpec, placer: Placer, groups: int) -> None:
@@ -149,7 +230,10 @@ def _transpose_into(sharding: NamedSharding) -> Callable[[jax.Array], jax.Array]
 def quantize_on_device(w: jax.Array, p: ParamSpec, q: QuantConfig,
                        placer: Placer) -> QuantizedWeight:
     """A float weight already placed -> the method's quantized form, parts placed like it
-    (per output channel for int8 / fp8; symmetric int4 in groups for dummy 4-bit weights)."""
+    (per output channel for int8 / fp8; symmetric int4 in groups for dummy 4-bit weights;
+    an expert stack per expert and output channel)."""
+    if p.path[-1] in EXPERT_STACKS:
+        return _place_experts(quantize_experts(w, q.weight_kind), p, placer)
     rows = w.shape[0]
     if q.weight_kind == "int4":
         group = rows if q.group_size == -1 else q.group_size

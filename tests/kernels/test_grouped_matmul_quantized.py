@@ -1,0 +1,110 @@
+"""The grouped and routed expert kernels over quantized experts (fp8, int8 values with
+per-expert, per-column scales) against their references, which dequantize first."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pjinfer.kernels import ops
+from pjinfer.kernels.grouped_matmul import (
+    grouped_matmul,
+    grouped_matmul_reference,
+    routed_matmul,
+    routed_matmul_reference,
+)
+from pjinfer.quantization.experts import dequantize_experts, quantize_experts
+from tests.kernels.lowering import cuda_module
+from tests.kernels.test_grouped_matmul import F32_TOL, INTERPRET, _inputs
+
+
+def _quantized(rhs: jax.Array, kind: str):
+    """rhs [G, K, N] -> (QuantizedExperts, the float weights it stands for [G, K, N])."""
+    q = quantize_experts(rhs, kind)
+    return q, dequantize_experts(q)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize("m, k, n, g, bm, bn, bk, splits, tail", [
+    (37, 48, 40, 6, 16, 16, 16, 1, 0),  # K and N padded (scales padded with N)
+    (64, 64, 128, 8, 16, 32, 32, 1, 5),  # rows past the last group stay 0
+    (5, 64, 16, 9, 16, 16, 16, 4, 0),  # decode-like, K split 4 ways: each partial scaled
+])
+def test_grouped_kernel_on_quantized_experts(kind, m, k, n, g, bm, bn, bk, splits, tail):
+    lhs, rhs, sizes = _inputs(m + n + g, m, k, n, g, tail=tail)
+    q, w = _quantized(rhs, kind)
+    want = grouped_matmul_reference(lhs, w, sizes)  # the float weights q stands for
+    ref = grouped_matmul_reference(lhs, q.values, sizes, rhs_scales=q.scales)
+    np.testing.assert_allclose(ref, want, **F32_TOL)
+    out = grouped_matmul(lhs, q.values, sizes, rhs_scales=q.scales, block_m=bm, block_n=bn,
+                         block_k=bk, k_splits=splits, interpret=INTERPRET)
+    np.testing.assert_allclose(out, want, **F32_TOL)
+    assert not np.any(np.asarray(out)[m - tail:])
+    for backend in ("reference", "pallas"):
+        got = ops.grouped_matmul(lhs, q, sizes, backend=backend)
+        np.testing.assert_allclose(got, want, **F32_TOL, err_msg=backend)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize("t, k, g, kk, n, per_assignment, k_splits", [
+    (3, 2, 6, 48, 40, False, 1),  # K and N padded
+    (16, 8, 20, 32, 48, True, 2),  # Qwen3-like top-8, lhs per assignment, 2 K ranges
+])
+def test_routed_kernel_on_quantized_experts(kind, t, k, g, kk, n, per_assignment, k_splits):
+    rng = np.random.default_rng(t * g + kk)
+    ids = np.argsort(rng.random((t, g)), axis=1)[:, :k].astype(np.int32)
+    ids[rng.random((t, k)) < 0.25] = -1
+    ids = jnp.asarray(ids)
+    lhs = jnp.asarray(rng.normal(size=(t * k if per_assignment else t, kk)), jnp.float32)
+    q, w = _quantized(jnp.asarray(rng.normal(size=(g, kk, n)) / np.sqrt(kk), jnp.float32), kind)
+    want = routed_matmul_reference(lhs, w, ids, per_assignment=per_assignment)
+    out = routed_matmul(lhs, q.values, ids, per_assignment=per_assignment, rhs_scales=q.scales,
+                        block_n=16, block_k=16, k_splits=k_splits, interpret=INTERPRET)
+    np.testing.assert_allclose(out, want, **F32_TOL)
+    for backend in ("reference", "pallas"):
+        got = ops.routed_matmul(lhs, q, ids, per_assignment=per_assignment, backend=backend)
+        np.testing.assert_allclose(got, want, **F32_TOL, err_msg=backend)
+
+
+def test_bfloat16_rows_over_fp8_experts():
+    """What the GPU runs: bf16 rows, fp8 values widened to bf16 for the dot (exact: e4m3 fits
+    bf16), float32 sums scaled after the K loop."""
+    lhs, rhs, sizes = _inputs(11, 40, 64, 32, 5, jnp.bfloat16)
+    q, w = _quantized(rhs, "fp8")
+    out = grouped_matmul(lhs, q.values, sizes, rhs_scales=q.scales, block_m=16, block_n=16,
+                         block_k=16, out_dtype=jnp.float32, interpret=INTERPRET)
+    want = grouped_matmul_reference(lhs.astype(jnp.float32), w, sizes)
+    np.testing.assert_allclose(out, want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="on a GPU the compiled kernel tests run the lowering")
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.int8])
+def test_kernels_lower_to_triton_ir_over_quantized_qwen3_experts(dtype):
+    """Without a GPU: the prefill-tiled grouped GEMM and the routed decode GEMM over Qwen3-30B-
+    A3B's gate/up experts stored in one byte, bf16 rows, lower through Pallas to Triton IR."""
+    values = jax.ShapeDtypeStruct((128, 1536, 2048), dtype)  # [E, 2I, D] as stored
+    scales = jax.ShapeDtypeStruct((128, 1536), jnp.float32)
+    grouped = jax.jit(lambda a, b, s, g: grouped_matmul(
+        a, b, g, rhs_scales=s, **ops.default_grouped_block_sizes(8192, 128, 2048, 1536)))
+    text = cuda_module(grouped, jax.ShapeDtypeStruct((8192, 2048), jnp.bfloat16), values,
+                       scales, jax.ShapeDtypeStruct((128,), jnp.int32))
+    assert "xla.gpu.triton" in text
+    routed = jax.jit(lambda a, b, s, i: routed_matmul(a, b, i, per_assignment=False,
+                                                      rhs_scales=s, k_splits=2))
+    text = cuda_module(routed, jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16), values, scales,
+                       jax.ShapeDtypeStruct((8, 8), jnp.int32))
+    assert "xla.gpu.triton" in text
+
+
+def test_scales_must_come_with_quantized_values_only():
+    lhs, rhs, sizes = _inputs(2, 8, 16, 16, 2)
+    q, _ = _quantized(rhs, "int8")
+    with pytest.raises(ValueError, match="needs rhs_scales \\[G, N\\]"):
+        grouped_matmul(lhs, q.values, sizes, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="needs rhs_scales None"):
+        grouped_matmul(lhs, rhs, sizes, rhs_scales=q.scales, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="needs rhs_scales \\[G, N\\]"):
+        routed_matmul_reference(lhs, q.values, jnp.zeros((8, 1), jnp.int32),
+                                per_assignment=False, rhs_scales=q.scales[:, :4])
