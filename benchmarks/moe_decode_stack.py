@@ -10,13 +10,13 @@ Bytes = the distinct experts each layer's tokens chose x K x N x 2 B; the bandwi
 the weight-streaming GEMV measured in the same process (`benchmarks/ceilings.py`). Shapes:
 Qwen3-30B-A3B (2048 -> 2 x 768, 128 experts, top-8) and Mixtral-8x7B (4096 -> 2 x 14336, 8
 experts, top-2), with fewer layers than the models (the weights must be read from HBM, not L2,
-and fit beside each other).
+and fit beside each other). `--expert-dtype fp8|int8` streams quantized experts
+(`pjinfer.quantization.experts`: a byte a value, float32 scales counted in the bytes).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import sys
 from typing import Any
@@ -68,10 +68,17 @@ def stack_fn(tiling: dict[str, int], interpret: bool):
     import jax
 
     from pjinfer.kernels.grouped_matmul import routed_matmul
+    from pjinfer.quantization.experts import QuantizedExperts
 
     shared = {k: v for k, v in tiling.items() if k != "down_k_splits"}
-    gemm = functools.partial(routed_matmul, interpret=interpret, **shared)
     down_k_splits = tiling["down_k_splits"]
+
+    def gemm(x, w, ids, **kw):
+        kw = {**shared, **kw}  # down's K ranges replace gate/up's
+        if isinstance(w, QuantizedExperts):
+            return routed_matmul(x, w.values, ids, rhs_scales=w.scales, interpret=interpret,
+                                 **kw)
+        return routed_matmul(x, w, ids, interpret=interpret, **kw)
 
     def run(x, ids, gate_up, down):
         for layer_ids, gu, dn in zip(ids, gate_up, down, strict=True):
@@ -86,24 +93,32 @@ def stack_fn(tiling: dict[str, int], interpret: bool):
 
 
 def run_model(name: str, s: dict, tokens: list[int], tilings: list[dict], timing: dict,
-              bandwidth: float, seed: int) -> list[dict[str, Any]]:
+              bandwidth: float, seed: int, expert_dtype: str = "bfloat16"
+              ) -> list[dict[str, Any]]:
     import jax
     import jax.numpy as jnp
+
+    from pjinfer.quantization.experts import quantize_experts
 
     d, inter, e, k, n_layers = s["hidden"], s["inter"], s["experts"], s["top_k"], s["layers"]
     gate_up = [_filled((e, d, 2 * inter), 10 + i) for i in range(n_layers)]
     down = [_filled((e, inter, d), 100 + i) for i in range(n_layers)]
+    per_expert = 2 * 3 * d * inter  # bf16 gate, up and down
+    if expert_dtype != "bfloat16":  # a byte a value, float32 scales per output channel
+        gate_up = [quantize_experts(w, expert_dtype) for w in gate_up]
+        down = [quantize_experts(w, expert_dtype) for w in down]
+        per_expert = 3 * d * inter + 4 * (2 * inter + d)
     interpret = jax.default_backend() != "gpu"
     rows = []
     for t in tokens:
         rng = np.random.default_rng(seed + t)
         ids = [routing(t, e, k, rng) for _ in range(n_layers)]
         touched = sum(len(np.unique(i)) for i in ids)
-        moved = 2 * touched * 3 * d * inter  # gate, up and down of every expert read
+        moved = touched * per_expert  # gate, up and down of every expert read
         x = _filled((t, d), 7)
         dev_ids = [jnp.asarray(i) for i in ids]
         entry: dict[str, Any] = {"model": name, "tokens": t, "experts_read": touched,
-                                 "bytes": moved, "tilings": {}}
+                                 "expert_dtype": expert_dtype, "bytes": moved, "tilings": {}}
         for tiling in tilings:
             fn = stack_fn(tiling, interpret)
             try:
@@ -152,7 +167,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                    args.k_splits, args.down_k_splits)]
     record["rows"] = [row for name, s in models.items()
                       for row in run_model(name, s, args.tokens, tilings, timing,
-                                           ceilings.hbm_bytes_per_s, args.seed)]
+                                           ceilings.hbm_bytes_per_s, args.seed,
+                                           args.expert_dtype)]
     best = [(r, r["tilings"][r["best_tiling"]]) for r in record["rows"] if "best_tiling" in r]
     print_table("Routed expert GEMMs, all layers in one call (best tiling)", [
         (f"{r['model']} T={r['tokens']} {r['best_tiling']}",
@@ -180,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                         "the name keeps the count asked)")
     parser.add_argument("--down-k-splits", type=positive_int, nargs="+", default=[1],
                         help="K ranges of the down GEMM")
+    parser.add_argument("--expert-dtype", default="bfloat16", choices=("bfloat16", "fp8", "int8"),
+                        help="experts as stored: bf16, or quantized (fp8 / int8 values)")
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--samples", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)

@@ -152,10 +152,14 @@ def model_shape(engine: Any) -> ModelShape:
     # Routed experts are counted apart (`expert_weight_bytes`: only those a step's tokens
     # chose), so the layers' bytes read every step leave them out.
     leaves = jax.tree_util.tree_leaves_with_path(runner.params["layers"])
-    layers = sum(a.nbytes for path, a in leaves
-                 if not any(getattr(k, "key", None) in ROUTED_EXPERT_PARAMS for k in path))
+    routed = [any(getattr(k, "key", None) in ROUTED_EXPERT_PARAMS for k in path)
+              for path, _ in leaves]
+    layers = sum(a.nbytes for (_, a), r in zip(leaves, routed, strict=True) if not r)
+    experts = sum(a.nbytes for (_, a), r in zip(leaves, routed, strict=True) if r)
+    count = shape.moe_layers * shape.num_experts
     return dataclasses.replace(shape, layer_bytes=layers,
-                               kv_dtype_bytes=np.dtype(runner.kv_dtype).itemsize)
+                               kv_dtype_bytes=np.dtype(runner.kv_dtype).itemsize,
+                               expert_bytes=experts // count if count else None)
 
 
 def model_record(engine: Any, shape: ModelShape) -> dict[str, Any]:
@@ -169,7 +173,7 @@ def model_record(engine: Any, shape: ModelShape) -> dict[str, Any]:
             "dtype": np.dtype(engine.runner.act_dtype).name,
             "kv_cache_dtype": np.dtype(engine.runner.kv_dtype).name,
             "quantization": engine.quantization_method,
-            "layer_weight_bytes": shape.layer_weight_bytes,
+            "layer_weight_bytes": shape.layer_weight_bytes, "expert_bytes": shape.expert_bytes,
             "max_model_len": engine.max_model_len,
             "num_kv_blocks": int(getattr(engine.runner, "num_blocks", 0))}
 

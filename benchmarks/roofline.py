@@ -77,6 +77,8 @@ class ModelShape:
     # scales, zeros) and an fp8 KV cache (1 byte per element)
     layer_bytes: int | None = None
     kv_dtype_bytes: int | None = None
+    expert_bytes: int | None = None  # one expert of one layer as stored (quantized: values
+    # of a byte plus float32 scales)
 
     @classmethod
     def from_model_config(cls, cfg: Any, dtype: str = "auto") -> ModelShape:
@@ -199,7 +201,8 @@ def step_weights(shape: ModelShape, tokens: int = 1) -> Work:
     """What a step of `tokens` tokens reads once, whatever its batch: layers, final norm,
     lm_head, and (MoE) the experts those tokens chose."""
     b = shape.dtype_bytes
-    experts = shape.moe_layers * shape.experts_read(tokens) * shape.expert_params * b
+    per_expert = shape.expert_bytes or shape.expert_params * b
+    experts = shape.moe_layers * shape.experts_read(tokens) * per_expert
     return Work(layer_weight_bytes=shape.layer_weight_bytes, expert_weight_bytes=round(experts),
                 final_norm_bytes=shape.hidden_size * b, lm_head_bytes=shape.lm_head_params * b)
 

@@ -33,6 +33,9 @@
 #                                         # throughput (~6 min)
 #   bash benchmarks/run_h200.sh moemid    # Qwen3's grouped GEMMs at a mixed step's 2,048
 #                                         # tokens (~128 rows an expert): row tiles 64-256
+#   bash benchmarks/run_h200.sh moefp8    # fp8 / int8 experts: the quantized kernel tests
+#                                         # compiled, routed GEMMs bf16 vs fp8 vs int8 at 1-16
+#                                         # tokens, Qwen3 W1 bf16 vs --quantization fp8 (~8 min)
 #   bash benchmarks/run_h200.sh loramulti # the lora stage's engine passes (200 prompts) with
 #                                         # --num-scheduler-steps 8 (~6 min)
 #   bash benchmarks/run_h200.sh moeprofile  # Qwen3-30B-A3B (batch 1, 10 x 2,560) and
@@ -290,6 +293,31 @@ stage_moemid() {
   step moe_mid_tiles 400 $PY -m pjinfer.benchmarks.moe "${smoke[@]}" --prefill-tokens $tokens \
       --block-m 64 128 256 --block-n 128 256 --block-k 64 --num-warps 4 8 --num-stages 3 \
       --out "$JSON/moe_mid_tiles.json"
+}
+
+# Quantized experts (a byte a value): do the routed kernels stream them at the bandwidth, and
+# what does Qwen3-30B-A3B's batch-1 step gain with fp8 experts and Linear weights?
+stage_moefp8() {
+  local qwen=(--model configs/models/qwen3-30b-a3b --load-format dummy --dtype bfloat16
+              --max-num-seqs 256 --max-num-batched-tokens 8192 --compilation-cache-dir "$CACHE")
+  local stack=(--tokens 1 4 16) b1=(--input-len 512 --output-len 512 --num-iters 3)
+  if [ $SMOKE = 1 ]; then
+    qwen=("${ENGINE[@]}" --compilation-cache-dir "$CACHE")
+    stack=(--smoke --tokens 1 4 --block-n 16 --block-k 16 --calls 1 --samples 1)
+    b1=(--input-len 16 --output-len 8 --num-iters 1)
+  fi
+  local gpu=$([ $SMOKE = 1 ] && echo cpu || echo cuda)
+  step moe_fp8_kernel_tests 300 env JAX_PLATFORMS=$gpu $PY -m pytest -q -p no:cacheprovider \
+      --import-mode=append tests/kernels/test_grouped_matmul_quantized.py
+  for dtype in bfloat16 fp8 int8; do
+    step moe_decode_stack_$dtype 200 $PY -m pjinfer.benchmarks.moe_decode_stack "${stack[@]}" \
+        --expert-dtype $dtype --out "$JSON/moe_decode_stack_$dtype.json"
+  done
+  for q in none fp8; do
+    local quant=(); [ $q = fp8 ] && quant=(--quantization fp8)
+    step moe_qwen3_b1_$q 300 "${BENCH[@]}" latency "${qwen[@]}" "${quant[@]}" --batch-size 1 \
+        "${b1[@]}" --num-iters-warmup 1 --output-json "$JSON/moe_qwen3_b1_$q.json"
+  done
 }
 
 # Issue 13's throughput target: Qwen3-30B-A3B shapes, 1,000 x 1,024 in / 256 out (N_MOE
@@ -688,6 +716,7 @@ for stage in "${STAGES[@]}"; do
     moetput) stage_moetput ;;
     moemid) stage_moemid ;;
     moeprofile) stage_moeprofile ;;
+    moefp8) stage_moefp8 ;;
     w8a8) stage_w8a8 ;;
     decodesplits) stage_decodesplits ;;
     kvfp8) quant_w4 ${KVFP8_ORDER:-auto fp8 fp8 auto} ;;
@@ -702,7 +731,7 @@ for stage in "${STAGES[@]}"; do
     quantshapes) stage_quantshapes ;;
     quanttuned) stage_quanttuned ;;
     quantt2) stage_quantt2 ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moemid | moeprofile | w8a8 | decodesplits | kvfp8 | w3fp8 | attnfp8 | kvprobe | raggedfp8 | routed | routedwide | loramulti | int4ncu | quantshapes | quanttuned | quantt2)" ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moemid | moefp8 | moeprofile | w8a8 | decodesplits | kvfp8 | w3fp8 | attnfp8 | kvprobe | raggedfp8 | routed | routedwide | loramulti | int4ncu | quantshapes | quanttuned | quantt2)" ;;
   esac
 done
 pack

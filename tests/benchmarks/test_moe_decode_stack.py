@@ -35,3 +35,16 @@ def test_smoke_record(tmp_path):
 def test_tokens_past_the_routed_kernel_are_a_usage_error():
     with pytest.raises(SystemExit):
         main(["--smoke", "--tokens", "65"])
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "int8"])
+def test_quantized_experts_count_their_stored_bytes(tmp_path, dtype):
+    """A byte a value and float32 scales per expert and output channel (tiny: 64 -> 2 x 32)."""
+    out = tmp_path / "stack.json"
+    assert main(["--smoke", "--tokens", "2", "--block-n", "16", "--block-k", "16",
+                 "--expert-dtype", dtype, "--calls", "1", "--samples", "1",
+                 "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["expert_dtype"] == dtype
+    assert row["bytes"] == row["experts_read"] * (3 * 64 * 32 + 4 * (2 * 32 + 64))
+    assert all(t["vs_bandwidth"] > 0 for t in row["tilings"].values())

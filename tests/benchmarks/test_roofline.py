@@ -226,3 +226,25 @@ def test_loaded_moe_layer_bytes_leave_the_routed_experts_out():
                              act_dtype=np.dtype(np.float32), kv_dtype=np.dtype(np.float32))
     shape = model_shape(SimpleNamespace(runner=runner, model_config=cfg))
     assert shape.layer_weight_bytes == 2 * (8 * 4 + 8 * 16) * 4
+
+
+def test_quantized_experts_count_as_stored():
+    """fp8 experts (a byte a value plus float32 scales): the experts a step reads count those
+    bytes, not the model dtype's two a param."""
+    from types import SimpleNamespace
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pjinfer.benchmarks.offline import model_shape
+    from pjinfer.config import ModelConfig
+    from pjinfer.quantization.experts import quantize_experts
+
+    cfg = ModelConfig.from_pretrained("configs/models/qwen3-30b-a3b")
+    layers = [{"experts_gate_up": quantize_experts(jnp.ones((128, 8, 2, 4)), "fp8"),
+               "experts_down": quantize_experts(jnp.ones((128, 4, 8)), "fp8")}] * 48
+    runner = SimpleNamespace(params={"layers": layers}, act_dtype=np.dtype(jnp.bfloat16),
+                             kv_dtype=np.dtype(jnp.bfloat16))
+    shape = model_shape(SimpleNamespace(runner=runner, model_config=cfg))
+    assert shape.expert_bytes == 8 * 2 * 4 + 4 * 8 + 4 * (2 * 4 + 8)  # values + scales
+    assert step_weights(shape, 1).expert_weight_bytes == round(48 * 8 * shape.expert_bytes)
