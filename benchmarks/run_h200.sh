@@ -309,9 +309,15 @@ stage_moefp8() {
   local gpu=$([ $SMOKE = 1 ] && echo cpu || echo cuda)
   step moe_fp8_kernel_tests 300 env JAX_PLATFORMS=$gpu $PY -m pytest -q -p no:cacheprovider \
       --import-mode=append tests/kernels/test_grouped_matmul_quantized.py
-  for dtype in bfloat16 fp8 int8; do
-    step moe_decode_stack_$dtype 200 $PY -m pjinfer.benchmarks.moe_decode_stack "${stack[@]}" \
-        --expert-dtype $dtype --out "$JSON/moe_decode_stack_$dtype.json"
+  # one-byte values: a 128 x 128 tile is half the bytes a stage of bf16's, so longer K blocks
+  # (and fewer K ranges) may keep as many bytes in flight
+  local sweep=(--block-k 128 256 --k-splits 1 2)
+  [ $SMOKE = 1 ] && sweep=()
+  step moe_decode_stack_bfloat16 200 $PY -m pjinfer.benchmarks.moe_decode_stack "${stack[@]}" \
+      --expert-dtype bfloat16 --out "$JSON/moe_decode_stack_bfloat16.json"
+  for dtype in fp8 int8; do
+    step moe_decode_stack_$dtype 300 $PY -m pjinfer.benchmarks.moe_decode_stack "${stack[@]}" \
+        "${sweep[@]}" --expert-dtype $dtype --out "$JSON/moe_decode_stack_$dtype.json"
   done
   for q in none fp8; do
     local quant=(); [ $q = fp8 ] && quant=(--quantization fp8)
