@@ -153,9 +153,9 @@ def _checkpoint_experts(get: Callable[[str], Any], has: Callable[[str], bool], p
     try:  # each expert's HF [out, in] tensors, in the stack's order (gate/up: g0, u0, g1, ...)
         hosts = [fp8.read(get, name.removesuffix(".weight"), (rows, out[-1]), q)
                  for name in p.hf_names]
-    except KeyError as e:
-        raise ModelLoadError(f"checkpoint is missing tensor {e.args[0]!r}: fp8 experts need a "
-                             f"weight and a weight_scale for each of {first} ...") from None
+    except KeyError as missing:
+        raise ModelLoadError(f"checkpoint is missing tensor {missing.args[0]!r}: fp8 experts "
+                             f"need a weight and a weight_scale for each of {first} ...") from None
     values = np.stack([h.packed for h in hosts]).reshape(e, *out, rows)  # as stored
     scales = np.stack([h.scales[0] for h in hosts]).reshape(e, *out)
     value_spec, scale_spec = _part_specs(p, placer)
@@ -228,7 +228,7 @@ def _transpose_into(sharding: NamedSharding) -> Callable[[jax.Array], jax.Array]
 
 
 def quantize_on_device(w: jax.Array, p: ParamSpec, q: QuantConfig,
-                       placer: Placer) -> QuantizedWeight:
+                       placer: Placer) -> QuantizedWeight | QuantizedExperts:
     """A float weight already placed -> the method's quantized form, parts placed like it
     (per output channel for int8 / fp8; symmetric int4 in groups for dummy 4-bit weights;
     an expert stack per expert and output channel)."""
