@@ -146,7 +146,7 @@ def read_param(index: SafetensorsIndex, p: ParamSpec, cfg: ModelConfig, *,
         raise ModelLoadError(f"checkpoint in {index.model_dir} is missing tensor {missing[0]!r}"
                              f"{other} (needed for {cfg.architecture} with this config.json)")
     fetch = index.read if copy else index.get
-    tensors = [fetch(name) for name in names]
+    tensors = [_scaled(index, name, fetch(name)) for name in names]
     try:
         host = transform(*tensors) if transform else p.from_checkpoint(tensors)
     except ValueError as e:  # e.g. experts of different shapes cannot be stacked
@@ -160,6 +160,23 @@ def read_param(index: SafetensorsIndex, p: ParamSpec, cfg: ModelConfig, *,
                              f"{tuple(host.shape)} (after its transform), expected {p.shape} "
                              "from config.json")
     return host
+
+
+def _scaled(index: SafetensorsIndex, name: str, tensor: np.ndarray) -> np.ndarray:
+    """A tensor read as a float param: an fp8 weight that has a `weight_scale` beside it
+    (an fp8 checkpoint's tensor that pjinfer does not keep quantized, e.g. Phi-3's fused
+    qkv_proj, sliced at load) is dequantized, value x scale per tensor or per output row, in
+    float32; taken as stored it would be off by its scale."""
+    scale_name = name.removesuffix(".weight") + ".weight_scale"
+    if not tensor.dtype.name.startswith("float8") or not name.endswith(".weight") \
+            or scale_name not in index:
+        return tensor
+    scale = np.asarray(index.get(scale_name), np.float32)
+    if scale.size not in (1, tensor.shape[0]):
+        raise ModelLoadError(f"tensor {scale_name!r} has shape {scale.shape}: expected one "
+                             f"scale per tensor or one per output row ({tensor.shape[0]})")
+    rows = scale.reshape(-1, *([1] * (tensor.ndim - 1))) if scale.size > 1 else scale.reshape(())
+    return tensor.astype(np.float32) * rows
 
 
 def check_load_format(load_format: str) -> None:

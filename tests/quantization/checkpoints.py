@@ -102,3 +102,35 @@ def write(model, folder: Path, name: str):
     oracle = type(model)(model.config).eval()
     oracle.load_state_dict(model.state_dict() | dequantized)
     return oracle
+
+
+def fp8_folder(src, dst, per_channel: bool, drop: tuple[str, ...] = ()):
+    """`src`'s float checkpoint (a saved folder) with every decoder `*_proj.weight` stored
+    fp8 as it is named there (MoE experts: the Hub's per-expert names; Phi-3: fused qkv_proj,
+    gate_up_proj; the tensors named in `drop` left out), as `quant_method: fp8`; returns the
+    float folder holding the dequantized weights (the oracle transformers runs)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(src / "model.safetensors")
+    quantized, dequantized = {}, {}
+    for name, w in tensors.items():
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            parts, deq = packers.fp8(w.astype(np.float32), per_channel)
+            prefix = name.removesuffix(".weight")
+            quantized |= {f"{prefix}.{k}": v for k, v in parts.items()
+                          if f"{prefix}.{k}" not in drop}
+            dequantized[name] = deq.astype(np.float32)
+        else:
+            quantized[name] = dequantized[name] = w
+    oracle = dst.parent / f"{dst.name}-dequantized"
+    for folder, state, qconfig in ((dst, quantized, {"quant_method": "fp8"}), (oracle, dequantized,
+                                                                                None)):
+        shutil.copytree(src, folder)
+        save_file(state, folder / "model.safetensors")
+        config = json.loads((folder / "config.json").read_text())
+        if qconfig:
+            config["quantization_config"] = qconfig
+        (folder / "config.json").write_text(json.dumps(config))
+    return oracle

@@ -139,3 +139,20 @@ def test_quantization_argument_must_match_the_checkpoint(quantized):
     folder, _ = quantized("llama", "awq_g64")
     with pytest.raises(ValueError, match="does not match the checkpoint"):
         LLM(str(folder), quantization="gptq", **ENGINE)
+
+
+def test_fused_fp8_tensors_are_dequantized_at_load(hf_models, tmp_path):
+    """Phi-3 stores q/k/v and gate/up as fused tensors, which pjinfer slices at load and keeps
+    float: stored fp8 they are dequantized with their `weight_scale` (read as stored they were
+    off by that scale, silently); o_proj and down_proj stay fp8."""
+    folder = tmp_path / "phi3-fp8"
+    oracle_dir = checkpoints.fp8_folder(hf_models["phi3"], folder, per_channel=True)
+    # within original_max_position_embeddings (64): LongRoPE's short factors, as transformers
+    llm = LLM(str(folder), max_model_len=64, **ENGINE)
+    layer = llm.engine.runner.params["layers"][0]
+    assert isinstance(layer["o_proj"], QuantizedWeight)
+    assert not isinstance(layer["q_proj"], QuantizedWeight)
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(oracle_dir,
+                                                               dtype=torch.float32).eval()
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY), strict=True):
+        assert out.outputs[0].token_ids == _hf_greedy(oracle, prompt), prompt

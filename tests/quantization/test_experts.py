@@ -26,7 +26,7 @@ from pjinfer.quantization.experts import (
 from pjinfer.quantization.loader import device_bytes
 from pjinfer.quantization.weight import QuantizedWeight, dequantize
 from pjinfer.weights import SafetensorsIndex
-from tests.quantization import packers
+from tests.quantization import checkpoints
 from tests.quantization.test_checkpoints import ENGINE, _check
 
 torch = pytest.importorskip("torch")
@@ -108,40 +108,11 @@ def test_on_the_fly_experts_match_transformers(moe_models, arch, method, extra):
     _check(llm, _oracle(moe_models[arch], llm.engine.runner.params, llm.engine.model_config))
 
 
-def _fp8_checkpoint(src, dst, per_channel: bool, drop: tuple[str, ...] = ()):
-    """`src`'s float checkpoint with every Linear and expert `*_proj.weight` stored fp8 (the
-    Hub's per-expert names; the tensors named in `drop` left out), as `quant_method: fp8`;
-    returns the float folder holding the dequantized weights (the oracle transformers runs)."""
-    from safetensors.numpy import load_file, save_file
-
-    tensors = load_file(src / "model.safetensors")
-    quantized, dequantized = {}, {}
-    for name, w in tensors.items():
-        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
-            parts, deq = packers.fp8(w.astype(np.float32), per_channel)
-            prefix = name.removesuffix(".weight")
-            quantized |= {f"{prefix}.{k}": v for k, v in parts.items()
-                          if f"{prefix}.{k}" not in drop}
-            dequantized[name] = deq.astype(np.float32)
-        else:
-            quantized[name] = dequantized[name] = w
-    oracle = dst.parent / f"{dst.name}-dequantized"
-    for folder, state, qconfig in ((dst, quantized, {"quant_method": "fp8"}), (oracle, dequantized,
-                                                                                None)):
-        shutil.copytree(src, folder)
-        save_file(state, folder / "model.safetensors")
-        config = json.loads((folder / "config.json").read_text())
-        if qconfig:
-            config["quantization_config"] = qconfig
-        (folder / "config.json").write_text(json.dumps(config))
-    return oracle
-
-
 @pytest.mark.parametrize("per_channel, extra", [
     (True, {}), (False, dict(tensor_parallel_size=2, enable_expert_parallel=True))])
 def test_fp8_checkpoint_experts_load_as_stored(moe_models, tmp_path, per_channel, extra):
     folder = tmp_path / "qwen3_moe-fp8"
-    oracle_dir = _fp8_checkpoint(moe_models["qwen3_moe"], folder, per_channel)
+    oracle_dir = checkpoints.fp8_folder(moe_models["qwen3_moe"], folder, per_channel)
     llm = LLM(str(folder), **ENGINE, **extra)
     assert llm.engine.quantization_method == "fp8"
     _stacks(llm, "fp8")
@@ -169,7 +140,7 @@ def test_unsupported_expert_formats_are_refused_by_name(moe_models, tmp_path):
         LLM(str(gptq), **ENGINE)
 
     fp8 = tmp_path / "fp8"
-    _fp8_checkpoint(src, fp8, per_channel=True,
+    checkpoints.fp8_folder(src, fp8, per_channel=True,
                     drop=("model.layers.1.mlp.experts.3.down_proj.weight_scale",))
     with pytest.raises(ModelLoadError, match="experts.3.down_proj.weight_scale"):
         LLM(str(fp8), **ENGINE)
@@ -178,7 +149,7 @@ def test_unsupported_expert_formats_are_refused_by_name(moe_models, tmp_path):
 def test_fp8_values_are_kept_as_stored(moe_models, tmp_path):
     """The checkpoint's e4m3 bytes land unchanged in the stack's [E, *out, K] values."""
     folder = tmp_path / "fp8"
-    _fp8_checkpoint(moe_models["qwen3_moe"], folder, per_channel=True)
+    checkpoints.fp8_folder(moe_models["qwen3_moe"], folder, per_channel=True)
     llm = LLM(str(folder), **ENGINE)
     down = llm.engine.runner.params["layers"][0]["experts_down"]
     stored = SafetensorsIndex(folder).get("model.layers.0.mlp.experts.2.down_proj.weight")
