@@ -142,6 +142,13 @@ def read_param(index: SafetensorsIndex, p: ParamSpec, cfg: ModelConfig, *,
     if missing and p.fallback and all(name in index for name in p.fallback[0]):
         (names, transform), missing = p.fallback, []
     if missing:
+        packed = [f"{missing[0].removesuffix('.weight')}.{part}"
+                  for part in ("qweight", "weight_packed")]
+        stored = next((n for n in packed if n in index), None)
+        if stored is not None:  # e.g. Phi-3's fused qkv_proj in a GPTQ / AWQ checkpoint
+            raise ModelLoadError(f"tensor {stored!r} is stored int-packed, which pjinfer reads "
+                                 f"only for unfused Linear weights; {cfg.architecture} slices "
+                                 f"{missing[0]!r} at load: use a float or fp8 checkpoint")
         other = f" (or {', '.join(map(repr, p.fallback[0]))})" if p.fallback else ""
         raise ModelLoadError(f"checkpoint in {index.model_dir} is missing tensor {missing[0]!r}"
                              f"{other} (needed for {cfg.architecture} with this config.json)")

@@ -156,3 +156,25 @@ def test_fused_fp8_tensors_are_dequantized_at_load(hf_models, tmp_path):
                                                                dtype=torch.float32).eval()
     for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY), strict=True):
         assert out.outputs[0].token_ids == _hf_greedy(oracle, prompt), prompt
+
+
+def test_fused_int_packed_tensors_are_refused_by_name(hf_models, tmp_path):
+    """A GPTQ Phi-3 stores its fused qkv_proj as `qweight`: one error naming that tensor, not
+    a missing `.weight`."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "phi3-gptq"
+    shutil.copytree(hf_models["phi3"], folder)
+    tensors = load_file(folder / "model.safetensors")
+    name = "model.layers.0.self_attn.qkv_proj"
+    del tensors[f"{name}.weight"]
+    tensors[f"{name}.qweight"] = np.zeros((8, 96), np.int32)
+    save_file(tensors, folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=f"{name}.qweight' is stored int-packed"):
+        LLM(str(folder), **ENGINE)
