@@ -172,18 +172,38 @@ def read_param(index: SafetensorsIndex, p: ParamSpec, cfg: ModelConfig, *,
 def _scaled(index: SafetensorsIndex, name: str, tensor: np.ndarray) -> np.ndarray:
     """A tensor read as a float param: an fp8 weight that has a `weight_scale` beside it
     (an fp8 checkpoint's tensor that pjinfer does not keep quantized, e.g. Phi-3's fused
-    qkv_proj, sliced at load) is dequantized, value x scale per tensor or per output row, in
-    float32; taken as stored it would be off by its scale."""
-    scale_name = name.removesuffix(".weight") + ".weight_scale"
-    if not tensor.dtype.name.startswith("float8") or not name.endswith(".weight") \
-            or scale_name not in index:
+    qkv_proj, sliced at load) is dequantized, value x scale per tensor or per output row (or
+    per block: `weight_scale_inv`), in float32; taken as stored it would be off by its
+    scale."""
+    if not tensor.dtype.name.startswith("float8") or not name.endswith(".weight"):
         return tensor
-    scale = np.asarray(index.get(scale_name), np.float32)
+    prefix = name.removesuffix(".weight")
+    if f"{prefix}.weight_scale_inv" in index:
+        return tensor.astype(np.float32) * _block_scales(
+            f"{prefix}.weight_scale_inv", index.get(f"{prefix}.weight_scale_inv"), tensor.shape)
+    if f"{prefix}.weight_scale" not in index:
+        return tensor
+    scale = np.asarray(index.get(f"{prefix}.weight_scale"), np.float32)
     if scale.size not in (1, tensor.shape[0]):
-        raise ModelLoadError(f"tensor {scale_name!r} has shape {scale.shape}: expected one "
-                             f"scale per tensor or one per output row ({tensor.shape[0]})")
+        raise ModelLoadError(f"tensor {prefix}.weight_scale has shape {scale.shape}: expected "
+                             f"one scale per tensor or one per output row ({tensor.shape[0]})")
     rows = scale.reshape(-1, *([1] * (tensor.ndim - 1))) if scale.size > 1 else scale.reshape(())
     return tensor.astype(np.float32) * rows
+
+
+def _block_scales(name: str, scale: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Block scales [cdiv(out, bo), cdiv(in, bi)] spread over a [out, in] weight; the blocks
+    (powers of two, 128 in every checkpoint seen) are read back from the two shapes."""
+    scale = np.asarray(scale, np.float32)
+    ok = scale.ndim == 2 and len(shape) == 2
+    blocks = [1 << max(0, -(-n // s) - 1).bit_length()
+              for n, s in zip(shape, scale.shape, strict=True)] if ok else []
+    if not ok or any(-(-n // b) != s for n, b, s in zip(shape, blocks, scale.shape,
+                                                        strict=True)):
+        raise ModelLoadError(f"tensor {name!r} has shape {scale.shape}: not block scales of "
+                             f"power-of-two blocks over a {tuple(shape)} weight")
+    spread = np.repeat(np.repeat(scale, blocks[0], axis=0), blocks[1], axis=1)
+    return spread[:shape[0], :shape[1]]
 
 
 def check_load_format(load_format: str) -> None:

@@ -35,6 +35,7 @@ class QuantConfig:
     fmt: str = ""  # compressed-tensors format; "gptq_v2" for GPTQ v2 zeros
     from_checkpoint: bool = True
     ignore: tuple[str, ...] = field(default=("lm_head",))
+    block: tuple[int, int] | None = None  # fp8 weight_block_size [out, in]: scales per block
 
     def __post_init__(self) -> None:
         if self.method not in QUANTIZATION_METHODS:
@@ -74,10 +75,8 @@ class QuantConfig:
         if method == "compressed-tensors":
             return _compressed_tensors(raw)
         if method == "fp8":
-            if raw.get("weight_block_size"):
-                raise ValueError("fp8: block-wise weight scales (weight_block_size) are not "
-                                 "supported; use a per-tensor or per-channel fp8 checkpoint")
-            return cls("fp8", 8, kind="float")
+            block = _fp8_block(raw.get("weight_block_size"))
+            return cls("fp8", 8, block[1] if block else -1, kind="float", block=block)
         raise ValueError(f"config.json quantization_config: quant_method {method!r} is not "
                          f"supported; supported: {', '.join(CHECKPOINT_METHODS)}")
 
@@ -85,6 +84,18 @@ class QuantConfig:
     def on_the_fly(cls, method: str) -> QuantConfig:
         return cls(method, 8, kind="float" if method == "fp8" else "int",
                    from_checkpoint=False)
+
+
+def _fp8_block(raw: Any) -> tuple[int, int] | None:
+    """`weight_block_size` [out, in] of a block-wise fp8 checkpoint (DeepSeek-V3, Qwen3-FP8:
+    one `weight_scale_inv` per block), or None."""
+    if not raw:
+        return None
+    if not (isinstance(raw, list | tuple) and len(raw) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in raw)):
+        raise ValueError(f"fp8: weight_block_size must be two positive integers [out, in], "
+                         f"got {raw!r}")
+    return int(raw[0]), int(raw[1])
 
 
 def _compressed_tensors(raw: dict[str, Any]) -> QuantConfig:

@@ -12,6 +12,7 @@ row-parallel splits must keep whole groups.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from functools import lru_cache
@@ -46,6 +47,7 @@ from pjinfer.quantization.weight import (
 from pjinfer.sharding.placement import Placer
 from pjinfer.sharding.rules import LOGICAL_TO_MESH, spec_for
 
+log = logging.getLogger("pjinfer")
 READERS: dict[str, ModuleType] = {"gptq": gptq, "awq": awq, "fp8": fp8,
                                   "compressed-tensors": compressed_tensors, "gguf": gguf_blocks}
 
@@ -72,7 +74,8 @@ def quantizable_experts(p: ParamSpec, q: QuantConfig | None) -> bool:
     """An expert stack that `q` turns into `QuantizedExperts`: fp8 / int8 quantization (on
     the fly, dummy weights, or an fp8 checkpoint, which may store its experts float)."""
     return (q is not None and p.path[0] == "layers" and p.path[-1] in EXPERT_STACKS
-            and q.method != "gguf" and q.weight_kind in EXPERT_KINDS)
+            and q.method != "gguf" and q.weight_kind in EXPERT_KINDS
+            and not (q.from_checkpoint and q.block))
 
 
 def device_bytes(p: ParamSpec, q: QuantConfig | None, itemsize: int) -> int:
@@ -106,7 +109,7 @@ def _marker(q: QuantConfig) -> str:
         return "gguf_blocks"
     if q.method == "compressed-tensors" and q.fmt == "pack-quantized":
         return "weight_packed"
-    return "weight_scale"
+    return "weight_scale_inv" if q.block else "weight_scale"
 
 
 def _parts(q: QuantConfig) -> tuple[str, ...]:
@@ -144,6 +147,10 @@ def _checkpoint_experts(get: Callable[[str], Any], has: Callable[[str], bool], p
     first = p.hf_names[0].removesuffix(".weight")
     if not has(f"{first}.{_marker(q)}"):
         return load_float(p)
+    if q.block:  # scales vary along K, which the expert kernels scale once, after it
+        log.warning("%s: block-wise fp8 experts are dequantized to the model dtype at load "
+                    "(twice their stored bytes)", "/".join(map(str, p.path)))
+        return load_float(p)  # `weights.read_param` applies each block's scale
     if q.weight_kind != "fp8":
         raise ModelLoadError(
             f"tensor {first}.{_marker(q)}: MoE experts stored as {q.method} {q.bits}-bit weights "

@@ -20,6 +20,7 @@ from tests.quantization import packers
 QUANT_TINY = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+FP8_BLOCK = (16, 32)  # [out, in]: not square, so a transposed block reads wrong
 LINEAR = re.compile(r"(model\.layers\.\d+\.(?:self_attn|mlp)\.\w+_proj)\.weight")
 
 
@@ -66,6 +67,9 @@ def scheme(name: str) -> tuple[Callable, dict]:
         "ct_fp8_tensor": (lambda w: packers.fp8(w, per_channel=False), CT_FP8),
         "fp8_channel": (lambda w: packers.fp8(w, per_channel=True),
                         {"quant_method": "fp8", "activation_scheme": "dynamic"}),
+        "fp8_block": (lambda w: packers.fp8_block(w, FP8_BLOCK),
+                      {"quant_method": "fp8", "activation_scheme": "dynamic",
+                       "weight_block_size": list(FP8_BLOCK)}),
     }
     return table[name]
 
@@ -104,11 +108,12 @@ def write(model, folder: Path, name: str):
     return oracle
 
 
-def fp8_folder(src, dst, per_channel: bool, drop: tuple[str, ...] = ()):
+def fp8_folder(src, dst, per_channel: bool, drop: tuple[str, ...] = (), block: bool = False):
     """`src`'s float checkpoint (a saved folder) with every decoder `*_proj.weight` stored
     fp8 as it is named there (MoE experts: the Hub's per-expert names; Phi-3: fused qkv_proj,
-    gate_up_proj; the tensors named in `drop` left out), as `quant_method: fp8`; returns the
-    float folder holding the dequantized weights (the oracle transformers runs)."""
+    gate_up_proj; the tensors named in `drop` left out), as `quant_method: fp8` (`block`:
+    block-wise scales, `FP8_BLOCK`); returns the float folder holding the dequantized weights
+    (the oracle transformers runs)."""
     import shutil
 
     from safetensors.numpy import load_file, save_file
@@ -117,7 +122,8 @@ def fp8_folder(src, dst, per_channel: bool, drop: tuple[str, ...] = ()):
     quantized, dequantized = {}, {}
     for name, w in tensors.items():
         if name.startswith("model.layers.") and name.endswith("_proj.weight"):
-            parts, deq = packers.fp8(w.astype(np.float32), per_channel)
+            parts, deq = (packers.fp8_block(w.astype(np.float32), FP8_BLOCK) if block
+                          else packers.fp8(w.astype(np.float32), per_channel))
             prefix = name.removesuffix(".weight")
             quantized |= {f"{prefix}.{k}": v for k, v in parts.items()
                           if f"{prefix}.{k}" not in drop}
@@ -125,8 +131,9 @@ def fp8_folder(src, dst, per_channel: bool, drop: tuple[str, ...] = ()):
         else:
             quantized[name] = dequantized[name] = w
     oracle = dst.parent / f"{dst.name}-dequantized"
-    for folder, state, qconfig in ((dst, quantized, {"quant_method": "fp8"}), (oracle, dequantized,
-                                                                                None)):
+    fp8_config = {"quant_method": "fp8"} | ({"weight_block_size": list(FP8_BLOCK)} if block
+                                            else {})
+    for folder, state, qconfig in ((dst, quantized, fp8_config), (oracle, dequantized, None)):
         shutil.copytree(src, folder)
         save_file(state, folder / "model.safetensors")
         config = json.loads((folder / "config.json").read_text())

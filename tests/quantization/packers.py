@@ -90,3 +90,16 @@ def fp8(w: np.ndarray, per_channel: bool) -> tuple[dict[str, np.ndarray], np.nda
     q = (w / scale).astype(ml_dtypes.float8_e4m3fn)
     deq = q.astype(np.float32) * scale
     return dict(weight=q, weight_scale=scale.reshape(-1, 1) if per_channel else scale), deq
+
+
+def fp8_block(w: np.ndarray, block: tuple[int, int]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Block-wise e4m3 (DeepSeek-V3 / Qwen3-FP8 checkpoints): one scale per [bo, bi] block of
+    the [out, in] weight, stored as `weight_scale_inv` (weight = value x scale)."""
+    (out, inp), (bo, bi) = w.shape, block
+    padded = np.zeros((-(-out // bo) * bo, -(-inp // bi) * bi), np.float32)
+    padded[:out, :inp] = w
+    blocks = padded.reshape(padded.shape[0] // bo, bo, padded.shape[1] // bi, bi)
+    scale = np.maximum(np.abs(blocks).max(axis=(1, 3)), 1e-12).astype(np.float32) / 448.0
+    spread = np.repeat(np.repeat(scale, bo, axis=0), bi, axis=1)[:out, :inp]
+    q = (w / spread).astype(ml_dtypes.float8_e4m3fn)
+    return dict(weight=q, weight_scale_inv=scale), q.astype(np.float32) * spread

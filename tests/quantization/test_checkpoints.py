@@ -82,7 +82,7 @@ ENGINE = dict(dtype="float32", enable_prefix_caching=True, max_num_batched_token
 
 @pytest.mark.parametrize("arch, name", [
     ("llama", "gptq4_g32_asym_act"), ("llama", "awq_g64"), ("llama", "ct_w4a16_g128"),
-    ("llama", "fp8_channel"), ("qwen2", "gptq8_gall_sym"),
+    ("llama", "fp8_channel"), ("qwen2", "fp8_block"), ("qwen2", "gptq8_gall_sym"),
     ("qwen2", "ct_w8a16_g64"), ("qwen2", "ct_fp8_tensor"),
 ])
 def test_engine_matches_transformers_on_dequantized_weights(quantized, arch, name):
@@ -92,7 +92,8 @@ def test_engine_matches_transformers_on_dequantized_weights(quantized, arch, nam
     _check(llm, oracle)
 
 
-@pytest.mark.parametrize("arch, name", [("llama", "gptq4_g64_asym_act"), ("qwen2", "awq_g32")])
+@pytest.mark.parametrize("arch, name", [("llama", "gptq4_g64_asym_act"), ("qwen2", "awq_g32"),
+                                        ("llama", "fp8_block")])
 def test_tensor_parallel_2(quantized, arch, name):
     folder, oracle = quantized(arch, name)
     llm = LLM(str(folder), tensor_parallel_size=2, **ENGINE)
@@ -141,12 +142,15 @@ def test_quantization_argument_must_match_the_checkpoint(quantized):
         LLM(str(folder), quantization="gptq", **ENGINE)
 
 
-def test_fused_fp8_tensors_are_dequantized_at_load(hf_models, tmp_path):
+@pytest.mark.parametrize("block", [False, True])
+def test_fused_fp8_tensors_are_dequantized_at_load(hf_models, tmp_path, block):
     """Phi-3 stores q/k/v and gate/up as fused tensors, which pjinfer slices at load and keeps
-    float: stored fp8 they are dequantized with their `weight_scale` (read as stored they were
-    off by that scale, silently); o_proj and down_proj stay fp8."""
+    float: stored fp8 they are dequantized with their `weight_scale` (or block-wise
+    `weight_scale_inv`; read as stored they were off by that scale, silently); o_proj and
+    down_proj stay fp8."""
     folder = tmp_path / "phi3-fp8"
-    oracle_dir = checkpoints.fp8_folder(hf_models["phi3"], folder, per_channel=True)
+    oracle_dir = checkpoints.fp8_folder(hf_models["phi3"], folder, per_channel=True,
+                                        block=block)
     # within original_max_position_embeddings (64): LongRoPE's short factors, as transformers
     llm = LLM(str(folder), max_model_len=64, **ENGINE)
     layer = llm.engine.runner.params["layers"][0]

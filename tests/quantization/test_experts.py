@@ -155,3 +155,21 @@ def test_fp8_values_are_kept_as_stored(moe_models, tmp_path):
     stored = SafetensorsIndex(folder).get("model.layers.0.mlp.experts.2.down_proj.weight")
     assert stored.dtype == ml_dtypes.float8_e4m3fn
     np.testing.assert_array_equal(np.asarray(down.values[2]).view(np.uint8), stored.view(np.uint8))
+
+
+def test_block_wise_fp8_experts_are_dequantized_at_load(moe_models, tmp_path, caplog):
+    """Block scales vary along K, which the expert kernels scale once after it: such experts
+    load dequantized (with a warning); the projections keep their block scales as groups."""
+    folder = tmp_path / "qwen3_moe-fp8-block"
+    oracle_dir = checkpoints.fp8_folder(moe_models["qwen3_moe"], folder, per_channel=True,
+                                        block=True)
+    with caplog.at_level("WARNING", logger="pjinfer"):
+        llm = LLM(str(folder), **ENGINE)
+    assert "block-wise fp8 experts are dequantized" in caplog.text
+    layer = llm.engine.runner.params["layers"][0]
+    assert not isinstance(layer["experts_down"], QuantizedExperts)
+    q = layer["q_proj"]
+    assert q.kind == "fp8" and q.scales.shape == (64 // checkpoints.FP8_BLOCK[1], 128)
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(oracle_dir,
+                                                               dtype=torch.float32).eval()
+    _check(llm, oracle)

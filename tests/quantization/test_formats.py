@@ -91,7 +91,7 @@ def test_config_json_spellings():
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "3-bit weights are not supported"),
     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "version 'gemv' is not supported"),
     ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "two positive integers"),
 ])
 def test_unsupported_configs_are_refused(raw, match):
     with pytest.raises(ValueError, match=match):
