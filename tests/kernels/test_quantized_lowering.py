@@ -20,8 +20,11 @@ D, F, H, KVH, HD = 4096, 14336, 32, 8, 128  # Llama-3-8B
 
 
 def _weight(kind: str, rows: int, cols: int) -> QuantizedWeight:
+    """fp8_block: a block-wise fp8 checkpoint's weight (128 x 128 blocks: groups of 128 rows)."""
+    grouped = kind in ("int4", "fp8_block")
+    kind = "fp8" if kind == "fp8_block" else kind
     dtype = {"int4": jnp.uint8, "int8": jnp.int8, "fp8": FP8}[kind]
-    groups = rows // 128 if kind == "int4" else 1  # GPTQ g128; per channel
+    groups = rows // 128 if grouped else 1  # GPTQ g128, fp8 blocks; per channel
     packed = jax.ShapeDtypeStruct(packed_shape(kind, rows, cols), dtype)
     return QuantizedWeight(packed, jax.ShapeDtypeStruct((groups, cols), jnp.float32),
                            kind=kind, zero_point=8.0 if kind == "int4" else 0.0)
@@ -47,7 +50,8 @@ def _layer_module(kind: str, tokens: int, monkeypatch) -> str:
 
 
 # 8 rows: the decode-only step of one to eight sequences (a dot tile of 16 over 8 rows of x)
-@pytest.mark.parametrize("kind, tokens", [("int4", 16), ("fp8", 1), ("int4", 8), ("fp8", 8)])
+@pytest.mark.parametrize("kind, tokens", [("int4", 16), ("fp8", 1), ("int4", 8), ("fp8", 8),
+                                          ("fp8_block", 8)])
 def test_layer_runs_four_kernels_and_only_their_sums(kind, tokens, monkeypatch):
     text = _layer_module(kind, tokens, monkeypatch)
     calls = re.findall(r"custom_call @(\S+?)\(", text)
