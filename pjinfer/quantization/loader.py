@@ -41,6 +41,7 @@ from pjinfer.quantization.weight import (
     OUT_MAJOR,
     QuantizedWeight,
     component_axes,
+    dequantize,
     quantize_int4,
     quantize_per_channel,
 )
@@ -71,11 +72,14 @@ def loads_quantized(p: ParamSpec, q: QuantConfig | None) -> bool:
 
 
 def quantizable_experts(p: ParamSpec, q: QuantConfig | None) -> bool:
-    """An expert stack that `q` turns into `QuantizedExperts`: fp8 / int8 quantization (on
-    the fly, dummy weights, or an fp8 checkpoint, which may store its experts float)."""
-    return (q is not None and p.path[0] == "layers" and p.path[-1] in EXPERT_STACKS
-            and q.method != "gguf" and q.weight_kind in EXPERT_KINDS
-            and not (q.from_checkpoint and q.block))
+    """An expert stack that `q` turns into `QuantizedExperts`: fp8 / int8 quantization on the
+    fly (or of dummy weights), and a per-tensor / per-channel fp8 checkpoint's (which may
+    also store its experts float); int-packed and block-wise experts load dequantized."""
+    if q is None or p.path[0] != "layers" or p.path[-1] not in EXPERT_STACKS:
+        return False
+    if q.from_checkpoint:
+        return q.method != "gguf" and q.weight_kind == "fp8" and not q.block
+    return q.weight_kind in EXPERT_KINDS
 
 
 def device_bytes(p: ParamSpec, q: QuantConfig | None, itemsize: int) -> int:
@@ -139,23 +143,25 @@ def load_quantized(get: Callable[[str], Any], has: Callable[[str], bool], p: Par
 
 def _checkpoint_experts(get: Callable[[str], Any], has: Callable[[str], bool], p: ParamSpec,
                         q: QuantConfig, placer: Placer,
-                        load_float: Callable[[ParamSpec], jax.Array]) -> Any:
+                        load_float: Callable[..., jax.Array]) -> Any:
     """An expert stack from a quantized checkpoint: float experts as they are; fp8 experts
     (each a float8_e4m3fn [out, in] `.weight` with a per-tensor or per-channel
-    `.weight_scale`, as for a Linear) stacked into `QuantizedExperts`; any other stored
-    quantization refused by name."""
+    `.weight_scale`, as for a Linear) stacked into `QuantizedExperts`; block-wise fp8 and
+    int-packed experts (GPTQ, AWQ, compressed-tensors) dequantized to the model dtype, with
+    a warning: the expert kernels read one scale per output channel."""
     first = p.hf_names[0].removesuffix(".weight")
     if not has(f"{first}.{_marker(q)}"):
         return load_float(p)
+    where = "/".join(map(str, p.path))
     if q.block:  # scales vary along K, which the expert kernels scale once, after it
         log.warning("%s: block-wise fp8 experts are dequantized to the model dtype at load "
-                    "(twice their stored bytes)", "/".join(map(str, p.path)))
+                    "(twice their stored bytes)", where)
         return load_float(p)  # `weights.read_param` applies each block's scale
-    if q.weight_kind != "fp8":
-        raise ModelLoadError(
-            f"tensor {first}.{_marker(q)}: MoE experts stored as {q.method} {q.bits}-bit weights "
-            "are not supported (pjinfer reads fp8 expert weights, or float ones it quantizes "
-            "with quantization='fp8' or 'int8'); use the model's float or fp8 checkpoint")
+    if q.weight_kind != "fp8":  # int-packed experts (GPTQ, AWQ, compressed-tensors)
+        log.warning("%s: %s %d-bit experts are dequantized to the model dtype at load (the "
+                    "expert kernels read float or fp8 experts): %dx their stored bytes", where,
+                    q.method, q.bits, 16 // q.bits)
+        return load_float(p, _dequantized_experts(get, p, q))
     e, rows, *out = p.shape
     try:  # each expert's HF [out, in] tensors, in the stack's order (gate/up: g0, u0, g1, ...)
         hosts = [fp8.read(get, name.removesuffix(".weight"), (rows, out[-1]), q)
@@ -168,6 +174,26 @@ def _checkpoint_experts(get: Callable[[str], Any], has: Callable[[str], bool], p
     value_spec, scale_spec = _part_specs(p, placer)
     return QuantizedExperts(placer.from_host(value_spec, values),
                             placer.from_host(scale_spec, scales))
+
+
+def _dequantized_experts(get: Callable[[str], Any], p: ParamSpec, q: QuantConfig) -> np.ndarray:
+    """An int-packed expert stack read expert by expert with its format's reader, each
+    dequantized (groups, zeros, act-order) and stacked into the float [E, K, *out]."""
+    e, rows, *out = p.shape
+    weights = []
+    for name in p.hf_names:  # each expert's Linear, in the stack's order (g0, u0, g1, ...)
+        prefix = name.removesuffix(".weight")
+        try:
+            host = READERS[q.method].read(get, prefix, (rows, out[-1]), q)
+        except KeyError as missing:
+            raise ModelLoadError(f"checkpoint is missing tensor {missing.args[0]!r}: a "
+                                 f"{q.method} expert needs "
+                                 f"{', '.join(f'{prefix}.{n}' for n in _parts(q))}") from None
+        parts = {k: jnp.asarray(v) for k, v in host.parts().items()}
+        qw = QuantizedWeight(**parts, kind=host.kind, zero_point=host.zero_point)
+        weights.append(np.asarray(dequantize(qw, jnp.float32)))  # [in, out]
+    stack = np.stack(weights).reshape(e, -1, rows, out[-1])  # [E, names an expert, K, out]
+    return np.moveaxis(stack, 2, 1).reshape(p.shape)  # [E, K, *out]
 
 
 def _part_specs(p: ParamSpec, placer: Placer) -> tuple[ParamSpec, ParamSpec]:

@@ -67,6 +67,7 @@ def scheme(name: str) -> tuple[Callable, dict]:
         "ct_fp8_tensor": (lambda w: packers.fp8(w, per_channel=False), CT_FP8),
         "fp8_channel": (lambda w: packers.fp8(w, per_channel=True),
                         {"quant_method": "fp8", "activation_scheme": "dynamic"}),
+        "fp8_tensor": (lambda w: packers.fp8(w, per_channel=False), {"quant_method": "fp8"}),
         "fp8_block": (lambda w: packers.fp8_block(w, FP8_BLOCK),
                       {"quant_method": "fp8", "activation_scheme": "dynamic",
                        "weight_block_size": list(FP8_BLOCK)}),
@@ -108,36 +109,34 @@ def write(model, folder: Path, name: str):
     return oracle
 
 
-def fp8_folder(src, dst, per_channel: bool, drop: tuple[str, ...] = (), block: bool = False):
+def folder(src, dst, name: str, drop: tuple[str, ...] = ()):
     """`src`'s float checkpoint (a saved folder) with every decoder `*_proj.weight` stored
-    fp8 as it is named there (MoE experts: the Hub's per-expert names; Phi-3: fused qkv_proj,
-    gate_up_proj; the tensors named in `drop` left out), as `quant_method: fp8` (`block`:
-    block-wise scales, `FP8_BLOCK`); returns the float folder holding the dequantized weights
-    (the oracle transformers runs)."""
+    by scheme `name` as it is named there (MoE experts: the Hub's per-expert names; Phi-3:
+    fused qkv_proj, gate_up_proj; the tensors named in `drop` left out); returns the float
+    folder holding the dequantized weights (the oracle transformers runs)."""
     import shutil
 
     from safetensors.numpy import load_file, save_file
 
+    pack, qconfig = scheme(name)
     tensors = load_file(src / "model.safetensors")
     quantized, dequantized = {}, {}
-    for name, w in tensors.items():
-        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
-            parts, deq = (packers.fp8_block(w.astype(np.float32), FP8_BLOCK) if block
-                          else packers.fp8(w.astype(np.float32), per_channel))
-            prefix = name.removesuffix(".weight")
+    for key, w in tensors.items():
+        if key.startswith("model.layers.") and key.endswith("_proj.weight"):
+            parts, deq = pack(w.astype(np.float32))
+            prefix = key.removesuffix(".weight")
             quantized |= {f"{prefix}.{k}": v for k, v in parts.items()
                           if f"{prefix}.{k}" not in drop}
-            dequantized[name] = deq.astype(np.float32)
+            dequantized[key] = deq.astype(np.float32)
         else:
-            quantized[name] = dequantized[name] = w
+            quantized[key] = dequantized[key] = w
     oracle = dst.parent / f"{dst.name}-dequantized"
-    fp8_config = {"quant_method": "fp8"} | ({"weight_block_size": list(FP8_BLOCK)} if block
-                                            else {})
-    for folder, state, qconfig in ((dst, quantized, fp8_config), (oracle, dequantized, None)):
-        shutil.copytree(src, folder)
-        save_file(state, folder / "model.safetensors")
-        config = json.loads((folder / "config.json").read_text())
-        if qconfig:
-            config["quantization_config"] = qconfig
-        (folder / "config.json").write_text(json.dumps(config))
+    for target, state, config_entry in ((dst, quantized, qconfig), (oracle, dequantized, None)):
+        shutil.copytree(src, target)
+        save_file({k: np.ascontiguousarray(v) for k, v in state.items()},  # views saved as
+                  target / "model.safetensors")  # their buffer's order otherwise
+        config = json.loads((target / "config.json").read_text())
+        if config_entry:
+            config["quantization_config"] = config_entry
+        (target / "config.json").write_text(json.dumps(config))
     return oracle

@@ -142,15 +142,14 @@ def test_quantization_argument_must_match_the_checkpoint(quantized):
         LLM(str(folder), quantization="gptq", **ENGINE)
 
 
-@pytest.mark.parametrize("block", [False, True])
-def test_fused_fp8_tensors_are_dequantized_at_load(hf_models, tmp_path, block):
+@pytest.mark.parametrize("name", ["fp8_channel", "fp8_block"])
+def test_fused_fp8_tensors_are_dequantized_at_load(hf_models, tmp_path, name):
     """Phi-3 stores q/k/v and gate/up as fused tensors, which pjinfer slices at load and keeps
     float: stored fp8 they are dequantized with their `weight_scale` (or block-wise
     `weight_scale_inv`; read as stored they were off by that scale, silently); o_proj and
     down_proj stay fp8."""
     folder = tmp_path / "phi3-fp8"
-    oracle_dir = checkpoints.fp8_folder(hf_models["phi3"], folder, per_channel=True,
-                                        block=block)
+    oracle_dir = checkpoints.folder(hf_models["phi3"], folder, name)
     # within original_max_position_embeddings (64): LongRoPE's short factors, as transformers
     llm = LLM(str(folder), max_model_len=64, **ENGINE)
     layer = llm.engine.runner.params["layers"][0]

@@ -5,9 +5,6 @@ parallelism); bounded reconstruction error; one clear error per unsupported expe
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -108,11 +105,11 @@ def test_on_the_fly_experts_match_transformers(moe_models, arch, method, extra):
     _check(llm, _oracle(moe_models[arch], llm.engine.runner.params, llm.engine.model_config))
 
 
-@pytest.mark.parametrize("per_channel, extra", [
-    (True, {}), (False, dict(tensor_parallel_size=2, enable_expert_parallel=True))])
-def test_fp8_checkpoint_experts_load_as_stored(moe_models, tmp_path, per_channel, extra):
+@pytest.mark.parametrize("name, extra", [
+    ("fp8_channel", {}), ("fp8_tensor", dict(tensor_parallel_size=2, enable_expert_parallel=True))])
+def test_fp8_checkpoint_experts_load_as_stored(moe_models, tmp_path, name, extra):
     folder = tmp_path / "qwen3_moe-fp8"
-    oracle_dir = checkpoints.fp8_folder(moe_models["qwen3_moe"], folder, per_channel)
+    oracle_dir = checkpoints.folder(moe_models["qwen3_moe"], folder, name)
     llm = LLM(str(folder), **ENGINE, **extra)
     assert llm.engine.quantization_method == "fp8"
     _stacks(llm, "fp8")
@@ -121,35 +118,38 @@ def test_fp8_checkpoint_experts_load_as_stored(moe_models, tmp_path, per_channel
     _check(llm, oracle)
 
 
-def test_unsupported_expert_formats_are_refused_by_name(moe_models, tmp_path):
-    """A GPTQ MoE checkpoint (experts stored as qweight) and an fp8 one missing an expert's
-    scale: each one clear error naming the tensor."""
-    from safetensors.numpy import load_file, save_file
+@pytest.mark.parametrize("name", ["gptq4_g32_asym_act", "awq_g32"])
+def test_int_packed_experts_are_dequantized_at_load(moe_models, tmp_path, caplog, name):
+    """GPTQ (act-order, asymmetric) and AWQ experts, which the expert kernels do not read:
+    dequantized to the model dtype at load, with a warning; the projections stay packed."""
+    folder = tmp_path / f"qwen3_moe-{name}"
+    oracle_dir = checkpoints.folder(moe_models["qwen3_moe"], folder, name)
+    with caplog.at_level("WARNING", logger="pjinfer"):
+        llm = LLM(str(folder), **ENGINE)
+    assert "dequantized to the model dtype" in caplog.text
+    layer = llm.engine.runner.params["layers"][0]
+    assert not isinstance(layer["experts_gate_up"], QuantizedExperts)
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(oracle_dir,
+                                                               dtype=torch.float32).eval()
+    _check(llm, oracle)
 
+
+def test_missing_expert_parts_are_named(moe_models, tmp_path):
+    """An fp8 expert without its scale, a GPTQ expert without its scales: one error each
+    naming the tensor."""
     src = moe_models["qwen3_moe"]
-    gptq = tmp_path / "gptq"
-    shutil.copytree(src, gptq)
-    tensors = load_file(gptq / "model.safetensors")
-    tensors["model.layers.0.mlp.experts.0.gate_proj.qweight"] = np.zeros((8, 32), np.int32)
-    save_file(tensors, gptq / "model.safetensors")
-    config = json.loads((gptq / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
-    (gptq / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="experts.0.gate_proj.qweight: MoE experts stored "
-                                             "as gptq 4-bit"):
-        LLM(str(gptq), **ENGINE)
-
-    fp8 = tmp_path / "fp8"
-    checkpoints.fp8_folder(src, fp8, per_channel=True,
-                    drop=("model.layers.1.mlp.experts.3.down_proj.weight_scale",))
-    with pytest.raises(ModelLoadError, match="experts.3.down_proj.weight_scale"):
-        LLM(str(fp8), **ENGINE)
+    for name, missing in (("fp8_channel", "model.layers.1.mlp.experts.3.down_proj.weight_scale"),
+                          ("gptq4_g32_asym_act", "model.layers.0.mlp.experts.5.up_proj.scales")):
+        folder = tmp_path / name
+        checkpoints.folder(src, folder, name, drop=(missing,))
+        with pytest.raises(ModelLoadError, match=missing):
+            LLM(str(folder), **ENGINE)
 
 
 def test_fp8_values_are_kept_as_stored(moe_models, tmp_path):
     """The checkpoint's e4m3 bytes land unchanged in the stack's [E, *out, K] values."""
     folder = tmp_path / "fp8"
-    checkpoints.fp8_folder(moe_models["qwen3_moe"], folder, per_channel=True)
+    checkpoints.folder(moe_models["qwen3_moe"], folder, "fp8_channel")
     llm = LLM(str(folder), **ENGINE)
     down = llm.engine.runner.params["layers"][0]["experts_down"]
     stored = SafetensorsIndex(folder).get("model.layers.0.mlp.experts.2.down_proj.weight")
@@ -161,8 +161,7 @@ def test_block_wise_fp8_experts_are_dequantized_at_load(moe_models, tmp_path, ca
     """Block scales vary along K, which the expert kernels scale once after it: such experts
     load dequantized (with a warning); the projections keep their block scales as groups."""
     folder = tmp_path / "qwen3_moe-fp8-block"
-    oracle_dir = checkpoints.fp8_folder(moe_models["qwen3_moe"], folder, per_channel=True,
-                                        block=True)
+    oracle_dir = checkpoints.folder(moe_models["qwen3_moe"], folder, "fp8_block")
     with caplog.at_level("WARNING", logger="pjinfer"):
         llm = LLM(str(folder), **ENGINE)
     assert "block-wise fp8 experts are dequantized" in caplog.text
