@@ -159,8 +159,8 @@ def _checkpoint_experts(get: Callable[[str], Any], has: Callable[[str], bool], p
         return load_float(p)  # `weights.read_param` applies each block's scale
     if q.weight_kind != "fp8":  # int-packed experts (GPTQ, AWQ, compressed-tensors)
         log.warning("%s: %s %d-bit experts are dequantized to the model dtype at load (the "
-                    "expert kernels read float or fp8 experts): %dx their stored bytes", where,
-                    q.method, q.bits, 16 // q.bits)
+                    "expert kernels read float or fp8 experts), taking that dtype's bytes",
+                    where, q.method, q.bits)
         return load_float(p, _dequantized_experts(get, p, q))
     e, rows, *out = p.shape
     try:  # each expert's HF [out, in] tensors, in the stack's order (gate/up: g0, u0, g1, ...)
