@@ -184,6 +184,10 @@ def _scaled(index: SafetensorsIndex, name: str, tensor: np.ndarray) -> np.ndarra
     if f"{prefix}.weight_scale" not in index:
         return tensor
     scale = np.asarray(index.get(f"{prefix}.weight_scale"), np.float32)
+    if scale.ndim == 2 and scale.size > 1 and scale.shape != (tensor.shape[0], 1):  # blocks
+        # (compressed-tensors' block strategy names its block scales weight_scale)
+        return tensor.astype(np.float32) * _block_scales(f"{prefix}.weight_scale", scale,
+                                                         tensor.shape)
     if scale.size not in (1, tensor.shape[0]):
         raise ModelLoadError(f"tensor {prefix}.weight_scale has shape {scale.shape}: expected "
                              f"one scale per tensor or one per output row ({tensor.shape[0]})")

@@ -88,13 +88,14 @@ class QuantConfig:
 
 def _fp8_block(raw: Any) -> tuple[int, int] | None:
     """`weight_block_size` [out, in] of a block-wise fp8 checkpoint (DeepSeek-V3, Qwen3-FP8:
-    one `weight_scale_inv` per block), or None."""
+    one `weight_scale_inv` per block; compressed-tensors' `block_structure`, one
+    `weight_scale`), or None."""
     if not raw:
         return None
     if not (isinstance(raw, list | tuple) and len(raw) == 2
             and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in raw)):
-        raise ValueError(f"fp8: weight_block_size must be two positive integers [out, in], "
-                         f"got {raw!r}")
+        raise ValueError(f"fp8: weight_block_size / block_structure must be two positive "
+                         f"integers [out, in], got {raw!r}")
     return int(raw[0]), int(raw[1])
 
 
@@ -110,14 +111,20 @@ def _compressed_tensors(raw: dict[str, Any]) -> QuantConfig:
     if fmt not in ("pack-quantized", "float-quantized", "naive-quantized"):
         raise ValueError(f"compressed-tensors: format {fmt!r} is not supported; supported: "
                          "pack-quantized, float-quantized, naive-quantized")
-    if strategy not in ("group", "channel", "tensor"):
-        raise ValueError(f"compressed-tensors: weight strategy {strategy!r} is not supported")
+    if strategy not in ("group", "channel", "tensor", "block") or (
+            strategy == "block" and w.get("type") != "float"):
+        raise ValueError(f"compressed-tensors: weight strategy {strategy!r} is not supported"
+                         + (" for int weights" if strategy == "block" else ""))
     if w.get("actorder") not in (None, False, "static"):
         raise ValueError(f"compressed-tensors: actorder {w.get('actorder')!r} is not supported")
-    group = int(w["group_size"]) if strategy == "group" else -1
+    block = _fp8_block(w.get("block_structure")) if strategy == "block" else None
+    if strategy == "block" and block is None:
+        raise ValueError("compressed-tensors: a block weight strategy needs block_structure "
+                         "[out, in]")
+    group = int(w["group_size"]) if strategy == "group" else block[1] if block else -1
     return QuantConfig("compressed-tensors", int(w.get("num_bits", 8)), group,
                        bool(w.get("symmetric", True)), kind=w.get("type", "int"), fmt=fmt,
-                       ignore=tuple(raw.get("ignore") or ("lm_head",)))
+                       ignore=tuple(raw.get("ignore") or ("lm_head",)), block=block)
 
 
 def resolve(model_dir: str | Path | None, quantization: str | None) -> QuantConfig | None:

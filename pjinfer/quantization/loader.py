@@ -113,7 +113,7 @@ def _marker(q: QuantConfig) -> str:
         return "gguf_blocks"
     if q.method == "compressed-tensors" and q.fmt == "pack-quantized":
         return "weight_packed"
-    return "weight_scale_inv" if q.block else "weight_scale"
+    return fp8.parts(q)[1] if q.kind == "float" else "weight_scale"
 
 
 def _parts(q: QuantConfig) -> tuple[str, ...]:

@@ -40,6 +40,20 @@ CT_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized",
                                     "strategy": "token"}}}, "ignore": ["lm_head"]}
 
 
+CT_FP8_BLOCK = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                    "num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
+                    "block_structure": list(FP8_BLOCK)}, "input_activations": {
+                    "num_bits": 8, "type": "float", "dynamic": True, "strategy": "group",
+                    "group_size": 128}}}, "ignore": ["lm_head"]}
+
+
+def _renamed(packed: tuple[dict, np.ndarray], **names: str) -> tuple[dict, np.ndarray]:
+    """A packer's (tensors, dequantized) with some tensors renamed (old=new)."""
+    tensors, deq = packed
+    return {names.get(k, k): v for k, v in tensors.items()}, deq
+
+
 def scheme(name: str) -> tuple[Callable, dict]:
     """(packer of one weight, quantization_config) of a named test scheme."""
     rng = np.random.default_rng(0)
@@ -68,6 +82,8 @@ def scheme(name: str) -> tuple[Callable, dict]:
         "fp8_channel": (lambda w: packers.fp8(w, per_channel=True),
                         {"quant_method": "fp8", "activation_scheme": "dynamic"}),
         "fp8_tensor": (lambda w: packers.fp8(w, per_channel=False), {"quant_method": "fp8"}),
+        "ct_fp8_block": (lambda w: _renamed(packers.fp8_block(w, FP8_BLOCK),
+                                            weight_scale_inv="weight_scale"), CT_FP8_BLOCK),
         "fp8_block": (lambda w: packers.fp8_block(w, FP8_BLOCK),
                       {"quant_method": "fp8", "activation_scheme": "dynamic",
                        "weight_block_size": list(FP8_BLOCK)}),

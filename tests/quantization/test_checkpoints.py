@@ -83,7 +83,7 @@ ENGINE = dict(dtype="float32", enable_prefix_caching=True, max_num_batched_token
 @pytest.mark.parametrize("arch, name", [
     ("llama", "gptq4_g32_asym_act"), ("llama", "awq_g64"), ("llama", "ct_w4a16_g128"),
     ("llama", "fp8_channel"), ("qwen2", "fp8_block"), ("qwen2", "gptq8_gall_sym"),
-    ("qwen2", "ct_w8a16_g64"), ("qwen2", "ct_fp8_tensor"),
+    ("qwen2", "ct_w8a16_g64"), ("qwen2", "ct_fp8_tensor"), ("llama", "ct_fp8_block"),
 ])
 def test_engine_matches_transformers_on_dequantized_weights(quantized, arch, name):
     folder, oracle = quantized(arch, name)
@@ -142,7 +142,7 @@ def test_quantization_argument_must_match_the_checkpoint(quantized):
         LLM(str(folder), quantization="gptq", **ENGINE)
 
 
-@pytest.mark.parametrize("name", ["fp8_channel", "fp8_block"])
+@pytest.mark.parametrize("name", ["fp8_channel", "fp8_block", "ct_fp8_block"])
 def test_fused_fp8_tensors_are_dequantized_at_load(hf_models, tmp_path, name):
     """Phi-3 stores q/k/v and gate/up as fused tensors, which pjinfer slices at load and keeps
     float: stored fp8 they are dequantized with their `weight_scale` (or block-wise

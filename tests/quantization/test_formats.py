@@ -87,11 +87,26 @@ def test_config_json_spellings():
     assert (cfg.bits, cfg.group_size, cfg.weight_kind) == (4, 128, "int4")
 
 
+def _ct_weights(**weights) -> dict:
+    """A compressed-tensors float-quantized config with one weights scheme."""
+    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"],
+                                          "weights": {"num_bits": 8, **weights}}}}
+
+
+def test_compressed_tensors_block_strategy_reads_its_blocks():
+    cfg = QuantConfig.from_hf(_ct_weights(type="float", strategy="block",
+                                          block_structure=[128, 64]))
+    assert (cfg.weight_kind, cfg.block, cfg.group_size) == ("fp8", (128, 64), 64)
+
+
 @pytest.mark.parametrize("raw, match", [
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "3-bit weights are not supported"),
     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "version 'gemv' is not supported"),
     ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, "two positive integers"),
+    (_ct_weights(type="int", strategy="block", block_structure=[128, 128]), "for int weights"),
+    (_ct_weights(type="float", strategy="block"), "needs block_structure"),
 ])
 def test_unsupported_configs_are_refused(raw, match):
     with pytest.raises(ValueError, match=match):
