@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from pjinfer.errors import ModelLoadError
+from pjinfer.models.moe import ROUTED_EXPERT_PARAMS
 from pjinfer.models.spec import ParamSpec, transpose
 from pjinfer.quantization import awq, compressed_tensors, fp8, gguf_blocks, gptq
 from pjinfer.quantization.config import QuantConfig
@@ -58,16 +59,12 @@ def quantizable(p: ParamSpec) -> bool:
     return p.path[0] == "layers" and str(p.path[-1]).endswith("_proj") and len(p.shape) == 2
 
 
-# A MoE layer's routed-expert stacks ([E, K, *out]; pjinfer.models.moe names them)
-EXPERT_STACKS = ("experts_gate_up", "experts_down")
-
-
 def loads_quantized(p: ParamSpec, q: QuantConfig | None) -> bool:
     """Whether `load_quantized` loads `p`: a Linear weight, or an expert stack that `q`
     quantizes or a quantized checkpoint may store quantized."""
     if q is None:
         return False
-    stack = p.path[0] == "layers" and p.path[-1] in EXPERT_STACKS and q.method != "gguf"
+    stack = p.path[0] == "layers" and p.path[-1] in ROUTED_EXPERT_PARAMS and q.method != "gguf"
     return quantizable(p) or quantizable_experts(p, q) or (stack and q.from_checkpoint)
 
 
@@ -75,7 +72,7 @@ def quantizable_experts(p: ParamSpec, q: QuantConfig | None) -> bool:
     """An expert stack that `q` turns into `QuantizedExperts`: fp8 / int8 quantization on the
     fly (or of dummy weights), and a per-tensor / per-channel fp8 checkpoint's (which may
     also store its experts float); int-packed and block-wise experts load dequantized."""
-    if q is None or p.path[0] != "layers" or p.path[-1] not in EXPERT_STACKS:
+    if q is None or p.path[0] != "layers" or p.path[-1] not in ROUTED_EXPERT_PARAMS:
         return False
     if q.from_checkpoint:
         return q.method != "gguf" and q.weight_kind == "fp8" and not q.block
@@ -128,7 +125,7 @@ def load_quantized(get: Callable[[str], Any], has: Callable[[str], bool], p: Par
     float weight (quantized on the device for the on-the-fly methods)."""
     if not q.from_checkpoint:
         return quantize_on_device(load_float(p), p, q, placer)
-    if p.path[-1] in EXPERT_STACKS:
+    if p.path[-1] in ROUTED_EXPERT_PARAMS:
         return _checkpoint_experts(get, has, p, q, placer, load_float)
     prefix = p.hf_names[0].removesuffix(".weight")
     if not _stored_as_linear(p) or not has(f"{prefix}.{_marker(q)}"):
@@ -265,7 +262,7 @@ def quantize_on_device(w: jax.Array, p: ParamSpec, q: QuantConfig,
     """A float weight already placed -> the method's quantized form, parts placed like it
     (per output channel for int8 / fp8; symmetric int4 in groups for dummy 4-bit weights;
     an expert stack per expert and output channel)."""
-    if p.path[-1] in EXPERT_STACKS:
+    if p.path[-1] in ROUTED_EXPERT_PARAMS:
         return _place_experts(quantize_experts(w, q.weight_kind), p, placer)
     rows = w.shape[0]
     if q.weight_kind == "int4":
