@@ -204,7 +204,7 @@ stage_moeprofile() {
   [[ $models == *" qwen3 "* ]] && step qwen3_step_profile 240 $PY benchmarks/step_probe.py \
       --model configs/models/qwen3-30b-a3b \
       --layouts ${MOEPROFILE_LAYOUTS:-decode_1x768 decode_10x2560} \
-      --backends auto --num-kv-blocks 4096 --max-model-len 4096 \
+      --backends auto --num-kv-blocks ${MOEPROFILE_BLOCKS:-4096} --max-model-len 4096 \
       --profile /tmp/pjinfer-prof-qwen3 --out "$JSON/qwen3_step_profile.json"
   [[ $models == *" mixtral "* ]] && step mixtral_step_profile 240 $PY benchmarks/step_probe.py \
       --model configs/models/mixtral-8x7b --layouts decode_1x768 --backends auto \
@@ -330,7 +330,7 @@ stage_moefp8() {
 # overrides the prompt count), against the active-parameter compute roofline.
 stage_moetput() {  # MOE_MAX_SEQS: sequences a step (each decode step streams every expert)
   local qwen=(--model configs/models/qwen3-30b-a3b --load-format dummy --dtype bfloat16
-              --max-num-seqs ${MOE_MAX_SEQS:-256} --max-num-batched-tokens 8192)
+              --max-num-seqs ${MOE_MAX_SEQS:-256} --max-num-batched-tokens 8192 ${MOE_FLAGS:-})
   local n=${N_MOE:-1000} tput=(--input-len 1024 --output-len 256)
   [ $SMOKE = 1 ] && qwen=("${ENGINE[@]}") && n=4 && tput=(--input-len 16 --output-len 4)
   step moe_qwen3_throughput 540 "${BENCH[@]}" throughput "${qwen[@]}" \

@@ -67,7 +67,11 @@ SPECS = {"decode_1x768": [(769, 768, 1)], "decode_8x160": [(161, 160, 1)] * 8,
          # W4's (synthetic ShareGPT) steps: short prompts beside decodes at ~300 tokens, and
          # its decode-only calls (512 sequences a step)
          "mixed_8x220+248dec300": [(301, 300, 1)] * 248 + [(220, 0, 220)] * 8,
-         "decode_512x300": [(301, 300, 1)] * 512}
+         "decode_512x300": [(301, 300, 1)] * 512,
+         # Qwen3-30B-A3B's 1,000 x 1,024 / 256 throughput run at 512 sequences a step: its
+         # decode-only steps (mid-generation) and its steady mixed steps (8 prompts' chunks)
+         "decode_512x1152": [(1153, 1152, 1)] * 512,
+         "mixed_8x961+504dec1152": [(1153, 1152, 1)] * 504 + [(1024, 0, 961)] * 8}
 LAYOUTS = tuple(SPECS)
 
 
