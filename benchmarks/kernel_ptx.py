@@ -150,7 +150,8 @@ def experts_ttir(kind: str, dtype: str, tokens: int) -> tuple[str, object, int]:
     import jax.numpy as jnp
 
     from pjinfer.kernels import ops
-    from pjinfer.kernels.grouped_matmul import grouped_matmul, routed_matmul
+    from pjinfer.kernels.grouped_matmul import grouped_matmul
+    from pjinfer.kernels.routed_matmul import routed_matmul
 
     experts, k, n, quantized = 128, 2048, 1536, jnp.dtype(dtype).itemsize == 1
     values = jax.ShapeDtypeStruct((experts, n, k) if quantized else (experts, k, n), dtype)

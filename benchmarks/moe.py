@@ -222,7 +222,7 @@ def _decode_layer(s, args, timing, bandwidth) -> list[dict[str, Any]]:
     import jax
     import jax.numpy as jnp
 
-    from pjinfer.kernels.grouped_matmul import routed_matmul
+    from pjinfer.kernels.routed_matmul import routed_matmul
     from pjinfer.models.moe import expert_ffn
 
     d, inter, e, k = s["hidden"], s["inter"], s["experts"], s["top_k"]

@@ -38,7 +38,7 @@ from pjinfer.benchmarks.common import (
     power_of_two,
     print_table,
 )
-from pjinfer.kernels.grouped_matmul import ROUTED_SPLITS
+from pjinfer.kernels.routed_matmul import ROUTED_SPLITS
 
 MODELS = {
     "qwen3-30b-a3b": dict(hidden=2048, inter=768, experts=128, top_k=8, layers=24),
@@ -67,7 +67,7 @@ def stack_fn(tiling: dict[str, int], interpret: bool):
     GEMMs in order, each layer's input the previous layer's output (so none is skipped)."""
     import jax
 
-    from pjinfer.kernels.grouped_matmul import routed_matmul
+    from pjinfer.kernels.routed_matmul import routed_matmul
     from pjinfer.quantization.experts import QuantizedExperts
 
     shared = {k: v for k, v in tiling.items() if k != "down_k_splits"}

@@ -24,11 +24,11 @@ from pjinfer.kernels.decode_attention import (
 )
 from pjinfer.kernels.fp8_matmul import fp8_w8a8_matmul, per_channel_fp8
 from pjinfer.kernels.grouped_matmul import grouped_matmul as pallas_grouped_matmul
-from pjinfer.kernels.grouped_matmul import routed_matmul as pallas_routed_matmul
-from pjinfer.kernels.grouped_matmul import routed_matmul_reference
 from pjinfer.kernels.metadata import AttentionMetadata
 from pjinfer.kernels.quantized_matmul_tiling import INT4_DOT_ROWS
 from pjinfer.kernels.ragged_attention import ragged_attention, ragged_attention_reference
+from pjinfer.kernels.routed_matmul import routed_matmul as pallas_routed_matmul
+from pjinfer.kernels.routed_matmul import routed_matmul_reference
 from pjinfer.quantization.experts import QuantizedExperts, dequantize_experts
 from pjinfer.quantization.weight import QuantizedWeight
 from pjinfer.sharding.mesh import traced_tp_mesh
@@ -153,9 +153,11 @@ def _stored(rhs: Experts) -> tuple[jax.Array, jax.Array | None]:
 
 
 def grouped_matmul(lhs: jax.Array, rhs: Experts, group_sizes: jax.Array, *,
-                   backend: str = "auto", out_dtype=None) -> jax.Array:
+                   backend: str = "auto", out_dtype=None,
+                   lhs_rows: jax.Array | None = None) -> jax.Array:
     """lhs [M, K] (rows sorted by group) times rhs [G, K, N], group g taking the next
-    group_sizes[g] rows -> [M, N] in `out_dtype` (default lhs's), float32 sums.
+    group_sizes[g] rows -> [M, N] in `out_dtype` (default lhs's), float32 sums. `lhs_rows`
+    [M]: row r is lhs[lhs_rows[r]] of lhs [T, K] (the kernel gathers as it loads).
 
     Pallas on GPU: `jax.lax.ragged_dot` there runs ~100x below the matmul rate (71.6 ms for
     Qwen3-30B-A3B's 8,192-token prefill on an H200). `ragged_dot` elsewhere (and for
@@ -166,12 +168,14 @@ def grouped_matmul(lhs: jax.Array, rhs: Experts, group_sizes: jax.Array, *,
     if not _use_pallas(backend):
         if isinstance(rhs, QuantizedExperts):
             rhs = dequantize_experts(rhs, lhs.dtype)
+        lhs = lhs if lhs_rows is None else lhs[lhs_rows]
         return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),
                                   preferred_element_type=jnp.float32).astype(out_dtype)
     values, scales = _stored(rhs)
+    rows = lhs.shape[0] if lhs_rows is None else lhs_rows.shape[0]
     return pallas_grouped_matmul(lhs, values, group_sizes, rhs_scales=scales,
-                                 out_dtype=out_dtype, interpret=_interpret(),
-                                 **default_grouped_block_sizes(lhs.shape[0], *rhs.shape))
+                                 out_dtype=out_dtype, lhs_rows=lhs_rows, interpret=_interpret(),
+                                 **default_grouped_block_sizes(rows, *rhs.shape))
 
 
 def routed_matmul(lhs: jax.Array, rhs: Experts, ids: jax.Array, *, per_assignment: bool,

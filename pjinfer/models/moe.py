@@ -123,7 +123,8 @@ def _sorted_experts(x, key, gate_up, down, k: int, backend: str) -> jax.Array:
     num_local = gate_up.shape[0]
     order = jnp.argsort(key, stable=True)  # [T*k] sorted position -> assignment
     group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
-    h = ops.grouped_matmul(x[order // k], gate_up, group_sizes, backend=backend)  # [T*k, 2I']
+    h = ops.grouped_matmul(x, gate_up, group_sizes, backend=backend,
+                           lhs_rows=order // k)  # [T*k, 2I'] (x's rows read in sort order)
     y = ops.grouped_matmul(_silu_and_mul(h), down, group_sizes, backend=backend)  # [T*k, D]
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     return y[inverse]

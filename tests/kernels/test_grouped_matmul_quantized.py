@@ -12,9 +12,8 @@ from pjinfer.kernels import ops
 from pjinfer.kernels.grouped_matmul import (
     grouped_matmul,
     grouped_matmul_reference,
-    routed_matmul,
-    routed_matmul_reference,
 )
+from pjinfer.kernels.routed_matmul import routed_matmul, routed_matmul_reference
 from pjinfer.quantization.experts import dequantize_experts, quantize_experts
 from tests.kernels.lowering import cuda_module
 from tests.kernels.test_grouped_matmul import F32_TOL, INTERPRET, _inputs

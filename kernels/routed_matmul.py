@@ -1,0 +1,178 @@
+"""Routed matmul (the MoE expert GEMM of a decode step) in Pallas, with its pure-JAX reference.
+
+Per column block, a few programs share the step's token-expert assignments; for each expert
+chosen, one multiplies the rows of the tokens that chose it (the step's [T, K] rows, the
+others masked to 0) by its weights and stores them to those tokens' assignment rows, with no
+sort, group sizes, tile plan or un-permutation around it (a dozen small XLA kernels per MoE layer,
+which cost more than the GEMMs at batch 1). An expert nobody chose reads nothing; one that
+several tokens chose is read once. Inactive choices (expert < 0: padding tokens, another
+shard's experts) are 0. At one token the chosen experts times the column blocks can be fewer
+programs than the GPU has SMs (Mixtral's down projection: 2 x 32); `k_splits` then cuts K into
+ranges, each program writing a float32 partial that XLA sums.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pjinfer.kernels import common
+from pjinfer.kernels.expert_stack import (
+    check_scales,
+    dequantized,
+    pad_stack,
+    pad_to,
+    stack_dims,
+    weight_dot,
+)
+
+ROUTED_MAX_TOKENS = 64  # one [T, block_k] x tile and [T, block_n] sums per program
+
+
+def _check_routed(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, per_assignment: bool,
+                  rhs_scales: jax.Array | None) -> None:
+    t, k = ids.shape
+    check_scales(rhs, rhs_scales)
+    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != stack_dims(rhs, rhs_scales)[1] \
+            or lhs.shape[0] != (t * k if per_assignment else t):
+        raise ValueError(f"routed matmul needs lhs [{'T*k' if per_assignment else 'T'}, K], "
+                         f"rhs [G, K, N] (quantized: [G, N, K]), ids [T, k]; got {lhs.shape}, "
+                         f"{rhs.shape}, {ids.shape}")
+
+
+# Programs per column block: one per assignment up to this many. On the H200 (RESULTS.md,
+# round 7) 128 was best or within 8% of the best at 1-32 tokens, Qwen3 and Mixtral shapes.
+ROUTED_SPLITS = 128
+
+
+def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
+                   k_steps: int, per_assignment: bool, splits: int, padded: tuple[int, int]):
+    """Program (column block, K range q, split s): assignments s, s + splits, ... of the flat
+    [T*k] ids. Each one that is its expert's first (and not inactive) multiplies every token
+    that chose that expert over K range q (`k_steps` blocks), as one dense [T, bk] x [bk, bn]
+    dot (other tokens' rows masked to 0), and stores to those tokens' assignment rows of
+    range q's partial; later assignments of the same expert do nothing, so each chosen
+    expert is read once and no program waits on an expert nobody chose. Neither ids [T, k]
+    nor lhs is padded in XLA (a pad is one more kernel a MoE layer): the kernel reads ids as
+    `padded` [Tp, kp] (Tp >= 16 for the dot) with the extra entries inactive (-1), and a
+    padding token's lhs row clamped to lhs's last, masked out like any token that did not
+    choose the expert. A scale ref (before o_ref) scales quantized rhs values' sums, as in
+    `grouped_matmul`'s kernel."""
+    scale_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
+    col, k_range, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    (real_t, choices), (num_tokens, top_k) = ids_ref.shape, padded
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    choice = jnp.arange(top_k, dtype=jnp.int32)
+    real = (token < real_t)[:, None] & (choice < choices)[None, :]  # [Tp, kp]
+    ids = jnp.where(real, ids_ref[common.clamped_rows(0, num_tokens, real_t)[:, None],
+                                  common.clamped_rows(0, top_k, choices)[None, :]],
+                    -1)  # [Tp, kp]
+    position = token[:, None] * top_k + choice[None, :]  # [Tp, kp]
+    cols = pl.ds(col * block_n, block_n)
+    col_ids = col * block_n + jnp.arange(block_n, dtype=jnp.int32)
+
+    def assignment(i, carry):
+        a = split + i * splits
+        e = jnp.sum(jnp.where(position == a, ids, 0))
+        first = jnp.sum(jnp.where((position < a) & (ids == e), 1, 0)) == 0
+
+        @pl.when((a < num_tokens * top_k) & first & (e >= 0))
+        def _():
+            match = ids == e  # [T, k]: at most one hit per token
+            hit = jnp.max(match.astype(jnp.int32), axis=1) > 0  # [T]
+            slot = jnp.sum(jnp.where(match, choice[None, :], 0), axis=1)
+            out_rows = token * top_k + slot  # [T] assignment rows
+            rows = token * choices + slot if per_assignment else token  # lhs rows
+            rows = jnp.minimum(rows, lhs_ref.shape[0] - 1)
+
+            def body(kb, acc):
+                ks = pl.ds((k_range * k_steps + kb) * block_k, block_k)
+                x = jnp.where(hit[:, None], lhs_ref[rows, ks], 0)  # [T, bk]
+                if scale_ref is None:
+                    return acc + weight_dot(x, rhs_ref[e, ks, cols], False)
+                return acc + weight_dot(x, rhs_ref[e, cols, ks], True)
+
+            acc = jax.lax.fori_loop(0, k_steps, body,
+                                    jnp.zeros((num_tokens, block_n), jnp.float32))
+            if scale_ref is not None:
+                acc = acc * scale_ref[e, cols][None, :]
+            partial_rows = k_range * num_tokens * top_k + out_rows  # range q's [T*k] block
+            pltriton.store(o_ref.at[partial_rows[:, None], col_ids[None, :]],
+                           acc.astype(o_ref.dtype), mask=hit[:, None])
+        return carry
+
+    jax.lax.fori_loop(0, -(-num_tokens * top_k // splits), assignment, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("per_assignment", "block_n", "block_k",
+                                             "num_warps", "num_stages", "splits", "k_splits",
+                                             "out_dtype", "interpret"))
+def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignment: bool,
+                  rhs_scales: jax.Array | None = None, block_n: int = 128,
+                  block_k: int = 128, num_warps: int = 4,
+                  num_stages: int = 3, splits: int = ROUTED_SPLITS, k_splits: int = 1,
+                  out_dtype=None, interpret: bool = False) -> jax.Array:
+    """ids [T, k] (expert per token and choice, < 0: none) -> [T*k, N]: row t*k+j is
+    lhs[t] (lhs [T, K]) or lhs[t*k+j] (`per_assignment`, lhs [T*k, K]) times rhs[ids[t, j]],
+    0 where ids[t, j] < 0. Grid (column block, K range, split): the programs of a column
+    block share the step's assignments (`splits` of them, at most one per assignment), each
+    expert is read once whatever number of tokens chose it; T and k are padded to powers of
+    two (>= 16 tokens: Triton's dot) inside the kernel. `k_splits` > 1 cuts K into that many
+    ranges (the largest count <= it that divides K's blocks), each program's float32 partial
+    summed after: more programs for a step whose chosen experts x column blocks leave SMs
+    idle. `rhs_scales` [G, N]: quantized rhs, as in `grouped_matmul`."""
+    t, k = ids.shape
+    _check_routed(lhs, rhs, ids, per_assignment, rhs_scales)
+    if t > ROUTED_MAX_TOKENS:
+        raise ValueError(f"routed matmul takes steps of at most {ROUTED_MAX_TOKENS} tokens (its "
+                         f"dense [T, block_k] tiles), got {t}; use grouped_matmul")
+    common.check_pow2(block_n=block_n, block_k=block_k)
+    n = stack_dims(rhs, rhs_scales)[2]
+    tp, kp = max(16, common.next_pow2(t)), common.next_pow2(k)
+    ids_i = ids.astype(jnp.int32)  # [T, k], read as [Tp, kp] by the kernel
+    lhs_p = pad_to(lhs, 1, block_k)  # rows as they are: no pad kernel a decode step
+    rhs_p, scales = pad_stack(rhs, rhs_scales, block_k, block_n)
+    width, k_blocks = -(-n // block_n) * block_n, lhs_p.shape[1] // block_k
+    k_splits = max(d for d in range(1, min(k_splits, k_blocks) + 1) if k_blocks % d == 0)
+    splits = min(splits, tp * kp)
+    whole = common.whole_spec
+    dtype = out_dtype or lhs.dtype
+    out = pl.pallas_call(
+        functools.partial(_routed_kernel, block_n=block_n, block_k=block_k,
+                          k_steps=k_blocks // k_splits, per_assignment=per_assignment,
+                          splits=splits, padded=(tp, kp)),
+        # splits slowest: the programs of the first (real) assignments run first, every K
+        # range of them, and the padding's programs (which only find nothing to do) after
+        grid=(width // block_n, k_splits, splits),
+        in_specs=[whole(ids_i.shape), whole(lhs_p.shape), whole(rhs_p.shape),
+                  *(whole(a.shape) for a in scales)],
+        out_specs=whole((k_splits * tp * kp, width)),
+        out_shape=jax.ShapeDtypeStruct((k_splits * tp * kp, width),
+                                       dtype if k_splits == 1 else jnp.float32),
+        compiler_params=common.triton_params(num_warps, num_stages),
+        interpret=interpret,
+        name="routed_matmul",
+    )(ids_i, lhs_p, rhs_p, *scales)
+    out = out.reshape(k_splits, tp, kp, width)[:, :t, :k, :n].sum(axis=0).astype(dtype)
+    # rows of inactive choices were never written (garbage): 0, as the reference says
+    return jnp.where((ids >= 0)[..., None], out, 0).reshape(t * k, n)
+
+
+@functools.partial(jax.jit, static_argnames=("per_assignment", "out_dtype"))
+def routed_matmul_reference(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *,
+                            per_assignment: bool, rhs_scales: jax.Array | None = None,
+                            out_dtype=None) -> jax.Array:
+    """Pure JAX, obviously right: each assignment's row times its expert's matrix, gathered
+    per assignment ([T*k, K, N] memory: for tests and the CPU)."""
+    t, k = ids.shape
+    _check_routed(lhs, rhs, ids, per_assignment, rhs_scales)
+    expert = ids.reshape(-1)
+    rows = jnp.arange(t * k) if per_assignment else jnp.arange(t * k) // k
+    rhs, x = dequantized(lhs, rhs, rhs_scales)
+    w = rhs[jnp.clip(expert, 0, rhs.shape[0] - 1)]  # [T*k, K, N]
+    out = jnp.einsum("ak,akn->an", x[rows], w, preferred_element_type=jnp.float32)
+    return jnp.where((expert >= 0)[:, None], out, 0).astype(out_dtype or lhs.dtype)
