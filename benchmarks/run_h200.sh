@@ -33,6 +33,7 @@
 #                                         # throughput (~6 min)
 #   bash benchmarks/run_h200.sh moemid    # Qwen3's grouped GEMMs at a mixed step's 2,048
 #                                         # tokens (~128 rows an expert): row tiles 64-256
+#                                         # (MOEMID_TOKENS, MOEMID_TILES: the sweep's flags)
 #   bash benchmarks/run_h200.sh moefp8    # fp8 / int8 experts: the quantized kernel tests
 #                                         # compiled, routed GEMMs bf16 vs fp8 vs int8 at 1-16
 #                                         # tokens, Qwen3 W1 bf16 vs --quantization fp8 (~8 min)
@@ -290,9 +291,9 @@ stage_moe() {
 stage_moemid() {
   local smoke=() tokens=${MOEMID_TOKENS:-2048}
   [ $SMOKE = 1 ] && smoke=(--smoke --calls 1 --samples 1) && tokens=24
-  step moe_mid_tiles 400 $PY -m pjinfer.benchmarks.moe "${smoke[@]}" --prefill-tokens $tokens \
-      --block-m 64 128 256 --block-n 128 256 --block-k 64 --num-warps 4 8 --num-stages 3 \
-      --out "$JSON/moe_mid_tiles.json"
+  local tiles=(${MOEMID_TILES:---block-m 64 128 256 --block-n 128 256 --block-k 64 --num-warps 4 8})
+  step moe_mid_tiles_$tokens 400 $PY -m pjinfer.benchmarks.moe "${smoke[@]}" \
+      --prefill-tokens $tokens "${tiles[@]}" --num-stages 3 --out "$JSON/moe_mid_tiles_$tokens.json"
 }
 
 # Quantized experts (a byte a value): do the routed kernels stream them at the bandwidth, and
