@@ -95,17 +95,20 @@ def band_order(program, num_tiles: int, num_cols: int, band: int):
 
 
 def _kernel(group_ref, first_ref, valid_ref, *refs, block_m: int, block_n: int,
-            block_k: int, k_steps: int, band: int, gather: bool, quantized: bool):
+            block_k: int, k_steps: int, band: int, gather: bool, quantized: bool, glu: bool):
     """One tile of `block_m` rows of one group times one [K / splits, block_n] slice of its
     expert (split `pl.program_id(1)` of K), stored to its rows of split s's partial (o_ref
     [splits * M, N]); a spare tile stores zeros. Program `pl.program_id(0)` picks the
     (tile, column block) in `band_order`. `gather`: a rows ref [M] comes first and the tile
     loads lhs[rows[r]] for its rows r. `quantized`: a scale ref ([G, N] float32, before
     o_ref) follows rhs, which holds quantized values: each tile is widened to lhs's dtype for
-    the dot and the sums are scaled once, after the K loop."""
+    the dot and the sums are scaled once, after the K loop. `glu`: rhs's columns are gate
+    then up halves; the program multiplies the same x tiles by both halves' column block and
+    stores silu(gate) * up (o_ref half as wide)."""
     rows_ref, refs = (refs[0], refs[1:]) if gather else (None, refs)
     lhs_ref, rhs_ref, scale_ref, o_ref = refs if quantized else (*refs[:2], None, refs[2])
     num_tiles, num_cols = group_ref.shape[0], o_ref.shape[1] // block_n
+    parts = (0, o_ref.shape[1]) if glu else (0,)  # column offsets of the halves in rhs
     tile, col = band_order(pl.program_id(0), num_tiles, num_cols, band)
     split = pl.program_id(1)
     group, first, num_valid = group_ref[tile], first_ref[tile], valid_ref[tile]
@@ -116,25 +119,30 @@ def _kernel(group_ref, first_ref, valid_ref, *refs, block_m: int, block_n: int,
     offs = start + jnp.arange(block_m, dtype=jnp.int32)
     row_ok = (offs >= first) & (offs < first + num_valid)
     rows = rows_ref[pl.ds(start, block_m)] if gather else pl.ds(start, block_m)
-    cols = pl.ds(col * block_n, block_n)
+    cols = [pl.ds(offset + col * block_n, block_n) for offset in parts]
 
     def store(value):
-        pltriton.store(o_ref.at[pl.ds(split * num_rows + start, block_m), cols],
+        pltriton.store(o_ref.at[pl.ds(split * num_rows + start, block_m), cols[0]],
                        value.astype(o_ref.dtype), mask=row_ok[:, None])
 
-    def body(kb, acc):
+    def body(kb, accs):
         ks = pl.ds((split * k_steps + kb) * block_k, block_k)
         x = lhs_ref[rows, ks]  # [bm, bk] (gathered: bm rows of bk contiguous values)
-        if scale_ref is None:
-            return acc + weight_dot(x, rhs_ref[group, ks, cols], False)  # [bk, bn]
-        return acc + weight_dot(x, rhs_ref[group, cols, ks], True)  # [bn, bk] stored
+        if scale_ref is None:  # [bk, bn] tiles
+            return tuple(a + weight_dot(x, rhs_ref[group, ks, c], False)
+                         for a, c in zip(accs, cols, strict=True))
+        return tuple(a + weight_dot(x, rhs_ref[group, c, ks], True)  # [bn, bk] stored
+                     for a, c in zip(accs, cols, strict=True))
 
     # A static trip count under pl.when (Triton's scf.for rejected a traced bound whose type
     # differed from the constant lower bound on the H200); an empty tile reads nothing.
     @pl.when((num_valid > 0) & (group >= 0))
     def _():
-        acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((block_m, block_n), jnp.float32))
-        store(acc if scale_ref is None else acc * scale_ref[group, cols][None, :])
+        zero = jnp.zeros((block_m, block_n), jnp.float32)
+        accs = jax.lax.fori_loop(0, k_steps, body, (zero,) * len(parts))
+        if scale_ref is not None:
+            accs = [a * scale_ref[group, c][None, :] for a, c in zip(accs, cols, strict=True)]
+        store(jax.nn.silu(accs[0]) * accs[1] if glu else accs[0])
 
     @pl.when((num_valid > 0) & (group < 0))
     def _():
@@ -143,18 +151,22 @@ def _kernel(group_ref, first_ref, valid_ref, *refs, block_m: int, block_n: int,
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "k_splits",
                                              "num_warps", "num_stages", "band", "out_dtype",
-                                             "interpret"))
+                                             "glu", "interpret"))
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                    rhs_scales: jax.Array | None = None, block_m: int = 64, block_n: int = 128,
                    block_k: int = 64, k_splits: int = 1, num_warps: int = 4,
                    num_stages: int = 3, band: int | None = None, out_dtype=None,
-                   lhs_rows: jax.Array | None = None, interpret: bool = False) -> jax.Array:
+                   lhs_rows: jax.Array | None = None, glu: bool = False,
+                   interpret: bool = False) -> jax.Array:
     """Pallas grouped matmul: lhs [M, K] (rows sorted by group), rhs [G, K, N], group_sizes
     [G] -> [M, N] in `out_dtype` (default lhs's), float32 sums. Block sizes are powers of two
     (>= 16 on a GPU: Triton's dot); K and N are padded to them when they do not divide.
     `rhs_scales` [G, N] float32: rhs holds quantized values (fp8, int8), the weight being
     rhs[g] * rhs_scales[g] per column (`pjinfer.quantization.experts`). `lhs_rows` [M] int
-    (each in [0, T)): row r of the product reads lhs[lhs_rows[r]] of lhs [T, K].
+    (each in [0, T)): row r of the product reads lhs[lhs_rows[r]] of lhs [T, K]. `glu`: rhs's
+    N columns are gate then up halves, and the result is silu(lhs @ gate) * (lhs @ up) [M,
+    N / 2], computed from the float32 sums (the MoE layer's gate/up GEMM and activation in
+    one kernel: no [M, N] product written and read back); needs k_splits 1.
 
     `k_splits` > 1 cuts K into that many ranges, each its own program writing a float32
     partial sum, added afterwards: a decode step has few (tile, column) programs, too few to
@@ -166,6 +178,9 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     gather = lhs_rows is not None
     num_rows = lhs_rows.shape[0] if gather else lhs.shape[0]
     n = stack_dims(rhs, rhs_scales)[2]
+    if glu and (n % 2 or k_splits != 1):
+        raise ValueError(f"glu needs an even N (gate and up halves) and k_splits 1, got N {n}, "
+                         f"k_splits {k_splits}")
     lhs_p = pad_to(lhs, 1, block_k * k_splits)  # [M (gather: T), K']
     rows_p = max(num_rows, block_m)  # a tile's window of rows fits (few rows: padded)
     if gather:  # padded windows read row 0
@@ -173,8 +188,10 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     else:
         rows = []
         lhs_p = pad_to(lhs_p, 0, rows_p)
-    rhs_p, scales = pad_stack(rhs, rhs_scales, block_k * k_splits, block_n)
+    rhs_p, scales = (_pad_halves if glu else pad_stack)(rhs, rhs_scales, block_k * k_splits,
+                                                        block_n)
     group, first, valid = group_tiles(group_sizes, num_rows, block_m)
+    n = n // 2 if glu else n  # the result's columns
     num_tiles, width = group.shape[0], -(-n // block_n) * block_n
     if band is not None and band < 1:
         raise ValueError(f"band is a number of tiles >= 1 (or None: all of them), got {band}")
@@ -184,7 +201,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
                           k_steps=lhs_p.shape[1] // (block_k * k_splits),
                           band=min(band or num_tiles, num_tiles), gather=gather,
-                          quantized=bool(scales)),
+                          quantized=bool(scales), glu=glu),
         grid=(num_tiles * (width // block_n), k_splits),
         in_specs=[whole((num_tiles,)), whole((num_tiles,)), whole((num_tiles,)),
                   *(whole((rows_p,)) for _ in rows), whole(lhs_p.shape), whole(rhs_p.shape),
@@ -201,12 +218,26 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     return out[:num_rows, :n].astype(out_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def _pad_halves(rhs: jax.Array, rhs_scales: jax.Array | None, k_multiple: int,
+                n_multiple: int):
+    """`pad_stack` for a gate/up rhs: each half's columns padded to whole blocks, so the up
+    half starts at the padded width."""
+    if rhs_scales is None:
+        g, k, n = rhs.shape
+        halves = pad_stack(rhs.reshape(g, k * 2, n // 2), None, 1, n_multiple)[0]
+        return pad_to(halves.reshape(g, k, -1), 1, k_multiple), []
+    g, n, k = rhs.shape
+    values, scales = pad_stack(rhs.reshape(g * 2, n // 2, k), rhs_scales.reshape(g * 2, -1),
+                               k_multiple, n_multiple)
+    return values.reshape(g, -1, values.shape[2]), [scales[0].reshape(g, -1)]
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "glu"))
 def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                              rhs_scales: jax.Array | None = None, out_dtype=None,
-                             lhs_rows: jax.Array | None = None) -> jax.Array:
+                             lhs_rows: jax.Array | None = None, glu: bool = False) -> jax.Array:
     """Pure JAX, obviously right: each row times its group's matrix, gathered per row
-    ([M, K, N] memory: for tests)."""
+    ([M, K, N] memory: for tests); `glu` as `grouped_matmul`'s."""
     _check(lhs, rhs, group_sizes, rhs_scales, lhs_rows)
     lhs = lhs if lhs_rows is None else lhs[lhs_rows]
     ends = jnp.cumsum(group_sizes)
@@ -214,6 +245,8 @@ def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Ar
     group = jnp.minimum(jnp.searchsorted(ends, row, side="right"), rhs.shape[0] - 1)
     rhs, x = dequantized(lhs, rhs, rhs_scales)
     out = jnp.einsum("mk,mkn->mn", x, rhs[group], preferred_element_type=jnp.float32)
+    if glu:
+        out = jax.nn.silu(out[:, :out.shape[1] // 2]) * out[:, out.shape[1] // 2:]
     return jnp.where((row < ends[-1])[:, None], out, 0).astype(out_dtype or lhs.dtype)
 
 

@@ -123,9 +123,10 @@ def _sorted_experts(x, key, gate_up, down, k: int, backend: str) -> jax.Array:
     num_local = gate_up.shape[0]
     order = jnp.argsort(key, stable=True)  # [T*k] sorted position -> assignment
     group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
-    h = ops.grouped_matmul(x, gate_up, group_sizes, backend=backend,
-                           lhs_rows=order // k)  # [T*k, 2I'] (x's rows read in sort order)
-    y = ops.grouped_matmul(_silu_and_mul(h), down, group_sizes, backend=backend)  # [T*k, D]
+    # [T*k, I']: silu(gate) * up, x's rows read in sort order
+    act = ops.grouped_matmul(x, gate_up, group_sizes, backend=backend, lhs_rows=order // k,
+                             glu=True)
+    y = ops.grouped_matmul(act, down, group_sizes, backend=backend)  # [T*k, D]
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     return y[inverse]
 
@@ -133,13 +134,8 @@ def _sorted_experts(x, key, gate_up, down, k: int, backend: str) -> jax.Array:
 def _routed_experts(x, ids, gate_up, down, backend: str) -> jax.Array:
     """Per expert, the tokens that chose it (ids [T, k]: local expert, or -1): [T*k, D]."""
     h = ops.routed_matmul(x, gate_up, ids, per_assignment=False, backend=backend)  # [T*k, 2I']
-    return ops.routed_matmul(_silu_and_mul(h), down, ids, per_assignment=True, backend=backend)
-
-
-def _silu_and_mul(h: jax.Array) -> jax.Array:
-    """[rows, 2I'] gate then up columns -> silu(gate) * up [rows, I']."""
-    inter = h.shape[1] // 2
-    return jax.nn.silu(h[:, :inter]) * h[:, inter:]
+    return ops.routed_matmul(ops.silu_and_mul(h), down, ids, per_assignment=True,
+                             backend=backend)
 
 
 def _sharded_expert_ffn(x, weights, ids, gate_up, down, *, expert_parallel: bool,

@@ -75,13 +75,46 @@ def test_gathered_rows_match_the_reference(t, top_k, k, n, g, bm, bn, bk, splits
         np.testing.assert_allclose(got, want, **F32_TOL, err_msg=backend)
 
 
+@pytest.mark.parametrize("m, k, inter, g, bm, bn, bk, gather", [
+    (37, 48, 40, 6, 16, 16, 16, False),  # each half's 40 columns padded to 48
+    (64, 64, 64, 8, 32, 32, 32, True),  # rows gathered too
+    (5, 32, 16, 9, 16, 16, 16, True),  # decode-like: most groups empty
+])
+def test_glu_epilogue_matches_the_reference(m, k, inter, g, bm, bn, bk, gather):
+    """glu: silu(x @ gate) * (x @ up) from the float32 sums, rhs's columns gate then up."""
+    lhs, rhs, sizes = _inputs(m + k, m, k, 2 * inter, g, tail=3)
+    rows = jnp.asarray(np.random.default_rng(m).permutation(m), jnp.int32) if gather else None
+    full = grouped_matmul_reference(lhs, rhs, sizes, lhs_rows=rows)
+    want = jax.nn.silu(full[:, :inter]) * full[:, inter:]
+    ref = grouped_matmul_reference(lhs, rhs, sizes, lhs_rows=rows, glu=True)
+    np.testing.assert_allclose(ref, want, rtol=1e-6, atol=1e-6)
+    out = grouped_matmul(lhs, rhs, sizes, block_m=bm, block_n=bn, block_k=bk, lhs_rows=rows,
+                         glu=True, interpret=INTERPRET)
+    assert out.shape == (m, inter)
+    np.testing.assert_allclose(out, want, **F32_TOL)
+    for backend in ("reference", "pallas"):
+        got = ops.grouped_matmul(lhs, rhs, sizes, backend=backend, lhs_rows=rows, glu=True)
+        np.testing.assert_allclose(got, want, **F32_TOL, err_msg=backend)
+
+
+def test_glu_needs_halves_and_whole_k():
+    lhs, rhs, sizes = _inputs(2, 16, 16, 33, 2)
+    with pytest.raises(ValueError, match="glu needs an even N"):
+        grouped_matmul(lhs, rhs, sizes, block_m=16, block_n=16, block_k=16, glu=True,
+                       interpret=INTERPRET)
+    with pytest.raises(ValueError, match="k_splits 1"):
+        grouped_matmul(lhs, rhs[:, :, :32], sizes, block_m=16, block_n=16, block_k=16,
+                       k_splits=2, glu=True, interpret=INTERPRET)
+
+
 @pytest.mark.skipif(not INTERPRET, reason="on a GPU the compiled kernel tests run the kernel")
 def test_gathered_prefill_lowers_to_triton_ir_for_qwen3_experts():
     """Without a GPU: Qwen3-30B-A3B's 8,192-token gate/up GEMM with x's rows gathered in the
-    kernel lowers through Pallas to Triton IR, and x is never materialised in expert order
-    ([65,536, 2048]: what an XLA gather would write)."""
+    kernel and the silu epilogue lowers through Pallas to Triton IR, and x is never
+    materialised in expert order ([65,536, 2048]: what an XLA gather would write)."""
     tiling = ops.default_grouped_block_sizes(65536, 128, 2048, 1536)
-    fn = jax.jit(lambda x, w, s, r: grouped_matmul(x, w, s, lhs_rows=r, **tiling))
+    tiling["block_n"] //= 2  # as ops halves it for the glu epilogue's two sums
+    fn = jax.jit(lambda x, w, s, r: grouped_matmul(x, w, s, lhs_rows=r, glu=True, **tiling))
     text = cuda_module(fn, jax.ShapeDtypeStruct((8192, 2048), jnp.bfloat16),
                        jax.ShapeDtypeStruct((128, 2048, 1536), jnp.bfloat16),
                        jax.ShapeDtypeStruct((128,), jnp.int32),

@@ -47,6 +47,22 @@ def test_grouped_kernel_on_quantized_experts(kind, m, k, n, g, bm, bn, bk, split
 
 
 @pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize("inter, bn", [(40, 16), (64, 32)])  # halves padded / whole blocks
+def test_glu_epilogue_on_quantized_experts(kind, inter, bn):
+    """The gate and up halves' scales follow their columns (padded per half)."""
+    m, k, g = 29, 48, 5
+    lhs, rhs, sizes = _inputs(inter + bn, m, k, 2 * inter, g)
+    q, w = _quantized(rhs, kind)
+    rows = jnp.asarray(np.random.default_rng(inter).permutation(m), jnp.int32)
+    want = grouped_matmul_reference(lhs, w, sizes, lhs_rows=rows, glu=True)
+    out = grouped_matmul(lhs, q.values, sizes, rhs_scales=q.scales, block_m=16, block_n=bn,
+                         block_k=16, lhs_rows=rows, glu=True, interpret=INTERPRET)
+    np.testing.assert_allclose(out, want, **F32_TOL)
+    got = ops.grouped_matmul(lhs, q, sizes, backend="pallas", lhs_rows=rows, glu=True)
+    np.testing.assert_allclose(got, want, **F32_TOL)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
 @pytest.mark.parametrize("t, k, g, kk, n, per_assignment, k_splits", [
     (3, 2, 6, 48, 40, False, 1),  # K and N padded
     (16, 8, 20, 32, 48, True, 2),  # Qwen3-like top-8, lhs per assignment, 2 K ranges
