@@ -72,6 +72,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                         "ttg.local_alloc, and what cp.async fills: async_copy_global_to_local)")
     p.add_argument("--int4-offset", action="store_true",
                    help="int4 dots: the nibbles as bfloat16 128 + u (the tiling switch)")
+    p.add_argument("--glu", action="store_true",
+                   help="--kind grouped as the MoE layer runs it: rows gathered, silu epilogue")
     p.add_argument("--float16-dot", action="store_true",
                    help="fp8 dots over float16 x, e4m3 widened to float16 (the tiling switch)")
     a = p.parse_args(argv)
@@ -139,11 +141,14 @@ def attention_ttir(kind: str, kv_dtype: str, pages: int,
     return captured[0], sizes, 2 * pages * block * dim
 
 
-def experts_ttir(kind: str, dtype: str, tokens: int) -> tuple[str, object, int]:
+def experts_ttir(kind: str, dtype: str, tokens: int,
+                 glu: bool = False) -> tuple[str, object, int]:
     """(Triton IR text, tiling, weight elements a loop step reads) of the grouped (`tokens`
     x top-8 rows, the default tiling for them) or routed (`tokens` rows, 2 K ranges) GEMM
     over Qwen3-30B-A3B's gate/up experts stored as `dtype` (one byte: values [E, N, K] and
-    scales, `pjinfer.quantization.experts`)."""
+    scales, `pjinfer.quantization.experts`). `glu`: the grouped GEMM as the MoE layer runs
+    it (x's rows gathered through the sort order, the silu epilogue over half-width
+    blocks)."""
     import types
 
     import jax
@@ -159,11 +164,14 @@ def experts_ttir(kind: str, dtype: str, tokens: int) -> tuple[str, object, int]:
     if kind == "grouped":
         rows = tokens * 8
         tiling = ops.default_grouped_block_sizes(rows, experts, k, n)
+        if glu:
+            tiling["block_n"] //= 2
+        gathered = dict(lhs_rows=jnp.zeros((rows,), jnp.int32), glu=True) if glu else {}
         captured = triton_ir(lambda x, w, g, *s: grouped_matmul(
-            x, w, g, rhs_scales=s[0] if s else None, **tiling),
-            jax.ShapeDtypeStruct((rows, k), jnp.bfloat16), values,
+            x, w, g, rhs_scales=s[0] if s else None, **gathered, **tiling),
+            jax.ShapeDtypeStruct((tokens if glu else rows, k), jnp.bfloat16), values,
             jax.ShapeDtypeStruct((experts,), jnp.int32), *scales)
-        elements = tiling["block_k"] * tiling["block_n"]
+        elements = tiling["block_k"] * tiling["block_n"] * (2 if glu else 1)
     else:
         tiling = dict(block_n=128, block_k=128, num_warps=4, num_stages=3, k_splits=2)
         captured = triton_ir(lambda x, w, i, *s: routed_matmul(
@@ -318,9 +326,9 @@ def run(argv: list[str] | None = None) -> dict:
     elif a.kind in EXPERTS:
         if overrides:
             raise SystemExit(f"--kind {a.kind} takes the default tiling (no tiling fields)")
-        ttir, sizes, elements = experts_ttir(a.kind, a.expert_dtype, a.tokens)
+        ttir, sizes, elements = experts_ttir(a.kind, a.expert_dtype, a.tokens, a.glu)
         record = {"kind": a.kind, "expert_dtype": a.expert_dtype, "tokens": a.tokens,
-                  "tiling": str(sizes.tiling)}
+                  "glu": a.glu, "tiling": str(sizes.tiling)}
     else:
         ttir, sizes = kernel_ttir(a.kind, a.tokens, a.k, a.n, a.group_size, overrides)
         elements = sizes.unroll * sizes.block_k * sizes.block_n  # weight elements a step
