@@ -71,7 +71,9 @@ SPECS = {"decode_1x768": [(769, 768, 1)], "decode_8x160": [(161, 160, 1)] * 8,
          # Qwen3-30B-A3B's 1,000 x 1,024 / 256 throughput run at 512 sequences a step: its
          # decode-only steps (mid-generation) and its steady mixed steps (8 prompts' chunks)
          "decode_512x1152": [(1153, 1152, 1)] * 512,
-         "mixed_8x961+504dec1152": [(1153, 1152, 1)] * 504 + [(1024, 0, 961)] * 8}
+         "mixed_8x961+504dec1152": [(1153, 1152, 1)] * 504 + [(1024, 0, 961)] * 8,
+         # the same run with all 1,000 sequences at once (fp8 KV cache, 1,024 a step)
+         "decode_1000x1152": [(1153, 1152, 1)] * 1000}
 LAYOUTS = tuple(SPECS)
 
 
