@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pjinfer.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
@@ -15,7 +15,9 @@ from pjinfer.outputs import RequestOutput
 from pjinfer.sampling_params import RequestOutputKind, SamplingParams
 from pjinfer.tokenizer import apply_chat_template
 
-Prompt = str | Sequence[int]
+# text, token ids, or vLLM's TextPrompt / TokensPrompt dicts ({"prompt": ...} or
+# {"prompt_token_ids": [...]})
+Prompt = str | Sequence[int] | Mapping[str, Any]
 
 
 class LLM:
@@ -121,14 +123,28 @@ def generate(model: str | None, prompts: Prompt | Sequence[Prompt],
     return LLM(model, **engine_args).generate(prompts, sampling_params)
 
 
-def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
+    if isinstance(prompts, str | Mapping):
+        return [_plain(prompts)]
     if prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]
     if not prompts:
         raise ValueError("prompts must not be empty")
-    return list(prompts)
+    return [_plain(p) for p in prompts]
+
+
+def _plain(prompt: Prompt) -> str | Sequence[int]:
+    """A vLLM prompt dict as its text or token ids; other prompts as they are."""
+    if not isinstance(prompt, Mapping):
+        return prompt
+    keys = sorted(prompt)
+    if keys == ["prompt"] and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    if keys == ["prompt_token_ids"] and not isinstance(prompt["prompt_token_ids"], str):
+        return list(prompt["prompt_token_ids"])
+    raise ValueError(f"a prompt dict takes one key: 'prompt' (text) or 'prompt_token_ids' "
+                     f"(a list of token ids); got {keys} (multi-modal data, embeddings and "
+                     "cache salts are not supported)")
 
 
 def _broadcast(params, n: int) -> list[SamplingParams]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -40,6 +41,24 @@ def test_chat_answers_with_the_zen(demo):
     out = demo.chat([{"role": "user", "content": "What is the Zen of Python?"}],
                     SamplingParams(temperature=0, max_tokens=64))[0]
     assert out.outputs[0].text.startswith("The Zen of Python, by Tim Peters")
+
+
+def test_vllm_prompt_dicts_and_the_frozen_heap(demo):
+    """vLLM's TextPrompt / TokensPrompt dicts mean their text / ids; anything else in a
+    prompt dict is refused by name. Start-up leaves its objects out of the cyclic GC."""
+    params = SamplingParams(temperature=0, max_tokens=8)
+    ids = demo.tokenizer.encode("Beautiful is better than")
+    plain = [o.outputs[0].token_ids for o in demo.generate(["Beautiful is better than", ids],
+                                                            params)]
+    dicts = demo.generate([{"prompt": "Beautiful is better than"}, {"prompt_token_ids": ids}],
+                          params)
+    assert [o.outputs[0].token_ids for o in dicts] == plain == [plain[0]] * 2
+    assert demo.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids == plain[0]
+    for bad in ({"prompt": "a", "multi_modal_data": {}}, {"prompt_token_ids": "abc"}, {}):
+        with pytest.raises(ValueError, match="a prompt dict takes one key"):
+            demo.generate([bad], params)
+    _assert_no_leak(demo.engine)
+    assert gc.get_freeze_count() > 0 and "gc_freeze" in demo.engine.startup_phases
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(demo):
