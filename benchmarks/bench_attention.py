@@ -165,9 +165,10 @@ def check_correctness() -> dict:
 
 
 def make_prefill_inputs(q_lens: list[int], seq_lens: list[int], seed: int = 0,
-                        kv_dtype=DTYPE):
+                        kv_dtype=DTYPE, kv_heads: int = KV_HEADS):
     """Ragged batch: sequence s has seq_lens[s] cached + new tokens, q_lens[s] of them new;
-    the caches in `kv_dtype` (fp8: stored as the engine writes them, scale 1)."""
+    the caches in `kv_dtype` (fp8: stored as the engine writes them, scale 1), `kv_heads`
+    KV heads beside the 32 query heads."""
     rng = np.random.default_rng(seed)
     pages = [-(-n // BLOCK_SIZE) for n in seq_lens]
     num_blocks = sum(pages) + 1
@@ -176,7 +177,7 @@ def make_prefill_inputs(q_lens: list[int], seq_lens: list[int], seed: int = 0,
     for s, start in enumerate(np.cumsum([0, *pages[:-1]])):
         tables[s, : pages[s]] = perm[start : start + pages[s]]
     kk, kv, kq = jax.random.split(jax.random.PRNGKey(seed), 3)
-    shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    shape = (num_blocks, BLOCK_SIZE, kv_heads, HEAD_DIM)
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     md = AttentionMetadata(
         slot_mapping=jnp.zeros((int(qsl[-1]),), jnp.int32), block_tables=jnp.asarray(tables),
@@ -191,6 +192,8 @@ def make_prefill_inputs(q_lens: list[int], seq_lens: list[int], seed: int = 0,
 RAGGED_LAYOUTS = (
     ("prefill_1x2048", [2048], [2048]),
     ("prefill_8x512", [512] * 8, [512] * 8),
+    # the prompt steps of a 1,024-token throughput run at 8,192 tokens a step
+    ("prefill_8x1024", [1024] * 8, [1024] * 8),
     ("prefill_1x8192", [8192], [8192]),  # issue 12's prefill-attention target shape
     # W3's steady state: 255 decodes at 1k context beside one 1,792-token prompt chunk
     ("mixed_255dec1k+1792", [1] * 255 + [1792], [1025] * 255 + [1792]),
@@ -199,12 +202,12 @@ RAGGED_LAYOUTS = (
 )
 
 
-def cudnn_row(name: str, q_len: int, flops: int) -> dict:
+def cudnn_row(name: str, q_len: int, flops: int, kv_heads: int = KV_HEADS) -> dict:
     """cuDNN flash attention on the same causal single-sequence shape (contiguous K/V, no
     pages): the bar a paged kernel is measured against."""
     kq, kk, kv = jax.random.split(jax.random.PRNGKey(5), 3)
     q = jax.random.normal(kq, (1, q_len, HEADS, HEAD_DIM), DTYPE)
-    k, v = (jax.random.normal(key, (1, q_len, KV_HEADS, HEAD_DIM), DTYPE) for key in (kk, kv))
+    k, v = (jax.random.normal(key, (1, q_len, kv_heads, HEAD_DIM), DTYPE) for key in (kk, kv))
     fn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                               implementation="cudnn"))
     try:
@@ -215,17 +218,19 @@ def cudnn_row(name: str, q_len: int, flops: int) -> dict:
 
 
 def prefill_rows(quick: bool, layouts: list[str] | None = None, kv_dtype=DTYPE,
-                 device_time: bool = False) -> list[dict]:
+                 device_time: bool = False, kv_heads: int = KV_HEADS) -> list[dict]:
     """Ragged kernel over every tiling in the sweep, per layout; FLOPs count causal pairs.
     Single-token sequences are skipped as the engine skips them (`ops.paged_attention` runs
     them through the decode kernel): the sweep times what the ragged kernel is given.
     `device_time`: `pallas_s` is the profiled device-busy time of the call (wall clock, which
-    carries the host's dispatch at ~100 us, stays in `wall_s`)."""
+    carries the host's dispatch at ~100 us, stays in `wall_s`). `kv_heads`: 8 is Llama-3-8B's
+    grouping (4 query heads a KV head), 4 Qwen3-30B-A3B's (8 a KV head: twice the rows a
+    tile's dots)."""
     rows = []
     for name, q_lens, seq_lens in RAGGED_LAYOUTS:
         if layouts and name not in layouts:
             continue
-        args = make_prefill_inputs(q_lens, seq_lens, kv_dtype=kv_dtype)
+        args = make_prefill_inputs(q_lens, seq_lens, kv_dtype=kv_dtype, kv_heads=kv_heads)
         skip = 1 in q_lens
         pairs = [q * (2 * c - q + 1) // 2 for q, c in zip(q_lens, seq_lens, strict=True)]
         flops = 4 * sum(pairs) * HEADS * HEAD_DIM
@@ -251,7 +256,7 @@ def prefill_rows(quick: bool, layouts: list[str] | None = None, kv_dtype=DTYPE,
                                          tflops=kernel_flops / seconds / 1e12,
                                          skip_single_tokens=skip))
         if len(q_lens) == 1 and q_lens == seq_lens:
-            rows.append(cudnn_row(name, q_lens[0], flops))
+            rows.append(cudnn_row(name, q_lens[0], flops, kv_heads))
         xla = jax.jit(lambda *a: ragged_attention_reference(*a, ATTN))
         tx = median_call_seconds(xla, *args, reps=3, repeats=3)
         rows.append(dict(layout=name, xla_s=tx, tflops=flops / tx / 1e12))
@@ -272,9 +277,12 @@ def main() -> None:
                         help="time the ragged sweep by the profiled device-busy time")
     parser.add_argument("--kv-dtype", default="bfloat16", choices=("bfloat16", "float8_e4m3fn"),
                         help="the ragged sweep's cache dtype (the decode parts stay bf16)")
+    parser.add_argument("--kv-heads", type=int, default=KV_HEADS, choices=(1, 2, 4, 8, 16, 32),
+                        help="the ragged sweep's KV heads (32 query heads; 4: Qwen3-30B-A3B)")
     opts = parser.parse_args()
     result = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                   settings=dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                ragged_kv_heads=opts.kv_heads,
                                 block_size=BLOCK_SIZE, dtype="bfloat16",
                                 ragged_kv_dtype=opts.kv_dtype))
     save = lambda: opts.out.write_text(json.dumps(result, indent=1))  # noqa: E731
@@ -295,7 +303,7 @@ def main() -> None:
     save()
     if not opts.skip_prefill:
         result["prefill"] = prefill_rows(opts.quick, opts.layouts, jnp.dtype(opts.kv_dtype),
-                                         opts.device_time)
+                                         opts.device_time, opts.kv_heads)
         save()
     print_table(result)
 

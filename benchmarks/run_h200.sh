@@ -54,6 +54,8 @@
 #                                         # "fp8 auto auto fp8" runs BAAB) (~7 min)
 #   bash benchmarks/run_h200.sh w3fp8     # W3 with bf16 weights, then fp8, one call (~8 min
 #                                         # with N_W3=300)
+#   bash benchmarks/run_h200.sh raggedqwen3  # the ragged kernel's tilings at Qwen3-30B-A3B's
+#                                            # heads (8 query heads a KV head) (~4 min)
 #   bash benchmarks/run_h200.sh attnfp8   # W4's decode attention over bf16 vs fp8 caches,
 #                                         # alternating (~2 min)
 #   bash benchmarks/run_h200.sh kvprobe   # W4's prefill, mixed and decode steps over the bf16
@@ -212,6 +214,15 @@ stage_moeprofile() {
       --num-kv-blocks 2048 \
       --profile /tmp/pjinfer-prof-mixtral --out "$JSON/mixtral_step_profile.json"
   return 0
+}
+
+# Qwen3-30B-A3B's prompt steps spend 17.7 of 128 ms in the ragged kernel (RESULTS round 28),
+# whose default tiling was swept at Llama's 4 query heads a KV head; Qwen3 has 8.
+stage_raggedqwen3() {
+  if [ $SMOKE = 1 ]; then log "SKIP raggedqwen3 in smoke mode (H200 shapes only)"; return 0; fi
+  step ragged_sweep_qwen3 400 $PY benchmarks/bench_attention.py --skip-tune --skip-decode \
+      --layouts prefill_8x1024 prefill_8x512 --kv-heads 4 --device-time \
+      --out "$JSON/ragged_sweep_qwen3.json"
 }
 
 # W4's steps over the bf16 cache and the fp8 one, profiled: where fp8 KV loses its time.
@@ -731,6 +742,7 @@ for stage in "${STAGES[@]}"; do
     attnfp8) stage_attnfp8 ;;
     kvprobe) stage_kvprobe ;;
     raggedfp8) stage_raggedfp8 ;;
+    raggedqwen3) stage_raggedqwen3 ;;
     routed) stage_routed ;;
     routedwide) stage_routedwide ;;
     loramulti) stage_loramulti ;;
@@ -738,7 +750,7 @@ for stage in "${STAGES[@]}"; do
     quantshapes) stage_quantshapes ;;
     quanttuned) stage_quanttuned ;;
     quantt2) stage_quantt2 ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moemid | moefp8 | moeprofile | w8a8 | decodesplits | kvfp8 | w3fp8 | attnfp8 | kvprobe | raggedfp8 | routed | routedwide | loramulti | int4ncu | quantshapes | quanttuned | quantt2)" ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moemid | moefp8 | moeprofile | w8a8 | decodesplits | kvfp8 | w3fp8 | attnfp8 | kvprobe | raggedfp8 | raggedqwen3 | routed | routedwide | loramulti | int4ncu | quantshapes | quanttuned | quantt2)" ;;
   esac
 done
 pack
