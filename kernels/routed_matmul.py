@@ -20,15 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pjinfer.kernels import common
-from pjinfer.kernels.expert_stack import (
-    check_scales,
-    dequantized,
-    pad_stack,
-    pad_to,
-    stack_dims,
-    weight_dot,
-)
+from pjinfer.kernels import common, expert_stack
 
 ROUTED_MAX_TOKENS = 64  # one [T, block_k] x tile and [T, block_n] sums per program
 
@@ -36,8 +28,9 @@ ROUTED_MAX_TOKENS = 64  # one [T, block_k] x tile and [T, block_n] sums per prog
 def _check_routed(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, per_assignment: bool,
                   rhs_scales: jax.Array | None) -> None:
     t, k = ids.shape
-    check_scales(rhs, rhs_scales)
-    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != stack_dims(rhs, rhs_scales)[1] \
+    expert_stack.check_scales(rhs, rhs_scales)
+    k_dim = expert_stack.stack_dims(rhs, rhs_scales)[1]
+    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != k_dim \
             or lhs.shape[0] != (t * k if per_assignment else t):
         raise ValueError(f"routed matmul needs lhs [{'T*k' if per_assignment else 'T'}, K], "
                          f"rhs [G, K, N] (quantized: [G, N, K]), ids [T, k]; got {lhs.shape}, "
@@ -93,8 +86,8 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
                 ks = pl.ds((k_range * k_steps + kb) * block_k, block_k)
                 x = jnp.where(hit[:, None], lhs_ref[rows, ks], 0)  # [T, bk]
                 if scale_ref is None:
-                    return acc + weight_dot(x, rhs_ref[e, ks, cols], False)
-                return acc + weight_dot(x, rhs_ref[e, cols, ks], True)
+                    return acc + expert_stack.weight_dot(x, rhs_ref[e, ks, cols], False)
+                return acc + expert_stack.weight_dot(x, rhs_ref[e, cols, ks], True)
 
             acc = jax.lax.fori_loop(0, k_steps, body,
                                     jnp.zeros((num_tokens, block_n), jnp.float32))
@@ -131,11 +124,11 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
         raise ValueError(f"routed matmul takes steps of at most {ROUTED_MAX_TOKENS} tokens (its "
                          f"dense [T, block_k] tiles), got {t}; use grouped_matmul")
     common.check_pow2(block_n=block_n, block_k=block_k)
-    n = stack_dims(rhs, rhs_scales)[2]
+    n = expert_stack.stack_dims(rhs, rhs_scales)[2]
     tp, kp = max(16, common.next_pow2(t)), common.next_pow2(k)
     ids_i = ids.astype(jnp.int32)  # [T, k], read as [Tp, kp] by the kernel
-    lhs_p = pad_to(lhs, 1, block_k)  # rows as they are: no pad kernel a decode step
-    rhs_p, scales = pad_stack(rhs, rhs_scales, block_k, block_n)
+    lhs_p = expert_stack.pad_to(lhs, 1, block_k)  # rows as they are: no pad kernel a decode step
+    rhs_p, scales = expert_stack.pad_stack(rhs, rhs_scales, block_k, block_n)
     width, k_blocks = -(-n // block_n) * block_n, lhs_p.shape[1] // block_k
     k_splits = max(d for d in range(1, min(k_splits, k_blocks) + 1) if k_blocks % d == 0)
     splits = min(splits, tp * kp)
@@ -172,7 +165,7 @@ def routed_matmul_reference(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *,
     _check_routed(lhs, rhs, ids, per_assignment, rhs_scales)
     expert = ids.reshape(-1)
     rows = jnp.arange(t * k) if per_assignment else jnp.arange(t * k) // k
-    rhs, x = dequantized(lhs, rhs, rhs_scales)
+    rhs, x = expert_stack.dequantized(lhs, rhs, rhs_scales)
     w = rhs[jnp.clip(expert, 0, rhs.shape[0] - 1)]  # [T*k, K, N]
     out = jnp.einsum("ak,akn->an", x[rows], w, preferred_element_type=jnp.float32)
     return jnp.where((expert >= 0)[:, None], out, 0).astype(out_dtype or lhs.dtype)
