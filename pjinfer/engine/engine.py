@@ -76,11 +76,12 @@ class LLMEngine:
             self.structured_output = StructuredOutputManager(
                 self.tokenizer, self.model_config.vocab_size,
                 list(self.model_config.eos_token_ids) or None)
-        # Every object alive now (~400k: JAX's, the tokenizer's) out of the cyclic GC's view,
-        # which walked them all in each full collection (1,000 sequences on the CPU: mean
-        # schedule() 56 -> 26 ms); unfrozen first, so an engine now garbage is freed.
+        # start-up's ~400k objects out of the cyclic GC's walks (its 250-300 ms pauses at 1,000
+        # sequences: RESULTS round 28); unfrozen first, so an engine now garbage is freed
         with timed(self.startup_phases, "gc_freeze"):
-            gc.unfreeze(), gc.collect(), gc.freeze()
+            gc.unfreeze()
+            gc.collect()
+            gc.freeze()
         log.info("%s (%s, %d layers, quantization %s) ready in %.1fs; KV cache: %d blocks of "
                  "%d tokens (%s)", self.served_model_name, self.model_config.architecture,
                  self.model_config.num_hidden_layers, self.quantization_method,
