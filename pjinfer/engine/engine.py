@@ -77,11 +77,11 @@ class LLMEngine:
                 self.tokenizer, self.model_config.vocab_size,
                 list(self.model_config.eos_token_ids) or None)
         # start-up's ~400k objects out of the cyclic GC's walks (its 250-300 ms pauses at 1,000
-        # sequences: RESULTS round 28); unfrozen first, so an engine now garbage is freed
+        # sequences: RESULTS round 28); once a process, as a full collection takes ~0.2 s+
         with timed(self.startup_phases, "gc_freeze"):
-            gc.unfreeze()
-            gc.collect()
-            gc.freeze()
+            if not gc.get_freeze_count():
+                gc.collect()
+                gc.freeze()
         log.info("%s (%s, %d layers, quantization %s) ready in %.1fs; KV cache: %d blocks of "
                  "%d tokens (%s)", self.served_model_name, self.model_config.architecture,
                  self.model_config.num_hidden_layers, self.quantization_method,
