@@ -124,11 +124,20 @@ class KVCacheManager:
         `extra_key` (first call) keys the request's blocks as in `get_computed_blocks`.
         """
         table = self._block_tables.get(request_id)
+        num_tokens = num_computed_tokens + num_new_tokens
+        if table is not None and not new_computed_blocks \
+                and num_tokens <= len(table) * self.block_size \
+                and not self._shared_write_indices(table, num_computed_tokens,
+                                                   _cdiv(num_tokens, self.block_size)):
+            # room in its own blocks (15 of a decode's 16 steps): nothing to allocate or copy;
+            # this runs for every sequence every step, hence the shortcut
+            if self.enable_prefix_caching:
+                self._cache_full_blocks(request_id, table, token_ids, num_tokens)
+            return list(table)
         leading, leading_hashes = self._check_new_computed_blocks(
             request_id, table, token_ids, new_computed_blocks, num_computed_tokens, extra_key
         )
         current = leading if table is None else table
-        num_tokens = num_computed_tokens + num_new_tokens
         num_required = _cdiv(num_tokens, self.block_size)
         cow_indices = self._shared_write_indices(current, num_computed_tokens, num_required)
         num_fresh = max(0, num_required - len(current)) + len(cow_indices)
