@@ -54,6 +54,8 @@
 #                                         # "fp8 auto auto fp8" runs BAAB) (~7 min)
 #   bash benchmarks/run_h200.sh w3fp8     # W3 with bf16 weights, then fp8, one call (~8 min
 #                                         # with N_W3=300)
+#   bash benchmarks/run_h200.sh hoststep  # the host's ms a step at 1,000 Qwen3-30B-A3B
+#                                         # sequences (host_step.py) (~4 min)
 #   bash benchmarks/run_h200.sh raggedqwen3  # the ragged kernel's tilings at Qwen3-30B-A3B's
 #                                            # heads (8 query heads a KV head) (~4 min)
 #   bash benchmarks/run_h200.sh attnfp8   # W4's decode attention over bf16 vs fp8 caches,
@@ -214,6 +216,15 @@ stage_moeprofile() {
       --num-kv-blocks 2048 \
       --profile /tmp/pjinfer-prof-mixtral --out "$JSON/mixtral_step_profile.json"
   return 0
+}
+
+# The host's ms a step at 1,000 running sequences (RESULTS round 28: the throughput run at
+# 1,024 sequences was host-bound on its steps): scheduler, launch, tokens, text.
+stage_hoststep() {
+  local model=(--model configs/models/qwen3-30b-a3b --load-format dummy) n=1000
+  [ $SMOKE = 1 ] && model=() && n=16
+  step host_step 400 $PY -m pjinfer.benchmarks.host_step "${model[@]}" --num-seqs $n \
+      --out "$JSON/host_step.json"
 }
 
 # Qwen3-30B-A3B's prompt steps spend 17.7 of 128 ms in the ragged kernel (RESULTS round 28),
@@ -743,6 +754,7 @@ for stage in "${STAGES[@]}"; do
     kvprobe) stage_kvprobe ;;
     raggedfp8) stage_raggedfp8 ;;
     raggedqwen3) stage_raggedqwen3 ;;
+    hoststep) stage_hoststep ;;
     routed) stage_routed ;;
     routedwide) stage_routedwide ;;
     loramulti) stage_loramulti ;;
@@ -750,7 +762,7 @@ for stage in "${STAGES[@]}"; do
     quantshapes) stage_quantshapes ;;
     quanttuned) stage_quanttuned ;;
     quantt2) stage_quantt2 ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moemid | moefp8 | moeprofile | w8a8 | decodesplits | kvfp8 | w3fp8 | attnfp8 | kvprobe | raggedfp8 | raggedqwen3 | routed | routedwide | loramulti | int4ncu | quantshapes | quanttuned | quantt2)" ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moemid | moefp8 | moeprofile | w8a8 | decodesplits | kvfp8 | w3fp8 | attnfp8 | kvprobe | raggedfp8 | raggedqwen3 | hoststep | routed | routedwide | loramulti | int4ncu | quantshapes | quanttuned | quantt2)" ;;
   esac
 done
 pack
