@@ -81,11 +81,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     # every step shape of the timed pass compiled outside it
     llm.generate(prompts[0], SamplingParams(max_tokens=3, ignore_eos=True, temperature=0))
     times, undo = timed_phases()
-    start = time.perf_counter()
-    llm.generate(prompts[1], params)
-    elapsed = time.perf_counter() - start
-    for cls, method, original in undo:
-        setattr(cls, method, original)
+    try:
+        start = time.perf_counter()
+        llm.generate(prompts[1], params)
+        elapsed = time.perf_counter() - start
+    finally:  # the engine's own methods back, whatever happened
+        for cls, method, original in undo:
+            setattr(cls, method, original)
     phases = {name: summary(t) for name, t in times.items()}
     host = sum(p["mean_ms"] for p in phases.values())
     return {"elapsed_s": elapsed, "phases": phases, "host_ms_per_step": host,

@@ -163,15 +163,13 @@ def experts_ttir(kind: str, dtype: str, tokens: int,
     scales = [jax.ShapeDtypeStruct((experts, n), jnp.float32)] if quantized else []
     if kind == "grouped":
         rows = tokens * 8
-        tiling = ops.default_grouped_block_sizes(rows, experts, k, n)
-        if glu:
-            tiling["block_n"] //= 2
-        gathered = dict(lhs_rows=jnp.zeros((rows,), jnp.int32), glu=True) if glu else {}
+        tiling = ops.grouped_tiling(rows, experts, k, n, glu=glu)
+        gathered = dict(lhs_rows=jnp.zeros((rows,), jnp.int32)) if glu else {}
         captured = triton_ir(lambda x, w, g, *s: grouped_matmul(
             x, w, g, rhs_scales=s[0] if s else None, **gathered, **tiling),
             jax.ShapeDtypeStruct((tokens if glu else rows, k), jnp.bfloat16), values,
             jax.ShapeDtypeStruct((experts,), jnp.int32), *scales)
-        elements = tiling["block_k"] * tiling["block_n"] * (2 if glu else 1)
+        elements = tiling["block_k"] * tiling["block_n"] * (2 if tiling["glu"] else 1)
     else:
         tiling = dict(block_n=128, block_k=128, num_warps=4, num_stages=3, k_splits=2)
         captured = triton_ir(lambda x, w, i, *s: routed_matmul(

@@ -176,14 +176,22 @@ def grouped_matmul(lhs: jax.Array, rhs: Experts, group_sizes: jax.Array, *,
         return (silu_and_mul(out) if glu else out).astype(out_dtype)
     values, scales = _stored(rhs)
     rows = lhs.shape[0] if lhs_rows is None else lhs_rows.shape[0]
-    tiling = default_grouped_block_sizes(rows, *rhs.shape)
-    fused = glu and tiling.get("k_splits", 1) == 1 and tiling["block_n"] >= 32
-    if fused:  # two [bm, bn / 2] sums (gate, up): the registers of one [bm, bn]
-        tiling["block_n"] //= 2
+    tiling = grouped_tiling(rows, *rhs.shape, glu=glu)
     out = pallas_grouped_matmul(lhs, values, group_sizes, rhs_scales=scales,
-                                out_dtype=out_dtype, lhs_rows=lhs_rows, glu=fused,
-                                interpret=_interpret(), **tiling)
-    return silu_and_mul(out) if glu and not fused else out
+                                out_dtype=out_dtype, lhs_rows=lhs_rows, interpret=_interpret(),
+                                **tiling)
+    return silu_and_mul(out) if glu and not tiling["glu"] else out
+
+
+def grouped_tiling(rows: int, groups: int, k: int, n: int, glu: bool = False) -> dict:
+    """The grouped kernel's keyword arguments for these shapes: `default_grouped_block_sizes`
+    and `glu`, whether the kernel applies the activation itself (when asked and its tiling
+    takes K whole; then two [bm, bn / 2] sums, gate and up: the registers of one [bm, bn])."""
+    tiling = default_grouped_block_sizes(rows, groups, k, n)
+    tiling["glu"] = glu and tiling.get("k_splits", 1) == 1 and tiling["block_n"] >= 32
+    if tiling["glu"]:
+        tiling["block_n"] //= 2
+    return tiling
 
 
 def silu_and_mul(h: jax.Array) -> jax.Array:

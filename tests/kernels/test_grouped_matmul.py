@@ -112,9 +112,9 @@ def test_gathered_prefill_lowers_to_triton_ir_for_qwen3_experts():
     """Without a GPU: Qwen3-30B-A3B's 8,192-token gate/up GEMM with x's rows gathered in the
     kernel and the silu epilogue lowers through Pallas to Triton IR, and x is never
     materialised in expert order ([65,536, 2048]: what an XLA gather would write)."""
-    tiling = ops.default_grouped_block_sizes(65536, 128, 2048, 1536)
-    tiling["block_n"] //= 2  # as ops halves it for the glu epilogue's two sums
-    fn = jax.jit(lambda x, w, s, r: grouped_matmul(x, w, s, lhs_rows=r, glu=True, **tiling))
+    tiling = ops.grouped_tiling(65536, 128, 2048, 1536, glu=True)
+    assert tiling["glu"] and tiling["block_n"] == 128  # two 128-column sums, gate and up
+    fn = jax.jit(lambda x, w, s, r: grouped_matmul(x, w, s, lhs_rows=r, **tiling))
     text = cuda_module(fn, jax.ShapeDtypeStruct((8192, 2048), jnp.bfloat16),
                        jax.ShapeDtypeStruct((128, 2048, 1536), jnp.bfloat16),
                        jax.ShapeDtypeStruct((128,), jnp.int32),
