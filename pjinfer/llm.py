@@ -142,8 +142,9 @@ def _plain(prompt: Prompt) -> str | Sequence[int]:
         return prompt["prompt"]
     if keys == ["prompt_token_ids"] and not isinstance(prompt["prompt_token_ids"], str):
         return list(prompt["prompt_token_ids"])
+    got = ", ".join(f"{k!r} ({type(prompt[k]).__name__})" for k in keys) or "no keys"
     raise ValueError(f"a prompt dict takes one key: 'prompt' (text) or 'prompt_token_ids' "
-                     f"(a list of token ids); got {keys} (multi-modal data, embeddings and "
+                     f"(a list of token ids); got {got} (multi-modal data, embeddings and "
                      "cache salts are not supported)")
 
 
