@@ -294,8 +294,11 @@ def main() -> None:
                              args.lora_rank, args.max_model_len, args.quantization,
                              args.num_kv_blocks, args.same_args, args.kv_cache_dtype,
                              args.num_scheduler_steps))
+    from pjinfer.benchmarks.common import jax_device_info
+
     with open(args.out, "w") as f:
-        json.dump({"unit": "ms per step (median of 5)", "model": args.model,
+        json.dump({"unit": "ms per step (median of 5)", "device": jax_device_info(),
+                   "model": args.model,
                    "loras": args.loras, "lora_rank": args.lora_rank,
                    "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
                    "num_scheduler_steps": args.num_scheduler_steps,
