@@ -44,12 +44,12 @@ from pjinfer.kernels.decode_attention import (  # noqa: E402
     default_decode_block_sizes,
 )
 from pjinfer.kernels.metadata import AttentionMetadata  # noqa: E402
-from pjinfer.kernels.ops import to_cache  # noqa: E402
 from pjinfer.kernels.ragged_attention import (  # noqa: E402
     RaggedBlockSizes,
     ragged_attention,
     ragged_attention_reference,
 )
+from pjinfer.kernels.rotary_write import to_cache  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16  # Llama-3-8B attention
 DTYPE = jnp.bfloat16

@@ -23,7 +23,8 @@ Needs the `triton` package (not a pjinfer dependency), e.g.
     python -m pjinfer.benchmarks.kernel_ptx --triton-path /tmp/triton --kind routed \
         --expert-dtype float8_e4m3fn --tokens 8 --out routed_fp8.json
     (--kind grouped / routed: the MoE expert GEMMs over Qwen3-30B-A3B's gate/up experts, 128
-    x 2048 -> 1536, float or quantized (`--expert-dtype`); grouped at --tokens x 8 rows)
+    x 2048 -> 1536, float or quantized (`--expert-dtype`); grouped at --tokens x 8 rows;
+    --kind rotary_write: Qwen3's q/k norm, RoPE and KV write, --kv-dtype's cache)
 Without it only the Triton IR's op counts are recorded. Triton writes some instructions
 (conversions) as inline assembly, unindented: the loop mix counts those lines too.
 """
@@ -43,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 ATTENTION = ("decode_attention", "ragged_attention")  # the paged attention kernels
 EXPERTS = ("grouped", "routed")  # the MoE expert GEMMs
+ROTARY = "rotary_write"  # q/k norm + RoPE + the KV write, one program a token
 FIELDS = ("block_t", "block_n", "block_k", "unroll", "k_splits", "num_warps", "num_stages",
           "weight_operand")
 
@@ -51,7 +53,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="JSON record path")
     p.add_argument("--kind", default="int4",
-                   choices=("int4", "int8", "fp8") + ATTENTION + EXPERTS)
+                   choices=("int4", "int8", "fp8") + ATTENTION + EXPERTS + (ROTARY,))
     p.add_argument("--expert-dtype", default="bfloat16",
                    choices=("bfloat16", "float8_e4m3fn", "int8"),
                    help="grouped / routed: the experts' stored dtype (one byte: quantized)")
@@ -180,6 +182,31 @@ def experts_ttir(kind: str, dtype: str, tokens: int,
     sizes = types.SimpleNamespace(num_warps=tiling.get("num_warps", 4),
                                   num_stages=tiling.get("num_stages", 3), tiling=tiling)
     return captured[0], sizes, elements
+
+
+def rotary_ttir(kv_dtype: str, tokens: int) -> tuple[str, object, int]:
+    """(Triton IR text, tiling, elements a program handles) of `rotary_write` at Qwen3's
+    heads (32 query, 4 KV, 128 wide, per-head norm), `tokens` programs."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    from pjinfer.kernels.common import AttentionParams
+    from pjinfer.kernels.rotary_write import QKTransform, rotary_write
+
+    heads, kv_heads, dim = 32, 4, 128
+    bf16 = jnp.bfloat16
+    cache = jax.ShapeDtypeStruct((4096, 16, kv_heads, dim), jnp.dtype(kv_dtype))
+    vec = jax.ShapeDtypeStruct((tokens,), jnp.int32)
+    qk = QKTransform(vec, jax.ShapeDtypeStruct((dim // 2,), jnp.float32),
+                     jax.ShapeDtypeStruct((dim,), bf16), jax.ShapeDtypeStruct((dim,), bf16))
+    captured = triton_ir(lambda q, k, v, kc, vc, s, qk: rotary_write(
+        q, k, v, kc, vc, s, qk, AttentionParams(dim ** -0.5)),
+        jax.ShapeDtypeStruct((tokens, heads, dim), bf16),
+        *[jax.ShapeDtypeStruct((tokens, kv_heads, dim), bf16)] * 2, cache, cache, vec, qk)
+    sizes = types.SimpleNamespace(num_warps=4, num_stages=1)
+    return captured[0], sizes, (heads + 2 * kv_heads) * dim
 
 
 def triton_ir(fn, *args) -> list[str]:
@@ -321,6 +348,10 @@ def run(argv: list[str] | None = None) -> dict:
                              f"not {', '.join(sorted(set(overrides) - set(tiling)))}")
         ttir, sizes, elements = attention_ttir(a.kind, a.kv_dtype, pages, tiling)
         record = {"kind": a.kind, "kv_dtype": a.kv_dtype, "tiling": str(sizes)}
+    elif a.kind == ROTARY:
+        ttir, sizes, elements = rotary_ttir(a.kv_dtype, a.tokens)
+        record = {"kind": a.kind, "kv_dtype": a.kv_dtype, "tokens": a.tokens,
+                  "tiling": "4 warps"}
     elif a.kind in EXPERTS:
         if overrides:
             raise SystemExit(f"--kind {a.kind} takes the default tiling (no tiling fields)")
@@ -332,8 +363,8 @@ def run(argv: list[str] | None = None) -> dict:
         elements = sizes.unroll * sizes.block_k * sizes.block_n  # weight elements a step
         record = {"kind": a.kind, "tokens": a.tokens, "k": a.k, "n": a.n,
                   "tiling": sizes.describe()}
-    record.update(block_sizes=(sizes.tiling if a.kind in EXPERTS
-                               else dataclasses.asdict(sizes)),
+    record.update(block_sizes=(sizes.tiling if a.kind in EXPERTS else vars(sizes)
+                               if a.kind == ROTARY else dataclasses.asdict(sizes)),
                   ttir_ops=op_counts(ttir, r"= ([a-z_]+\.[a-z_\.]+)"))
     try:
         import triton  # noqa: F401

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from pjinfer.kernels import lora_matmul
 from pjinfer.kernels import quantized_matmul as qmm
 from pjinfer.kernels.backends import BACKENDS
-from pjinfer.kernels.common import AttentionParams, is_fp8, pow2_dividing, prev_pow2
+from pjinfer.kernels.common import AttentionParams, pow2_dividing, prev_pow2
 from pjinfer.kernels.decode_attention import (
     decode_attention,
     decode_attention_reference,
@@ -27,6 +27,12 @@ from pjinfer.kernels.grouped_matmul import grouped_matmul as pallas_grouped_matm
 from pjinfer.kernels.metadata import AttentionMetadata
 from pjinfer.kernels.quantized_matmul_tiling import INT4_DOT_ROWS
 from pjinfer.kernels.ragged_attention import ragged_attention, ragged_attention_reference
+from pjinfer.kernels.rotary_write import (
+    QKTransform,
+    fuses,
+    rotary_write,
+    rotary_write_reference,
+)
 from pjinfer.kernels.routed_matmul import routed_matmul as pallas_routed_matmul
 from pjinfer.kernels.routed_matmul import routed_matmul_reference
 from pjinfer.quantization.experts import QuantizedExperts, dequantize_experts
@@ -45,32 +51,25 @@ def get_kv_cache_shape(
     return (num_blocks, block_size, num_kv_heads, head_dim)
 
 
-def write_kv(
+def rotate_and_write_kv(
+    q: jax.Array,  # [T, H, D] as projected
+    k: jax.Array,  # [T, KVH, D] as projected
+    v: jax.Array,
     k_cache: jax.Array,  # [NB, bs, KVH, D]
     v_cache: jax.Array,
-    k: jax.Array,  # [T, KVH, D]
-    v: jax.Array,
     slot_mapping: jax.Array,  # [T] int32 flat slots
+    qk: QKTransform,
     attn: AttentionParams | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """Scatters the step's new K/V into their slots; in place when the caches are donated.
-
-    An fp8 cache stores K / attn.k_scale and V / attn.v_scale, saturated to the fp8 range.
-    """
-    shape = k_cache.shape
-    flat = (shape[0] * shape[1], *shape[2:])
-    ks, vs = (1.0, 1.0) if attn is None else (attn.k_scale, attn.v_scale)
-    k_cache = k_cache.reshape(flat).at[slot_mapping].set(to_cache(k, k_cache.dtype, ks))
-    v_cache = v_cache.reshape(flat).at[slot_mapping].set(to_cache(v, v_cache.dtype, vs))
-    return k_cache.reshape(shape), v_cache.reshape(shape)
-
-
-def to_cache(x: jax.Array, dtype, scale: float = 1.0) -> jax.Array:
-    """K or V in the cache dtype: fp8 stores x / scale clipped to its finite range."""
-    if not is_fp8(dtype):
-        return x.astype(dtype)
-    top = float(jnp.finfo(dtype).max)
-    return jnp.clip(x.astype(jnp.float32) / scale, -top, top).astype(dtype)
+    *,
+    backend: str = "auto",
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q and k through `qk` (per-head norm, RoPE), the new K/V written to their slots:
+    (q [T, H, D], k_cache, v_cache). One Pallas kernel where it takes the layer
+    (`rotary_write.fuses`), else XLA's ops; in place when the caches are donated."""
+    if _use_pallas(backend) and fuses(q, k, qk):
+        return rotary_write(q, k, v, k_cache, v_cache, slot_mapping, qk, attn,
+                            interpret=_interpret())
+    return rotary_write_reference(q, k, v, k_cache, v_cache, slot_mapping, qk, attn)
 
 
 def _use_pallas(backend: str) -> bool:

@@ -2,7 +2,7 @@
 
 mesh.py        ("dp", "tp") Mesh + validation of tensor_parallel_size against model and devices
 rules.py       param path -> logical axes (the ModelSpec's table) -> mesh axes; kv-head duplication
-attention.py   shard_map of write_kv + paged attention over the tp axis (kernels see one shard)
+attention.py   shard_map of q/k norm + RoPE, KV write, paged attention over tp (kernels see a shard)
 placement.py   each tensor straight into its shards (memmap slices, generated, or already loaded)
 checkpoint.py  orbax save/restore onto the mesh; convert.py is `pjinfer convert`
 distributed.py jax.distributed start-up for multi-host (PJINFER_* environment variables)

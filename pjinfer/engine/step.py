@@ -73,27 +73,30 @@ def model_step(params, kv_caches: KVCaches, inputs: StepInputs, lora=None, *,
 
 
 def _paged_attention(opts: StepOptions):
-    """The model's `attention` callback: write this step's K/V, attend over the paged cache.
+    """The model's `attention` callback: q and k through their norm and RoPE, this step's
+    K/V written (one kernel on the Pallas backend), attention over the paged cache.
 
     Under a mesh the two ops run per tp shard (each sees its own q and kv heads), so the
     Pallas kernels never see a sharded array.
     """
     cfg = opts.cfg
 
-    def attention(layer, q, k, v, cache, md):
+    def attention(layer, q, k, v, qk, cache, md):
         k_scale, v_scale = opts.kv_scales[layer] if opts.kv_scales else (1.0, 1.0)
         attn = ops.AttentionParams(cfg.attention_scale(layer),
                                    sliding_window=cfg.sliding_window(layer),
                                    k_scale=k_scale, v_scale=v_scale)
 
-        def local(q, k, v, k_cache, v_cache, md):
-            k_cache, v_cache = ops.write_kv(k_cache, v_cache, k, v, md.slot_mapping, attn)
+        def local(q, k, v, qk, k_cache, v_cache, md):
+            q, k_cache, v_cache = ops.rotate_and_write_kv(q, k, v, k_cache, v_cache,
+                                                          md.slot_mapping, qk, attn,
+                                                          backend=opts.backend)
             out = ops.paged_attention(q, k_cache, v_cache, md, attn,
                                       decode_only=opts.decode_only, backend=opts.backend)
             return out, k_cache, v_cache
         if opts.mesh is not None:
             local = shard_over_heads(local, opts.mesh)
-        out, k_cache, v_cache = local(q, k, v, cache[0], cache[1], md)
+        out, k_cache, v_cache = local(q, k, v, qk, cache[0], cache[1], md)
         return out, (k_cache, v_cache)
     return attention
 

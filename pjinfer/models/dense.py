@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pjinfer.config import ModelConfig
+from pjinfer.models.layers import apply_qk
 from pjinfer.models.registry import get_model_spec
 
 
@@ -48,7 +49,8 @@ def dense_logits(params, cfg: ModelConfig, token_ids: jax.Array, lengths: jax.Ar
     valid = positions < jnp.repeat(lengths, seq_len)
     seq_ids = jnp.where(valid, seq_ids, -1 - jnp.arange(b * seq_len))  # padding sees only itself
 
-    def attention(layer, q, k, v, cache, _):
+    def attention(layer, q, k, v, qk, cache, _):
+        q, k = apply_qk(qk, q, k)
         out = dense_causal_attention(q, k, v, seq_ids, positions,
                                      scale=cfg.attention_scale(layer),
                                      sliding_window=cfg.sliding_window(layer))

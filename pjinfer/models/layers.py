@@ -12,6 +12,7 @@ import numpy as np
 
 from pjinfer.config import ModelConfig, RopeScaling
 from pjinfer.kernels import ops
+from pjinfer.kernels.rotary_write import QKTransform
 from pjinfer.quantization.weight import QuantizedWeight
 
 
@@ -121,6 +122,25 @@ def apply_rope(x: jax.Array, positions: jax.Array, r: Rope) -> jax.Array:
     xr = x32[..., :rot]
     rotated = jnp.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
     return jnp.concatenate([xr * cos + rotated * sin, x32[..., rot:]], axis=-1).astype(x.dtype)
+
+
+def qk_transform(positions: jax.Array, r: Rope | None, q_norm: jax.Array | None,
+                 k_norm: jax.Array | None, eps: float) -> QKTransform:
+    """What turns a layer's projected q and k into attention's (see `apply_qk`)."""
+    inv_freq, factor = (None, 1.0) if r is None else (r.inv_freq, r.attention_factor)
+    return QKTransform(positions, inv_freq, q_norm, k_norm, eps, factor)
+
+
+def apply_qk(qk: QKTransform, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """q [T, H, D] and k [T, KVH, D] normed per head (when `qk` has norms), then rotated:
+    the model's own definition (the paged step's kernel and its reference are tested
+    against it)."""
+    if qk.q_norm is not None:
+        q, k = rms_norm(q, qk.q_norm, qk.eps), rms_norm(k, qk.k_norm, qk.eps)
+    if qk.inv_freq is None:
+        return q, k
+    r = Rope(qk.inv_freq, qk.attention_factor)
+    return apply_rope(q, qk.positions, r), apply_rope(k, qk.positions, r)
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *,

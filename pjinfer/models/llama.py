@@ -27,20 +27,21 @@ import jax
 import jax.numpy as jnp
 
 from pjinfer.config import ModelConfig, sliding_window_layers
+from pjinfer.kernels.rotary_write import QKTransform
 from pjinfer.models.layers import (
     Rope,
-    apply_rope,
     gated_mlp,
     linear,
     linears,
-    rms_norm,
+    qk_transform,
     rms_norm_named,
     rope,
 )
 from pjinfer.models.spec import ModelSpec, ParamSpec, transpose
 
 Params = dict[str, Any]
-# attention(layer, q [T,H,hd], k [T,KVH,hd], v [T,KVH,hd], cache, metadata) -> (out [T,H,hd], cache)
+# attention(layer, q [T,H,hd], k [T,KVH,hd], v [T,KVH,hd], qk, cache, metadata)
+#   -> (out [T,H,hd], cache); q and k as projected, `qk` (a QKTransform) still to apply
 AttentionFn = Callable[..., tuple[jax.Array, Any]]
 MlpFn = Callable[[Params, jax.Array], jax.Array]  # (layer params, x [T, D]) -> [T, D]
 MlpSpecsFn = Callable[[ModelConfig, int], list[ParamSpec]]  # (cfg, layer) -> its MLP's params
@@ -49,17 +50,16 @@ NormFn = Callable[[Params, str, jax.Array, float], jax.Array]
 
 
 def _project_qkv(lp: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Array,
-                 rope: Rope | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 rope: Rope | None) -> tuple[jax.Array, jax.Array, jax.Array, QKTransform]:
+    """q [T, H, hd], k and v [T, KVH, hd] as projected, and what still turns q and k into
+    attention's (Qwen3's per-head norm, RoPE): the attention function applies it, so a paged
+    backend can do that and the cache write in one kernel."""
     t, hd = h.shape[0], cfg.head_dim
-    q, k, v = (y.reshape(t, -1, hd) for y in linears(  # [T, H, hd], [T, KVH, hd] x 2
+    q, k, v = (y.reshape(t, -1, hd) for y in linears(
         h, [lp["q_proj"], lp["k_proj"], lp["v_proj"]],
         [lp.get("q_bias"), lp.get("k_bias"), lp.get("v_bias")]))
-    if cfg.qk_norm:
-        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    if rope is None:  # positions come from a learned table instead (GPT-2)
-        return q, k, v
-    return apply_rope(q, positions, rope), apply_rope(k, positions, rope), v
+    norms = (lp["q_norm"], lp["k_norm"]) if cfg.qk_norm else (None, None)
+    return q, k, v, qk_transform(positions, rope, *norms, cfg.rms_norm_eps)
 
 
 def decoder_layer(lp: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
@@ -67,8 +67,7 @@ def decoder_layer(lp: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Arr
                   norm: NormFn = rms_norm_named) -> tuple[jax.Array, Any]:
     """One pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). x [T, D]."""
     h = norm(lp, "input_norm", x, cfg.rms_norm_eps)
-    q, k, v = _project_qkv(lp, cfg, h, positions, rope)
-    out, cache = attend(q, k, v)
+    out, cache = attend(*_project_qkv(lp, cfg, h, positions, rope))
     x = x + linear(out.reshape(x.shape[0], -1), lp["o_proj"], lp.get("o_bias"))
     x = x + mlp(lp, norm(lp, "post_attn_norm", x, cfg.rms_norm_eps))
     return x, cache
@@ -88,8 +87,8 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
         x = x + params["pos_embed"][positions]
     new_caches = []
     for i, lp in enumerate(params["layers"]):
-        def attend(q, k, v, i=i):
-            return attention(i, q, k, v, kv_caches[i], metadata)
+        def attend(q, k, v, qk, i=i):
+            return attention(i, q, k, v, qk, kv_caches[i], metadata)
         x, cache = decoder_layer(lp, cfg, x, positions, rotary, attend, mlp, norm)
         new_caches.append(cache)
     return norm(params, "final_norm", x, cfg.rms_norm_eps), new_caches

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import jax
@@ -12,6 +13,7 @@ from pjinfer.engine.inputs import Chunk, bucket_seqs, build_step_inputs, seq_buc
 from pjinfer.engine.step import StepOptions, init_kv_caches, model_step
 from pjinfer.models.dense import dense_logits
 from pjinfer.weights import load_model
+from tests.kernels.lowering import cuda_module
 
 BLOCK_SIZE, NUM_BLOCKS, MAX_LEN = 16, 24, 128
 NO_PREV = np.zeros(8, np.int32)  # no previous step: nothing pending
@@ -53,9 +55,11 @@ def test_paged_chunks_match_dense_forward(hf_models, name, chunk):
     assert err < 1e-4
 
 
-def test_paged_step_through_pallas_kernels(hf_models):
-    """The Pallas kernels (interpret mode on CPU) inside the model give the same logits."""
-    cfg, params = load_model(hf_models["llama"], dtype="float32")
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_paged_step_through_pallas_kernels(hf_models, name):
+    """The Pallas kernels (interpret mode on CPU) inside the model give the same logits:
+    attention, and the q/k norm (Qwen3), RoPE and KV write kernel."""
+    cfg, params = load_model(hf_models[name], dtype="float32")
     ref = _run_chunks(cfg, params, PROMPT[:9], 4, backend="reference")
     pallas = _run_chunks(cfg, params, PROMPT[:9], 4, backend="pallas")
     assert np.linalg.norm(pallas - ref) / np.linalg.norm(ref) < 1e-5
@@ -69,6 +73,22 @@ def test_moe_step_through_routed_expert_kernel(moe_models):
     ref = _run_chunks(cfg, params, PROMPT[:9], 4, backend="reference")
     pallas = _run_chunks(cfg, params, PROMPT[:9], 4, backend="pallas")
     assert np.linalg.norm(pallas - ref) / np.linalg.norm(ref) < 1e-5
+
+
+def test_gpu_step_writes_the_cache_in_the_rotary_kernel(hf_models, monkeypatch):
+    """Lowered for CUDA, Qwen3's decode step runs each layer's q/k norm, RoPE and KV write as
+    one kernel: no scatter is left in the step (XLA's path had six kernels a layer)."""
+    cfg, params = load_model(hf_models["qwen3"], dtype="bfloat16")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernels' dispatch
+    caches = init_kv_caches(cfg, NUM_BLOCKS, BLOCK_SIZE, params["embed"].dtype)
+    inputs, layout = build_step_inputs([Chunk([PROMPT[5]], 5, 1, [3])], block_size=BLOCK_SIZE,
+                                       max_blocks_per_seq=MAX_LEN // BLOCK_SIZE,
+                                       max_num_batched_tokens=64, max_num_seqs=8,
+                                       prev_tokens=NO_PREV)
+    opts = StepOptions(cfg=cfg, max_model_len=MAX_LEN, decode_only=layout.decode_only)
+    text = cuda_module(partial(model_step, opts=opts), params, caches, inputs)
+    assert len(re.findall(r"= call @rotary_write\(", text)) == cfg.num_hidden_layers
+    assert "stablehlo.scatter" not in text
 
 
 def test_compiled_step_aliases_the_donated_cache(hf_models):

@@ -119,7 +119,7 @@ TOL = {jnp.float32: 1e-5 if jax.default_backend() == "cpu" else 1e-4, jnp.bfloat
 def to_fp8(batch: PagedBatch, k_scale: float, v_scale: float) -> tuple[PagedBatch, PagedBatch]:
     """(the batch with fp8 e4m3 caches storing K / k_scale and V / v_scale, the same batch with
     float32 caches holding exactly what those fp8 caches mean) for kernels reading fp8."""
-    from pjinfer.kernels.ops import to_cache
+    from pjinfer.kernels.rotary_write import to_cache
 
     k8 = to_cache(batch.k_cache, jnp.float8_e4m3fn, k_scale)
     v8 = to_cache(batch.v_cache, jnp.float8_e4m3fn, v_scale)

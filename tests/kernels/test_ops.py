@@ -1,11 +1,10 @@
-"""The dispatch module: cache layout, KV writes (in place under donation), backends."""
+"""The dispatch module: cache layout, attention backends."""
 
 from __future__ import annotations
 
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -14,38 +13,8 @@ from pjinfer.kernels.common import AttentionParams
 from tests.kernels.paged_inputs import make_batch, naive_attention, rel_err
 
 
-def _caches(shape=(6, 16, 2, 64)):
-    return jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32)
-
-
 def test_cache_shape_is_token_major():
     assert ops.get_kv_cache_shape(10, 16, 8, 128) == (10, 16, 8, 128)
-
-
-def test_write_kv_puts_tokens_in_their_slots():
-    rng = np.random.default_rng(0)
-    k_cache, v_cache = _caches()
-    k = jnp.asarray(rng.standard_normal((3, 2, 64)), jnp.float32)
-    v = jnp.asarray(rng.standard_normal((3, 2, 64)), jnp.float32)
-    slots = jnp.array([5 * 16 + 3, 2 * 16 + 15, 1 * 16 + 0], jnp.int32)
-    k2, v2 = ops.write_kv(k_cache, v_cache, k, v, slots)
-    np.testing.assert_array_equal(k2[5, 3], k[0])
-    np.testing.assert_array_equal(v2[2, 15], v[1])
-    np.testing.assert_array_equal(k2[1, 0], k[2])
-    assert int(jnp.count_nonzero(k2)) == int(jnp.count_nonzero(k))  # nothing else touched
-
-
-def test_write_kv_aliases_donated_caches():
-    k_cache, v_cache = _caches()
-    step = jax.jit(ops.write_kv, donate_argnums=(0, 1))
-    k = jnp.ones((4, 2, 64), jnp.float32)
-    slots = jnp.array([17, 18, 40, 0], jnp.int32)
-    hlo = step.lower(k_cache, v_cache, k, k, slots).compile().as_text()
-    assert "input_output_alias" in hlo
-    ptr = k_cache.unsafe_buffer_pointer()
-    k2, _ = step(k_cache, v_cache, k, k, slots)
-    assert k2.unsafe_buffer_pointer() == ptr
-    assert k_cache.is_deleted()
 
 
 MIXED = ([6, 1, 13, 0], [6, 30, 40, 0])

@@ -40,7 +40,7 @@ def _layer_module(kind: str, tokens: int, monkeypatch) -> str:
     cfg = SimpleNamespace(head_dim=HD, qk_norm=False, rms_norm_eps=1e-5)
 
     def layer(lp, x, positions):
-        def attend(q, k, v):  # [T, H, hd]; k, v [T, KVH, hd]
+        def attend(q, k, v, qk):  # [T, H, hd]; k, v [T, KVH, hd]
             return q + jnp.repeat(k + v, H // KVH, axis=1), None
 
         return decoder_layer(lp, cfg, x, positions, None, attend)[0]
