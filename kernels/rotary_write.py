@@ -121,13 +121,15 @@ def fuses(q: jax.Array, k: jax.Array, qk: QKTransform) -> bool:
     return k.dtype == q.dtype and all(w.dtype == q.dtype for w in norms)
 
 
-def _kernel(pos_ref, slot_ref, inv_ref, *refs, eps: float, factor: float, scales, chunks,
-            norm: bool):
+def _kernel(pos_ref, slot_ref, inv_ref, *refs, eps: float, factor: float, scales, heads,
+            chunks, norm: bool):
     """Program t: token t's q heads normed, rotated and stored; its k heads likewise and
-    written with its v heads to cache row slot_mapping[t], `chunks` (q, kv) heads a tile."""
+    written with its v heads to cache row slot_mapping[t]. q, k and v are the heads of one
+    array [T, H + 2 KVH, D] (one XLA fusion makes it from the projections' sums), `chunks`
+    (q, kv) heads a tile."""
     if norm:
         qn_ref, kn_ref, *refs = refs
-    q_ref, k_ref, v_ref, _, _, qo_ref, kc_ref, vc_ref = refs
+    qkv_ref, _, _, qo_ref, kc_ref, vc_ref = refs
     t = pl.program_id(0)
     half = inv_ref.shape[0]
     angle = pos_ref[t].astype(jnp.float32) * inv_ref[...]  # [D/2]
@@ -136,29 +138,29 @@ def _kernel(pos_ref, slot_ref, inv_ref, *refs, eps: float, factor: float, scales
         cos, sin = cos * factor, sin * factor
     slot = slot_ref[t]
     lo, hi = pl.ds(0, half), pl.ds(half, half)
-
-    def heads(src, dst, row, w_ref, chunk, to_dtype):
-        dtype = src.dtype
-        w = None if w_ref is None else (w_ref[lo].astype(jnp.float32),
-                                        w_ref[hi].astype(jnp.float32))
-        for h in range(0, src.shape[1], chunk):
-            hs = pl.ds(h, chunk)
-            x1 = src[t, hs, lo].astype(jnp.float32)  # [c, D/2]
-            x2 = src[t, hs, hi].astype(jnp.float32)
-            if w is not None:
-                x1, x2 = _normed(x1, x2, w[0][None, :], w[1][None, :], eps, dtype)
-            y1, y2 = _rotated(x1, x2, cos[None, :], sin[None, :])
-            dst[row, hs, lo] = to_dtype(y1.astype(dtype))
-            dst[row, hs, hi] = to_dtype(y2.astype(dtype))
-
+    num_q, num_kv = heads
     q_chunk, kv_chunk = chunks
     k_scale, v_scale = scales
-    heads(q_ref, qo_ref, t, qn_ref if norm else None, q_chunk, lambda y: y)
-    heads(k_ref, kc_ref, slot, kn_ref if norm else None, kv_chunk,
-          lambda y: to_cache(y, kc_ref.dtype, k_scale))
-    for h in range(0, v_ref.shape[1], kv_chunk):
-        hs = pl.ds(h, kv_chunk)
-        vc_ref[slot, hs, :] = to_cache(v_ref[t, hs, :], vc_ref.dtype, v_scale)
+
+    def rotate(first, count, dst, row, w_ref, chunk, to_dtype):
+        dtype = qkv_ref.dtype
+        w = None if w_ref is None else (w_ref[lo].astype(jnp.float32)[None, :],
+                                        w_ref[hi].astype(jnp.float32)[None, :])
+        for h in range(0, count, chunk):
+            x1 = qkv_ref[t, pl.ds(first + h, chunk), lo].astype(jnp.float32)  # [c, D/2]
+            x2 = qkv_ref[t, pl.ds(first + h, chunk), hi].astype(jnp.float32)
+            if w is not None:
+                x1, x2 = _normed(x1, x2, *w, eps, dtype)
+            y1, y2 = _rotated(x1, x2, cos[None, :], sin[None, :])
+            dst[row, pl.ds(h, chunk), lo] = to_dtype(y1.astype(dtype))
+            dst[row, pl.ds(h, chunk), hi] = to_dtype(y2.astype(dtype))
+
+    rotate(0, num_q, qo_ref, t, qn_ref if norm else None, q_chunk, lambda y: y)
+    rotate(num_q, num_kv, kc_ref, slot, kn_ref if norm else None, kv_chunk,
+           lambda y: to_cache(y, kc_ref.dtype, k_scale))
+    for h in range(0, num_kv, kv_chunk):
+        v = qkv_ref[t, pl.ds(num_q + num_kv + h, kv_chunk), :]  # [c, D]
+        vc_ref[slot, pl.ds(h, kv_chunk), :] = to_cache(v, vc_ref.dtype, v_scale)
 
 
 @functools.partial(jax.jit, static_argnames=("attn", "interpret"))
@@ -174,13 +176,15 @@ def rotary_write(q, k, v, k_cache, v_cache, slot_mapping, qk: QKTransform,
     shape = k_cache.shape
     k_flat, v_flat = common.flat_pages(k_cache), common.flat_pages(v_cache)
     norm = qk.q_norm is not None
-    chunks = tuple(common.pow2_dividing(n, 32, 1) for n in (q.shape[1], k.shape[1]))
+    heads = (q.shape[1], k.shape[1])
+    chunks = tuple(common.pow2_dividing(n, 32, 1) for n in heads)
     attn = attn or common.AttentionParams(1.0)
     kernel = functools.partial(_kernel, eps=qk.eps, factor=qk.attention_factor, norm=norm,
-                               scales=(attn.k_scale, attn.v_scale), chunks=chunks)
+                               scales=(attn.k_scale, attn.v_scale), heads=heads, chunks=chunks)
+    qkv = jnp.concatenate([q, k, v], axis=1)  # [T, H + 2 KVH, D]
     args = [qk.positions.astype(jnp.int32), slot_mapping.astype(jnp.int32),
             qk.inv_freq.astype(jnp.float32), *((qk.q_norm, qk.k_norm) if norm else ()),
-            q, k, v, k_flat, v_flat]
+            qkv, k_flat, v_flat]
     first_cache = len(args) - 2
     q_out, k_flat, v_flat = pl.pallas_call(
         kernel,
