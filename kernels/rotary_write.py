@@ -181,7 +181,10 @@ def rotary_write(q, k, v, k_cache, v_cache, slot_mapping, qk: QKTransform,
     attn = attn or common.AttentionParams(1.0)
     kernel = functools.partial(_kernel, eps=qk.eps, factor=qk.attention_factor, norm=norm,
                                scales=(attn.k_scale, attn.v_scale), heads=heads, chunks=chunks)
-    qkv = jnp.concatenate([q, k, v], axis=1)  # [T, H + 2 KVH, D]
+    # [T, H + 2 KVH, D], joined as rows of [T, n * D]: when q, k and v are column slices of
+    # one (merged) projection, XLA can fold the join back into that projection's output
+    rows = [x.reshape(x.shape[0], -1) for x in (q, k, v)]
+    qkv = jnp.concatenate(rows, axis=1).reshape(q.shape[0], -1, q.shape[2])
     args = [qk.positions.astype(jnp.int32), slot_mapping.astype(jnp.int32),
             qk.inv_freq.astype(jnp.float32), *((qk.q_norm, qk.k_norm) if norm else ()),
             qkv, k_flat, v_flat]

@@ -170,6 +170,11 @@ def _stack_spec(stack: ops.Experts, spec: P) -> P | QuantizedExperts:
 def moe_block(lp: dict, x: jax.Array, *, moe: MoeConfig, valid: jax.Array | None = None,
               expert_parallel: bool = False, backend: str = "auto") -> jax.Array:
     """The sparse MLP of one layer: x [T, D] -> [T, D]; `valid` [T] marks real tokens."""
+    # x is the post-attention norm's output: held as one array, so that the router GEMM and
+    # the expert kernels read the same one. Left to itself XLA fused the norm's weight
+    # multiply into the router GEMM and ran it again as its own kernel for the experts
+    # (Qwen3-30B-A3B's batch-1 step on the H200: 1.3 us a layer, RESULTS.md round 23).
+    x = jax.lax.optimization_barrier(x)
     weights, ids = route(linear(x, lp["router"]), moe.top_k, moe.norm_topk_prob, valid)
     out = _sharded_expert_ffn(x, weights, ids, lp["experts_gate_up"], lp["experts_down"],
                               expert_parallel=expert_parallel, backend=backend
