@@ -21,19 +21,19 @@ from pjinfer.kernels import common
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["positions", "inv_freq", "q_norm", "k_norm"],
-                   meta_fields=["eps", "attention_factor"])
+                   data_fields=["cos", "sin", "q_norm", "k_norm"], meta_fields=["eps"])
 @dataclasses.dataclass(frozen=True)
 class QKTransform:
     """q's and k's way from their projections to attention, handed to the attention function
     unapplied so that a paged backend can fuse it with the cache write."""
 
-    positions: jax.Array  # [T] int32
-    inv_freq: jax.Array | None  # [R / 2] float32 rotary frequencies (R <= D); None: no RoPE
+    # [T, R / 2] float32: each token's rotation of the first R <= D dims of a head (the
+    # attention factor of YaRN / LongRoPE included), computed once a step; None: no RoPE
+    cos: jax.Array | None
+    sin: jax.Array | None
     q_norm: jax.Array | None = None  # [D] per-head RMSNorm weights (Qwen3); None: no norm
     k_norm: jax.Array | None = None  # [D]
     eps: float = 1e-6
-    attention_factor: float = 1.0  # multiplies cos and sin (YaRN, LongRoPE)
 
 
 def to_cache(x: jax.Array, dtype, scale: float = 1.0) -> jax.Array:
@@ -82,19 +82,17 @@ def _rotated(x1, x2, cos, sin):
 
 def _transformed(x: jax.Array, qk: QKTransform, norm: jax.Array | None) -> jax.Array:
     """Reference: x [T, N, D] normed (when `norm`) and rotated, in x.dtype."""
-    if norm is None and qk.inv_freq is None:
+    if norm is None and qk.cos is None:
         return x
     dtype, half = x.dtype, x.shape[-1] // 2
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     if norm is not None:
         w = norm.astype(jnp.float32)
         x1, x2 = _normed(x1, x2, w[:half], w[half:], qk.eps, dtype)
-    if qk.inv_freq is None:
+    if qk.cos is None:
         return jnp.concatenate([x1, x2], axis=-1).astype(dtype)
-    rot = qk.inv_freq.shape[0]  # rotary dims of each half: the rest passes through
-    angle = qk.positions.astype(jnp.float32)[:, None] * qk.inv_freq[None, :]  # [T, R/2]
-    cos = (jnp.cos(angle) * qk.attention_factor)[:, None, :]
-    sin = (jnp.sin(angle) * qk.attention_factor)[:, None, :]
+    rot = qk.cos.shape[1]  # rotary dims of each half: the rest passes through
+    cos, sin = qk.cos[:, None, :], qk.sin[:, None, :]  # [T, 1, R/2]
     if 2 * rot < x.shape[-1]:  # partial rotary: the first R dims rotate as halves of R
         y = jnp.concatenate([x1, x2], axis=-1)
         r1, r2 = _rotated(y[..., :rot], y[..., rot:2 * rot], cos, sin)
@@ -115,14 +113,14 @@ def fuses(q: jax.Array, k: jax.Array, qk: QKTransform) -> bool:
     tiles are each head's halves), norm weights in q's dtype (the model rounds their product
     to it). Others (partial rotary, no RoPE) take the reference."""
     d = q.shape[-1]
-    if qk.inv_freq is None or 2 * qk.inv_freq.shape[0] != d or not common.is_pow2(d) or d < 16:
+    if qk.cos is None or 2 * qk.cos.shape[1] != d or not common.is_pow2(d) or d < 16:
         return False
     norms = [w for w in (qk.q_norm, qk.k_norm) if w is not None]
     return k.dtype == q.dtype and all(w.dtype == q.dtype for w in norms)
 
 
-def _kernel(pos_ref, slot_ref, inv_ref, *refs, eps: float, factor: float, scales, heads,
-            chunks, norm: bool):
+def _kernel(slot_ref, cos_ref, sin_ref, *refs, eps: float, scales, heads, chunks,
+            norm: bool):
     """Program t: token t's q heads normed, rotated and stored; its k heads likewise and
     written with its v heads to cache row slot_mapping[t]. q, k and v are the heads of one
     array [T, H + 2 KVH, D] (one XLA fusion makes it from the projections' sums), `chunks`
@@ -131,11 +129,8 @@ def _kernel(pos_ref, slot_ref, inv_ref, *refs, eps: float, factor: float, scales
         qn_ref, kn_ref, *refs = refs
     qkv_ref, _, _, qo_ref, kc_ref, vc_ref = refs
     t = pl.program_id(0)
-    half = inv_ref.shape[0]
-    angle = pos_ref[t].astype(jnp.float32) * inv_ref[...]  # [D/2]
-    cos, sin = jnp.cos(angle), jnp.sin(angle)
-    if factor != 1.0:
-        cos, sin = cos * factor, sin * factor
+    half = cos_ref.shape[1]
+    cos, sin = cos_ref[t, :], sin_ref[t, :]  # [D/2]
     slot = slot_ref[t]
     lo, hi = pl.ds(0, half), pl.ds(half, half)
     num_q, num_kv = heads
@@ -171,7 +166,7 @@ def rotary_write(q, k, v, k_cache, v_cache, slot_mapping, qk: QKTransform,
     as `rotary_write_reference` does."""
     if not fuses(q, k, qk):
         raise ValueError(f"rotary_write takes full-width RoPE over a power-of-two head dim; got "
-                         f"q {q.shape}, inv_freq {getattr(qk.inv_freq, 'shape', None)}")
+                         f"q {q.shape}, cos {getattr(qk.cos, 'shape', None)}")
     common.kv_group(q, k_cache, v_cache)
     shape = k_cache.shape
     k_flat, v_flat = common.flat_pages(k_cache), common.flat_pages(v_cache)
@@ -179,14 +174,14 @@ def rotary_write(q, k, v, k_cache, v_cache, slot_mapping, qk: QKTransform,
     heads = (q.shape[1], k.shape[1])
     chunks = tuple(common.pow2_dividing(n, 32, 1) for n in heads)
     attn = attn or common.AttentionParams(1.0)
-    kernel = functools.partial(_kernel, eps=qk.eps, factor=qk.attention_factor, norm=norm,
-                               scales=(attn.k_scale, attn.v_scale), heads=heads, chunks=chunks)
+    kernel = functools.partial(_kernel, eps=qk.eps, norm=norm, heads=heads, chunks=chunks,
+                               scales=(attn.k_scale, attn.v_scale))
     # [T, H + 2 KVH, D], joined as rows of [T, n * D]: when q, k and v are column slices of
     # one (merged) projection, XLA can fold the join back into that projection's output
     rows = [x.reshape(x.shape[0], -1) for x in (q, k, v)]
     qkv = jnp.concatenate(rows, axis=1).reshape(q.shape[0], -1, q.shape[2])
-    args = [qk.positions.astype(jnp.int32), slot_mapping.astype(jnp.int32),
-            qk.inv_freq.astype(jnp.float32), *((qk.q_norm, qk.k_norm) if norm else ()),
+    args = [slot_mapping.astype(jnp.int32), qk.cos.astype(jnp.float32),
+            qk.sin.astype(jnp.float32), *((qk.q_norm, qk.k_norm) if norm else ()),
             qkv, k_flat, v_flat]
     first_cache = len(args) - 2
     q_out, k_flat, v_flat = pl.pallas_call(

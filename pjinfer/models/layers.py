@@ -107,28 +107,37 @@ def rope(cfg: ModelConfig, max_len: int | None = None) -> Rope:
     return Rope(jnp.asarray(rope_inv_freq(cfg, max_len)), cfg.rope_scaling.attention_factor)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, r: Rope) -> jax.Array:
-    """Rotate-half RoPE (HF layout, not interleaved) on the first R dims of each head.
-
-    x [T, N, D], positions [T]; R = 2 * len(inv_freq) <= D.
-    """
+def rope_angles(r: Rope, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [T, R/2] float32 of each token's rotation, times the attention factor:
+    computed once a step and shared by every layer (a kernel input each layer would
+    otherwise recompute)."""
     freqs = positions.astype(jnp.float32)[:, None] * r.inv_freq[None, :]  # [T, R/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [T, 1, R]
-    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    cos, sin = jnp.cos(freqs), jnp.sin(freqs)
     if r.attention_factor != 1.0:
         cos, sin = cos * r.attention_factor, sin * r.attention_factor
+    return cos, sin
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (HF layout, not interleaved) on the first R dims of each head.
+
+    x [T, N, D]; cos, sin [T, R/2] from `rope_angles`, R <= D.
+    """
+    cos = jnp.concatenate([cos, cos], axis=-1)[:, None, :]  # [T, 1, R]
+    sin = jnp.concatenate([sin, sin], axis=-1)[:, None, :]
     x32 = x.astype(jnp.float32)
-    rot, half = emb.shape[-1], emb.shape[-1] // 2
+    rot, half = cos.shape[-1], cos.shape[-1] // 2
     xr = x32[..., :rot]
     rotated = jnp.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
     return jnp.concatenate([xr * cos + rotated * sin, x32[..., rot:]], axis=-1).astype(x.dtype)
 
 
-def qk_transform(positions: jax.Array, r: Rope | None, q_norm: jax.Array | None,
+def qk_transform(angles: tuple[jax.Array, jax.Array] | None, q_norm: jax.Array | None,
                  k_norm: jax.Array | None, eps: float) -> QKTransform:
-    """What turns a layer's projected q and k into attention's (see `apply_qk`)."""
-    inv_freq, factor = (None, 1.0) if r is None else (r.inv_freq, r.attention_factor)
-    return QKTransform(positions, inv_freq, q_norm, k_norm, eps, factor)
+    """What turns a layer's projected q and k into attention's (see `apply_qk`); `angles`:
+    `rope_angles`' cos and sin, None without RoPE."""
+    cos, sin = (None, None) if angles is None else angles
+    return QKTransform(cos, sin, q_norm, k_norm, eps)
 
 
 def apply_qk(qk: QKTransform, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -137,10 +146,9 @@ def apply_qk(qk: QKTransform, q: jax.Array, k: jax.Array) -> tuple[jax.Array, ja
     against it)."""
     if qk.q_norm is not None:
         q, k = rms_norm(q, qk.q_norm, qk.eps), rms_norm(k, qk.k_norm, qk.eps)
-    if qk.inv_freq is None:
+    if qk.cos is None:
         return q, k
-    r = Rope(qk.inv_freq, qk.attention_factor)
-    return apply_rope(q, qk.positions, r), apply_rope(k, qk.positions, r)
+    return apply_rope(q, qk.cos, qk.sin), apply_rope(k, qk.cos, qk.sin)
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *,

@@ -36,6 +36,7 @@ from pjinfer.models.layers import (
     qk_transform,
     rms_norm_named,
     rope,
+    rope_angles,
 )
 from pjinfer.models.spec import ModelSpec, ParamSpec, transpose
 
@@ -47,10 +48,11 @@ MlpFn = Callable[[Params, jax.Array], jax.Array]  # (layer params, x [T, D]) -> 
 MlpSpecsFn = Callable[[ModelConfig, int], list[ParamSpec]]  # (cfg, layer) -> its MLP's params
 # (params holding the norm's weight [and bias], its name, x [T, D], eps) -> [T, D]
 NormFn = Callable[[Params, str, jax.Array, float], jax.Array]
+Angles = tuple[jax.Array, jax.Array]  # RoPE cos and sin [T, R/2] (`layers.rope_angles`)
 
 
-def _project_qkv(lp: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Array,
-                 rope: Rope | None) -> tuple[jax.Array, jax.Array, jax.Array, QKTransform]:
+def _project_qkv(lp: Params, cfg: ModelConfig, h: jax.Array,
+                 angles: Angles | None) -> tuple[jax.Array, jax.Array, jax.Array, QKTransform]:
     """q [T, H, hd], k and v [T, KVH, hd] as projected, and what still turns q and k into
     attention's (Qwen3's per-head norm, RoPE): the attention function applies it, so a paged
     backend can do that and the cache write in one kernel."""
@@ -59,15 +61,16 @@ def _project_qkv(lp: Params, cfg: ModelConfig, h: jax.Array, positions: jax.Arra
         h, [lp["q_proj"], lp["k_proj"], lp["v_proj"]],
         [lp.get("q_bias"), lp.get("k_bias"), lp.get("v_bias")]))
     norms = (lp["q_norm"], lp["k_norm"]) if cfg.qk_norm else (None, None)
-    return q, k, v, qk_transform(positions, rope, *norms, cfg.rms_norm_eps)
+    return q, k, v, qk_transform(angles, *norms, cfg.rms_norm_eps)
 
 
-def decoder_layer(lp: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
-                  rope: Rope | None, attend: Callable, mlp: MlpFn = gated_mlp,
+def decoder_layer(lp: Params, cfg: ModelConfig, x: jax.Array, angles: Angles | None,
+                  attend: Callable, mlp: MlpFn = gated_mlp,
                   norm: NormFn = rms_norm_named) -> tuple[jax.Array, Any]:
-    """One pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). x [T, D]."""
+    """One pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). x [T, D]; `angles`: the
+    step's RoPE cos and sin (`layers.rope_angles`), None without RoPE."""
     h = norm(lp, "input_norm", x, cfg.rms_norm_eps)
-    out, cache = attend(*_project_qkv(lp, cfg, h, positions, rope))
+    out, cache = attend(*_project_qkv(lp, cfg, h, angles))
     x = x + linear(out.reshape(x.shape[0], -1), lp["o_proj"], lp.get("o_bias"))
     x = x + mlp(lp, norm(lp, "post_attn_norm", x, cfg.rms_norm_eps))
     return x, cache
@@ -85,11 +88,12 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
     x = params["embed"][token_ids]  # [T, D]
     if "pos_embed" in params:
         x = x + params["pos_embed"][positions]
+    angles = None if rotary is None else rope_angles(rotary, positions)
     new_caches = []
     for i, lp in enumerate(params["layers"]):
         def attend(q, k, v, qk, i=i):
             return attention(i, q, k, v, qk, kv_caches[i], metadata)
-        x, cache = decoder_layer(lp, cfg, x, positions, rotary, attend, mlp, norm)
+        x, cache = decoder_layer(lp, cfg, x, angles, attend, mlp, norm)
         new_caches.append(cache)
     return norm(params, "final_norm", x, cfg.rms_norm_eps), new_caches
 

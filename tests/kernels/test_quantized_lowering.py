@@ -43,7 +43,7 @@ def _layer_module(kind: str, tokens: int, monkeypatch) -> str:
         def attend(q, k, v, qk):  # [T, H, hd]; k, v [T, KVH, hd]
             return q + jnp.repeat(k + v, H // KVH, axis=1), None
 
-        return decoder_layer(lp, cfg, x, positions, None, attend)[0]
+        return decoder_layer(lp, cfg, x, None, attend)[0]
 
     return cuda_module(layer, lp, jax.ShapeDtypeStruct((tokens, D), jnp.bfloat16),
                        jax.ShapeDtypeStruct((tokens,), jnp.int32))

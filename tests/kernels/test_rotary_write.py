@@ -17,7 +17,7 @@ from pjinfer.kernels.rotary_write import (
     rotary_write_reference,
     write_kv,
 )
-from pjinfer.models.layers import apply_qk
+from pjinfer.models.layers import Rope, apply_qk, rope_angles
 
 
 def _close(got, want, rtol, atol=None):
@@ -47,10 +47,10 @@ def _inputs(seed, tokens, heads, kv_heads, head_dim, *, dtype=jnp.float32, norm=
               for _ in range(2)]
     rot = head_dim // 2 if rotary is None else rotary
     inv_freq = 1.0 / (10000.0 ** (np.arange(rot, dtype=np.float32) / rot))
-    qk = QKTransform(jnp.asarray(rng.integers(0, 5000, tokens), jnp.int32),
-                     jnp.asarray(inv_freq, jnp.float32),
-                     rand(head_dim, scale=0.5) + 1 if norm else None,
-                     rand(head_dim, scale=0.5) + 1 if norm else None, 1e-6, factor)
+    angles = rope_angles(Rope(jnp.asarray(inv_freq), factor),
+                         jnp.asarray(rng.integers(0, 5000, tokens), jnp.int32))
+    qk = QKTransform(*angles, rand(head_dim, scale=0.5) + 1 if norm else None,
+                     rand(head_dim, scale=0.5) + 1 if norm else None, 1e-6)
     return q, k, v, *caches, jnp.asarray(slots, jnp.int32), qk
 
 
@@ -99,16 +99,16 @@ def test_reference_is_the_models_norm_and_rope(norm, rotary):
 def test_what_the_kernel_takes():
     q, k, _, _, _, _, qk = _inputs(0, 4, 8, 2, 64)
     assert fuses(q, k, qk)
-    assert not fuses(q, k, QKTransform(qk.positions, qk.inv_freq[:16]))  # partial rotary
-    assert not fuses(q, k, QKTransform(qk.positions, None))  # no RoPE (GPT-2)
-    assert not fuses(q, k, QKTransform(qk.positions, qk.inv_freq,
-                                       qk.q_norm.astype(jnp.bfloat16), qk.k_norm))
-    q96 = jnp.zeros((4, 8, 96))
-    assert not fuses(q96, q96[:, :2], QKTransform(qk.positions, jnp.ones(48)))
+    assert not fuses(q, k, QKTransform(qk.cos[:, :16], qk.sin[:, :16]))  # partial rotary
+    assert not fuses(q, k, QKTransform(None, None))  # no RoPE (GPT-2)
+    assert not fuses(q, k, QKTransform(qk.cos, qk.sin, qk.q_norm.astype(jnp.bfloat16),
+                                       qk.k_norm))
+    q96, angles = jnp.zeros((4, 8, 96)), jnp.ones((4, 48))
+    assert not fuses(q96, q96[:, :2], QKTransform(angles, angles))
     with pytest.raises(ValueError, match="power-of-two head dim"):
         rotary_write(q96, q96[:, :2], q96[:, :2], jnp.zeros((2, 4, 2, 96)),
-                     jnp.zeros((2, 4, 2, 96)), qk.positions, QKTransform(qk.positions,
-                                                                         jnp.ones(48)))
+                     jnp.zeros((2, 4, 2, 96)), jnp.zeros(4, jnp.int32),
+                     QKTransform(angles, angles))
 
 
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
