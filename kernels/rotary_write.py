@@ -76,7 +76,7 @@ def _normed(x1, x2, w1, w2, eps: float, dtype):
 
 
 def _rotated(x1, x2, cos, sin):
-    """Rotate-half RoPE on halves [c, D/2] (cos, sin [D/2])."""
+    """Rotate-half RoPE on halves [..., R/2] of x (cos, sin broadcasting to them)."""
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 

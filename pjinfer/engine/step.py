@@ -76,7 +76,7 @@ def _paged_attention(opts: StepOptions):
     """The model's `attention` callback: q and k through their norm and RoPE, this step's
     K/V written (one kernel on the Pallas backend), attention over the paged cache.
 
-    Under a mesh the two ops run per tp shard (each sees its own q and kv heads), so the
+    Under a mesh both ops run per tp shard (each sees its own q and kv heads), so the
     Pallas kernels never see a sharded array.
     """
     cfg = opts.cfg
