@@ -58,6 +58,8 @@
 #                                         # sequences (host_step.py) (~4 min)
 #   bash benchmarks/run_h200.sh raggedqwen3  # the ragged kernel's tilings at Qwen3-30B-A3B's
 #                                            # heads (8 query heads a KV head) (~4 min)
+#   bash benchmarks/run_h200.sh rotarytests  # the q/k norm + RoPE + KV write kernel's tests
+#                                            # compiled, and the paged steps through it (~2 min)
 #   bash benchmarks/run_h200.sh attnfp8   # W4's decode attention over bf16 vs fp8 caches,
 #                                         # alternating (~2 min)
 #   bash benchmarks/run_h200.sh kvprobe   # W4's prefill, mixed and decode steps over the bf16
@@ -225,6 +227,15 @@ stage_hoststep() {
   [ $SMOKE = 1 ] && model=() && n=16
   step host_step 400 $PY -m pjinfer.benchmarks.host_step "${model[@]}" --num-seqs $n \
       --out "$JSON/host_step.json"
+}
+
+# The q/k norm + RoPE + KV write kernel (RESULTS round 29) compiled, against its reference, and
+# Llama / Qwen3 steps through the Pallas kernels against the reference path: before timing it.
+stage_rotarytests() {
+  local gpu=$([ $SMOKE = 1 ] && echo cpu || echo cuda)
+  step rotary_kernel_tests 300 env JAX_PLATFORMS=$gpu $PY -m pytest -q -p no:cacheprovider \
+      --import-mode=append tests/kernels/test_rotary_write.py tests/engine/test_step.py \
+      -k "kernel or rotary or dispatch"
 }
 
 # Qwen3-30B-A3B's prompt steps spend 17.7 of 128 ms in the ragged kernel (RESULTS round 28),
@@ -754,6 +765,7 @@ for stage in "${STAGES[@]}"; do
     kvprobe) stage_kvprobe ;;
     raggedfp8) stage_raggedfp8 ;;
     raggedqwen3) stage_raggedqwen3 ;;
+    rotarytests) stage_rotarytests ;;
     hoststep) stage_hoststep ;;
     routed) stage_routed ;;
     routedwide) stage_routedwide ;;
