@@ -33,7 +33,7 @@ def shard_map(fn: Callable, *, mesh: Mesh, in_specs, out_specs) -> Callable:
 
 def shard_over_heads(local: Callable, mesh: Mesh) -> Callable:
     """local(q, k, v, qk, k_cache, v_cache, md) -> (out, k_cache, v_cache), mapped over tp
-    shards (`qk`, the q/k transform's positions, frequencies and norm weights, replicated)."""
+    shards (`qk`, the q/k transform's RoPE cos / sin and norm weights, replicated)."""
     return shard_map(local, mesh=mesh,
                      in_specs=(HEADS, HEADS, HEADS, PartitionSpec(), CACHE, CACHE,
                                PartitionSpec()),

@@ -53,7 +53,7 @@ ACTIVATIONS = {
          meta_fields=["attention_factor"])
 @dataclass(frozen=True)
 class Rope:
-    """What `apply_rope` needs: inverse frequencies [rotary_dim / 2] (rotary_dim <= head_dim:
+    """What `rope_angles` needs: inverse frequencies [rotary_dim / 2] (rotary_dim <= head_dim:
     the rest of each head passes through) and the factor cos and sin are multiplied by (static
     under jit, so a factor of 1 costs nothing)."""
 
