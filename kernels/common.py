@@ -96,6 +96,11 @@ def pow2_dividing(n: int, cap: int, floor: int) -> int | None:
     return b if b >= floor and n % b == 0 else None
 
 
+def dividing_block(block: int, dim: int) -> int:
+    """The largest power of two <= block (and >= 16) dividing dim, else block (padded)."""
+    return pow2_dividing(dim, block, 16) or block
+
+
 def is_fp8(dtype) -> bool:
     """A one-byte float cache or weight dtype (e4m3 / e5m2): stored scaled, widened on load."""
     return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 1

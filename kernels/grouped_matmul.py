@@ -250,3 +250,31 @@ def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Ar
     return jnp.where((row < ends[-1])[:, None], out, 0).astype(out_dtype or lhs.dtype)
 
 
+def default_grouped_block_sizes(rows: int, groups: int, k: int, n: int) -> dict[str, int]:
+    """Tiling by regime: decode (few rows per expert, each tile mostly one row: weight
+    streaming) takes the smallest row tile Triton's dot allows and long K steps; prefill
+    (hundreds of rows per expert) the compute tiling; a decode step with few programs splits
+    K (float32 partial sums). K and N blocks shrink (down to 16) to
+    divide the weights, so a tp shard's slice (e.g. 768 / 8 = 96 columns) is never padded,
+    which would copy the weights every call. The prefill tiling is the best of 24 tilings
+    swept (19 compiled) on the H200 at Qwen3-30B-A3B shapes (`benchmarks/moe.py`, RESULTS
+    round 12), its programs in bands of a quarter of an average expert's row tiles
+    (`band_order`; RESULTS round 19: Qwen3-30B-A3B's ~4 tiles an expert best
+    column-fastest, gate/up 0.66 -> 0.71-0.73 of the matmul rate, down 0.55 -> 0.61-0.62;
+    Mixtral-8x7B's 16 in bands of 4, 0.81 / 0.84 -> 0.88 / 0.92, where column-fastest
+    re-streams an expert's 112 gate/up column blocks for every tile: 0.65)."""
+    if rows > 4 * groups:
+        block_m = 128
+        band = common.prev_pow2(rows // (groups * block_m * 4))  # 1/4 of an expert's tiles
+        return dict(block_m=block_m, block_n=common.dividing_block(256, n),
+                    block_k=common.dividing_block(64, k), num_warps=8, num_stages=3, band=band)
+    bn, bk = common.dividing_block(128, n), common.dividing_block(128, k)
+    programs = min(rows, groups) * -(-n // bn)  # (tile, column) programs when all are busy
+    splits = 1  # split K until ~512 programs stream weights, each keeping >= 4 K steps
+    while programs * splits < DECODE_PROGRAMS and k % (2 * splits * bk) == 0 \
+            and k // (2 * splits) >= 4 * bk:
+        splits *= 2
+    return dict(block_m=16, block_n=bn, block_k=bk, k_splits=splits)
+
+
+DECODE_PROGRAMS = 512  # ~4 per SM of an H100/H200

@@ -1,6 +1,6 @@
 """The one dispatch module for the kernels: paged attention (cache layout, KV writes,
-attention), the grouped matmul (MoE experts), the weight-only quantized matmul and the
-multi-LoRA term.
+attention), MoE routing, the grouped and routed matmuls (MoE experts), the weight-only
+quantized matmul and the multi-LoRA term.
 
 The engine calls only these functions (and builds `AttentionParams`, re-exported here, so
 it needs no other kernel module); backends are swapped with `backend=`:
@@ -13,16 +13,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pjinfer.kernels import lora_matmul
+from pjinfer.kernels import lora_matmul, moe_route
 from pjinfer.kernels import quantized_matmul as qmm
 from pjinfer.kernels.backends import BACKENDS
-from pjinfer.kernels.common import AttentionParams, pow2_dividing, prev_pow2
+from pjinfer.kernels.common import AttentionParams, dividing_block
 from pjinfer.kernels.decode_attention import (
     decode_attention,
     decode_attention_reference,
     default_decode_block_sizes,
 )
 from pjinfer.kernels.fp8_matmul import fp8_w8a8_matmul, per_channel_fp8
+from pjinfer.kernels.grouped_matmul import default_grouped_block_sizes
 from pjinfer.kernels.grouped_matmul import grouped_matmul as pallas_grouped_matmul
 from pjinfer.kernels.metadata import AttentionMetadata
 from pjinfer.kernels.quantized_matmul_tiling import INT4_DOT_ROWS
@@ -199,6 +200,25 @@ def silu_and_mul(h: jax.Array) -> jax.Array:
     return jax.nn.silu(h[:, :inter]) * h[:, inter:]
 
 
+def route_experts(logits: jax.Array, top_k: int, renormalize: bool,
+                  valid: jax.Array | None = None, *, backend: str = "auto"
+                  ) -> tuple[jax.Array, jax.Array]:
+    """A MoE layer's routing, router logits [T, E] -> (weights [T, k] float32, expert ids
+    [T, k] int32; 0 and -1 for tokens where `valid` [T] is false): one Pallas kernel (a warp
+    a token) up to `ROUTE_KERNEL_TOKENS` tokens off a tensor-parallel mesh, where XLA runs
+    three small kernels; `moe_route.route_reference` elsewhere."""
+    t, e = logits.shape
+    if (_use_pallas(backend) and t <= ROUTE_KERNEL_TOKENS and e <= moe_route.MAX_EXPERTS
+            and traced_tp_mesh() is None):
+        valid = jnp.ones((t,), jnp.int32) if valid is None else valid
+        return moe_route.moe_route(logits, valid, top_k=top_k, renormalize=renormalize,
+                                   interpret=_interpret())
+    return moe_route.route_reference(logits, top_k, renormalize, valid)
+
+
+ROUTE_KERNEL_TOKENS = 1024  # decode steps; prompt steps keep XLA's sort (not measured)
+
+
 def routed_matmul(lhs: jax.Array, rhs: Experts, ids: jax.Array, *, per_assignment: bool,
                   backend: str = "auto", out_dtype=None) -> jax.Array:
     """ids [T, k] -> [T*k, N]: row t*k+j = lhs[t] (or lhs[t*k+j] when `per_assignment`) @
@@ -210,7 +230,7 @@ def routed_matmul(lhs: jax.Array, rhs: Experts, ids: jax.Array, *, per_assignmen
                                        rhs_scales=scales, out_dtype=out_dtype)
     # n128 / k128: round 7's sweep on the H200 (RESULTS.md) found them best or within 9% of
     # the best at 1-16 tokens for Qwen3-30B-A3B and Mixtral-8x7B experts
-    bn, bk = _dividing(128, n), _dividing(128, kk)
+    bn, bk = dividing_block(128, n), dividing_block(128, kk)
     # programs with an expert to read when one real token fills the step: decode buckets pad
     # T with inactive rows, so T cannot tell how many experts a step reads
     busy = -(-n // bn) * min(ids.shape[1], groups)
@@ -246,41 +266,6 @@ def prefers_routed_matmul(backend: str, tokens: int) -> bool:
 
 
 ROUTED_DECODE_TOKENS = 32  # the decode buckets of up to 32 sequences
-
-
-def default_grouped_block_sizes(rows: int, groups: int, k: int, n: int) -> dict[str, int]:
-    """Tiling by regime: decode (few rows per expert, each tile mostly one row: weight
-    streaming) takes the smallest row tile Triton's dot allows and long K steps; prefill
-    (hundreds of rows per expert) the compute tiling; a decode step with few programs splits
-    K (float32 partial sums). K and N blocks shrink (down to 16) to
-    divide the weights, so a tp shard's slice (e.g. 768 / 8 = 96 columns) is never padded,
-    which would copy the weights every call. The prefill tiling is the best of 24 tilings
-    swept (19 compiled) on the H200 at Qwen3-30B-A3B shapes (`benchmarks/moe.py`, RESULTS
-    round 12), its programs in bands of a quarter of an average expert's row tiles
-    (`grouped_matmul.band_order`; RESULTS round 19: Qwen3-30B-A3B's ~4 tiles an expert best
-    column-fastest, gate/up 0.66 -> 0.71-0.73 of the matmul rate, down 0.55 -> 0.61-0.62;
-    Mixtral-8x7B's 16 in bands of 4, 0.81 / 0.84 -> 0.88 / 0.92, where column-fastest
-    re-streams an expert's 112 gate/up column blocks for every tile: 0.65)."""
-    if rows > 4 * groups:
-        block_m = 128
-        band = prev_pow2(rows // (groups * block_m * 4))  # a quarter of an expert's tiles
-        return dict(block_m=block_m, block_n=_dividing(256, n), block_k=_dividing(64, k),
-                    num_warps=8, num_stages=3, band=band)
-    bn, bk = _dividing(128, n), _dividing(128, k)
-    programs = min(rows, groups) * -(-n // bn)  # (tile, column) programs when all are busy
-    splits = 1  # split K until ~512 programs stream weights, each keeping >= 4 K steps
-    while programs * splits < DECODE_PROGRAMS and k % (2 * splits * bk) == 0 \
-            and k // (2 * splits) >= 4 * bk:
-        splits *= 2
-    return dict(block_m=16, block_n=bn, block_k=bk, k_splits=splits)
-
-
-DECODE_PROGRAMS = 512  # ~4 per SM of an H100/H200
-
-
-def _dividing(block: int, dim: int) -> int:
-    """The largest power of two <= block (and >= 16) dividing dim, else block (padded)."""
-    return pow2_dividing(dim, block, 16) or block
 
 
 def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None,

@@ -69,21 +69,6 @@ class MoeConfig:
                              f"{self.num_experts}")
 
 
-def route(logits: jax.Array, top_k: int, renormalize: bool,
-          valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Router logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int32): softmax in
-    float32, the k largest, optionally renormalised to sum to 1 (as transformers' routers
-    do); tokens where `valid` [T] is false get id -1 (no expert) and weight 0."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, ids = jax.lax.top_k(probs, top_k)
-    if renormalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    ids = ids.astype(jnp.int32)
-    if valid is None:
-        return weights, ids
-    return jnp.where(valid[:, None], weights, 0.0), jnp.where(valid[:, None], ids, -1)
-
-
 def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: ops.Experts,
                down: ops.Experts, first_expert: jax.Array | int | None = None, *,
                backend: str = "auto", path: str = "auto") -> jax.Array:
@@ -99,7 +84,7 @@ def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: ops.Ex
         raise ValueError(f"path must be auto, sorted or routed, got {path!r}")
     t, k = ids.shape
     num_local, d, _, inter = gate_up.shape
-    if first_expert is None:  # every expert here: `route`'s ids (-1: none) index them as is
+    if first_expert is None:  # every expert here: the routing's ids (-1: none) index them as is
         mine, local = ids >= 0, ids
     else:
         local = ids - first_expert
@@ -175,7 +160,8 @@ def moe_block(lp: dict, x: jax.Array, *, moe: MoeConfig, valid: jax.Array | None
     # multiply into the router GEMM and ran it again as its own kernel for the experts
     # (Qwen3-30B-A3B's batch-1 step on the H200: 1.3 us a layer, RESULTS.md round 23).
     x = jax.lax.optimization_barrier(x)
-    weights, ids = route(linear(x, lp["router"]), moe.top_k, moe.norm_topk_prob, valid)
+    weights, ids = ops.route_experts(linear(x, lp["router"]), moe.top_k, moe.norm_topk_prob,
+                                     valid, backend=backend)  # [T, k]
     out = _sharded_expert_ffn(x, weights, ids, lp["experts_gate_up"], lp["experts_down"],
                               expert_parallel=expert_parallel, backend=backend
                               ).astype(jnp.float32)

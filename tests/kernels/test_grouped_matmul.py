@@ -11,6 +11,7 @@ import pytest
 from pjinfer.kernels import ops
 from pjinfer.kernels.grouped_matmul import (
     band_order,
+    default_grouped_block_sizes,
     group_tiles,
     grouped_matmul,
     grouped_matmul_reference,
@@ -204,15 +205,15 @@ def test_bad_shapes_and_block_sizes_are_refused():
 def test_default_tiling_divides_a_tp_shards_weights():
     """Decode rows take 16-row tiles; K and N blocks divide 96 / 192-wide tp slices, so the
     kernel never pads (copies) the expert weights."""
-    decode = ops.default_grouped_block_sizes(64, 128, 2048, 192)
+    decode = default_grouped_block_sizes(64, 128, 2048, 192)
     assert decode == dict(block_m=16, block_n=64, block_k=128, k_splits=4)
     # Mixtral's down projection at batch 1: 2 experts x 32 column blocks, K split 8 ways
-    assert ops.default_grouped_block_sizes(2, 8, 14336, 4096)["k_splits"] == 8
-    prefill = ops.default_grouped_block_sizes(65536, 128, 96, 2048)
+    assert default_grouped_block_sizes(2, 8, 14336, 4096)["k_splits"] == 8
+    prefill = default_grouped_block_sizes(65536, 128, 96, 2048)
     assert prefill == dict(block_m=128, block_n=256, block_k=32, num_warps=8, num_stages=3,
                            band=1)
     # a 96-column tp slice of the gate/up weights: N shrinks to divide it
-    assert ops.default_grouped_block_sizes(65536, 128, 2048, 96)["block_n"] == 32
+    assert default_grouped_block_sizes(65536, 128, 2048, 96)["block_n"] == 32
 
 
 @pytest.mark.parametrize("rows, groups, band", [
@@ -222,4 +223,4 @@ def test_default_tiling_divides_a_tp_shards_weights():
     (4 * 128 * 2 + 8, 2, 1),  # just in the prefill regime
 ])
 def test_prefill_bands_are_a_quarter_of_an_experts_tiles(rows, groups, band):
-    assert ops.default_grouped_block_sizes(rows, groups, 2048, 1536)["band"] == band
+    assert default_grouped_block_sizes(rows, groups, 2048, 1536)["band"] == band

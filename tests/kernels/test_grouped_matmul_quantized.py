@@ -10,6 +10,7 @@ import pytest
 
 from pjinfer.kernels import ops
 from pjinfer.kernels.grouped_matmul import (
+    default_grouped_block_sizes,
     grouped_matmul,
     grouped_matmul_reference,
 )
@@ -102,7 +103,7 @@ def test_kernels_lower_to_triton_ir_over_quantized_qwen3_experts(dtype):
     values = jax.ShapeDtypeStruct((128, 1536, 2048), dtype)  # [E, 2I, D] as stored
     scales = jax.ShapeDtypeStruct((128, 1536), jnp.float32)
     grouped = jax.jit(lambda a, b, s, g: grouped_matmul(
-        a, b, g, rhs_scales=s, **ops.default_grouped_block_sizes(8192, 128, 2048, 1536)))
+        a, b, g, rhs_scales=s, **default_grouped_block_sizes(8192, 128, 2048, 1536)))
     text = cuda_module(grouped, jax.ShapeDtypeStruct((8192, 2048), jnp.bfloat16), values,
                        scales, jax.ShapeDtypeStruct((128,), jnp.int32))
     assert "xla.gpu.triton" in text

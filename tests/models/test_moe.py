@@ -4,6 +4,7 @@ routing and padding, and one clear error per bad input."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import jax
@@ -14,9 +15,11 @@ import pytest
 from pjinfer.config import ModelConfig
 from pjinfer.errors import ModelLoadError
 from pjinfer.kernels import ops
+from pjinfer.kernels.moe_route import route_reference as route
 from pjinfer.models.dense import dense_logits
-from pjinfer.models.moe import MoeConfig, expert_ffn, moe_block, route
+from pjinfer.models.moe import MoeConfig, expert_ffn, moe_block
 from pjinfer.weights import load_model
+from tests.kernels.lowering import cuda_module
 from tests.kernels.test_grouped_matmul import F32_TOL
 from tests.models.test_parity import PROMPTS, _hf_logits, _pad, _rel_err
 
@@ -77,30 +80,6 @@ def test_dummy_weights_run(moe_models):
     assert np.isfinite(np.asarray(logits)).all()
 
 
-def test_routing_is_transformers_routing():
-    """softmax in float32 -> top-k -> renormalise when asked (transformers' Qwen3-MoE and
-    Mixtral routers), on random bf16 logits with a wide range and ties."""
-    rng = np.random.default_rng(3)
-    logits = jnp.asarray(rng.normal(0, 6, (64, 128)), jnp.bfloat16)
-    probs = np.asarray(jax.nn.softmax(logits.astype(jnp.float32), axis=-1))
-    for renormalize in (True, False):
-        w, ids = route(logits, 8, renormalize)
-        want_ids = np.argsort(-probs, axis=-1, kind="stable")[:, :8]  # ties: the lower expert
-        want_w = np.take_along_axis(probs, want_ids, axis=-1)
-        if renormalize:
-            want_w = want_w / want_w.sum(axis=-1, keepdims=True)
-        assert ids.dtype == jnp.int32 and (np.asarray(ids) == want_ids).all()
-        np.testing.assert_allclose(np.asarray(w), want_w, rtol=1e-5, atol=1e-7)
-
-
-def test_routing_marks_padding_tokens():
-    logits = jnp.asarray([[2.0, 1.0, 0.5, -1.0], [0.0, 3.0, 1.0, 2.0]])
-    w, ids = route(logits, 2, True, valid=jnp.asarray([True, False]))
-    probs = jax.nn.softmax(logits[0])
-    np.testing.assert_allclose(w[0], probs[:2] / probs[:2].sum(), rtol=1e-6)
-    assert ids.tolist() == [[0, 1], [-1, -1]] and not np.asarray(w[1]).any()
-
-
 def _block_params(seed: int, d=16, e=6, i=8):
     rng = np.random.default_rng(seed)
     return {"router": jnp.asarray(rng.normal(size=(d, e)), jnp.float32),
@@ -159,6 +138,20 @@ def test_padding_tokens_do_not_change_real_ones():
         padded = moe_block(lp, x, moe=moe, valid=jnp.arange(5) < 3, backend=backend)
         np.testing.assert_allclose(padded[:3], full, rtol=1e-5, atol=1e-6)
         assert not np.any(np.asarray(padded[3:]))
+
+
+def test_decode_block_lowers_to_three_kernels(monkeypatch):
+    """On a GPU a decode step's MoE block is the router GEMM and three Pallas kernels: the
+    routing (no top-k sort left to XLA) and the routed gate/up and down GEMMs."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernels' dispatch
+    lp = jax.tree.map(lambda a: a.astype(jnp.bfloat16), _block_params(1, e=128))
+    moe = MoeConfig(128, 8, 8, True, (True,))
+    text = cuda_module(lambda x, v: moe_block(lp, x, moe=moe, valid=v, backend="auto"),
+                       jax.ShapeDtypeStruct((8, 16), jnp.bfloat16),
+                       jax.ShapeDtypeStruct((8,), jnp.bool_))
+    kernels = re.findall(r'name = "(\w+)", num_stages', text)  # the Triton calls
+    assert sorted(kernels) == ["moe_route", "routed_matmul", "routed_matmul"], kernels
+    assert "chlo.top_k" not in text and "stablehlo.sort" not in text
 
 
 # ---- bad input: one clear error each ------------------------------------------------------
