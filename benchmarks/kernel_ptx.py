@@ -1,15 +1,11 @@
-"""The quantized matmul kernel (or a paged attention kernel) as the H200 would run it, read
-without a GPU: Triton IR, PTX and ptxas' register count for one tiling.
+"""A Pallas kernel as the H200 would run it, read without a GPU: Triton IR, PTX, SASS and
+ptxas' register count for one tiling.
 
-The decode kernels are bound by instructions more than bytes (int4: ~6 PTX instructions per
-weight element in the T=16 dot's loop, ~12 per packed byte), so a variant can be judged
-before device time: this exports `quantized_matmul` for CUDA (the Pallas -> Triton IR
-lowering), compiles that IR with the `triton` package for sm_90a, and records the main
-loop's instruction mix per weight element each thread handles, in PTX and in the SASS that
-ptxas makes of it (cuobjdump: what the SM issues, after ptxas' own rewrites; `--sass FILE`
-keeps the listing; `--ttgir FILE` Triton's GPU IR, whose buffers say what shared memory
-holds), shared memory, registers and spills (ptxas -v). The device numbers (ms,
-TB/s) still come from `quant_matmul --sweep`.
+Decode kernels are bound by instructions more than bytes, so a variant can be judged before
+device time: the kernel exported for CUDA (Pallas -> Triton IR) and compiled for sm_90a by the
+`triton` package; recorded: the main loop's instruction mix per element a thread handles in
+PTX and SASS (cuobjdump; `--sass FILE` / `--ttgir FILE` keep the listing / Triton's GPU IR),
+shared memory, registers and spills (ptxas -v). Device times come from the benchmarks.
 
 Needs the `triton` package (not a pjinfer dependency), e.g.
     python -m pip install triton==3.9.0 --no-deps --target /tmp/triton
@@ -23,8 +19,8 @@ Needs the `triton` package (not a pjinfer dependency), e.g.
     python -m pjinfer.benchmarks.kernel_ptx --triton-path /tmp/triton --kind routed \
         --expert-dtype float8_e4m3fn --tokens 8 --out routed_fp8.json
     (--kind grouped / routed: the MoE expert GEMMs over Qwen3-30B-A3B's gate/up experts, 128
-    x 2048 -> 1536, float or quantized (`--expert-dtype`); grouped at --tokens x 8 rows;
-    --kind rotary_write: Qwen3's q/k norm, RoPE and KV write, --kv-dtype's cache)
+    x 2048 -> 1536, float or quantized (`--expert-dtype`); grouped at --tokens x 8 rows; Qwen3's
+    rotary_write (q/k norm, RoPE, KV write to a --kv-dtype cache) and moe_route (top-8 of 128))
 Without it only the Triton IR's op counts are recorded. Triton writes some instructions
 (conversions) as inline assembly, unindented: the loop mix counts those lines too.
 """
@@ -44,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 ATTENTION = ("decode_attention", "ragged_attention")  # the paged attention kernels
 EXPERTS = ("grouped", "routed")  # the MoE expert GEMMs
-ROTARY = "rotary_write"  # q/k norm + RoPE + the KV write, one program a token
+TOKEN_KERNELS = ("rotary_write", "moe_route")  # one program a token, default tiling
 FIELDS = ("block_t", "block_n", "block_k", "unroll", "k_splits", "num_warps", "num_stages",
           "weight_operand")
 
@@ -53,7 +49,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="JSON record path")
     p.add_argument("--kind", default="int4",
-                   choices=("int4", "int8", "fp8") + ATTENTION + EXPERTS + (ROTARY,))
+                   choices=("int4", "int8", "fp8") + ATTENTION + EXPERTS + TOKEN_KERNELS)
     p.add_argument("--expert-dtype", default="bfloat16",
                    choices=("bfloat16", "float8_e4m3fn", "int8"),
                    help="grouped / routed: the experts' stored dtype (one byte: quantized)")
@@ -210,6 +206,19 @@ def rotary_ttir(kv_dtype: str, tokens: int) -> tuple[str, object, int]:
     return captured[0], sizes, (heads + 2 * kv_heads) * dim
 
 
+def route_ttir(kv_dtype: str, tokens: int) -> tuple[str, object, int]:
+    """(Triton IR, tiling, logits a program reads) of `moe_route`: 128 experts, top-8."""
+    import types
+
+    import jax
+
+    from pjinfer.kernels.moe_route import moe_route
+
+    args = jax.ShapeDtypeStruct((tokens, 128), "bfloat16"), jax.ShapeDtypeStruct((tokens,), "int32")
+    ttir = triton_ir(lambda x, v: moe_route(x, v, top_k=8, renormalize=True), *args)[0]
+    return ttir, types.SimpleNamespace(num_warps=1, num_stages=1), 128
+
+
 def triton_ir(fn, *args) -> list[str]:
     """The Triton IR text of every Pallas kernel `fn(*args)` lowers to for CUDA (exported,
     so no GPU is needed)."""
@@ -338,10 +347,7 @@ def run(argv: list[str] | None = None) -> dict:
     if a.triton_path:
         sys.path.insert(0, a.triton_path)
     overrides = {f: getattr(a, f) for f in FIELDS if getattr(a, f) is not None}
-    if a.int4_offset:
-        overrides["int4_offset"] = True
-    if a.float16_dot:
-        overrides["float16_dot"] = True
+    overrides.update({f: True for f in ("int4_offset", "float16_dot") if getattr(a, f)})
     if a.kind in ATTENTION:
         pages = a.pages or (4 if a.kind == "decode_attention" else 2)  # the defaults' tilings
         tiling = {f: v for f, v in overrides.items() if f in ("num_warps", "num_stages")}
@@ -350,10 +356,11 @@ def run(argv: list[str] | None = None) -> dict:
                              f"not {', '.join(sorted(set(overrides) - set(tiling)))}")
         ttir, sizes, elements = attention_ttir(a.kind, a.kv_dtype, pages, tiling)
         record = {"kind": a.kind, "kv_dtype": a.kv_dtype, "tiling": str(sizes)}
-    elif a.kind == ROTARY:
-        ttir, sizes, elements = rotary_ttir(a.kv_dtype, a.tokens)
+    elif a.kind in TOKEN_KERNELS:
+        build = rotary_ttir if a.kind == "rotary_write" else route_ttir
+        ttir, sizes, elements = build(a.kv_dtype, a.tokens)
         record = {"kind": a.kind, "kv_dtype": a.kv_dtype, "tokens": a.tokens,
-                  "tiling": "4 warps"}
+                  "tiling": f"{sizes.num_warps} warps"}
     elif a.kind in EXPERTS:
         if overrides:
             raise SystemExit(f"--kind {a.kind} takes the default tiling (no tiling fields)")
@@ -366,7 +373,7 @@ def run(argv: list[str] | None = None) -> dict:
         record = {"kind": a.kind, "tokens": a.tokens, "k": a.k, "n": a.n,
                   "tiling": sizes.describe()}
     record.update(block_sizes=(sizes.tiling if a.kind in EXPERTS else vars(sizes)
-                               if a.kind == ROTARY else dataclasses.asdict(sizes)),
+                               if a.kind in TOKEN_KERNELS else dataclasses.asdict(sizes)),
                   ttir_ops=op_counts(ttir, r"= ([a-z_]+\.[a-z_\.]+)"))
     try:
         import triton  # noqa: F401

@@ -206,3 +206,17 @@ def test_w8a8_compile_records_each_shape(tmp_path):
     runs = json.loads(out.read_text())["runs"]
     assert [r["shape"] for r in runs] == [name for name, _, _ in w8a8_compile.SHAPES]
     assert all(r["compile_s"] > 0 and r["best_ms"] > 0 and r["tokens"] == 8 for r in runs)
+
+
+@pytest.mark.parametrize("kind, warps", [("rotary_write", 4), ("moe_route", 1)])
+def test_kernel_ptx_reads_the_per_token_kernels(tmp_path, kind, warps):
+    """Qwen3's rotary write and routing kernels, one program a token: the routing's 8 passes
+    are a max and an index min each, then the max of the 8 (the softmax's shift)."""
+    from pjinfer.benchmarks import kernel_ptx
+
+    record = kernel_ptx.run(["--out", str(tmp_path / "t.json"), "--kind", kind,
+                             "--tokens", "8"])
+    assert record["tiling"] == f"{warps} warps" and record["tokens"] == 8
+    if kind == "moe_route":
+        assert record["ttir_ops"]["arith.maxnumf"] == 8 + 1
+        assert record["ttir_ops"]["arith.minsi"] >= 8
