@@ -58,8 +58,8 @@
 #                                         # sequences (host_step.py) (~4 min)
 #   bash benchmarks/run_h200.sh raggedqwen3  # the ragged kernel's tilings at Qwen3-30B-A3B's
 #                                            # heads (8 query heads a KV head) (~4 min)
-#   bash benchmarks/run_h200.sh rotarytests  # the q/k norm + RoPE + KV write kernel's tests
-#                                            # compiled, and the paged steps through it (~2 min)
+#   bash benchmarks/run_h200.sh rotarytests  # the rotary + KV write and MoE routing kernels'
+#                                            # tests compiled, paged steps through them (~2 min)
 #   bash benchmarks/run_h200.sh attnfp8   # W4's decode attention over bf16 vs fp8 caches,
 #                                         # alternating (~2 min)
 #   bash benchmarks/run_h200.sh kvprobe   # W4's prefill, mixed and decode steps over the bf16
@@ -229,8 +229,9 @@ stage_hoststep() {
       --out "$JSON/host_step.json"
 }
 
-# The q/k norm + RoPE + KV write kernel (RESULTS round 29) compiled, against its reference, and
-# Llama / Qwen3 steps through the Pallas kernels against the reference path: before timing it.
+# The q/k norm + RoPE + KV write kernel (RESULTS round 29) and the MoE routing kernel (round 30)
+# compiled, against their references, and Llama / Qwen3 steps through the Pallas kernels
+# against the reference path: before timing them.
 stage_rotarytests() {
   local gpu=$([ $SMOKE = 1 ] && echo cpu || echo cuda)
   step rotary_kernel_tests 300 env JAX_PLATFORMS=$gpu $PY -m pytest -q -p no:cacheprovider \
