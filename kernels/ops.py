@@ -216,7 +216,8 @@ def route_experts(logits: jax.Array, top_k: int, renormalize: bool,
     return moe_route.route_reference(logits, top_k, renormalize, valid)
 
 
-ROUTE_KERNEL_TOKENS = 1024  # decode steps; prompt steps keep XLA's sort (not measured)
+# decode steps (timed at batch 1 only, RESULTS round 30); prompt steps keep XLA's sort
+ROUTE_KERNEL_TOKENS = 1024
 
 
 def routed_matmul(lhs: jax.Array, rhs: Experts, ids: jax.Array, *, per_assignment: bool,
