@@ -1,4 +1,5 @@
-"""What the device did during a profiled stretch of steps: kernels per step, busy time, gaps.
+"""What the device did during a profiled stretch of steps: kernels per step, busy time, gaps,
+the heaviest kernels and one decoder layer's kernels in order.
 
 Reads the Perfetto trace JSON that `jax.profiler.trace(dir, create_perfetto_trace=True)` writes
 (`dir/plugins/profile/*/perfetto_trace.json.gz`). Device activity is every complete ("X") event
@@ -62,7 +63,26 @@ def summarize(kernels: list[dict[str, Any]], steps: int, top: int = 40) -> dict[
         "idle_us_per_step": (window - busy) / steps,
         "top_kernels": [{"name": name[:120], "calls_per_step": len(d) / steps,
                          "us_per_step": sum(d) / steps} for name, d in heaviest],
+        "one_layer": one_layer(kernels),
     }
+
+
+LAYER_ANCHOR = "attention"  # one paged attention kernel a decoder layer
+OP_ARGS = ("hlo_op", "tf_op", "long_name")  # what the profiler may say each kernel runs
+
+
+def one_layer(kernels: list[dict[str, Any]], anchor: str = LAYER_ANCHOR) -> list[dict]:
+    """A middle layer's kernels in launch order, each with its microseconds and the ops the
+    trace names for it (`OP_ARGS`): the kernels from the trace's second attention kernel up
+    to its third (the layer as it runs from attention on). Names alone say little about XLA's
+    fusions; the order says where each sits in the layer."""
+    ordered = sorted(kernels, key=lambda e: float(e["ts"]))
+    at = [i for i, e in enumerate(ordered) if anchor in e["name"]]
+    if len(at) < 3:
+        return []
+    return [{"name": e["name"][:120], "us": float(e["dur"]),
+             **{k: str(v)[:200] for k, v in e.get("args", {}).items() if k in OP_ARGS}}
+            for e in ordered[at[1]:at[2]]]
 
 
 def summarize_dir(log_dir: str | Path, steps: int) -> dict[str, Any]:

@@ -34,6 +34,24 @@ def test_busy_idle_and_heaviest_kernels(tmp_path):
     assert s["idle_us_per_step"] == pytest.approx(42.5)
     assert [k["name"] for k in s["top_kernels"]] == ["gemv", "attn"]
     assert s["top_kernels"][0] == {"name": "gemv", "calls_per_step": 1.5, "us_per_step": 15}
+    assert s["one_layer"] == []  # two attention kernels: no whole layer between a 2nd and 3rd
+
+
+def test_one_layer_lists_a_middle_layers_kernels_in_order(tmp_path):
+    """Three layers of norm -> gemm -> attention: the listing runs from the second attention
+    kernel to the third, with the op names the trace gives."""
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}}]
+    names = ["embed"] + ["fusion.1", "gemm", "paged_decode_attention"] * 3 + ["lm_head"]
+    events = meta + [{"ph": "X", "pid": 1, "tid": 0, "name": n, "ts": 10 * i, "dur": i + 1,
+                      "args": {"hlo_op": f"{n}.{i}", "tf_op": f"jit(step)/op{i}",
+                               "correlation_id": i}}
+                     for i, n in enumerate(names)]
+    _write(tmp_path, events[:1] + events[1:][::-1])  # the trace's order is not time's
+    layer = summarize_dir(tmp_path, steps=1)["one_layer"]
+    assert [(k["name"], k["us"]) for k in layer] == [
+        ("paged_decode_attention", 7.0), ("fusion.1", 8.0), ("gemm", 9.0)]
+    assert layer[1] == {"name": "fusion.1", "us": 8.0, "hlo_op": "fusion.1.7",
+                        "tf_op": "jit(step)/op7"}
 
 
 def test_no_trace_or_no_device_is_said(tmp_path):
