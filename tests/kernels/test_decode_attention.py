@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from tests.kernels.lowering import cuda_module
 from tests.kernels.paged_inputs import TOL, make_batch, rel_err, to_fp8
 
 SEQ_LENS = [1, 23, 64, 50]  # single token, unaligned, aligned, unaligned
+INTERPRET = jax.default_backend() != "gpu"  # the compiled kernel where there is a GPU
 
 
 def _check(b, dtype, sizes, attn):
@@ -104,7 +106,7 @@ def test_combine_kernel_matches_combine_splits(splits, group):
     m, l_sum = m.at[0, 1].set(MASK_VALUE), l_sum.at[0, 1].set(0.0)  # split 0 of seq 1: empty
     m, l_sum, o = m.at[:, 2].set(MASK_VALUE), l_sum.at[:, 2].set(0.0), o.at[:, 2].set(0.0)
     for dtype in (jnp.float32, jnp.bfloat16):
-        got = combine_splits(o, m, l_sum, group, dtype, interpret=True)
+        got = combine_splits(o, m, l_sum, group, dtype, interpret=INTERPRET)
         want = combine_splits_reference(o, m, l_sum)[:, :, :group].astype(dtype)
         assert got.shape == (3, 2, group, 32) and got.dtype == dtype
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
@@ -115,8 +117,6 @@ def test_query_group_is_not_padded_in_xla():
     """Exported for CUDA (no GPU needed), the call is the kernel and nothing pads q: Llama's
     4 heads a KV head fill the dot's 16 rows inside the kernel, not in a pad kernel a layer."""
     import re
-
-    import jax
 
     s, heads, kv_heads, d, blocks, bs = 8, 32, 8, 128, 64, 16
     args = (jax.ShapeDtypeStruct((s, heads, d), jnp.bfloat16),
@@ -149,9 +149,7 @@ def test_default_tiling_splits_few_long_sequences(seqs, kv_heads, pages, splits)
 
 def test_default_tiling_lowers_at_qwen3_concurrent_shapes():
     """The default tiling at Qwen3-30B-A3B's 10 x 2,560 step shapes lowers for CUDA (exported,
-    no GPU needed) to one Triton call, bf16 and fp8 caches."""
-    import jax
-
+    no GPU needed) to Triton calls (attention, split combine), bf16 and fp8 caches."""
     s, heads, kv_heads, d, blocks, bs = 16, 32, 4, 128, 1601, 16
     sizes = default_decode_block_sizes(s, kv_heads, 256, bs)
     for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
