@@ -67,10 +67,11 @@ def stack_fn(tiling: dict[str, int], interpret: bool):
     GEMMs in order, each layer's input the previous layer's output (so none is skipped)."""
     import jax
 
-    from pjinfer.kernels.routed_matmul import routed_matmul
+    from pjinfer.kernels.expert_stack import silu_and_mul
+    from pjinfer.kernels.routed_matmul import routed_ffn, routed_matmul
     from pjinfer.quantization.experts import QuantizedExperts
 
-    shared = {k: v for k, v in tiling.items() if k != "down_k_splits"}
+    shared = {k: v for k, v in tiling.items() if k not in ("down_k_splits", "fused")}
     down_k_splits = tiling["down_k_splits"]
 
     def gemm(x, w, ids, **kw):
@@ -80,12 +81,25 @@ def stack_fn(tiling: dict[str, int], interpret: bool):
                                  **kw)
         return routed_matmul(x, w, ids, interpret=interpret, **kw)
 
+    def ffn(x, gu, dn, ids):
+        """`routed_ffn`: the activation in the down kernel's loads."""
+        blocks = ((shared["block_n"], shared["block_k"]),) * 2
+        stored = [(w.values, w.scales) if isinstance(w, QuantizedExperts) else (w, None)
+                  for w in (gu, dn)]
+        return routed_ffn(x, stored[0][0], stored[1][0], ids, gate_up_scales=stored[0][1],
+                          down_scales=stored[1][1], blocks=blocks,
+                          k_splits=(shared["k_splits"], down_k_splits),
+                          num_warps=shared["num_warps"], num_stages=shared["num_stages"],
+                          splits=shared["splits"], interpret=interpret)
+
     def run(x, ids, gate_up, down):
         for layer_ids, gu, dn in zip(ids, gate_up, down, strict=True):
-            h = gemm(x, gu, layer_ids, per_assignment=False)  # [T*k, 2I]
-            inter = h.shape[1] // 2
-            y = gemm(h[:, :inter] * h[:, inter:], dn, layer_ids, per_assignment=True,
-                     k_splits=down_k_splits)
+            if tiling["fused"]:
+                y = ffn(x, gu, dn, layer_ids)
+            else:  # the activation as an XLA kernel between the two
+                h = gemm(x, gu, layer_ids, per_assignment=False)  # [T*k, 2I]
+                y = gemm(silu_and_mul(h), dn, layer_ids, per_assignment=True,
+                         k_splits=down_k_splits)
             x = y.reshape(x.shape[0], -1, x.shape[1]).sum(axis=1).astype(x.dtype)
         return x
 
@@ -146,7 +160,7 @@ def _name(tiling: dict[str, int]) -> str:
     name = "n{block_n}_k{block_k}_w{num_warps}_s{num_stages}_p{splits}".format(**tiling)
     if tiling["k_splits"] > 1 or tiling["down_k_splits"] > 1:  # names of earlier records kept
         name += "_q{k_splits}_{down_k_splits}".format(**tiling)
-    return name
+    return name + ("_fused" if tiling["fused"] else "")
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
@@ -161,10 +175,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     record["ceilings"] = ceilings_record(ceilings)
     timing = timing_plan(args.calls, args.samples, 2, on_cpu=jax.default_backend() == "cpu")
     tilings = [dict(block_n=n, block_k=k, num_warps=w, num_stages=st, splits=sp, k_splits=q,
-                    down_k_splits=dq)
-               for n, k, w, st, sp, q, dq in itertools.product(
+                    down_k_splits=dq, fused=f)
+               for n, k, w, st, sp, q, dq, f in itertools.product(
                    args.block_n, args.block_k, args.num_warps, args.num_stages, args.splits,
-                   args.k_splits, args.down_k_splits)]
+                   args.k_splits, args.down_k_splits, args.fused)]
     record["rows"] = [row for name, s in models.items()
                       for row in run_model(name, s, args.tokens, tilings, timing,
                                            ceilings.hbm_bytes_per_s, args.seed,
@@ -196,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
                         "the name keeps the count asked)")
     parser.add_argument("--down-k-splits", type=positive_int, nargs="+", default=[1],
                         help="K ranges of the down GEMM")
+    parser.add_argument("--fused", type=int, nargs="+", choices=(0, 1), default=[0],
+                        help="1: `routed_ffn` (the activation in the down kernel's loads); 0: "
+                        "two routed_matmul calls with XLA's activation kernel between")
     parser.add_argument("--expert-dtype", default="bfloat16", choices=("bfloat16", "fp8", "int8"),
                         help="experts as stored: bf16, or quantized (fp8 / int8 values)")
     parser.add_argument("--calls", type=int, default=10)

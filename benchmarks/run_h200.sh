@@ -236,7 +236,8 @@ stage_rotarytests() {
   local gpu=$([ $SMOKE = 1 ] && echo cpu || echo cuda)
   step rotary_kernel_tests 300 env JAX_PLATFORMS=$gpu $PY -m pytest -q -p no:cacheprovider \
       --import-mode=append tests/kernels/test_rotary_write.py tests/kernels/test_moe_route.py \
-      tests/kernels/test_decode_attention.py tests/engine/test_step.py \
+      tests/kernels/test_decode_attention.py tests/kernels/test_routed_matmul.py \
+      tests/kernels/test_grouped_matmul_quantized.py tests/engine/test_step.py \
       -k "kernel or rotary or dispatch"
 }
 

@@ -60,3 +60,9 @@ def dequantized(lhs: jax.Array, rhs: jax.Array, rhs_scales: jax.Array | None):
         return rhs, lhs
     w = rhs.astype(jnp.float32) * rhs_scales[:, :, None]  # [G, N, K]
     return w.transpose(0, 2, 1), lhs.astype(jnp.float32)
+
+
+def silu_and_mul(h: jax.Array) -> jax.Array:
+    """[rows, 2I] gate then up columns -> silu(gate) * up [rows, I] (SwiGLU's activation)."""
+    inter = h.shape[1] // 2
+    return jax.nn.silu(h[:, :inter]) * h[:, inter:]

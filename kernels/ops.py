@@ -22,6 +22,7 @@ from pjinfer.kernels.decode_attention import (
     decode_attention_reference,
     default_decode_block_sizes,
 )
+from pjinfer.kernels.expert_stack import silu_and_mul
 from pjinfer.kernels.fp8_matmul import fp8_w8a8_matmul, per_channel_fp8
 from pjinfer.kernels.grouped_matmul import default_grouped_block_sizes
 from pjinfer.kernels.grouped_matmul import grouped_matmul as pallas_grouped_matmul
@@ -34,8 +35,9 @@ from pjinfer.kernels.rotary_write import (
     rotary_write,
     rotary_write_reference,
 )
+from pjinfer.kernels.routed_matmul import routed_ffn as pallas_routed_ffn
+from pjinfer.kernels.routed_matmul import routed_ffn_reference, routed_matmul_reference
 from pjinfer.kernels.routed_matmul import routed_matmul as pallas_routed_matmul
-from pjinfer.kernels.routed_matmul import routed_matmul_reference
 from pjinfer.quantization.experts import QuantizedExperts, dequantize_experts
 from pjinfer.quantization.weight import QuantizedWeight
 from pjinfer.sharding.mesh import traced_tp_mesh
@@ -194,12 +196,6 @@ def grouped_tiling(rows: int, groups: int, k: int, n: int, glu: bool = False) ->
     return tiling
 
 
-def silu_and_mul(h: jax.Array) -> jax.Array:
-    """[rows, 2I] gate then up columns -> silu(gate) * up [rows, I] (SwiGLU's activation)."""
-    inter = h.shape[1] // 2
-    return jax.nn.silu(h[:, :inter]) * h[:, inter:]
-
-
 def route_experts(logits: jax.Array, top_k: int, renormalize: bool,
                   valid: jax.Array | None = None, *, backend: str = "auto"
                   ) -> tuple[jax.Array, jax.Array]:
@@ -224,21 +220,47 @@ def routed_matmul(lhs: jax.Array, rhs: Experts, ids: jax.Array, *, per_assignmen
                   backend: str = "auto", out_dtype=None) -> jax.Array:
     """ids [T, k] -> [T*k, N]: row t*k+j = lhs[t] (or lhs[t*k+j] when `per_assignment`) @
     rhs[ids[t, j]], 0 where ids[t, j] < 0; each chosen expert read once (Pallas)."""
-    groups, kk, n = rhs.shape  # of the float stack, quantized or not
+    rhs_shape = rhs.shape  # of the float stack, quantized or not
     rhs, scales = _stored(rhs)
     if not _use_pallas(backend):
         return routed_matmul_reference(lhs, rhs, ids, per_assignment=per_assignment,
                                        rhs_scales=scales, out_dtype=out_dtype)
+    (bn, bk), k_splits = _routed_tiling(rhs_shape, ids.shape[1])
+    return pallas_routed_matmul(lhs, rhs, ids, per_assignment=per_assignment,
+                                rhs_scales=scales, out_dtype=out_dtype, interpret=_interpret(),
+                                block_n=bn, block_k=bk, k_splits=k_splits)
+
+
+def routed_ffn(x: jax.Array, gate_up: Experts, down: Experts, ids: jax.Array, *,
+               backend: str = "auto") -> jax.Array:
+    """Each token-expert assignment's SwiGLU, x [T, D] -> [T*k, D] (ids [T, k], < 0: 0 rows;
+    gate_up [E, D, 2I] gate then up columns, down [E, I, D]): on Pallas two routed kernels,
+    the second taking the activation from the first's raw output as it loads."""
+    tilings = [_routed_tiling(w.shape, ids.shape[1]) for w in (gate_up, down)]
+    if _use_pallas(backend) and down.shape[1] % tilings[1][0][1]:
+        # I not in whole K blocks of down: the activation between the two kernels
+        h = routed_matmul(x, gate_up, ids, per_assignment=False, backend=backend)
+        return routed_matmul(silu_and_mul(h), down, ids, per_assignment=True, backend=backend)
+    (gate_up, gate_up_scales), (down, down_scales) = _stored(gate_up), _stored(down)
+    stored = dict(gate_up_scales=gate_up_scales, down_scales=down_scales)
+    if not _use_pallas(backend):
+        return routed_ffn_reference(x, gate_up, down, ids, **stored)
+    return pallas_routed_ffn(x, gate_up, down, ids, **stored, interpret=_interpret(),
+                             blocks=tuple(blocks for blocks, _ in tilings),
+                             k_splits=tuple(splits for _, splits in tilings))
+
+
+def _routed_tiling(rhs_shape: tuple[int, int, int], top_k: int
+                   ) -> tuple[tuple[int, int], int]:
+    """((block_n, block_k), K ranges) of a routed GEMM over a [G, K, N] expert stack."""
+    groups, kk, n = rhs_shape
     # n128 / k128: round 7's sweep on the H200 (RESULTS.md) found them best or within 9% of
     # the best at 1-16 tokens for Qwen3-30B-A3B and Mixtral-8x7B experts
     bn, bk = dividing_block(128, n), dividing_block(128, kk)
     # programs with an expert to read when one real token fills the step: decode buckets pad
     # T with inactive rows, so T cannot tell how many experts a step reads
-    busy = -(-n // bn) * min(ids.shape[1], groups)
-    return pallas_routed_matmul(lhs, rhs, ids, per_assignment=per_assignment,
-                                rhs_scales=scales, out_dtype=out_dtype, interpret=_interpret(),
-                                block_n=bn, block_k=bk,
-                                k_splits=routed_k_splits(busy, -(-kk // bk)))
+    busy = -(-n // bn) * min(top_k, groups)
+    return (bn, bk), routed_k_splits(busy, -(-kk // bk))
 
 
 def routed_k_splits(busy_programs: int, k_blocks: int) -> int:

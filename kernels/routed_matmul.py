@@ -43,7 +43,8 @@ ROUTED_SPLITS = 128
 
 
 def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
-                   k_steps: int, per_assignment: bool, splits: int, padded: tuple[int, int]):
+                   k_steps: int, per_assignment: bool, splits: int, padded: tuple[int, int],
+                   glu: tuple[int, int] | None, dtype):
     """Program (column block, K range q, split s): assignments s, s + splits, ... of the flat
     [T*k] ids. Each one that is its expert's first (and not inactive) multiplies every token
     that chose that expert over K range q (`k_steps` blocks), as one dense [T, bk] x [bk, bn]
@@ -54,7 +55,9 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
     `padded` [Tp, kp] (Tp >= 16 for the dot) with the extra entries inactive (-1), and a
     padding token's lhs row clamped to lhs's last, masked out like any token that did not
     choose the expert. A scale ref (before o_ref) scales quantized rhs values' sums, as in
-    `grouped_matmul`'s kernel."""
+    `grouped_matmul`'s kernel. `glu` (up column offset, partials): lhs is a gate/up routed
+    GEMM's raw output (`partials` K ranges of [Tp*kp, >= 2K] rows in this padded layout),
+    summed and taken to silu(gate) * up in `dtype` as each [T, bk] tile loads."""
     scale_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
     col, k_range, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     (real_t, choices), (num_tokens, top_k) = ids_ref.shape, padded
@@ -83,8 +86,11 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
             rows = jnp.minimum(rows, lhs_ref.shape[0] - 1)
 
             def body(kb, acc):
-                ks = pl.ds((k_range * k_steps + kb) * block_k, block_k)
-                x = jnp.where(hit[:, None], lhs_ref[rows, ks], 0)  # [T, bk]
+                start = (k_range * k_steps + kb) * block_k
+                ks = pl.ds(start, block_k)
+                x = (lhs_ref[rows, ks] if glu is None
+                     else _glu_tile(lhs_ref, out_rows, start, block_k, glu, dtype))
+                x = jnp.where(hit[:, None], x, 0)  # [T, bk]
                 if scale_ref is None:
                     return acc + expert_stack.weight_dot(x, rhs_ref[e, ks, cols], False)
                 return acc + expert_stack.weight_dot(x, rhs_ref[e, cols, ks], True)
@@ -99,6 +105,60 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
         return carry
 
     jax.lax.fori_loop(0, -(-num_tokens * top_k // splits), assignment, 0)
+
+
+def _glu_tile(lhs_ref, rows, start, block_k: int, glu: tuple[int, int], dtype) -> jax.Array:
+    """silu(gate) * up [T, bk] at K offset `start` from a gate/up GEMM's raw partials: its
+    K ranges' float32 (or, one range, lhs-dtype) sums added here, where XLA ran a kernel."""
+    up, partials = glu
+    stride = lhs_ref.shape[0] // partials
+    gate = upv = jnp.zeros((rows.shape[0], block_k), jnp.float32)
+    for q in range(partials):
+        gate += lhs_ref[q * stride + rows, pl.ds(start, block_k)].astype(jnp.float32)
+        upv += lhs_ref[q * stride + rows, pl.ds(start + up, block_k)].astype(jnp.float32)
+    return (gate / (1.0 + jnp.exp(-gate)) * upv).astype(dtype)
+
+
+def _routed_call(lhs: jax.Array, rhs: jax.Array, scales: list, ids: jax.Array, *,
+                 per_assignment: bool, glu: tuple[int, int] | None, block_n: int,
+                 block_k: int, num_warps: int, num_stages: int, splits: int, k_splits: int,
+                 dtype, interpret: bool) -> tuple[jax.Array, int]:
+    """The kernel over padded rhs (`pad_stack`) and lhs: its raw output [q * Tp*kp, width]
+    (q K ranges, rows of inactive choices unwritten) and q."""
+    tp, kp = max(16, common.next_pow2(ids.shape[0])), common.next_pow2(ids.shape[1])
+    # padded rhs: [G, K, width] floats, or [G, width, K] quantized values
+    width, k_blocks = (rhs.shape[1], rhs.shape[2]) if scales else (rhs.shape[2], rhs.shape[1])
+    k_blocks //= block_k
+    k_splits = max(d for d in range(1, min(k_splits, k_blocks) + 1) if k_blocks % d == 0)
+    splits = min(splits, tp * kp)
+    whole = common.whole_spec
+    out = pl.pallas_call(
+        functools.partial(_routed_kernel, block_n=block_n, block_k=block_k,
+                          k_steps=k_blocks // k_splits, per_assignment=per_assignment,
+                          splits=splits, padded=(tp, kp), glu=glu, dtype=dtype),
+        # splits slowest: the programs of the first (real) assignments run first, every K
+        # range of them, and the padding's programs (which only find nothing to do) after
+        grid=(width // block_n, k_splits, splits),
+        in_specs=[whole(ids.shape), whole(lhs.shape), whole(rhs.shape),
+                  *(whole(a.shape) for a in scales)],
+        out_specs=whole((k_splits * tp * kp, width)),
+        out_shape=jax.ShapeDtypeStruct((k_splits * tp * kp, width),
+                                       dtype if k_splits == 1 else jnp.float32),
+        compiler_params=common.triton_params(num_warps, num_stages),
+        interpret=interpret,
+        name="routed_matmul",
+    )(ids.astype(jnp.int32), lhs, rhs, *scales)
+    return out, k_splits
+
+
+def _assignment_rows(out: jax.Array, k_splits: int, ids: jax.Array, n: int,
+                     dtype) -> jax.Array:
+    """A raw output's K ranges summed, sliced to [T*k, n], inactive choices' rows 0."""
+    t, k = ids.shape
+    tp, kp = max(16, common.next_pow2(t)), common.next_pow2(k)
+    out = out.reshape(k_splits, tp, kp, -1)[:, :t, :k, :n].sum(axis=0).astype(dtype)
+    # rows of inactive choices were never written (garbage): 0, as the reference says
+    return jnp.where((ids >= 0)[..., None], out, 0).reshape(t * k, n)
 
 
 @functools.partial(jax.jit, static_argnames=("per_assignment", "block_n", "block_k",
@@ -118,41 +178,67 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
     ranges (the largest count <= it that divides K's blocks), each program's float32 partial
     summed after: more programs for a step whose chosen experts x column blocks leave SMs
     idle. `rhs_scales` [G, N]: quantized rhs, as in `grouped_matmul`."""
-    t, k = ids.shape
     _check_routed(lhs, rhs, ids, per_assignment, rhs_scales)
-    if t > ROUTED_MAX_TOKENS:
-        raise ValueError(f"routed matmul takes steps of at most {ROUTED_MAX_TOKENS} tokens (its "
-                         f"dense [T, block_k] tiles), got {t}; use grouped_matmul")
-    common.check_pow2(block_n=block_n, block_k=block_k)
+    _check_tiling(ids, block_n, block_k)
     n = expert_stack.stack_dims(rhs, rhs_scales)[2]
-    tp, kp = max(16, common.next_pow2(t)), common.next_pow2(k)
-    ids_i = ids.astype(jnp.int32)  # [T, k], read as [Tp, kp] by the kernel
     lhs_p = expert_stack.pad_to(lhs, 1, block_k)  # rows as they are: no pad kernel a decode step
     rhs_p, scales = expert_stack.pad_stack(rhs, rhs_scales, block_k, block_n)
-    width, k_blocks = -(-n // block_n) * block_n, lhs_p.shape[1] // block_k
-    k_splits = max(d for d in range(1, min(k_splits, k_blocks) + 1) if k_blocks % d == 0)
-    splits = min(splits, tp * kp)
-    whole = common.whole_spec
     dtype = out_dtype or lhs.dtype
-    out = pl.pallas_call(
-        functools.partial(_routed_kernel, block_n=block_n, block_k=block_k,
-                          k_steps=k_blocks // k_splits, per_assignment=per_assignment,
-                          splits=splits, padded=(tp, kp)),
-        # splits slowest: the programs of the first (real) assignments run first, every K
-        # range of them, and the padding's programs (which only find nothing to do) after
-        grid=(width // block_n, k_splits, splits),
-        in_specs=[whole(ids_i.shape), whole(lhs_p.shape), whole(rhs_p.shape),
-                  *(whole(a.shape) for a in scales)],
-        out_specs=whole((k_splits * tp * kp, width)),
-        out_shape=jax.ShapeDtypeStruct((k_splits * tp * kp, width),
-                                       dtype if k_splits == 1 else jnp.float32),
-        compiler_params=common.triton_params(num_warps, num_stages),
-        interpret=interpret,
-        name="routed_matmul",
-    )(ids_i, lhs_p, rhs_p, *scales)
-    out = out.reshape(k_splits, tp, kp, width)[:, :t, :k, :n].sum(axis=0).astype(dtype)
-    # rows of inactive choices were never written (garbage): 0, as the reference says
-    return jnp.where((ids >= 0)[..., None], out, 0).reshape(t * k, n)
+    out, q = _routed_call(lhs_p, rhs_p, scales, ids, per_assignment=per_assignment, glu=None,
+                          block_n=block_n, block_k=block_k, num_warps=num_warps,
+                          num_stages=num_stages, splits=splits, k_splits=k_splits,
+                          dtype=dtype, interpret=interpret)
+    return _assignment_rows(out, q, ids, n, dtype)
+
+
+_FFN_STATIC = ("blocks", "k_splits", "num_warps", "num_stages", "splits", "out_dtype",
+               "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_FFN_STATIC)
+def routed_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax.Array, *,
+               gate_up_scales: jax.Array | None = None, down_scales: jax.Array | None = None,
+               blocks: tuple[tuple[int, int], tuple[int, int]] = ((128, 128), (128, 128)),
+               k_splits: tuple[int, int] = (1, 1), num_warps: int = 4, num_stages: int = 3,
+               splits: int = ROUTED_SPLITS, out_dtype=None,
+               interpret: bool = False) -> jax.Array:
+    """Each assignment's expert SwiGLU, x [T, D] -> [T*k, D'] (row t*k+j: down(silu(gate) *
+    up) of x[t] through expert ids[t, j], 0 where < 0), as two routed GEMMs, gate/up
+    (gate_up [G, D, 2I], gate columns then up) and down [G, I, D'], with `blocks` (block_n,
+    block_k) and `k_splits` each. The down kernel reads gate/up's raw partials, summing
+    them and applying the activation as it loads: XLA ran that as a kernel of its own
+    between the two (2 us a layer of Qwen3-30B-A3B's decode step on the H100). I must be a
+    multiple of down's block_k. Quantized stacks ([G, N, K] values) take their scales."""
+    t, k = ids.shape
+    _check_routed(x, gate_up, ids, False, gate_up_scales)
+    _check_routed(jnp.zeros((t * k, expert_stack.stack_dims(down, down_scales)[1]), x.dtype),
+                  down, ids, True, down_scales)
+    for block_n, block_k in blocks:
+        _check_tiling(ids, block_n, block_k)
+    inter, n = expert_stack.stack_dims(down, down_scales)[1:]
+    if 2 * inter != expert_stack.stack_dims(gate_up, gate_up_scales)[2] \
+            or inter % blocks[1][1]:
+        raise ValueError(f"routed_ffn needs gate_up [G, D, 2I] and down [G, I, D'] with I a "
+                         f"multiple of down's block_k {blocks[1][1]}; got gate_up "
+                         f"{gate_up.shape}, down {down.shape}")
+    launch = dict(num_warps=num_warps, num_stages=num_stages, splits=splits, dtype=x.dtype,
+                  interpret=interpret)
+    (bn, bk), (down_bn, down_bk) = blocks
+    rhs, scales = expert_stack.pad_stack(gate_up, gate_up_scales, bk, bn)
+    h, q = _routed_call(expert_stack.pad_to(x, 1, bk), rhs, scales, ids, per_assignment=False,
+                        glu=None, block_n=bn, block_k=bk, k_splits=k_splits[0],
+                        **launch)  # [q * Tp*kp, >= 2I]
+    rhs, scales = expert_stack.pad_stack(down, down_scales, down_bk, down_bn)
+    out, q = _routed_call(h, rhs, scales, ids, per_assignment=True, glu=(inter, q),
+                          block_n=down_bn, block_k=down_bk, k_splits=k_splits[1], **launch)
+    return _assignment_rows(out, q, ids, n, out_dtype or x.dtype)
+
+
+def _check_tiling(ids: jax.Array, block_n: int, block_k: int) -> None:
+    if ids.shape[0] > ROUTED_MAX_TOKENS:
+        raise ValueError(f"routed matmul takes steps of at most {ROUTED_MAX_TOKENS} tokens (its "
+                         f"dense [T, block_k] tiles), got {ids.shape[0]}; use grouped_matmul")
+    common.check_pow2(block_n=block_n, block_k=block_k)
 
 
 @functools.partial(jax.jit, static_argnames=("per_assignment", "out_dtype"))
@@ -169,3 +255,16 @@ def routed_matmul_reference(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *,
     w = rhs[jnp.clip(expert, 0, rhs.shape[0] - 1)]  # [T*k, K, N]
     out = jnp.einsum("ak,akn->an", x[rows], w, preferred_element_type=jnp.float32)
     return jnp.where((expert >= 0)[:, None], out, 0).astype(out_dtype or lhs.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def routed_ffn_reference(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax.Array, *,
+                         gate_up_scales: jax.Array | None = None,
+                         down_scales: jax.Array | None = None, out_dtype=None) -> jax.Array:
+    """`routed_ffn` from `routed_matmul_reference`: gate/up's sums in float32, the activation
+    over them, then down over the activation in x's dtype (as the kernel's load casts it)."""
+    h = routed_matmul_reference(x, gate_up, ids, per_assignment=False,
+                                rhs_scales=gate_up_scales, out_dtype=jnp.float32)
+    act = expert_stack.silu_and_mul(h).astype(x.dtype)  # [T*k, I]
+    return routed_matmul_reference(act, down, ids, per_assignment=True, rhs_scales=down_scales,
+                                   out_dtype=out_dtype or x.dtype)

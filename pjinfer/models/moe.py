@@ -93,7 +93,7 @@ def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: ops.Ex
     gate_up = (gate_up.with_out_shape(2 * inter) if isinstance(gate_up, QuantizedExperts)
                else gate_up.reshape(num_local, d, 2 * inter))
     if path == "routed" or (path == "auto" and ops.prefers_routed_matmul(backend, t)):
-        y = _routed_experts(x, local, gate_up, down, backend)
+        y = ops.routed_ffn(x, gate_up, down, local, backend=backend)  # [T*k, D]
     else:
         y = _sorted_experts(x, jnp.where(mine, local, num_local).reshape(-1), gate_up, down,
                             k, backend)
@@ -114,13 +114,6 @@ def _sorted_experts(x, key, gate_up, down, k: int, backend: str) -> jax.Array:
     y = ops.grouped_matmul(act, down, group_sizes, backend=backend)  # [T*k, D]
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     return y[inverse]
-
-
-def _routed_experts(x, ids, gate_up, down, backend: str) -> jax.Array:
-    """Per expert, the tokens that chose it (ids [T, k]: local expert, or -1): [T*k, D]."""
-    h = ops.routed_matmul(x, gate_up, ids, per_assignment=False, backend=backend)  # [T*k, 2I']
-    return ops.routed_matmul(ops.silu_and_mul(h), down, ids, per_assignment=True,
-                             backend=backend)
 
 
 def _sharded_expert_ffn(x, weights, ids, gate_up, down, *, expert_parallel: bool,

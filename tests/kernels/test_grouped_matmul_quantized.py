@@ -14,7 +14,12 @@ from pjinfer.kernels.grouped_matmul import (
     grouped_matmul,
     grouped_matmul_reference,
 )
-from pjinfer.kernels.routed_matmul import routed_matmul, routed_matmul_reference
+from pjinfer.kernels.routed_matmul import (
+    routed_ffn,
+    routed_ffn_reference,
+    routed_matmul,
+    routed_matmul_reference,
+)
 from pjinfer.quantization.experts import dequantize_experts, quantize_experts
 from tests.kernels.lowering import cuda_module
 from tests.kernels.test_grouped_matmul import F32_TOL, INTERPRET, _inputs
@@ -82,6 +87,26 @@ def test_routed_kernel_on_quantized_experts(kind, t, k, g, kk, n, per_assignment
     for backend in ("reference", "pallas"):
         got = ops.routed_matmul(lhs, q, ids, per_assignment=per_assignment, backend=backend)
         np.testing.assert_allclose(got, want, **F32_TOL, err_msg=backend)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_routed_ffn_on_quantized_experts(kind):
+    """Both stacks quantized: the fused pair (gate/up in 2 K ranges) against the reference
+    over the float weights they stand for, and through ops."""
+    rng = np.random.default_rng(7)
+    ids = np.argsort(rng.random((5, 9)), axis=1)[:, :3].astype(np.int32)
+    ids[0, 1] = -1
+    ids, x = jnp.asarray(ids), jnp.asarray(rng.normal(size=(5, 64)), jnp.float32)
+    gu, gu_w = _quantized(jnp.asarray(rng.normal(size=(9, 64, 64)) / 8, jnp.float32), kind)
+    dn, dn_w = _quantized(jnp.asarray(rng.normal(size=(9, 32, 64)) / 6, jnp.float32), kind)
+    want = routed_ffn_reference(x, gu_w, dn_w, ids)
+    out = routed_ffn(x, gu.values, dn.values, ids, gate_up_scales=gu.scales,
+                     down_scales=dn.scales, blocks=((16, 16), (32, 16)), k_splits=(2, 1),
+                     interpret=INTERPRET)
+    np.testing.assert_allclose(out, want, **F32_TOL)
+    for backend in ("reference", "pallas"):
+        np.testing.assert_allclose(ops.routed_ffn(x, gu, dn, ids, backend=backend), want,
+                                   **F32_TOL, err_msg=backend)
 
 
 def test_bfloat16_rows_over_fp8_experts():

@@ -3,13 +3,20 @@ GPU) against its reference and a per-assignment NumPy product."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pjinfer.kernels import ops
-from pjinfer.kernels.routed_matmul import routed_matmul, routed_matmul_reference
+from pjinfer.kernels.routed_matmul import (
+    routed_ffn,
+    routed_ffn_reference,
+    routed_matmul,
+    routed_matmul_reference,
+)
 from tests.kernels.lowering import cuda_module
 from tests.kernels.test_grouped_matmul import F32_TOL, INTERPRET
 
@@ -59,6 +66,65 @@ def test_routed_k_splits_follow_the_h200_sweep(busy, k_blocks, want):
     assert ops.routed_k_splits(busy, k_blocks) == want
 
 
+def _ffn_case(t: int, k: int, g: int, d: int, inter: int, seed: int):
+    """ids (a quarter inactive), x [T, D], gate_up [G, D, 2I], down [G, I, D]."""
+    rng = np.random.default_rng(seed)
+    ids = np.argsort(rng.random((t, g)), axis=1)[:, :k].astype(np.int32)
+    ids[rng.random((t, k)) < 0.25] = -1
+    x = jnp.asarray(rng.normal(size=(t, d)), jnp.float32)
+    gate_up = jnp.asarray(rng.normal(size=(g, d, 2 * inter)) / np.sqrt(d), jnp.float32)
+    down = jnp.asarray(rng.normal(size=(g, inter, d)) / np.sqrt(inter), jnp.float32)
+    return jnp.asarray(ids), x, gate_up, down
+
+
+@pytest.mark.parametrize("t, k, g, d, inter, blocks, k_splits", [
+    (3, 2, 6, 48, 32, ((16, 16), (16, 16)), (1, 1)),  # D padded to 64 in gate/up's K
+    (5, 3, 7, 64, 48, ((32, 16), (16, 16)), (2, 1)),  # gate/up's partials in 2 K ranges
+    (17, 8, 20, 96, 16, ((16, 32), (32, 16)), (3, 2)),  # 3 ranges into down, down in 2
+    (1, 8, 16, 64, 32, ((16, 16), (16, 32)), (4, 1)),  # one token, Qwen3's top-8
+    (8, 2, 4, 32, 64, ((64, 32), (16, 64)), (1, 1)),  # 2I one gate/up column block
+])
+def test_routed_ffn_kernels_match_the_activation_between_two_gemms(t, k, g, d, inter, blocks,
+                                                              k_splits):
+    """The down kernel sums gate/up's raw partials and applies silu(gate) * up as it loads:
+    the same as the reference's two GEMMs with the activation between, and as NumPy."""
+    ids, x, gate_up, down = _ffn_case(t, k, g, d, inter, seed=t * g + inter)
+    want = []
+    for e, row in zip(np.asarray(ids).reshape(-1), np.arange(t * k) // k, strict=True):
+        h = np.asarray(x[row]) @ np.asarray(gate_up[e])
+        act = h[:inter] / (1 + np.exp(-h[:inter])) * h[inter:]
+        want.append(act @ np.asarray(down[e]) if e >= 0 else np.zeros(d))
+    np.testing.assert_allclose(routed_ffn_reference(x, gate_up, down, ids), np.stack(want),
+                               **F32_TOL)
+    out = routed_ffn(x, gate_up, down, ids, blocks=blocks, k_splits=k_splits,
+                     interpret=INTERPRET)
+    np.testing.assert_allclose(out, np.stack(want), **F32_TOL)
+
+
+def test_routed_ffn_dispatch():
+    """ops.routed_ffn: the fused pair where I is whole K blocks of down, the two GEMMs with
+    the activation between where it is not (I = 40), the reference elsewhere: all agree."""
+    for inter in (32, 40):
+        ids, x, gate_up, down = _ffn_case(6, 2, 5, 32, inter, seed=inter)
+        want = routed_ffn_reference(x, gate_up, down, ids)
+        for backend in ("reference", "pallas"):
+            got = ops.routed_ffn(x, gate_up, down, ids, backend=backend)
+            np.testing.assert_allclose(got, want, **F32_TOL, err_msg=f"{backend} I={inter}")
+
+
+def test_routed_ffn_lowers_to_two_kernels_and_nothing_between():
+    """For CUDA, Qwen3-30B-A3B's expert shapes at a decode step: the two routed kernels, the
+    second taking the first's output as is (no XLA op between them)."""
+    fn = jax.jit(lambda a, gu, dn, i: routed_ffn(a, gu, dn, i, k_splits=(2, 1)))
+    text = cuda_module(fn, jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16),
+                       jax.ShapeDtypeStruct((128, 2048, 1536), jnp.bfloat16),
+                       jax.ShapeDtypeStruct((128, 768, 2048), jnp.bfloat16),
+                       jax.ShapeDtypeStruct((8, 8), jnp.int32))
+    calls = re.findall(r"(%\S+) = stablehlo.custom_call @__gpu\$xla.gpu.triton\((.*?)\)", text)
+    assert len(calls) == 2, calls
+    assert calls[0][0] in calls[1][1].split(", "), calls  # gate/up's raw output into down
+
+
 @pytest.mark.skipif(not INTERPRET, reason="on a GPU the compiled kernel tests run the lowering")
 def test_routed_kernel_lowers_to_triton_ir_for_qwen3_experts():
     """Without a GPU: both Qwen3-30B-A3B expert GEMMs of a 16-token step lower through Pallas
@@ -97,3 +163,9 @@ def test_bad_shapes_and_block_sizes_are_refused():
     with pytest.raises(ValueError, match="at most 64 tokens"):
         routed_matmul(jnp.zeros((65, 16)), rhs, jnp.zeros((65, 1), jnp.int32),
                       per_assignment=False, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="multiple of down's block_k 16"):  # I = 24
+        routed_ffn(lhs, jnp.zeros((2, 16, 48)), jnp.zeros((2, 24, 16)), ids,
+                   blocks=((16, 16), (16, 16)), interpret=INTERPRET)
+    with pytest.raises(ValueError, match="gate_up \\[G, D, 2I\\]"):  # 2I != gate_up's N
+        routed_ffn(lhs, jnp.zeros((2, 16, 48)), jnp.zeros((2, 16, 16)), ids,
+                   blocks=((16, 16), (16, 16)), interpret=INTERPRET)
