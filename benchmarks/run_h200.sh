@@ -69,6 +69,10 @@
 #                                         # W3/W4-like layouts (~8 min)
 #   bash benchmarks/run_h200.sh routed    # the routed expert GEMMs (decode) with K cut into
 #                                         # 1, 2 or 4 ranges, gate/up and down apart (~4 min)
+#   bash benchmarks/run_h200.sh routedffn  # the routed expert FFN with the activation in the
+#                                          # down kernel's loads vs XLA's kernel between, 2
+#                                          # and 3 stages, Qwen3 and Mixtral at 1, 8 tokens
+#                                          # (~3 min)
 #   bash benchmarks/run_h200.sh routedwide  # Mixtral's down projection in 4, 8, 16 K ranges
 #                                           # at 1 and 4 tokens (~2 min)
 #   bash benchmarks/run_h200.sh int4ncu   # the int4 decode kernel under Nsight Compute (stall
@@ -382,6 +386,16 @@ stage_routed() {
   [ $SMOKE = 1 ] && sweep=(--smoke --tokens 1 4 --calls 1 --samples 1)
   step moe_routed_k_splits 300 $PY -m pjinfer.benchmarks.moe_decode_stack "${sweep[@]}" \
       --k-splits 1 2 4 --down-k-splits 1 2 4 --out "$JSON/moe_routed_k_splits.json"
+}
+
+stage_routedffn() {
+  local sweep=(--samples 8 --tokens 1 8 --num-stages 2 3 --fused 0 1)
+  [ $SMOKE = 1 ] && sweep=(--smoke --tokens 1 --calls 1 --samples 1 --block-k 32 --fused 0 1)
+  step routed_ffn_qwen3 200 $PY -m pjinfer.benchmarks.moe_decode_stack "${sweep[@]}" \
+      --models qwen3-30b-a3b --k-splits 2 --out "$JSON/routed_ffn_qwen3.json"
+  [ $SMOKE = 1 ] && return 0
+  step routed_ffn_mixtral 200 $PY -m pjinfer.benchmarks.moe_decode_stack "${sweep[@]}" \
+      --models mixtral-8x7b --down-k-splits 4 --out "$JSON/routed_ffn_mixtral.json"
 }
 
 # Round 9 found 4 K ranges best for Mixtral's one-token down projection, the largest tried:
@@ -772,6 +786,7 @@ for stage in "${STAGES[@]}"; do
     hoststep) stage_hoststep ;;
     routed) stage_routed ;;
     routedwide) stage_routedwide ;;
+    routedffn) stage_routedffn ;;
     loramulti) stage_loramulti ;;
     int4ncu) stage_int4ncu ;;
     quantshapes) stage_quantshapes ;;
