@@ -73,6 +73,9 @@
 #                                          # down kernel's loads vs XLA's kernel between, 2
 #                                          # and 3 stages, Qwen3 and Mixtral at 1, 8 tokens
 #                                          # (~3 min)
+#   bash benchmarks/run_h200.sh splitk    # projections + residual add + RMSNorm at decode
+#                                         # sizes, plain vs K cut into ranges by the model (a
+#                                         # batched dot), kernels counted in XLA's HLO (~2 min)
 #   bash benchmarks/run_h200.sh routedwide  # Mixtral's down projection in 4, 8, 16 K ranges
 #                                           # at 1 and 4 tokens (~2 min)
 #   bash benchmarks/run_h200.sh int4ncu   # the int4 decode kernel under Nsight Compute (stall
@@ -396,6 +399,13 @@ stage_routedffn() {
   [ $SMOKE = 1 ] && return 0
   step routed_ffn_mixtral 200 $PY -m pjinfer.benchmarks.moe_decode_stack "${sweep[@]}" \
       --models mixtral-8x7b --down-k-splits 4 --out "$JSON/routed_ffn_mixtral.json"
+}
+
+stage_splitk() {
+  local args=(--tokens 1 8); [ $SMOKE = 1 ] && args=(--smoke --tokens 1 --layers 2 --calls 1)
+  mkdir -p "$JSON/splitk_hlo"
+  step splitk_probe 240 $PY -m pjinfer.benchmarks.splitk_probe "${args[@]}" \
+      --hlo-dir "$JSON/splitk_hlo" --out "$JSON/splitk_probe.json"
 }
 
 # Round 9 found 4 K ranges best for Mixtral's one-token down projection, the largest tried:
@@ -787,6 +797,7 @@ for stage in "${STAGES[@]}"; do
     routed) stage_routed ;;
     routedwide) stage_routedwide ;;
     routedffn) stage_routedffn ;;
+    splitk) stage_splitk ;;
     loramulti) stage_loramulti ;;
     int4ncu) stage_int4ncu ;;
     quantshapes) stage_quantshapes ;;
