@@ -76,7 +76,7 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
         e = jnp.sum(jnp.where(position == a, ids, 0))
         first = jnp.sum(jnp.where((position < a) & (ids == e), 1, 0)) == 0
 
-        @pl.when((a < num_tokens * top_k) & first & (e >= 0))
+        @pl.when((a < real_t * top_k) & first & (e >= 0))
         def _():
             match = ids == e  # [T, k]: at most one hit per token
             hit = jnp.max(match.astype(jnp.int32), axis=1) > 0  # [T]
@@ -104,7 +104,8 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
                            acc.astype(o_ref.dtype), mask=hit[:, None])
         return carry
 
-    jax.lax.fori_loop(0, -(-num_tokens * top_k // splits), assignment, 0)
+    # positions past the real tokens' (the dot's padding rows) are inactive: never visited
+    jax.lax.fori_loop(0, -(-real_t * top_k // splits), assignment, 0)
 
 
 def _glu_tile(lhs_ref, rows, start, block_k: int, glu: tuple[int, int], dtype) -> jax.Array:
@@ -130,7 +131,9 @@ def _routed_call(lhs: jax.Array, rhs: jax.Array, scales: list, ids: jax.Array, *
     width, k_blocks = (rhs.shape[1], rhs.shape[2]) if scales else (rhs.shape[2], rhs.shape[1])
     k_blocks //= block_k
     k_splits = max(d for d in range(1, min(k_splits, k_blocks) + 1) if k_blocks % d == 0)
-    splits = min(splits, tp * kp)
+    # a program a real token's choice at most: at one token 8 of Qwen3's column block's
+    # programs, not 128 of which 120 would only look and leave
+    splits = min(splits, ids.shape[0] * kp)
     whole = common.whole_spec
     out = pl.pallas_call(
         functools.partial(_routed_kernel, block_n=block_n, block_k=block_k,
