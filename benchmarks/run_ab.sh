@@ -24,6 +24,7 @@
 #                                                  # must)
 #   bash benchmarks/run_ab.sh --smoke .bench_base probe   # the same plumbing, tiny, on CPU
 #
+# AB_FLAGS: engine flags added to both sides' runs (e.g. "--cuda-graph-sizes 2 8 32 128 512").
 # JSON records land in $OUT as {base,head}_<workload>.json (W1: w1_1 and w1_2 per side), the
 # log in $OUT/ab_log_<stage>.txt.
 set -uo pipefail
@@ -70,7 +71,7 @@ in_tree() {
 bench() {  # bench NAME WORKLOAD KIND ARGS...: one pjinfer bench command in checkout NAME
   local name=$1 workload=$2 kind=$3; shift 3
   in_tree "$name" $PY -m pjinfer.benchmarks.cli "$kind" "${MODEL[@]}" "${ENGINE[@]}" \
-      --compilation-cache-dir "/tmp/ab-cache-$name" "$@" \
+      ${AB_FLAGS:-} --compilation-cache-dir "/tmp/ab-cache-$name" "$@" \
       --output-json "$OUT/${name}_$workload.json"
 }
 
