@@ -1,123 +1,179 @@
-"""Does XLA run a decode step's projection as K-range partials we hand on, without a copy?
+"""Can a decode step's projection hand its K-range partials to the next kernel, copy-free?
 
   python -m pjinfer.benchmarks.splitk_probe --out splitk_probe.json           # GPU
   python -m pjinfer.benchmarks.splitk_probe --smoke --out /tmp/splitk.json    # CPU plumbing
 
 At batch 1 XLA cuts a projection's K into ranges (split-K) and sums the float32 partials in a
-kernel of its own, which nothing else fuses: after the o projection the sum and the residual
-add, then the RMSNorm, each a kernel (RESULTS.md, rounds 23 and 30). If the model wrote the
-cut itself, x [T, S, K/S] against W [S, K/S, N] as a dot batched over S, a kernel of ours
-could take the partials [S, T, N] and sum them with the residual add and the norm. Whether
-that pays depends on what XLA makes of the batched dot: this times `layers` projections a
-call, each followed by residual add and RMSNorm, in three forms, and counts the kernels of
-each in XLA's optimized HLO:
+kernel of its own before the next kernel reads them (q/k/v before the rotary kernel, the router
+before the routing kernel: 1.5 us each a layer of Qwen3-30B-A3B on the H100, RESULTS.md round
+30). If the model made the cut itself, x [T, S, K/S] against W [S, K/S, N] as a dot batched
+over S, the next (Pallas) kernel could sum the partials [S, T, N] as it loads them. Whether
+that pays depends on what XLA makes of the batched dot and of x's layout. Each layer here:
 
-  plain     x @ W, then add and norm (what the models do today)
-  batched   x viewed [T, S, K/S] (a transpose to [S, T, K/S] if XLA wants one), dot batched
-            over S, partials summed by XLA, then add and norm
-  batched_s x given already as [S, T, K/S] (what a kernel before it could store), as above
+  x = norm(h)                (an XLA fusion; x also read by a Pallas kernel, as the experts
+                              read the router's input)      -- source "norm"
+  x = a Pallas kernel's output, stored as the dot wants it  -- source "kernel" (the attention
+                              combine before the o projection could store [S, T, K/S])
+  y = x @ W                  plain: XLA's dot (its own split-K and sum)
+                             batched: the [S, T, N] partials of the dot batched over S
+  a Pallas kernel sums y's partials (one for plain) and h takes its mean
+
+timed over `layers` layers a call, and counted: the kernels of the optimized HLO's entry
+(fusions by kind, custom calls, copies), a layer.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import sys
 from typing import Any
 
-import numpy as np
-
 from pjinfer.benchmarks.ceilings import _filled, pipelined_seconds, timing_plan
 from pjinfer.benchmarks.common import finish_record, jax_device_info, new_record, positive_int
 
-# (name, K, N): Qwen3-30B-A3B's o projection and router, Llama-3-8B's o projection
-SHAPES = [("qwen3_o", 4096, 2048), ("qwen3_router", 2048, 128), ("llama_o", 4096, 4096)]
-SMOKE_SHAPES = [("tiny", 64, 32)]
-FORMS = ("plain", "batched", "batched_s")
+# (name, K, N, source): Qwen3-30B-A3B's q/k/v and router (x from the input / post-attention
+# norm), its o projection (x from attention), Llama-3-8B's q/k/v
+SHAPES = [("qwen3_qkv", 2048, 5120, "norm"), ("qwen3_router", 2048, 128, "norm"),
+          ("qwen3_o", 4096, 2048, "kernel"), ("llama_qkv", 4096, 6144, "norm")]
+SMOKE_SHAPES = [("tiny", 64, 32, "norm"), ("tiny_o", 64, 32, "kernel")]
 
 
-def step_fn(form: str, splits: int):
-    """f(x, residual, weights per layer) -> the residual after every layer's projection, add
-    and RMSNorm (each layer's on the chain of the one before, so none is skipped)."""
+def _kernels(interpret: bool):
+    """(touch, make, consume) Pallas stand-ins: a kernel reading x [T, K]; one storing x from
+    h, [T, K] or [S, T, K/S]; one summing partials [S, T, N] into [T, N] (bn columns a
+    program)."""
     import jax
     import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    from pjinfer.kernels.common import triton_params
+
+    call = functools.partial(pl.pallas_call, compiler_params=triton_params(4, 1),
+                             interpret=interpret)
+
+    def whole(shape):
+        return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+    def touch(x):
+        def body(x_ref, o_ref):
+            o_ref[...] = x_ref[...] * 2
+        return call(body, in_specs=[whole(x.shape)], out_specs=whole(x.shape),
+                    out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+    def make(h, splits: int | None):
+        t, k = h.shape
+        shape = (t, k) if splits is None else (splits, t, k // splits)
+
+        def body(h_ref, o_ref):
+            x = h_ref[...] * 2
+            o_ref[...] = x if splits is None else x.reshape(t, splits, k // splits
+                                                            ).transpose(1, 0, 2)
+        return call(body, in_specs=[whole(h.shape)], out_specs=whole(shape),
+                    out_shape=jax.ShapeDtypeStruct(shape, h.dtype))(h)
+
+    def consume(parts, bn: int):
+        s, t, n = parts.shape
+
+        def body(p_ref, o_ref):
+            o_ref[...] = jnp.sum(p_ref[...].astype(jnp.float32), axis=0).astype(o_ref.dtype)
+        return call(body, grid=(n // bn,),
+                    in_specs=[pl.BlockSpec((s, t, bn), lambda j: (0, 0, j))],
+                    out_specs=pl.BlockSpec((t, bn), lambda j: (0, j)),
+                    out_shape=jax.ShapeDtypeStruct((t, n), jnp.bfloat16))(parts)
+
+    return touch, make, consume
+
+
+def step_fn(form: str, source: str, splits: int, interpret: bool):
+    """f(h, weights per layer) -> h after every layer (each on the chain of the one before)."""
+    import jax
+    import jax.numpy as jnp
+
+    touch, make, consume = _kernels(interpret)
 
     def norm(h):
         h32 = h.astype(jnp.float32)
         return (h32 * jax.lax.rsqrt(jnp.mean(h32 * h32, -1, keepdims=True) + 1e-6)
                 ).astype(h.dtype)
 
-    def project(x, w):  # x [T, K], w [K, N] -> float32 [T, N]
-        t, k = x.shape
-        if form == "plain":
-            return jnp.dot(x, w, preferred_element_type=jnp.float32)
-        xs = x.reshape(t, splits, k // splits)
-        if form == "batched_s":
-            xs = jax.lax.optimization_barrier(xs.transpose(1, 0, 2))  # [S, T, K/S]
-            parts = jnp.einsum("stk,skn->stn", xs, w.reshape(splits, k // splits, -1),
+    def layer(h, w):  # h [T, K], w [K, N]
+        t, k = h.shape
+        ws = w.reshape(splits, k // splits, -1)
+        extra = 0.0
+        if source == "kernel" and form == "batched":
+            parts = jnp.einsum("stk,skn->stn", make(h, splits), ws,
                                preferred_element_type=jnp.float32)
         else:
-            parts = jnp.einsum("tsk,skn->stn", xs, w.reshape(splits, k // splits, -1),
-                               preferred_element_type=jnp.float32)
-        return parts.sum(0)
+            x = make(h, None) if source == "kernel" else norm(h)
+            if source == "norm":
+                extra = touch(x).astype(jnp.float32) * 1e-3
+            if form == "plain":
+                parts = jnp.dot(x, w, preferred_element_type=jnp.float32)[None]
+            else:
+                parts = jnp.einsum("tsk,skn->stn", x.reshape(t, splits, k // splits), ws,
+                                   preferred_element_type=jnp.float32)
+        y = consume(parts, min(128, parts.shape[2]))  # [T, N]
+        return (h.astype(jnp.float32) + jnp.mean(y.astype(jnp.float32), -1, keepdims=True)
+                + extra).astype(h.dtype)
 
-    def run(x, residual, weights):
-        for w in weights:  # h feeds the norm and the next residual, as in a decoder layer
-            h = (residual.astype(jnp.float32) + project(x, w)).astype(residual.dtype)
-            residual = h + norm(h)  # the norm's output standing for the MLP's
-        return residual
+    def run(h, weights):
+        for w in weights:
+            h = layer(h, w)
+        return h
 
     return jax.jit(run)
 
 
+KERNEL_OP = re.compile(r"^\s*\S+ = \S+ (fusion|custom-call|copy|transpose)\((.*)$", re.M)
+
+
 def kernel_counts(hlo: str) -> dict[str, int]:
-    """Kernels of the optimized module's entry computation, by kind (fusion kinds, custom
-    calls, copies/transposes)."""
-    entry = hlo[hlo.index("ENTRY"):]
-    kinds = re.findall(r"= \S+ (fusion|custom-call|copy|transpose|reduce)\(.*?(?:kind=(\w+)|"
-                       r"custom_call_target=\"([^\"]+)\"|$)", entry, re.M)
+    """The optimized module's entry computation: its kernels by kind (fusion kind, custom
+    call target, copy)."""
     counts: dict[str, int] = {}
-    for op, kind, target in kinds:
-        key = f"{op}:{kind or target or '-'}"
+    for op, rest in KERNEL_OP.findall(hlo[hlo.index("ENTRY"):]):
+        kind = re.search(r"kind=(\w+)|custom_call_target=\"([^\"]+)\"", rest)
+        key = op if kind is None else f"{op}:{kind.group(1) or kind.group(2)}"
         counts[key] = counts.get(key, 0) + 1
     return counts
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     import jax
-    import jax.numpy as jnp
 
     record = new_record("splitk_probe", argv, vars(args))
     record["device"] = jax_device_info()
-    on_cpu = jax.default_backend() == "cpu"
-    timing = timing_plan(args.calls, args.samples, 2, on_cpu=on_cpu)
+    interpret = jax.default_backend() != "gpu"
+    timing = timing_plan(args.calls, args.samples, 2, on_cpu=interpret)
     record["rows"] = []
-    for name, k, n in (SMOKE_SHAPES if args.smoke else SHAPES):
+    for name, k, n, source in (SMOKE_SHAPES if args.smoke else SHAPES):
         weights = [_filled((k, n), 20 + i) for i in range(args.layers)]
         for t in args.tokens:
-            x, residual = _filled((t, k), 1), _filled((t, n), 2)
-            for splits in args.splits:
-                row: dict[str, Any] = {"shape": name, "k": k, "n": n, "tokens": t,
-                                       "splits": splits, "forms": {}}
-                for form in FORMS:
-                    if form == "plain" and splits != args.splits[0]:
-                        continue
-                    fn = step_fn(form, splits)
-                    hlo = fn.lower(x, residual, weights).compile().as_text()
-                    sec = pipelined_seconds(fn, (x, residual, weights),
-                                            sync=jax.block_until_ready, **timing)
-                    per_layer = min(sec) / args.layers
-                    row["forms"][form] = {"us_per_layer": per_layer * 1e6,
-                                          "kernels": kernel_counts(hlo),
-                                          "weight_tb_s": k * n * 2 / per_layer / 1e12}
-                    print(f"{name} T={t} S={splits} {form}: {per_layer * 1e6:.2f} us/layer, "
-                          f"{row['forms'][form]['kernels']}", flush=True)
-                    if args.hlo_dir:
-                        with open(f"{args.hlo_dir}/{name}_t{t}_s{splits}_{form}.txt", "w") as f:
-                            f.write(hlo)
+            h = _filled((t, k), 1)
+            for form, splits in [("plain", args.splits[0])] + [("batched", s)
+                                                               for s in args.splits]:
+                fn = step_fn(form, source, splits, interpret)
+                hlo = fn.lower(h, weights).compile().as_text()
+                sec = pipelined_seconds(fn, (h, weights), sync=jax.block_until_ready, **timing)
+                per_layer = min(sec) / args.layers
+                counts = kernel_counts(hlo)
+                row = {"shape": name, "k": k, "n": n, "source": source, "tokens": t,
+                       "form": form, "splits": None if form == "plain" else splits,
+                       "us_per_layer": per_layer * 1e6,
+                       "kernels_per_layer": {key: c / args.layers for key, c in counts.items()},
+                       "weight_tb_s": k * n * 2 / per_layer / 1e12}
                 record["rows"].append(row)
+                print(f"{name} T={t} {form} S={row['splits']}: {per_layer * 1e6:.2f} us/layer, "
+                      f"{row['weight_tb_s']:.2f} TB/s, kernels/layer "
+                      f"{ {key: round(v, 2) for key, v in row['kernels_per_layer'].items()} }",
+                      flush=True)
+                if args.hlo_dir:
+                    tag = f"{name}_t{t}_{form}_s{row['splits']}"
+                    with open(f"{args.hlo_dir}/{tag}.txt", "w") as f:
+                        f.write(hlo)
         del weights
-    record["dtype"] = str(jnp.bfloat16.dtype)
     return record
 
 
@@ -138,5 +194,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    np.seterr(all="ignore")
     raise SystemExit(main())
