@@ -152,6 +152,15 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def kernel_bench_parser(doc: str) -> argparse.ArgumentParser:
+    """The parser a kernel benchmark starts from: its docstring's first line, --out (the JSON
+    record) and --smoke (tiny shapes, to check the plumbing on a CPU)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--out", default=None, help="write the JSON record here")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check)")
+    return parser
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1, else a usage error naming the value."""
     values = positive_ints(text)

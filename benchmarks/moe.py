@@ -45,6 +45,7 @@ from pjinfer.benchmarks.ceilings import (
 from pjinfer.benchmarks.common import (
     finish_record,
     jax_device_info,
+    kernel_bench_parser,
     new_record,
     positive_int,
     power_of_two,
@@ -301,9 +302,7 @@ def _band(text: str) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=None, help="write the JSON record here")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check)")
+    parser = kernel_bench_parser(__doc__)
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="qwen3",
                         help="the experts' shapes: Qwen3-30B-A3B or Mixtral-8x7B")
     parser.add_argument("--prefill-tokens", type=positive_int, default=None,

@@ -33,6 +33,7 @@ from pjinfer.benchmarks.ceilings import (
 from pjinfer.benchmarks.common import (
     finish_record,
     jax_device_info,
+    kernel_bench_parser,
     new_record,
     positive_int,
     power_of_two,
@@ -193,9 +194,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=None, help="write the JSON record here")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check)")
+    parser = kernel_bench_parser(__doc__)
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS))
     parser.add_argument("--tokens", type=positive_int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--block-n", type=power_of_two, nargs="+", default=[128])

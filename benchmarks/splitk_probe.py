@@ -31,7 +31,13 @@ import sys
 from typing import Any
 
 from pjinfer.benchmarks.ceilings import _filled, pipelined_seconds, timing_plan
-from pjinfer.benchmarks.common import finish_record, jax_device_info, new_record, positive_int
+from pjinfer.benchmarks.common import (
+    finish_record,
+    jax_device_info,
+    kernel_bench_parser,
+    new_record,
+    positive_int,
+)
 
 # (name, K, N, source): Qwen3-30B-A3B's q/k/v and router (x from the input / post-attention
 # norm), its o projection (x from attention), Llama-3-8B's q/k/v
@@ -179,9 +185,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=None, help="write the JSON record here")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check)")
+    parser = kernel_bench_parser(__doc__)
     parser.add_argument("--tokens", type=positive_int, nargs="+", default=[1, 8])
     parser.add_argument("--splits", type=positive_int, nargs="+", default=[4, 8])
     parser.add_argument("--layers", type=positive_int, default=48)
