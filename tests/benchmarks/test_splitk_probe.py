@@ -1,0 +1,37 @@
+"""`python -m pjinfer.benchmarks.splitk_probe --smoke`: the split-K probe's plumbing on CPU
+(its Pallas stand-ins in interpret mode), and its kernel count over an HLO text."""
+
+from __future__ import annotations
+
+import json
+
+from pjinfer.benchmarks.splitk_probe import kernel_counts, main
+
+HLO = """HloModule m
+%fused_computation { ... }
+ENTRY %main.1 (p: bf16[8,2048]) -> bf16[8,2048] {
+  %gemm_fusion_dot.1 = f32[4,8,5120]{2,1,0} fusion(%p, %w), kind=kCustom, calls=%gemm
+  %fusion.2 = bf16[8,5120]{1,0} fusion(%gemm_fusion_dot.1), kind=kInput, calls=%reduce
+  %copy.3 = bf16[2048,8]{1,0} copy(%p)
+  %custom-call.4 = bf16[8,2048] custom-call(%fusion.2), custom_call_target="__gpu$xla.gpu.triton"
+}
+"""
+
+
+def test_kernel_counts_read_the_entry_computation():
+    assert kernel_counts(HLO) == {"fusion:kCustom": 1, "fusion:kInput": 1, "copy": 1,
+                                  "custom-call:__gpu$xla.gpu.triton": 1}
+
+
+def test_smoke_record(tmp_path):
+    out = tmp_path / "splitk.json"
+    hlo = tmp_path / "hlo"
+    hlo.mkdir()
+    assert main(["--smoke", "--tokens", "1", "--splits", "4", "--layers", "2", "--calls", "1",
+                 "--samples", "1", "--hlo-dir", str(hlo), "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"], r["form"], r["splits"]) for r in rows] == [
+        ("tiny", "plain", None), ("tiny", "batched", 4),
+        ("tiny_o", "plain", None), ("tiny_o", "batched", 4)]
+    assert all(r["us_per_layer"] > 0 and r["kernels_per_layer"] for r in rows)
+    assert len(list(hlo.iterdir())) == 4
