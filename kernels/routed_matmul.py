@@ -89,7 +89,7 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
                 start = (k_range * k_steps + kb) * block_k
                 ks = pl.ds(start, block_k)
                 x = (lhs_ref[rows, ks] if glu is None
-                     else _glu_tile(lhs_ref, out_rows, start, block_k, glu, dtype))
+                     else _glu_tile(lhs_ref, out_rows, hit, start, block_k, glu, dtype))
                 x = jnp.where(hit[:, None], x, 0)  # [T, bk]
                 if scale_ref is None:
                     return acc + expert_stack.weight_dot(x, rhs_ref[e, ks, cols], False)
@@ -108,15 +108,22 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
     jax.lax.fori_loop(0, -(-real_t * top_k // splits), assignment, 0)
 
 
-def _glu_tile(lhs_ref, rows, start, block_k: int, glu: tuple[int, int], dtype) -> jax.Array:
+def _glu_tile(lhs_ref, rows, hit, start, block_k: int, glu: tuple[int, int],
+              dtype) -> jax.Array:
     """silu(gate) * up [T, bk] at K offset `start` from a gate/up GEMM's raw partials: its
-    K ranges' float32 (or, one range, lhs-dtype) sums added here, where XLA ran a kernel."""
+    K ranges' float32 (or, one range, lhs-dtype) sums added here, where XLA ran a kernel.
+    Only the rows of tokens that chose the expert (`hit`) are fetched: at one token one of
+    the dot's 16."""
     up, partials = glu
     stride = lhs_ref.shape[0] // partials
-    gate = upv = jnp.zeros((rows.shape[0], block_k), jnp.float32)
-    for q in range(partials):
-        gate += lhs_ref[q * stride + rows, pl.ds(start, block_k)].astype(jnp.float32)
-        upv += lhs_ref[q * stride + rows, pl.ds(start + up, block_k)].astype(jnp.float32)
+    cols = jnp.arange(block_k, dtype=jnp.int32)[None, :]
+
+    def fetch(q: int, offset) -> jax.Array:  # range q's [T, bk] at column offset
+        return pltriton.load(lhs_ref.at[q * stride + rows[:, None], offset + cols],
+                             mask=hit[:, None], other=0.0).astype(jnp.float32)
+
+    gate = sum(fetch(q, start) for q in range(partials))
+    upv = sum(fetch(q, start + up) for q in range(partials))
     return (gate / (1.0 + jnp.exp(-gate)) * upv).astype(dtype)
 
 
