@@ -130,7 +130,7 @@ def _glu_tile(lhs_ref, rows, hit, start, block_k: int, glu: tuple[int, int],
 def _routed_call(lhs: jax.Array, rhs: jax.Array, scales: list, ids: jax.Array, *,
                  per_assignment: bool, glu: tuple[int, int] | None, block_n: int,
                  block_k: int, num_warps: int, num_stages: int, splits: int, k_splits: int,
-                 dtype, interpret: bool) -> tuple[jax.Array, int]:
+                 dtype, interpret: bool, partial_dtype=jnp.float32) -> tuple[jax.Array, int]:
     """The kernel over padded rhs (`pad_stack`) and lhs: its raw output [q * Tp*kp, width]
     (q K ranges, rows of inactive choices unwritten) and q."""
     tp, kp = max(16, common.next_pow2(ids.shape[0])), common.next_pow2(ids.shape[1])
@@ -153,7 +153,7 @@ def _routed_call(lhs: jax.Array, rhs: jax.Array, scales: list, ids: jax.Array, *
                   *(whole(a.shape) for a in scales)],
         out_specs=whole((k_splits * tp * kp, width)),
         out_shape=jax.ShapeDtypeStruct((k_splits * tp * kp, width),
-                                       dtype if k_splits == 1 else jnp.float32),
+                                       dtype if k_splits == 1 else partial_dtype),
         compiler_params=common.triton_params(num_warps, num_stages),
         interpret=interpret,
         name="routed_matmul",
@@ -217,7 +217,10 @@ def routed_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax.Array
     (gate_up [G, D, 2I], gate columns then up) and down [G, I, D'], with `blocks` (block_n,
     block_k) and `k_splits` each. The down kernel reads gate/up's raw partials, summing
     them and applying the activation as it loads: XLA ran that as a kernel of its own
-    between the two (2 us a layer of Qwen3-30B-A3B's decode step on the H100). I must be a
+    between the two (2 us a layer of Qwen3-30B-A3B's decode step on the H100). Gate/up's K
+    ranges are stored in x's dtype: the down kernel's pipeline stages its activation loads
+    too, and float32 ones took it from 78 to 135 KB of shared memory (one program an SM)
+    where bf16 ones take 100 KB (two; sm_90a, Qwen3's shapes, 3 stages). I must be a
     multiple of down's block_k. Quantized stacks ([G, N, K] values) take their scales."""
     t, k = ids.shape
     _check_routed(x, gate_up, ids, False, gate_up_scales)
@@ -237,7 +240,7 @@ def routed_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax.Array
     rhs, scales = expert_stack.pad_stack(gate_up, gate_up_scales, bk, bn)
     h, q = _routed_call(expert_stack.pad_to(x, 1, bk), rhs, scales, ids, per_assignment=False,
                         glu=None, block_n=bn, block_k=bk, k_splits=k_splits[0],
-                        **launch)  # [q * Tp*kp, >= 2I]
+                        partial_dtype=x.dtype, **launch)  # [q * Tp*kp, >= 2I]
     rhs, scales = expert_stack.pad_stack(down, down_scales, down_bk, down_bn)
     out, q = _routed_call(h, rhs, scales, ids, per_assignment=True, glu=(inter, q),
                           block_n=down_bn, block_k=down_bk, k_splits=k_splits[1], **launch)

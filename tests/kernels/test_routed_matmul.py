@@ -101,6 +101,18 @@ def test_routed_ffn_kernels_match_the_activation_between_two_gemms(t, k, g, d, i
     np.testing.assert_allclose(out, np.stack(want), **F32_TOL)
 
 
+def test_routed_ffn_kernels_in_bfloat16():
+    """bf16 x and experts, gate/up in 2 K ranges stored in bf16: within bf16's rounding of
+    the reference (float32 gate/up sums)."""
+    ids, x, gate_up, down = _ffn_case(4, 3, 6, 64, 32, seed=11)
+    x, gate_up, down = (a.astype(jnp.bfloat16) for a in (x, gate_up, down))
+    want = routed_ffn_reference(x, gate_up, down, ids).astype(jnp.float32)
+    out = routed_ffn(x, gate_up, down, ids, blocks=((16, 16), (16, 16)), k_splits=(2, 1),
+                     interpret=INTERPRET)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(out.astype(jnp.float32), want, rtol=3e-2, atol=3e-2)
+
+
 def test_routed_ffn_dispatch():
     """ops.routed_ffn: the fused pair where I is whole K blocks of down, the two GEMMs with
     the activation between where it is not (I = 40), the reference elsewhere: all agree."""
