@@ -89,7 +89,7 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
                 start = (k_range * k_steps + kb) * block_k
                 ks = pl.ds(start, block_k)
                 x = (lhs_ref[rows, ks] if glu is None
-                     else _glu_tile(lhs_ref, out_rows, hit, start, block_k, glu, dtype))
+                     else _glu_tile(lhs_ref, out_rows, start, block_k, glu, dtype))
                 x = jnp.where(hit[:, None], x, 0)  # [T, bk]
                 if scale_ref is None:
                     return acc + expert_stack.weight_dot(x, rhs_ref[e, ks, cols], False)
@@ -108,19 +108,17 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
     jax.lax.fori_loop(0, -(-real_t * top_k // splits), assignment, 0)
 
 
-def _glu_tile(lhs_ref, rows, hit, start, block_k: int, glu: tuple[int, int],
+def _glu_tile(lhs_ref, rows, start, block_k: int, glu: tuple[int, int],
               dtype) -> jax.Array:
     """silu(gate) * up [T, bk] at K offset `start` from a gate/up GEMM's raw partials: its
-    K ranges' float32 (or, one range, lhs-dtype) sums added here, where XLA ran a kernel.
-    Only the rows of tokens that chose the expert (`hit`) are fetched: at one token one of
-    the dot's 16."""
+    K ranges added here, where XLA ran a kernel. All T rows are read (the caller masks the
+    tokens that did not choose the expert): a masked load here failed to compile in Triton
+    3.x for a 16-wide K block (an i1 mask staged in shared memory; H200, round 31)."""
     up, partials = glu
     stride = lhs_ref.shape[0] // partials
-    cols = jnp.arange(block_k, dtype=jnp.int32)[None, :]
 
     def fetch(q: int, offset) -> jax.Array:  # range q's [T, bk] at column offset
-        return pltriton.load(lhs_ref.at[q * stride + rows[:, None], offset + cols],
-                             mask=hit[:, None], other=0.0).astype(jnp.float32)
+        return lhs_ref[q * stride + rows, pl.ds(offset, block_k)].astype(jnp.float32)
 
     gate = sum(fetch(q, start) for q in range(partials))
     upv = sum(fetch(q, start + up) for q in range(partials))

@@ -111,9 +111,10 @@ def rel_err(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
-# float32 on a GPU: XLA's dots there are TF32 (the interpreted kernels' and the references'),
-# ~4e-5 relative on the H200 (RESULTS.md, round 7)
-TOL = {jnp.float32: 1e-5 if jax.default_backend() == "cpu" else 1e-4, jnp.bfloat16: 1e-2}
+# float32 on a GPU: XLA's dots there are TF32 (the references'), and so are the compiled
+# kernels' (Triton's default): ~4e-5 relative on the H200 interpreted (RESULTS.md, round 7),
+# up to 2.2e-4 compiled (head_dim 64, round 31)
+TOL = {jnp.float32: 1e-5 if jax.default_backend() == "cpu" else 5e-4, jnp.bfloat16: 1e-2}
 
 
 def to_fp8(batch: PagedBatch, k_scale: float, v_scale: float) -> tuple[PagedBatch, PagedBatch]:
