@@ -3,10 +3,7 @@
 Grid (seq, kv_head, split): each program loads its sequence's pages for one KV head once
 and scores them against all G query heads of that group (padded to a 16-row `pl.dot`
 tile). The context is cut into `num_splits` ranges (flash-decoding) whose partial
-softmax states are merged afterwards, so a small batch still fills the GPU: by a second
-kernel (`combine_splits`, one program a (seq, kv head)) where XLA ran two fusions (the
-weights, then the weighted sum and the cast: 3.0 us a layer of Qwen3-30B-A3B's batch-1 step
-on an H100, RESULTS.md round 30), with `combine_splits_reference` beside it.
+softmax states are merged by `combine_splits`, so a small batch still fills the GPU.
 """
 
 from __future__ import annotations
@@ -17,7 +14,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from pjinfer.kernels import common
 from pjinfer.kernels.common import AttentionParams
@@ -85,8 +81,8 @@ def _decode_kernel(
     l_ref[...] = l_sum
 
 
-def combine_splits_reference(o: jax.Array, m: jax.Array, l_sum: jax.Array) -> jax.Array:
-    """Merges per-split softmax states along axis 0 (pure JAX): o [K, ..., D], m/l [K, ...]."""
+def combine_splits(o: jax.Array, m: jax.Array, l_sum: jax.Array) -> jax.Array:
+    """Merges per-split softmax states along axis 0: o [K, ..., D], m/l [K, ...]."""
     m_max = m.max(axis=0)
     w = jnp.exp(m - m_max[None])  # [K, ...]
     denom = jnp.maximum((l_sum * w).sum(axis=0), jnp.finfo(jnp.float32).tiny)
@@ -121,8 +117,8 @@ def decode_attention(
         common.flat_pages(v_cache), gp=gp, block_size=block_size, attn=attn,
         block_sizes=block_sizes, interpret=interpret,
     )
-    out = combine_splits(o, m, l_sum, group, q.dtype, interpret=interpret)  # [S, KVH, G, D]
-    return out.reshape(num_seqs, num_heads, head_dim)
+    out = combine_splits(o, m, l_sum)[:, :, :group]  # [S, KVH, G, D]
+    return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
 
 
 def _decode_call(lens, tables, qg, k_flat, v_flat, *, gp: int, block_size: int,
@@ -158,45 +154,6 @@ def _decode_call(lens, tables, qg, k_flat, v_flat, *, gp: int, block_size: int,
         interpret=interpret,
         name="paged_decode_attention",
     )(lens, tables, qg, k_flat, v_flat)
-
-
-def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, group: int):
-    """Program (seq, kv head): its splits' states (o [K, .., Gp, D], m / l [K, .., Gp]) merged
-    as `combine_splits_reference` does, the group's G rows stored in the output's dtype."""
-    seq, head = pl.program_id(0), pl.program_id(1)
-    splits, gp, head_dim = o_ref.shape[0], o_ref.shape[3], o_ref.shape[4]
-    m_max = jax.lax.fori_loop(0, splits, lambda k, mx: jnp.maximum(mx, m_ref[k, seq, head, :]),
-                              jnp.full((gp,), common.MASK_VALUE, jnp.float32))
-
-    def merge(k, state):
-        acc, den = state
-        w = jnp.exp(m_ref[k, seq, head, :] - m_max)  # [Gp]
-        return acc + o_ref[k, seq, head, :, :] * w[:, None], den + l_ref[k, seq, head, :] * w
-
-    acc, den = jax.lax.fori_loop(0, splits, merge, (jnp.zeros((gp, head_dim), jnp.float32),
-                                                    jnp.zeros((gp,), jnp.float32)))
-    out = acc / jnp.maximum(den, jnp.finfo(jnp.float32).tiny)[:, None]
-    rows = jnp.arange(gp)  # rows past G masked off: distinct addresses, never written
-    pltriton.store(out_ref.at[seq, head, pl.ds(0, gp), :], out.astype(out_ref.dtype),
-                   mask=(rows < group)[:, None])
-
-
-def combine_splits(o: jax.Array, m: jax.Array, l_sum: jax.Array, group: int, dtype, *,
-                   interpret: bool = False) -> jax.Array:
-    """The decode kernel's split states merged (Pallas): o [K, S, KVH, Gp, D], m / l [K, S,
-    KVH, Gp] -> [S, KVH, G, D] in `dtype`, as `combine_splits_reference`."""
-    _, num_seqs, num_kv_heads, _, head_dim = o.shape
-    whole = common.whole_spec
-    return pl.pallas_call(
-        functools.partial(_combine_kernel, group=group),
-        grid=(num_seqs, num_kv_heads),
-        in_specs=[whole(o.shape), whole(m.shape), whole(l_sum.shape)],
-        out_specs=whole((num_seqs, num_kv_heads, group, head_dim)),
-        out_shape=jax.ShapeDtypeStruct((num_seqs, num_kv_heads, group, head_dim), dtype),
-        compiler_params=common.triton_params(4, 1),
-        interpret=interpret,
-        name="decode_split_combine",
-    )(o, m, l_sum)
 
 
 @functools.partial(jax.jit, static_argnames=("attn",))

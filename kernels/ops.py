@@ -234,11 +234,12 @@ def routed_matmul(lhs: jax.Array, rhs: Experts, ids: jax.Array, *, per_assignmen
 def routed_ffn(x: jax.Array, gate_up: Experts, down: Experts, ids: jax.Array, *,
                backend: str = "auto") -> jax.Array:
     """Each token-expert assignment's SwiGLU, x [T, D] -> [T*k, D] (ids [T, k], < 0: 0 rows;
-    gate_up [E, D, 2I] gate then up columns, down [E, I, D]): on Pallas two routed kernels,
-    the second taking the activation from the first's raw output as it loads."""
+    gate_up [E, D, 2I] gate then up columns, down [E, I, D]). On Pallas two routed kernels:
+    for a long down GEMM (`ROUTED_FFN_MIN_K_BLOCKS`) the second takes the activation from
+    the first's raw output as it loads (`routed_ffn`), else XLA computes it between them."""
     tilings = [_routed_tiling(w.shape, ids.shape[1]) for w in (gate_up, down)]
-    if _use_pallas(backend) and down.shape[1] % tilings[1][0][1]:
-        # I not in whole K blocks of down: the activation between the two kernels
+    k_blocks, rest = divmod(down.shape[1], tilings[1][0][1])
+    if _use_pallas(backend) and (rest or k_blocks < ROUTED_FFN_MIN_K_BLOCKS):
         h = routed_matmul(x, gate_up, ids, per_assignment=False, backend=backend)
         return routed_matmul(silu_and_mul(h), down, ids, per_assignment=True, backend=backend)
     (gate_up, gate_up_scales), (down, down_scales) = _stored(gate_up), _stored(down)
@@ -248,6 +249,13 @@ def routed_ffn(x: jax.Array, gate_up: Experts, down: Experts, ids: jax.Array, *,
     return pallas_routed_ffn(x, gate_up, down, ids, **stored, interpret=_interpret(),
                              blocks=tuple(blocks for blocks, _ in tilings),
                              k_splits=tuple(splits for _, splits in tilings))
+
+
+# H200 (RESULTS.md, round 31), routed GEMMs at one token, fused against XLA's activation
+# between: Mixtral-8x7B (I 14,336: 112 K blocks of down) 184.1 -> 179.3 us a layer; Qwen3-30B-A3B
+# (I 768: 6 blocks) 29.8 -> 28.7 alone but, in the engine's 8-row decode step, down 13.9 us
+# against ~10.4 + 2.0 (its per-step activation work outweighs a short K loop)
+ROUTED_FFN_MIN_K_BLOCKS = 16
 
 
 def _routed_tiling(rhs_shape: tuple[int, int, int], top_k: int

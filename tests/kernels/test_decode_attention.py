@@ -7,11 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pjinfer.kernels.common import MASK_VALUE, AttentionParams
+from pjinfer.kernels.common import AttentionParams
 from pjinfer.kernels.decode_attention import (
     DecodeBlockSizes,
-    combine_splits,
-    combine_splits_reference,
     decode_attention,
     decode_attention_reference,
     default_decode_block_sizes,
@@ -93,26 +91,6 @@ def test_decode_bf16_query_over_fp8_caches(k_scale, v_scale):
     _check(b8, jnp.bfloat16, sizes, attn)
 
 
-@pytest.mark.parametrize("splits, group", [(1, 4), (3, 8), (9, 16), (2, 1)])
-def test_combine_kernel_matches_combine_splits(splits, group):
-    """The split-combine kernel against `combine_splits_reference` on random partial states: maxima
-    far apart, a split that saw no key (MASK_VALUE, 0) and a padding sequence whose splits
-    all saw none; the G real rows of each 16-row group come out, in the query's dtype."""
-    rng = np.random.default_rng(splits * 16 + group)
-    shape = (splits, 3, 2, 16)  # [K, S, KVH, Gp]
-    o = jnp.asarray(rng.normal(size=shape + (32,)), jnp.float32)
-    m = jnp.asarray(rng.normal(0, 20, shape), jnp.float32)
-    l_sum = jnp.asarray(rng.uniform(0.5, 4, shape), jnp.float32)
-    m, l_sum = m.at[0, 1].set(MASK_VALUE), l_sum.at[0, 1].set(0.0)  # split 0 of seq 1: empty
-    m, l_sum, o = m.at[:, 2].set(MASK_VALUE), l_sum.at[:, 2].set(0.0), o.at[:, 2].set(0.0)
-    for dtype in (jnp.float32, jnp.bfloat16):
-        got = combine_splits(o, m, l_sum, group, dtype, interpret=INTERPRET)
-        want = combine_splits_reference(o, m, l_sum)[:, :, :group].astype(dtype)
-        assert got.shape == (3, 2, group, 32) and got.dtype == dtype
-        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                                   rtol=1e-6 if dtype == jnp.float32 else 1e-2, atol=1e-6)
-
-
 def test_query_group_is_not_padded_in_xla():
     """Exported for CUDA (no GPU needed), the call is the kernel and nothing pads q: Llama's
     4 heads a KV head fill the dot's 16 rows inside the kernel, not in a pad kernel a layer."""
@@ -123,9 +101,7 @@ def test_query_group_is_not_padded_in_xla():
             *[jax.ShapeDtypeStruct((blocks, bs, kv_heads, d), jnp.bfloat16)] * 2,
             jax.ShapeDtypeStruct((s, 8), jnp.int32), jax.ShapeDtypeStruct((s,), jnp.int32))
     text = cuda_module(lambda *a: decode_attention(*a, AttentionParams(scale=d ** -0.5)), *args)
-    assert len(re.findall(r"custom_call @", text)) == 2  # attention, then the split combine
-    assert re.findall(r'name = "(\w+)", num_stages', text) == [
-        "paged_decode_attention", "decode_split_combine"]
+    assert len(re.findall(r"custom_call @", text)) == 1
     pads = [line for line in text.splitlines() if "stablehlo.pad" in line]
     assert not [line for line in pads if "bf16" in line]  # (the block tables' pad is a no-op)
 

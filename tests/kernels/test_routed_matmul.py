@@ -114,15 +114,22 @@ def test_routed_ffn_kernels_in_bfloat16():
     np.testing.assert_allclose(out.astype(jnp.float32), want, rtol=3e-2, atol=3e-2)
 
 
-def test_routed_ffn_dispatch():
-    """ops.routed_ffn: the fused pair where I is whole K blocks of down, the two GEMMs with
-    the activation between where it is not (I = 40), the reference elsewhere: all agree."""
-    for inter in (32, 40):
+def test_routed_ffn_dispatch(monkeypatch):
+    """ops.routed_ffn: the fused pair for a down GEMM of >= ROUTED_FFN_MIN_K_BLOCKS K blocks,
+    the two GEMMs with XLA's activation between for a shorter one or an I not in whole
+    blocks (40), the reference elsewhere: all agree."""
+    called = []
+    monkeypatch.setattr(ops, "pallas_routed_ffn",
+                        lambda *a, **kw: called.append(kw["blocks"]) or routed_ffn(*a, **kw))
+    for inter, fused in ((32, False), (40, False), (16 * 16, True)):
         ids, x, gate_up, down = _ffn_case(6, 2, 5, 32, inter, seed=inter)
         want = routed_ffn_reference(x, gate_up, down, ids)
+        monkeypatch.setattr(ops, "ROUTED_FFN_MIN_K_BLOCKS", 2 if fused else 16)
         for backend in ("reference", "pallas"):
             got = ops.routed_ffn(x, gate_up, down, ids, backend=backend)
             np.testing.assert_allclose(got, want, **F32_TOL, err_msg=f"{backend} I={inter}")
+        assert bool(called) == fused, inter
+        called.clear()
 
 
 def test_routed_ffn_lowers_to_two_kernels_and_nothing_between():
