@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from pjinfer.kernels import lora_matmul, moe_route
 from pjinfer.kernels import quantized_matmul as qmm
 from pjinfer.kernels.backends import BACKENDS
-from pjinfer.kernels.common import AttentionParams, dividing_block
+from pjinfer.kernels.common import AttentionParams
 from pjinfer.kernels.decode_attention import (
     decode_attention,
     decode_attention_reference,
@@ -35,8 +35,12 @@ from pjinfer.kernels.rotary_write import (
     rotary_write,
     rotary_write_reference,
 )
+from pjinfer.kernels.routed_matmul import (
+    default_routed_tiling,
+    routed_ffn_reference,
+    routed_matmul_reference,
+)
 from pjinfer.kernels.routed_matmul import routed_ffn as pallas_routed_ffn
-from pjinfer.kernels.routed_matmul import routed_ffn_reference, routed_matmul_reference
 from pjinfer.kernels.routed_matmul import routed_matmul as pallas_routed_matmul
 from pjinfer.quantization.experts import QuantizedExperts, dequantize_experts
 from pjinfer.quantization.weight import QuantizedWeight
@@ -225,7 +229,7 @@ def routed_matmul(lhs: jax.Array, rhs: Experts, ids: jax.Array, *, per_assignmen
     if not _use_pallas(backend):
         return routed_matmul_reference(lhs, rhs, ids, per_assignment=per_assignment,
                                        rhs_scales=scales, out_dtype=out_dtype)
-    (bn, bk), k_splits = _routed_tiling(rhs_shape, ids.shape[1])
+    (bn, bk), k_splits = default_routed_tiling(rhs_shape, ids.shape[1])
     return pallas_routed_matmul(lhs, rhs, ids, per_assignment=per_assignment,
                                 rhs_scales=scales, out_dtype=out_dtype, interpret=_interpret(),
                                 block_n=bn, block_k=bk, k_splits=k_splits)
@@ -237,7 +241,7 @@ def routed_ffn(x: jax.Array, gate_up: Experts, down: Experts, ids: jax.Array, *,
     gate_up [E, D, 2I] gate then up columns, down [E, I, D]). On Pallas two routed kernels:
     for a long down GEMM (`ROUTED_FFN_MIN_K_BLOCKS`) the second takes the activation from
     the first's raw output as it loads (`routed_ffn`), else XLA computes it between them."""
-    tilings = [_routed_tiling(w.shape, ids.shape[1]) for w in (gate_up, down)]
+    tilings = [default_routed_tiling(w.shape, ids.shape[1]) for w in (gate_up, down)]
     k_blocks, rest = divmod(down.shape[1], tilings[1][0][1])
     if _use_pallas(backend) and (rest or k_blocks < ROUTED_FFN_MIN_K_BLOCKS):
         h = routed_matmul(x, gate_up, ids, per_assignment=False, backend=backend)
@@ -256,36 +260,6 @@ def routed_ffn(x: jax.Array, gate_up: Experts, down: Experts, ids: jax.Array, *,
 # (I 768: 6 blocks) 29.8 -> 28.7 alone but, in the engine's 8-row decode step, down 13.9 us
 # against ~10.4 + 2.0 (its per-step activation work outweighs a short K loop)
 ROUTED_FFN_MIN_K_BLOCKS = 16
-
-
-def _routed_tiling(rhs_shape: tuple[int, int, int], top_k: int
-                   ) -> tuple[tuple[int, int], int]:
-    """((block_n, block_k), K ranges) of a routed GEMM over a [G, K, N] expert stack."""
-    groups, kk, n = rhs_shape
-    # n128 / k128: round 7's sweep on the H200 (RESULTS.md) found them best or within 9% of
-    # the best at 1-16 tokens for Qwen3-30B-A3B and Mixtral-8x7B experts
-    bn, bk = dividing_block(128, n), dividing_block(128, kk)
-    # programs with an expert to read when one real token fills the step: decode buckets pad
-    # T with inactive rows, so T cannot tell how many experts a step reads
-    busy = -(-n // bn) * min(top_k, groups)
-    return (bn, bk), routed_k_splits(busy, -(-kk // bk))
-
-
-def routed_k_splits(busy_programs: int, k_blocks: int) -> int:
-    """K ranges for a routed GEMM: split until ~`ROUTED_BUSY_PROGRAMS` programs stream
-    weights, at most 4 ranges of >= 8 K blocks each. Round 9's sweep on the H200 (RESULTS.md):
-    at one token Mixtral's down projection (64 busy programs, 112 K blocks) ran 211 -> 179
-    us/layer with 4 ranges (and no slower at 4-32 tokens), Qwen3-30B-A3B's gate/up (96, 16
-    blocks) 34.3 -> 31.6 with 2 (3% slower at 16-32 tokens); every split of a GEMM with >= 256
-    busy programs or a short K was slower or no faster."""
-    splits = 1
-    while busy_programs * splits < ROUTED_BUSY_PROGRAMS and splits < 4 \
-            and k_blocks // (2 * splits) >= 8:
-        splits *= 2
-    return splits
-
-
-ROUTED_BUSY_PROGRAMS = 256  # ~2 per SM of an H100/H200
 
 
 def prefers_routed_matmul(backend: str, tokens: int) -> bool:

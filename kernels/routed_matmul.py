@@ -42,6 +42,36 @@ def _check_routed(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, per_assignment
 ROUTED_SPLITS = 128
 
 
+def default_routed_tiling(rhs_shape: tuple[int, int, int], top_k: int
+                          ) -> tuple[tuple[int, int], int]:
+    """((block_n, block_k), K ranges) of a routed GEMM over a [G, K, N] expert stack."""
+    groups, kk, n = rhs_shape
+    # n128 / k128: round 7's sweep on the H200 (RESULTS.md) found them best or within 9% of
+    # the best at 1-16 tokens for Qwen3-30B-A3B and Mixtral-8x7B experts
+    bn, bk = common.dividing_block(128, n), common.dividing_block(128, kk)
+    # programs with an expert to read when one real token fills the step: decode buckets pad
+    # T with inactive rows, so T cannot tell how many experts a step reads
+    busy = -(-n // bn) * min(top_k, groups)
+    return (bn, bk), routed_k_splits(busy, -(-kk // bk))
+
+
+def routed_k_splits(busy_programs: int, k_blocks: int) -> int:
+    """K ranges for a routed GEMM: split until ~`ROUTED_BUSY_PROGRAMS` programs stream
+    weights, at most 4 ranges of >= 8 K blocks each. Round 9's sweep on the H200 (RESULTS.md):
+    at one token Mixtral's down projection (64 busy programs, 112 K blocks) ran 211 -> 179
+    us/layer with 4 ranges (and no slower at 4-32 tokens), Qwen3-30B-A3B's gate/up (96, 16
+    blocks) 34.3 -> 31.6 with 2 (3% slower at 16-32 tokens); every split of a GEMM with >= 256
+    busy programs or a short K was slower or no faster."""
+    splits = 1
+    while busy_programs * splits < ROUTED_BUSY_PROGRAMS and splits < 4 \
+            and k_blocks // (2 * splits) >= 8:
+        splits *= 2
+    return splits
+
+
+ROUTED_BUSY_PROGRAMS = 256  # ~2 per SM of an H100/H200
+
+
 def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
                    k_steps: int, per_assignment: bool, splits: int, padded: tuple[int, int],
                    glu: tuple[int, int] | None, dtype):
