@@ -193,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--samples", type=int, default=None)
     args = parser.parse_args(argv)
+    ks = sorted({k for _, k, _, _ in (SMOKE_SHAPES if args.smoke else SHAPES)})
+    if any(k % s for k in ks for s in args.splits):
+        parser.error(f"--splits must divide every projection's K ({ks}), got {args.splits}")
     finish_record(run(args, argv), args.out)
     return 0
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pjinfer.benchmarks.splitk_probe import kernel_counts, main
 
 HLO = """HloModule m
@@ -35,3 +37,8 @@ def test_smoke_record(tmp_path):
         ("tiny_o", "plain", None), ("tiny_o", "batched", 4)]
     assert all(r["us_per_layer"] > 0 and r["kernels_per_layer"] for r in rows)
     assert len(list(hlo.iterdir())) == 4
+
+
+def test_splits_that_do_not_divide_k_are_a_usage_error():
+    with pytest.raises(SystemExit):
+        main(["--smoke", "--splits", "3"])
