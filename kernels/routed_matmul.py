@@ -9,6 +9,10 @@ several tokens chose is read once. Inactive choices (expert < 0: padding tokens,
 shard's experts) are 0. At one token the chosen experts times the column blocks can be fewer
 programs than the GPU has SMs (Mixtral's down projection: 2 x 32); `k_splits` then cuts K into
 ranges, each program writing a float32 partial that XLA sums.
+
+`routed_ffn` chains the two GEMMs of an expert SwiGLU, the down kernel taking gate/up's raw
+output (its K ranges unsummed) and applying the activation as it loads; `ops.routed_ffn`
+uses it where that measured faster (long down GEMMs: Mixtral's).
 """
 
 from __future__ import annotations
