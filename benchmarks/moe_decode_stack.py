@@ -75,20 +75,19 @@ def stack_fn(tiling: dict[str, int], interpret: bool):
     shared = {k: v for k, v in tiling.items() if k not in ("down_k_splits", "fused")}
     down_k_splits = tiling["down_k_splits"]
 
+    def stored(w):  # (values, scales) as the kernels take a stack; scales None for floats
+        return (w.values, w.scales) if isinstance(w, QuantizedExperts) else (w, None)
+
     def gemm(x, w, ids, **kw):
         kw = {**shared, **kw}  # down's K ranges replace gate/up's
-        if isinstance(w, QuantizedExperts):
-            return routed_matmul(x, w.values, ids, rhs_scales=w.scales, interpret=interpret,
-                                 **kw)
-        return routed_matmul(x, w, ids, interpret=interpret, **kw)
+        values, scales = stored(w)
+        return routed_matmul(x, values, ids, rhs_scales=scales, interpret=interpret, **kw)
 
     def ffn(x, gu, dn, ids):
         """`routed_ffn`: the activation in the down kernel's loads."""
-        blocks = ((shared["block_n"], shared["block_k"]),) * 2
-        stored = [(w.values, w.scales) if isinstance(w, QuantizedExperts) else (w, None)
-                  for w in (gu, dn)]
-        return routed_ffn(x, stored[0][0], stored[1][0], ids, gate_up_scales=stored[0][1],
-                          down_scales=stored[1][1], blocks=blocks,
+        (gu, gu_scales), (dn, dn_scales) = stored(gu), stored(dn)
+        return routed_ffn(x, gu, dn, ids, gate_up_scales=gu_scales, down_scales=dn_scales,
+                          blocks=((shared["block_n"], shared["block_k"]),) * 2,
                           k_splits=(shared["k_splits"], down_k_splits),
                           num_warps=shared["num_warps"], num_stages=shared["num_stages"],
                           splits=shared["splits"], interpret=interpret)

@@ -236,9 +236,9 @@ stage_hoststep() {
       --out "$JSON/host_step.json"
 }
 
-# The q/k norm + RoPE + KV write kernel (RESULTS round 29), the MoE routing and the decode
-# split-combine kernels (round 30) compiled, against their references, and Llama / Qwen3 steps
-# through the Pallas kernels against the reference path: before timing them.
+# The q/k norm + RoPE + KV write kernel (RESULTS round 29), the MoE routing kernel (round 30),
+# decode attention and the routed / grouped expert kernels compiled, against their references,
+# and Llama / Qwen3 steps through the Pallas kernels against the reference path: before timing.
 stage_rotarytests() {
   local gpu=$([ $SMOKE = 1 ] && echo cpu || echo cuda)
   step rotary_kernel_tests 300 env JAX_PLATFORMS=$gpu $PY -m pytest -q -p no:cacheprovider \

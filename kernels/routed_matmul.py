@@ -254,13 +254,12 @@ def routed_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax.Array
     too, and float32 ones took it from 78 to 135 KB of shared memory (one program an SM)
     where bf16 ones take 100 KB (two; sm_90a, Qwen3's shapes, 3 stages). I must be a
     multiple of down's block_k. Quantized stacks ([G, N, K] values) take their scales."""
-    t, k = ids.shape
+    inter, n = expert_stack.stack_dims(down, down_scales)[1:]
     _check_routed(x, gate_up, ids, False, gate_up_scales)
-    _check_routed(jnp.zeros((t * k, expert_stack.stack_dims(down, down_scales)[1]), x.dtype),
-                  down, ids, True, down_scales)
+    _check_routed(jax.ShapeDtypeStruct((ids.size, inter), x.dtype), down, ids, True,
+                  down_scales)  # down's lhs: the activation [T*k, I]
     for block_n, block_k in blocks:
         _check_tiling(ids, block_n, block_k)
-    inter, n = expert_stack.stack_dims(down, down_scales)[1:]
     if 2 * inter != expert_stack.stack_dims(gate_up, gate_up_scales)[2] \
             or inter % blocks[1][1]:
         raise ValueError(f"routed_ffn needs gate_up [G, D, 2I] and down [G, I, D'] with I a "
