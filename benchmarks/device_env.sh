@@ -16,3 +16,24 @@ $PY -c "import llguidance" 2>/dev/null \
   || echo "device_env.sh: llguidance is not importable; carry the wheels in .whl/ (run's carry)" >&2
 # Import the repository as `pjinfer` without installing it.
 eval "$(bash "$REPO/benchmarks/make_shim.sh" "$REPO" /tmp/pjinfer-shim)"
+
+# A step's command runs in the background (`run_step`) so that a TERM or INT to the script (a
+# device call's own time limit) reaches it: `timeout` gives its command a process group of its
+# own, which a signal to the script's group misses, and the process would hold the GPU into
+# the next stage of the call (round 32 lost a run to this).
+STEP_PID=
+run_step() {  # run_step CMD...: CMD in the background, waited for; its status
+  "$@" &
+  STEP_PID=$!
+  wait "$STEP_PID"
+  local rc=$?
+  STEP_PID=
+  return $rc
+}
+stop_step() {
+  [ -n "$STEP_PID" ] || return 0
+  pkill -TERM -P "$STEP_PID" 2>/dev/null
+  kill -TERM "$STEP_PID" 2>/dev/null
+  wait "$STEP_PID" 2>/dev/null
+}
+trap 'stop_step; exit 143' TERM INT

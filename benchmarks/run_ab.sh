@@ -63,9 +63,14 @@ in_tree() {
   local dir=$REPO; [ "$name" = base ] && dir=$BASE
   log "START $name: $*"
   local t0=$SECONDS
-  (cd "$dir" && eval "$(bash "$REPO/benchmarks/make_shim.sh" "$dir" "/tmp/shim-$name")" \
-     && timeout --signal=INT --kill-after=15 $LIMIT "$@") >>"$LOG" 2>&1
+  run_step in_checkout "$dir" "$name" "$@" >>"$LOG" 2>&1
   log "END $name rc=$? in $((SECONDS - t0))s"
+}
+
+in_checkout() {  # in_checkout DIR NAME CMD...: (in run_step's subshell) CMD from DIR's tree
+  local dir=$1 name=$2; shift 2
+  cd "$dir" && eval "$(bash "$REPO/benchmarks/make_shim.sh" "$dir" "/tmp/shim-$name")" \
+    && timeout --signal=INT --kill-after=15 $LIMIT "$@"
 }
 
 bench() {  # bench NAME WORKLOAD KIND ARGS...: one pjinfer bench command in checkout NAME

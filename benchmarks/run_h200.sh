@@ -76,6 +76,9 @@
 #   bash benchmarks/run_h200.sh splitk    # projections + residual add + RMSNorm at decode
 #                                         # sizes, plain vs K cut into ranges by the model (a
 #                                         # batched dot), kernels counted in XLA's HLO (~2 min)
+#   bash benchmarks/run_h200.sh densegemv  # the same projections through the routed kernel as
+#                                          # a dense GEMV (one expert every token chose) at
+#                                          # DENSE_TILINGS (block_n:K ranges) vs XLA (~4 min)
 #   bash benchmarks/run_h200.sh routedwide  # Mixtral's down projection in 4, 8, 16 K ranges
 #                                           # at 1 and 4 tokens (~2 min)
 #   bash benchmarks/run_h200.sh int4ncu   # the int4 decode kernel under Nsight Compute (stall
@@ -150,7 +153,7 @@ step() {
   [ $SMOKE = 1 ] && limit=$T
   log "START $name (limit ${limit}s): $*"
   local t0=$SECONDS
-  timeout --signal=INT --kill-after=15 "$limit" "$@" >>"$LOG" 2>&1
+  run_step timeout --signal=INT --kill-after=15 "$limit" "$@" >>"$LOG" 2>&1
   local rc=$?
   log "END $name rc=$rc in $((SECONDS - t0))s"
   pack
@@ -406,6 +409,13 @@ stage_splitk() {
   mkdir -p "$JSON/splitk_hlo"
   step splitk_probe 240 $PY -m pjinfer.benchmarks.splitk_probe "${args[@]}" \
       --hlo-dir "$JSON/splitk_hlo" --out "$JSON/splitk_probe.json"
+}
+
+stage_densegemv() {
+  local args=(--tokens 1 8); [ $SMOKE = 1 ] && args=(--smoke --tokens 1 --layers 2 --calls 1)
+  step dense_gemv_probe 300 $PY -m pjinfer.benchmarks.splitk_probe "${args[@]}" --splits 4 \
+      --routed ${DENSE_TILINGS:-128:1 128:2 64:1 64:2 64:4 32:1 32:2} \
+      --out "$JSON/dense_gemv_probe.json"
 }
 
 # Round 9 found 4 K ranges best for Mixtral's one-token down projection, the largest tried:
@@ -798,6 +808,7 @@ for stage in "${STAGES[@]}"; do
     routedwide) stage_routedwide ;;
     routedffn) stage_routedffn ;;
     splitk) stage_splitk ;;
+    densegemv) stage_densegemv ;;
     loramulti) stage_loramulti ;;
     int4ncu) stage_int4ncu ;;
     quantshapes) stage_quantshapes ;;

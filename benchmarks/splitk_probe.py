@@ -1,6 +1,8 @@
 """Can a decode step's projection hand its K-range partials to the next kernel, copy-free?
 
   python -m pjinfer.benchmarks.splitk_probe --out splitk_probe.json           # GPU
+  python -m pjinfer.benchmarks.splitk_probe --splits 4 --routed 128:1 128:2 64:1 64:2 \
+      --out dense_routed.json                    # GPU, with the routed kernel as a dense GEMV
   python -m pjinfer.benchmarks.splitk_probe --smoke --out /tmp/splitk.json    # CPU plumbing
 
 At batch 1 XLA cuts a projection's K into ranges (split-K) and sums the float32 partials in a
@@ -16,6 +18,9 @@ that pays depends on what XLA makes of the batched dot and of x's layout. Each l
                               combine before the o projection could store [S, T, K/S])
   y = x @ W                  plain: XLA's dot (its own split-K and sum)
                              batched: the [S, T, N] partials of the dot batched over S
+                             routed: the routed expert kernel over W as a one-expert stack
+                             (every token choosing it: W read once), block_n columns and
+                             S K ranges a program, its raw [S, Tp, N] output as is
   a Pallas kernel sums y's partials (one for plain) and h takes its mean
 
 timed over `layers` layers a call, and counted: the kernels of the optimized HLO's entry
@@ -38,6 +43,7 @@ from pjinfer.benchmarks.common import (
     new_record,
     positive_int,
 )
+from pjinfer.kernels.common import dividing_block
 
 # (name, K, N, source): Qwen3-30B-A3B's q/k/v and router (x from the input / post-attention
 # norm), its o projection (x from attention), Llama-3-8B's q/k/v
@@ -92,8 +98,25 @@ def _kernels(interpret: bool):
     return touch, make, consume
 
 
-def step_fn(form: str, source: str, splits: int, interpret: bool):
-    """f(h, weights per layer) -> h after every layer (each on the chain of the one before)."""
+def routed_dense(x, w, block_n: int, k_splits: int, interpret: bool):
+    """x [T, K] @ w [K, N] through the routed kernel (one expert that every token chose): its
+    raw [S, Tp, N] K-range partials (Tp >= 16 rows, those past T unwritten), as a consumer
+    that knows the layout would read them."""
+    import jax.numpy as jnp
+
+    from pjinfer.kernels import routed_matmul as rm
+
+    ids = jnp.zeros((x.shape[0], 1), jnp.int32)
+    out, q = rm._routed_call(x, w[None], [], ids, per_assignment=False, glu=None,
+                             block_n=block_n, block_k=min(128, x.shape[1]), num_warps=4,
+                             num_stages=3, splits=rm.ROUTED_SPLITS, k_splits=k_splits,
+                             dtype=x.dtype, interpret=interpret)
+    return out.reshape(q, -1, w.shape[1])
+
+
+def step_fn(form: str, source: str, splits: int, interpret: bool, block_n: int = 128):
+    """f(h, weights per layer) -> h after every layer (each on the chain of the one before);
+    `splits` and `block_n` (routed only) are the form's K ranges and column block."""
     import jax
     import jax.numpy as jnp
 
@@ -117,10 +140,12 @@ def step_fn(form: str, source: str, splits: int, interpret: bool):
                 extra = touch(x).astype(jnp.float32) * 1e-3
             if form == "plain":
                 parts = jnp.dot(x, w, preferred_element_type=jnp.float32)[None]
+            elif form == "routed":
+                parts = routed_dense(x, w, block_n, splits, interpret)
             else:
                 parts = jnp.einsum("tsk,skn->stn", x.reshape(t, splits, k // splits), ws,
                                    preferred_element_type=jnp.float32)
-        y = consume(parts, min(128, parts.shape[2]))  # [T, N]
+        y = consume(parts, min(128, parts.shape[2]))[:t]  # [T, N]
         return (h.astype(jnp.float32) + jnp.mean(y.astype(jnp.float32), -1, keepdims=True)
                 + extra).astype(h.dtype)
 
@@ -158,29 +183,46 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         weights = [_filled((k, n), 20 + i) for i in range(args.layers)]
         for t in args.tokens:
             h = _filled((t, k), 1)
-            for form, splits in [("plain", args.splits[0])] + [("batched", s)
-                                                               for s in args.splits]:
-                fn = step_fn(form, source, splits, interpret)
+            forms = ([("plain", args.splits[0], None)]
+                     + [("batched", s, None) for s in args.splits]
+                     + [("routed", s, dividing_block(bn, n)) for bn, s in args.routed])
+            for form, splits, block_n in forms:
+                fn = step_fn(form, source, splits, interpret, block_n)
                 hlo = fn.lower(h, weights).compile().as_text()
                 sec = pipelined_seconds(fn, (h, weights), sync=jax.block_until_ready, **timing)
                 per_layer = min(sec) / args.layers
                 counts = kernel_counts(hlo)
                 row = {"shape": name, "k": k, "n": n, "source": source, "tokens": t,
                        "form": form, "splits": None if form == "plain" else splits,
+                       "block_n": block_n,
                        "us_per_layer": per_layer * 1e6,
                        "kernels_per_layer": {key: c / args.layers for key, c in counts.items()},
                        "weight_tb_s": k * n * 2 / per_layer / 1e12}
                 record["rows"].append(row)
-                print(f"{name} T={t} {form} S={row['splits']}: {per_layer * 1e6:.2f} us/layer, "
-                      f"{row['weight_tb_s']:.2f} TB/s, kernels/layer "
+                print(f"{name} T={t} {form} S={row['splits']} bn={block_n}: "
+                      f"{per_layer * 1e6:.2f} us/layer, {row['weight_tb_s']:.2f} TB/s, "
+                      "kernels/layer "
                       f"{ {key: round(v, 2) for key, v in row['kernels_per_layer'].items()} }",
                       flush=True)
                 if args.hlo_dir:
-                    tag = f"{name}_t{t}_{form}_s{row['splits']}"
+                    tag = f"{name}_t{t}_{form}_s{row['splits']}_n{block_n}"
                     with open(f"{args.hlo_dir}/{tag}.txt", "w") as f:
                         f.write(hlo)
         del weights
     return record
+
+
+def _routed_tiling(text: str) -> tuple[int, int]:
+    """'BLOCK_N:K_RANGES' -> (block_n, k_ranges), for argparse."""
+    try:
+        block_n, ranges = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected BLOCK_N:K_RANGES, e.g. 128:2") from None
+    if block_n < 16 or block_n & (block_n - 1) or ranges < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: block_n must be a power of two >= 16 "
+                                         "and K ranges >= 1")
+    return block_n, ranges
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=positive_int, nargs="+", default=[1, 8])
     parser.add_argument("--splits", type=positive_int, nargs="+", default=[4, 8])
     parser.add_argument("--layers", type=positive_int, default=48)
+    parser.add_argument("--routed", type=_routed_tiling, nargs="*", default=[],
+                        metavar="BLOCK_N:K_RANGES",
+                        help="also time the routed kernel as a dense GEMV at these tilings "
+                             "(block_n a power of two, capped at N; K ranges dividing K's "
+                             "128-wide blocks), e.g. 128:1 64:2")
     parser.add_argument("--hlo-dir", default=None, help="write each form's optimized HLO here")
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--samples", type=int, default=None)

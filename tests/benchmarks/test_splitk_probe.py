@@ -30,13 +30,37 @@ def test_smoke_record(tmp_path):
     hlo = tmp_path / "hlo"
     hlo.mkdir()
     assert main(["--smoke", "--tokens", "1", "--splits", "4", "--layers", "2", "--calls", "1",
-                 "--samples", "1", "--hlo-dir", str(hlo), "--out", str(out)]) == 0
+                 "--samples", "1", "--routed", "128:1", "16:2", "--hlo-dir", str(hlo),
+                 "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["shape"], r["form"], r["splits"]) for r in rows] == [
-        ("tiny", "plain", None), ("tiny", "batched", 4),
-        ("tiny_o", "plain", None), ("tiny_o", "batched", 4)]
+    forms = [("plain", None, None), ("batched", 4, None), ("routed", 1, 32), ("routed", 2, 16)]
+    assert [(r["shape"], r["form"], r["splits"], r["block_n"]) for r in rows] == [
+        (shape, *form) for shape in ("tiny", "tiny_o") for form in forms]
     assert all(r["us_per_layer"] > 0 and r["kernels_per_layer"] for r in rows)
-    assert len(list(hlo.iterdir())) == 4
+    assert len(list(hlo.iterdir())) == 8
+
+
+def test_the_routed_kernel_as_a_dense_gemv_matches_the_dot():
+    """The probe's routed form computes x @ W: its K ranges summed, the rows past T dropped."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pjinfer.benchmarks.splitk_probe import routed_dense
+
+    kx, kw = jax.random.split(jax.random.key(3))
+    x = jax.random.normal(kx, (3, 256), jnp.float32)
+    w = jax.random.normal(kw, (256, 48), jnp.float32)
+    for block_n, ranges in ((16, 1), (16, 2)):
+        parts = routed_dense(x, w, block_n, ranges, interpret=True)
+        assert parts.shape == (ranges, 16, 48)
+        np.testing.assert_allclose(parts.sum(0)[:3], x @ w, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("bad", ["128", "24:1", "64:0", "a:b"])
+def test_bad_routed_tilings_are_a_usage_error(bad):
+    with pytest.raises(SystemExit):
+        main(["--smoke", "--routed", bad])
 
 
 def test_splits_that_do_not_divide_k_are_a_usage_error():
