@@ -24,7 +24,8 @@
 #                                                  # must)
 #   bash benchmarks/run_ab.sh --smoke .bench_base probe   # the same plumbing, tiny, on CPU
 #
-# AB_FLAGS: engine flags added to both sides' runs (e.g. "--cuda-graph-sizes 2 8 32 128 512").
+# AB_FLAGS: engine flags added to both sides' runs (e.g. "--cuda-graph-sizes 2 8 32 128 512");
+# HEAD_FLAGS: to the head's only (a flag against the default, with a base archived from HEAD).
 # JSON records land in $OUT as {base,head}_<workload>.json (W1: w1_1 and w1_2 per side), the
 # log in $OUT/ab_log_<stage>.txt.
 set -uo pipefail
@@ -76,7 +77,8 @@ in_checkout() {  # in_checkout DIR NAME CMD...: (in run_step's subshell) CMD fro
 bench() {  # bench NAME WORKLOAD KIND ARGS...: one pjinfer bench command in checkout NAME
   local name=$1 workload=$2 kind=$3; shift 3
   in_tree "$name" $PY -m pjinfer.benchmarks.cli "$kind" "${MODEL[@]}" "${ENGINE[@]}" \
-      ${AB_FLAGS:-} --compilation-cache-dir "/tmp/ab-cache-$name" "$@" \
+      ${AB_FLAGS:-} $([ "$name" = head ] && echo "${HEAD_FLAGS:-}") \
+      --compilation-cache-dir "/tmp/ab-cache-$name" "$@" \
       --output-json "$OUT/${name}_$workload.json"
 }
 
