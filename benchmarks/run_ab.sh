@@ -25,7 +25,8 @@
 #   bash benchmarks/run_ab.sh --smoke .bench_base probe   # the same plumbing, tiny, on CPU
 #
 # AB_FLAGS: engine flags added to both sides' runs (e.g. "--cuda-graph-sizes 2 8 32 128 512");
-# HEAD_FLAGS: to the head's only (a flag against the default, with a base archived from HEAD).
+# HEAD_FLAGS: to the head's only (a flag against the default, with a base archived from HEAD);
+# HEAD_ENV: environment for the head's runs only (e.g. "XLA_FLAGS=--xla_gpu_enable_pdl=true").
 # JSON records land in $OUT as {base,head}_<workload>.json (W1: w1_1 and w1_2 per side), the
 # log in $OUT/ab_log_<stage>.txt.
 set -uo pipefail
@@ -70,8 +71,9 @@ in_tree() {
 
 in_checkout() {  # in_checkout DIR NAME CMD...: (in run_step's subshell) CMD from DIR's tree
   local dir=$1 name=$2; shift 2
+  local head_env=(); [ "$name" = head ] && read -ra head_env <<< "${HEAD_ENV:-}"
   cd "$dir" && eval "$(bash "$REPO/benchmarks/make_shim.sh" "$dir" "/tmp/shim-$name")" \
-    && timeout --signal=INT --kill-after=15 $LIMIT "$@"
+    && env "${head_env[@]}" timeout --signal=INT --kill-after=15 $LIMIT "$@"
 }
 
 bench() {  # bench NAME WORKLOAD KIND ARGS...: one pjinfer bench command in checkout NAME
