@@ -26,7 +26,7 @@
 #
 # AB_FLAGS: engine flags added to both sides' runs (e.g. "--cuda-graph-sizes 2 8 32 128 512");
 # HEAD_FLAGS: to the head's only (a flag against the default, with a base archived from HEAD);
-# HEAD_ENV: environment for the head's runs only (e.g. "XLA_FLAGS=--xla_gpu_enable_pdl=true").
+# HEAD_ENV: environment for the head's runs only (e.g. "XLA_FLAGS=--xla_gpu_enable_pdl=false").
 # JSON records land in $OUT as {base,head}_<workload>.json (W1: w1_1 and w1_2 per side), the
 # log in $OUT/ab_log_<stage>.txt.
 set -uo pipefail

@@ -99,7 +99,7 @@ step() {
   [ $limit -gt $rem ] && limit=$rem
   log "START $name (limit ${limit}s): $*"
   local t0=$SECONDS
-  timeout --signal=INT --kill-after=15 "$limit" "$@" >>"$LOG" 2>&1
+  run_step timeout --signal=INT --kill-after=15 "$limit" "$@" >>"$LOG" 2>&1
   local rc=$?
   log "END $name rc=$rc in $((SECONDS - t0))s"
   pack
