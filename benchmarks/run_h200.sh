@@ -79,6 +79,8 @@
 #   bash benchmarks/run_h200.sh densegemv  # the same projections through the routed kernel as
 #                                          # a dense GEMV (one expert every token chose) at
 #                                          # DENSE_TILINGS (block_n:K ranges) vs XLA (~4 min)
+#   bash benchmarks/run_h200.sh pdlcheck  # which kernels of Qwen3's batch-1 decode step wait
+#                                         # on the grid dependency (PDL) in XLA's PTX (~3 min)
 #   bash benchmarks/run_h200.sh routedwide  # Mixtral's down projection in 4, 8, 16 K ranges
 #                                           # at 1 and 4 tokens (~2 min)
 #   bash benchmarks/run_h200.sh int4ncu   # the int4 decode kernel under Nsight Compute (stall
@@ -416,6 +418,19 @@ stage_densegemv() {
   step dense_gemv_probe 300 $PY -m pjinfer.benchmarks.splitk_probe "${args[@]}" --splits 4 \
       --routed ${DENSE_TILINGS:-128:1 128:2 64:1 64:2 64:4 32:1 32:2} \
       --out "$JSON/dense_gemv_probe.json"
+}
+
+# XLA launches its own kernels with PDL (on by default); do the Pallas kernels' custom calls
+# start with the wait that lets them take part? (the step's PTX, from XLA's dump)
+stage_pdlcheck() {
+  if [ $SMOKE = 1 ]; then log "SKIP pdlcheck in smoke mode (needs a GPU's PTX)"; return 0; fi
+  local dump=/tmp/pjinfer-pdl-dump
+  rm -rf "$dump"
+  step pdl_step 300 env XLA_FLAGS="--xla_dump_to=$dump --xla_dump_hlo_module_re=.*step.*" \
+      $PY benchmarks/step_probe.py --model configs/models/qwen3-30b-a3b \
+      --layouts decode_1x768 --backends auto --num-kv-blocks 4096 --max-model-len 4096 \
+      --out "$JSON/pdl_step.json"
+  step pdl_waits 60 $PY -m pjinfer.benchmarks.pdl_waits "$dump" --out "$JSON/pdl_waits.json"
 }
 
 # Round 9 found 4 K ranges best for Mixtral's one-token down projection, the largest tried:
@@ -809,6 +824,7 @@ for stage in "${STAGES[@]}"; do
     routedffn) stage_routedffn ;;
     splitk) stage_splitk ;;
     densegemv) stage_densegemv ;;
+    pdlcheck) stage_pdlcheck ;;
     loramulti) stage_loramulti ;;
     int4ncu) stage_int4ncu ;;
     quantshapes) stage_quantshapes ;;
