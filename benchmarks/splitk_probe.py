@@ -46,9 +46,10 @@ from pjinfer.benchmarks.common import (
 from pjinfer.kernels.common import dividing_block
 
 # (name, K, N, source): Qwen3-30B-A3B's q/k/v and router (x from the input / post-attention
-# norm), its o projection (x from attention), Llama-3-8B's q/k/v
+# norm), its o projection (x from attention), Llama-3-8B's (and Mixtral-8x7B's) q/k/v and o
 SHAPES = [("qwen3_qkv", 2048, 5120, "norm"), ("qwen3_router", 2048, 128, "norm"),
-          ("qwen3_o", 4096, 2048, "kernel"), ("llama_qkv", 4096, 6144, "norm")]
+          ("qwen3_o", 4096, 2048, "kernel"), ("llama_qkv", 4096, 6144, "norm"),
+          ("llama_o", 4096, 4096, "kernel")]
 SMOKE_SHAPES = [("tiny", 64, 32, "norm"), ("tiny_o", 64, 32, "kernel")]
 
 
