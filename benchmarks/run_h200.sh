@@ -416,7 +416,7 @@ stage_splitk() {
 stage_densegemv() {
   local args=(--tokens 1 8); [ $SMOKE = 1 ] && args=(--smoke --tokens 1 --layers 2 --calls 1)
   step dense_gemv_probe 300 $PY -m pjinfer.benchmarks.splitk_probe "${args[@]}" --splits 4 \
-      --routed ${DENSE_TILINGS:-128:1 128:2 64:1 64:2 64:4 32:1 32:2} \
+      --routed ${DENSE_TILINGS:-128:1 64:1 64:2 32:1 32:2 16:1 16:2} \
       --out "$JSON/dense_gemv_probe.json"
 }
 
