@@ -35,30 +35,40 @@ def ptx_entries(text: str) -> list[dict[str, Any]]:
     return out
 
 
-def scan(dump: Path) -> dict[str, Any]:
-    """Every PTX file under `dump`: its kernels, and how many wait on the grid dependency."""
+def scan(dump: Path, expect: list[str] = ()) -> dict[str, Any]:
+    """Every PTX file under `dump`: its kernels, how many wait on the grid dependency, and
+    which `expect`ed names (substrings: the Pallas kernels' names) no kernel carries, since
+    a kernel whose PTX the dump lacks cannot be judged from it."""
     files = {str(p.relative_to(dump)): ptx_entries(p.read_text(errors="replace"))
              for p in sorted(dump.rglob("*.ptx"))}
     kernels = [k for entries in files.values() for k in entries]
     return {"files": files, "num_kernels": len(kernels),
             "num_waiting": sum(k["waits"] > 0 for k in kernels),
-            "not_waiting": sorted({k["kernel"] for k in kernels if not k["waits"]})}
+            "not_waiting": sorted({k["kernel"] for k in kernels if not k["waits"]}),
+            "expected_but_absent": [e for e in expect
+                                    if not any(e in k["kernel"] for k in kernels)]}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("dump", type=Path, help="an --xla_dump_to folder")
+    p.add_argument("--expect", nargs="*", default=[], metavar="NAME",
+                   help="kernel names (substrings) that should appear, e.g. the Pallas "
+                        "kernels' routed_matmul moe_route")
     p.add_argument("--out", default=None, help="write the JSON record here")
     args = p.parse_args(argv)
     if not args.dump.is_dir():
         p.error(f"{args.dump} is not a folder: pass the --xla_dump_to folder of a GPU run")
-    record = new_record("pdl_waits", argv, {"dump": str(args.dump)})
-    record["results"] = result = scan(args.dump)
+    record = new_record("pdl_waits", argv, {"dump": str(args.dump), "expect": args.expect})
+    record["results"] = result = scan(args.dump, args.expect)
     if not result["files"]:
         print(f"no .ptx files under {args.dump}: was it a GPU run with --xla_dump_to?")
     print(f"{result['num_waiting']} of {result['num_kernels']} kernels wait on the grid "
           f"dependency; not waiting: {', '.join(result['not_waiting']) or 'none'}")
+    if result["expected_but_absent"]:
+        print(f"no kernel named like {', '.join(result['expected_but_absent'])} in the dump's "
+              "PTX: those kernels' PTX is not there, so this says nothing about them")
     return finish_record(record, args.out)
 
 

@@ -430,7 +430,8 @@ stage_pdlcheck() {
       $PY benchmarks/step_probe.py --model configs/models/qwen3-30b-a3b \
       --layouts decode_1x768 --backends auto --num-kv-blocks 4096 --max-model-len 4096 \
       --out "$JSON/pdl_step.json"
-  step pdl_waits 60 $PY -m pjinfer.benchmarks.pdl_waits "$dump" --out "$JSON/pdl_waits.json"
+  step pdl_waits 60 $PY -m pjinfer.benchmarks.pdl_waits "$dump" --expect routed_matmul \
+      moe_route rotary_kv_write paged_decode_attention --out "$JSON/pdl_waits.json"
 }
 
 # Round 9 found 4 K ranges best for Mixtral's one-token down projection, the largest tried:

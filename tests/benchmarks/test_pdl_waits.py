@@ -51,12 +51,14 @@ def test_a_dump_folder_is_summarised(tmp_path, capsys):
     (tmp_path / "module_0001.step.ptx").write_text(PTX)
     (tmp_path / "module_0001.step.txt").write_text("HloModule step")  # not PTX: skipped
     out = tmp_path / "pdl.json"
-    record = main([str(tmp_path), "--out", str(out)])
+    record = main([str(tmp_path), "--expect", "routed_matmul", "moe_route", "--out", str(out)])
     assert record["results"]["num_kernels"] == 3
     assert record["results"]["num_waiting"] == 2
     assert record["results"]["not_waiting"] == ["routed_matmul"]
+    assert record["results"]["expected_but_absent"] == ["moe_route"]
     assert json.loads(out.read_text())["results"]["files"].keys() == {"module_0001.step.ptx"}
-    assert "2 of 3 kernels wait" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "2 of 3 kernels wait" in printed and "moe_route" in printed
 
 
 def test_a_missing_folder_is_a_usage_error(tmp_path):
