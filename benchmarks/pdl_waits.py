@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ def ptx_entries(text: str) -> list[dict[str, Any]]:
     return out
 
 
-def scan(dump: Path, expect: list[str] = ()) -> dict[str, Any]:
+def scan(dump: Path, expect: Sequence[str] = ()) -> dict[str, Any]:
     """Every PTX file under `dump`: its kernels, how many wait on the grid dependency, and
     which `expect`ed names (substrings: the Pallas kernels' names) no kernel carries, since
     a kernel whose PTX the dump lacks cannot be judged from it."""

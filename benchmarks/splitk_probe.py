@@ -102,7 +102,8 @@ def _kernels(interpret: bool):
 def routed_dense(x, w, block_n: int, k_splits: int, interpret: bool):
     """x [T, K] @ w [K, N] through the routed kernel (one expert that every token chose): its
     raw [S, Tp, N] K-range partials (Tp >= 16 rows, those past T unwritten), as a consumer
-    that knows the layout would read them."""
+    that knows the layout would read them. One program a column block and K range: the first
+    assignment does all the work, so the T - 1 programs a MoE step would add only look."""
     import jax.numpy as jnp
 
     from pjinfer.kernels import routed_matmul as rm
@@ -110,7 +111,7 @@ def routed_dense(x, w, block_n: int, k_splits: int, interpret: bool):
     ids = jnp.zeros((x.shape[0], 1), jnp.int32)
     out, q = rm._routed_call(x, w[None], [], ids, per_assignment=False, glu=None,
                              block_n=block_n, block_k=min(128, x.shape[1]), num_warps=4,
-                             num_stages=3, splits=rm.ROUTED_SPLITS, k_splits=k_splits,
+                             num_stages=3, splits=1, k_splits=k_splits,
                              dtype=x.dtype, interpret=interpret)
     return out.reshape(q, -1, w.shape[1])
 
