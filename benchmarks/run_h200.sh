@@ -426,10 +426,12 @@ stage_pdlcheck() {
   if [ $SMOKE = 1 ]; then log "SKIP pdlcheck in smoke mode (needs a GPU's PTX)"; return 0; fi
   local dump=/tmp/pjinfer-pdl-dump
   rm -rf "$dump"
-  step pdl_step 300 env XLA_FLAGS="--xla_dump_to=$dump --xla_dump_hlo_module_re=.*step.*" \
+  # no module filter: round 33's `.*step.*` dumped no PTX (what the folder holds is listed)
+  step pdl_step 300 env XLA_FLAGS="--xla_dump_to=$dump" \
       $PY benchmarks/step_probe.py --model configs/models/qwen3-30b-a3b \
       --layouts decode_1x768 --backends auto --num-kv-blocks 4096 --max-model-len 4096 \
       --out "$JSON/pdl_step.json"
+  find "$dump" -type f | sed 's/.*\.//' | sort | uniq -c > "$JSON/pdl_dump_files.txt"
   step pdl_waits 60 $PY -m pjinfer.benchmarks.pdl_waits "$dump" --expect routed_matmul \
       moe_route rotary_kv_write paged_decode_attention --out "$JSON/pdl_waits.json"
 }
