@@ -3,8 +3,8 @@
 `LLM("model.gguf")`, or a folder holding one `.gguf`. The `gguf` package reads the file
 (memory-mapped). Tensors are exposed by `GGUFIndex` with the names the architecture's
 `ParamSpec`s ask for (transformers' names), so the one loader reads them:
-  - F32 / F16 / BF16, and the K-quants Q4_K / Q6_K (dequantized at load, as transformers
-    does), under `<name>.weight`;
+  - F32 / F16 / BF16, Q4_1 / Q5_0 / Q5_1 and the K-quants Q2_K-Q6_K (dequantized at load
+    by the gguf package, as transformers does), under `<name>.weight`;
   - Q8_0 / Q4_0 decoder Linear weights additionally under `<prefix>.gguf_blocks` (raw blocks)
     and `<prefix>.gguf_type`, which `gguf_blocks.read` turns into the canonical packed int8 /
     int4 form (blocks of 32 along the input dim: group size 32) that the kernel streams.
@@ -23,7 +23,8 @@ import numpy as np
 from pjinfer.errors import ModelLoadError
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K",
+                   "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 PACKED_TYPES = ("Q8_0", "Q4_0")  # kept packed for the kernel
 _LAYER = {"input_layernorm.weight": "attn_norm.weight",
           "post_attention_layernorm.weight": "ffn_norm.weight",

@@ -1,8 +1,8 @@
 """Tiny GGUF files written with the gguf package's writer, from a float transformers model.
 
-Q8_0 / Q4_0 / BF16 tensors are the writer's own quantization; Q4_K / Q6_K (which the gguf
-package only dequantizes) are random blocks with small scales, and the model they mean is
-whatever transformers reads back with `gguf_file=`, the oracle.
+BF16 and Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 tensors are the gguf package's own quantization;
+the K-quants Q2_K-Q6_K (which it only dequantizes) are random blocks with small scales, and the
+model they mean is whatever transformers reads back with `gguf_file=`, the oracle.
 """
 
 from __future__ import annotations
@@ -17,6 +17,11 @@ GGUF_TINY = dict(vocab_size=128, hidden_size=256, intermediate_size=512, num_hid
                  initializer_range=0.05, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 LAYER_TYPES = {"attn_q": "Q4_0", "attn_k": "Q8_0", "attn_v": "Q4_K", "attn_output": "Q6_K",
                "ffn_gate": "Q8_0", "ffn_up": "Q4_0", "ffn_down": "Q6_K"}
+# the other types llama.cpp's usual files hold (Q5_K_M, Q3_K_M, Q2_K; Q5_0 / Q4_1 / Q5_1 for
+# rows a 256-wide super-block does not tile), all dequantized at load
+OTHER_TYPES = {"attn_q": "Q5_0", "attn_k": "Q4_1", "attn_v": "Q5_1", "attn_output": "Q5_K",
+               "ffn_gate": "Q3_K", "ffn_up": "Q2_K", "ffn_down": "Q5_K"}
+QUANTIZABLE = ("BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # the gguf package's quantize
 HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
@@ -29,18 +34,33 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
         w.shape)
 
 
+# K-quant super-blocks of 256 values: bytes a block, and where its f16 scale(s) sit
+_K_LAYOUT = {"Q2_K": (84, (80, 82)), "Q3_K": (110, (108,)), "Q4_K": (144, (0, 2)),
+             "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+_K_SCALE = {"Q2_K": 0.002, "Q3_K": 0.0005, "Q4_K": 0.0004, "Q5_K": 0.0002, "Q6_K": 0.0015}
+
+
 def k_quant_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random Q4_K (144 B) / Q6_K (210 B) super-blocks of 256 values, finite small scales."""
+    """Random K-quant super-blocks (Q2_K-Q6_K) with small finite f16 scales: every other
+    byte (quants, packed sub-block scales) random. Q6_K's int8 sub-block scales are kept
+    small too; the dmin of Q2_K / Q4_K / Q5_K is half the scale."""
+    size, at = _K_LAYOUT[kind]
     nb = cols // 256
-    if kind == "Q4_K":  # d, dmin (f16), 12 bytes of 6-bit scales / mins, 128 bytes of nibbles
-        b = rng.integers(0, 256, (rows, nb, 144), dtype=np.uint8)
-        b[..., 0:2] = np.full((rows, nb, 1), 0.0004, np.float16).view(np.uint8)
-        b[..., 2:4] = np.full((rows, nb, 1), 0.0002, np.float16).view(np.uint8)
-    else:  # Q6_K: 128 low bits, 64 high bits, 16 int8 scales, d (f16)
-        b = rng.integers(0, 256, (rows, nb, 210), dtype=np.uint8)
+    b = rng.integers(0, 256, (rows, nb, size), dtype=np.uint8)
+    for j, offset in enumerate(at):
+        value = _K_SCALE[kind] / (1 + j)  # d, then dmin
+        b[..., offset:offset + 2] = np.full((rows, nb, 1), value, np.float16).view(np.uint8)
+    if kind == "Q6_K":
         b[..., 192:208] = rng.integers(-6, 7, (rows, nb, 16)).astype(np.int8).view(np.uint8)
-        b[..., 208:210] = np.full((rows, nb, 1), 0.0015, np.float16).view(np.uint8)
-    return b.reshape(rows, nb * b.shape[-1])
+    return b.reshape(rows, nb * size)
+
+
+def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random bytes shaped as `kind`'s blocks (a type whose values do not matter here)."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    return rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
 
 
 def write_gguf(model, path: Path, arch: str, *, extra_types: dict[str, str] | None = None,
@@ -85,12 +105,10 @@ def write_gguf(model, path: Path, arch: str, *, extra_types: dict[str, str] | No
         kind = types.get(short) if leaf == "weight" else None
         if kind is None:
             w.add_tensor(gname, value)
-        elif kind in ("Q4_K", "Q6_K", "Q5_K"):
-            blocks = k_quant_blocks(kind if kind != "Q5_K" else "Q4_K", *value.shape, rng)
-            if kind == "Q5_K":  # 176-byte blocks: random, only its type matters here
-                blocks = rng.integers(0, 256, (value.shape[0], value.shape[1] // 256 * 176),
-                                      dtype=np.uint8)
-            w.add_tensor(gname, blocks, raw_dtype=T[kind])
+        elif kind in _K_LAYOUT:
+            w.add_tensor(gname, k_quant_blocks(kind, *value.shape, rng), raw_dtype=T[kind])
+        elif kind not in QUANTIZABLE:  # e.g. an unsupported type: only its name matters
+            w.add_tensor(gname, random_blocks(kind, *value.shape, rng), raw_dtype=T[kind])
         else:
             w.add_tensor(gname, gguf.quants.quantize(value, T[kind]), raw_dtype=T[kind])
     w.write_header_to_file()
