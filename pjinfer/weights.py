@@ -149,9 +149,7 @@ def read_param(index: SafetensorsIndex, p: ParamSpec, cfg: ModelConfig, *,
             raise ModelLoadError(f"tensor {stored!r} is stored int-packed, which pjinfer reads "
                                  f"only for unfused Linear weights; {cfg.architecture} slices "
                                  f"{missing[0]!r} at load: use a float or fp8 checkpoint")
-        other = f" (or {', '.join(map(repr, p.fallback[0]))})" if p.fallback else ""
-        raise ModelLoadError(f"checkpoint in {index.model_dir} is missing tensor {missing[0]!r}"
-                             f"{other} (needed for {cfg.architecture} with this config.json)")
+        raise ModelLoadError(_missing(index, p, missing[0], cfg.architecture))
     fetch = index.read if copy else index.get
     tensors = [_scaled(index, name, fetch(name)) for name in names]
     try:
@@ -167,6 +165,17 @@ def read_param(index: SafetensorsIndex, p: ParamSpec, cfg: ModelConfig, *,
                              f"{tuple(host.shape)} (after its transform), expected {p.shape} "
                              "from config.json")
     return host
+
+
+def _missing(index: Any, p: ParamSpec, name: str, architecture: str) -> str:
+    """What a checkpoint lacks for `p`: its name, the fallback's, and a GGUF file's own."""
+    other = f" (or {', '.join(map(repr, p.fallback[0]))})" if p.fallback else ""
+    stored_names = getattr(index, "stored_names", None)
+    if stored_names is not None:  # GGUF: the tensors llama.cpp names
+        found = stored_names(p.fallback[0][0] if p.fallback else name)
+        other += f" (in the file: {', '.join(map(repr, found))})" if found else ""
+    return (f"checkpoint in {index.model_dir} is missing tensor {name!r}{other} (needed for "
+            f"{architecture} with this {'file' if stored_names else 'config.json'})")
 
 
 def _scaled(index: SafetensorsIndex, name: str, tensor: np.ndarray) -> np.ndarray:

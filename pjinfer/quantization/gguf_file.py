@@ -9,7 +9,9 @@
     and `<prefix>.gguf_type`, which `gguf_blocks.read` turns into the canonical packed int8 /
     int4 form (blocks of 32 along the input dim: group size 32) that the kernel streams.
 llama.cpp stores Llama's q and k projections with their rows permuted for its rotary layout;
-they are permuted back here (whole rows, so packed blocks move unchanged).
+they are permuted back here (whole rows, so packed blocks move unchanged). Architectures: Llama,
+Qwen2, Qwen3, and the MoE files of Qwen2-MoE / Qwen3-MoE, whose [E, ...] expert stacks
+(`ffn_{gate,up,down}_exps`) are served under transformers 5's fused names and load as float.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import numpy as np
 
 from pjinfer.errors import ModelLoadError
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+                 "qwen3moe": "Qwen3MoeForCausalLM"}
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K",
                    "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 PACKED_TYPES = ("Q8_0", "Q4_0")  # kept packed for the kernel
@@ -30,7 +34,16 @@ _LAYER = {"input_layernorm.weight": "attn_norm.weight",
           "post_attention_layernorm.weight": "ffn_norm.weight",
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+          "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+          "mlp.shared_expert.up_proj": "ffn_up_shexp",
+          "mlp.shared_expert.down_proj": "ffn_down_shexp",
+          "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+# a MoE layer's expert stacks, as transformers 5 names them ([E, 2I, D] gate rows first;
+# [E, D, I]): llama.cpp's stacks concatenated along dim 1
+_EXPERTS = {"mlp.experts.gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"),
+            "mlp.experts.down_proj": ("ffn_down_exps",)}
 _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
         "output_norm.weight", "lm_head.weight": "output.weight"}
 
@@ -58,10 +71,22 @@ def gguf_name(hf_name: str) -> str | None:
     if len(parts) < 4 or parts[:2] != ["model", "layers"]:
         return None
     rest = ".".join(parts[3:])
+    if rest in _EXPERTS:
+        return None  # several tensors: `expert_names`
     for hf, gg in _LAYER.items():
         if rest == hf or rest.startswith(hf + "."):
             return f"blk.{parts[2]}.{gg}{rest[len(hf):]}"
     return None
+
+
+def expert_names(hf_name: str) -> tuple[str, ...] | None:
+    """A MoE layer's expert stack in transformers 5's name -> llama.cpp's tensors (in
+    the order they concatenate), else None."""
+    parts = hf_name.split(".")
+    rest = ".".join(parts[3:])
+    if len(parts) < 4 or parts[:2] != ["model", "layers"] or rest not in _EXPERTS:
+        return None
+    return tuple(f"blk.{parts[2]}.{name}.weight" for name in _EXPERTS[rest])
 
 
 def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -113,11 +138,20 @@ class GGUFIndex:
         return name, self._tensors[name], base
 
     def __contains__(self, hf_name: str) -> bool:
+        stack = expert_names(hf_name)
+        if stack is not None:
+            return all(name in self._tensors for name in stack)
         try:
             name, t, base = self._tensor(hf_name)
         except KeyError:
             return False
         return base == hf_name or t.tensor_type.name in PACKED_TYPES
+
+    def stored_names(self, hf_name: str) -> tuple[str, ...]:
+        """The file's tensor names that `hf_name` is read from (for error messages)."""
+        stack = expert_names(hf_name)
+        name = gguf_name(hf_name)
+        return stack if stack is not None else ((name,) if name is not None else ())
 
     def names(self) -> list[str]:
         return list(self._tensors)
@@ -135,22 +169,39 @@ class GGUFIndex:
         return rows
 
     def get(self, hf_name: str) -> np.ndarray:
-        import gguf
-
+        stack = expert_names(hf_name)
+        if stack is not None:
+            if not all(name in self._tensors for name in stack):
+                raise KeyError(hf_name)
+            return np.concatenate([self._float(n, self._tensors[n]) for n in stack], axis=1)
         name, t, base = self._tensor(hf_name)
+        if hf_name.endswith((".gguf_type", ".gguf_blocks")):
+            self._check_type(name, t)
+            if hf_name.endswith(".gguf_type"):
+                return np.array(t.tensor_type.name)
+            return self._rows(base, np.asarray(t.data))  # [out, row bytes]
+        data = self._float(name, t)
+        if base.endswith("shared_expert_gate.weight") and data.ndim == 1:
+            data = data[None]  # llama.cpp stores Qwen2-MoE's [1, D] gate as [D]
+        return self._rows(base, data)
+
+    @staticmethod
+    def _check_type(name: str, t: Any) -> None:
         kind = t.tensor_type.name
         if kind not in SUPPORTED_TYPES:
             raise ModelLoadError(f"tensor {name!r} has GGUF type {kind}, which pjinfer does not "
                                  f"read; supported: {', '.join(SUPPORTED_TYPES)}")
-        if hf_name.endswith(".gguf_type"):
-            return np.array(kind)
-        if hf_name.endswith(".gguf_blocks"):
-            return self._rows(base, np.asarray(t.data))  # [out, row bytes]
+
+    def _float(self, name: str, t: Any) -> np.ndarray:
+        """One tensor dequantized to float32, in numpy's dim order."""
+        import gguf
+
+        self._check_type(name, t)
         data = np.asarray(t.data)
-        if kind not in ("F32", "F16"):
+        if t.tensor_type.name not in ("F32", "F16"):
             data = gguf.quants.dequantize(data, t.tensor_type)
         shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists the fastest dim first
-        return self._rows(base, data.reshape(shape).astype(np.float32, copy=False))
+        return data.reshape(shape).astype(np.float32, copy=False)
 
     def read(self, hf_name: str) -> np.ndarray:
         """As `get`: the loader's read-ahead threads call this (the file is memory-mapped, so
@@ -183,4 +234,17 @@ class GGUFIndex:
                    eos_token_id=m.get("tokenizer.ggml.eos_token_id"), dtype="float32")
         if key("attention.key_length") is not None:
             raw["head_dim"] = int(key("attention.key_length"))
+        if arch.endswith("moe"):
+            raw.update(_moe_config(key, arch))
         return raw
+
+
+def _moe_config(key: Any, arch: str) -> dict[str, Any]:
+    """A MoE GGUF's expert fields, in llama.cpp's meaning: Qwen3-MoE renormalises the top-k
+    weights, Qwen2-MoE does not (unless the file says `expert_weights_norm`)."""
+    sizes = {"num_experts": "expert_count", "num_experts_per_tok": "expert_used_count",
+             "moe_intermediate_size": "expert_feed_forward_length"}
+    if arch == "qwen2moe":
+        sizes["shared_expert_intermediate_size"] = "expert_shared_feed_forward_length"
+    raw = {field: int(key(name)) for field, name in sizes.items() if key(name) is not None}
+    return {**raw, "norm_topk_prob": bool(key("expert_weights_norm", arch == "qwen3moe"))}

@@ -25,7 +25,12 @@ QUANTIZABLE = ("BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # the gguf packa
 HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+              "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+              "mlp.shared_expert.up_proj": "ffn_up_shexp",
+              "mlp.shared_expert.down_proj": "ffn_down_shexp",
+              "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -63,16 +68,25 @@ def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> 
     return rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
 
 
-def write_gguf(model, path: Path, arch: str, *, extra_types: dict[str, str] | None = None,
-               seed: int = 0) -> Path:
-    """`model` (a tiny float Llama / Qwen2) as a GGUF file of mixed tensor types."""
+def _quantized(kind: str | None, value: np.ndarray, rng: np.random.Generator):
+    """(data, raw_dtype) for one tensor of `kind` (None: float32 as it is); a stack's leading
+    dims are kept, its last dim quantized."""
     import gguf
     from gguf import GGMLQuantizationType as T
 
-    rng = np.random.default_rng(seed)
-    cfg = model.config
-    types = LAYER_TYPES | (extra_types or {})
-    w = gguf.GGUFWriter(str(path), arch)
+    if kind is None:
+        return value, None
+    rows, cols = int(np.prod(value.shape[:-1])), value.shape[-1]
+    if kind in _K_LAYOUT:
+        data = k_quant_blocks(kind, rows, cols, rng)
+    elif kind not in QUANTIZABLE:  # e.g. an unsupported type: only its name matters
+        data = random_blocks(kind, rows, cols, rng)
+    else:
+        return gguf.quants.quantize(value, T[kind]), T[kind]
+    return data.reshape(*value.shape[:-1], data.shape[-1]), T[kind]
+
+
+def _metadata(w, cfg, arch: str) -> None:
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -84,6 +98,50 @@ def write_gguf(model, path: Path, arch: str, *, extra_types: dict[str, str] | No
     w.add_vocab_size(cfg.vocab_size)
     w.add_bos_token_id(cfg.bos_token_id)
     w.add_eos_token_id(cfg.eos_token_id)
+    if arch.startswith("qwen3"):
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    if arch.endswith("moe"):  # llama.cpp's expert fields
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if arch == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+
+
+def _layer_tensors(name: str, value: np.ndarray, cfg, arch: str):
+    """(llama.cpp's short name, leaf, value) of one decoder-layer tensor: MoE expert stacks
+    split into llama.cpp's gate / up / down stacks, q / k rows permuted for Llama."""
+    _, _, _, *rest = name.split(".")
+    module, leaf = ".".join(rest[:-1]), rest[-1]
+    if ".".join(rest) == "mlp.experts.gate_up_proj":  # [E, 2I, D], gate rows first
+        half = value.shape[1] // 2
+        return [("ffn_gate_exps", "weight", value[:, :half]),
+                ("ffn_up_exps", "weight", value[:, half:])]
+    if ".".join(rest) == "mlp.experts.down_proj":
+        return [("ffn_down_exps", "weight", value)]
+    short = HF_TO_GGUF[module]
+    if arch == "llama" and short in ("attn_q", "attn_k"):
+        heads = cfg.num_attention_heads if short == "attn_q" else cfg.num_key_value_heads
+        value = _permute(value, heads)
+    if short == "ffn_gate_inp_shexp":
+        value = value.reshape(-1)  # llama.cpp's [D]
+    return [(short, leaf, value)]
+
+
+def write_gguf(model, path: Path, arch: str, *, extra_types: dict[str, str] | None = None,
+               seed: int = 0) -> Path:
+    """`model` (a tiny float Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE) as a GGUF file
+    of mixed tensor types (`LAYER_TYPES` updated by `extra_types`, by llama.cpp's short
+    names; other tensors float32)."""
+    import gguf
+    from gguf import GGMLQuantizationType as T
+
+    rng = np.random.default_rng(seed)
+    cfg = model.config
+    types = LAYER_TYPES | (extra_types or {})
+    w = gguf.GGUFWriter(str(path), arch)
+    _metadata(w, cfg, arch)
     for name, value in model.state_dict().items():
         value = value.detach().numpy().astype(np.float32)
         if name == "model.embed_tokens.weight":
@@ -95,22 +153,11 @@ def write_gguf(model, path: Path, arch: str, *, extra_types: dict[str, str] | No
         if name == "model.norm.weight":
             w.add_tensor("output_norm.weight", value)
             continue
-        _, _, i, *rest = name.split(".")
-        module, leaf = ".".join(rest[:-1]), rest[-1]
-        gname = f"blk.{i}.{HF_TO_GGUF[module]}.{leaf}"
-        short = HF_TO_GGUF[module]
-        if arch == "llama" and short in ("attn_q", "attn_k"):
-            heads = cfg.num_attention_heads if short == "attn_q" else cfg.num_key_value_heads
-            value = _permute(value, heads)
-        kind = types.get(short) if leaf == "weight" else None
-        if kind is None:
-            w.add_tensor(gname, value)
-        elif kind in _K_LAYOUT:
-            w.add_tensor(gname, k_quant_blocks(kind, *value.shape, rng), raw_dtype=T[kind])
-        elif kind not in QUANTIZABLE:  # e.g. an unsupported type: only its name matters
-            w.add_tensor(gname, random_blocks(kind, *value.shape, rng), raw_dtype=T[kind])
-        else:
-            w.add_tensor(gname, gguf.quants.quantize(value, T[kind]), raw_dtype=T[kind])
+        block = name.split(".")[2]
+        for short, leaf, part in _layer_tensors(name, value, cfg, arch):
+            kind = types.get(short) if leaf == "weight" and part.ndim > 1 else None
+            data, raw = _quantized(kind, np.ascontiguousarray(part), rng)
+            w.add_tensor(f"blk.{block}.{short}.{leaf}", data, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

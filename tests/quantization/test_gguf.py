@@ -1,6 +1,6 @@
-"""GGUF files (F16, BF16, F32, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K) through the engine
-equal transformers loading the same file with `gguf_file=`: greedy tokens for 24 tokens,
-logits within 1e-3."""
+"""GGUF files (F16, BF16, F32, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K; Llama, Qwen2, Qwen3,
+Qwen2-MoE, Qwen3-MoE) through the engine equal transformers loading the same file with
+`gguf_file=`: greedy tokens for 24 tokens, logits within 1e-3."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from pjinfer import LLM
 from pjinfer.errors import ModelLoadError
 from pjinfer.models.dense import dense_logits
+from pjinfer.quantization.gguf_file import ARCHITECTURES
 from pjinfer.quantization.weight import QuantizedWeight
 from tests.quantization.gguf_writer import GGUF_TINY, OTHER_TYPES, write_gguf
 from tests.quantization.test_checkpoints import ENGINE, GREEDY, PROMPTS, _hf_greedy
@@ -90,4 +91,59 @@ def test_unsupported_tensor_type_names_the_tensor(tmp_path):
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     path = write_gguf(model, tmp_path / "iq2.gguf", "llama", extra_types={"ffn_down": "IQ2_XXS"})
     with pytest.raises(ModelLoadError, match="'blk.0.ffn_down.weight' has GGUF type IQ2_XXS"):
+        LLM(str(path), **ENGINE)
+
+
+MOE_TYPES = {"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q8_0", "ffn_down_exps": "Q6_K"}
+# transformers reads neither field of a Qwen2-MoE GGUF: its defaults (1408, 5632) it is
+ARCH_CASES = {
+    "qwen3": ("Qwen3Config", dict(head_dim=128), {}),  # transformers' GGUF Qwen3 head_dim
+    "qwen3moe": ("Qwen3MoeConfig", dict(head_dim=64, num_experts=8, num_experts_per_tok=2,
+                                        moe_intermediate_size=768, norm_topk_prob=True),
+                 MOE_TYPES),
+    "qwen2moe": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2),
+                 {**MOE_TYPES, "ffn_down_exps": "Q8_0", "ffn_gate_shexp": "Q4_0",
+                  "ffn_up_shexp": "Q8_0", "ffn_down_shexp": "Q5_K"}),
+}
+
+
+@pytest.mark.parametrize("arch", list(ARCH_CASES))
+def test_qwen3_and_moe_gguf_match_transformers(tmp_path, arch):
+    """Qwen3 (q / k norms) and the MoE files (llama.cpp's [E, ...] expert stacks, router,
+    Qwen2-MoE's shared expert and its [D] gate) through the engine equal transformers reading
+    the same file: greedy tokens and logits."""
+    cls, fields, types = ARCH_CASES[arch]
+    torch.manual_seed(5)
+    config = getattr(transformers, cls)(**GGUF_TINY, **fields)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # decisive routing: top-k not decided by rounding
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+    path = write_gguf(model, tmp_path / "model.gguf", arch, extra_types=types, seed=9)
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file="model.gguf", dtype=torch.float32).eval()
+    llm = LLM(str(path), **ENGINE)
+    assert type(oracle).__name__ == ARCHITECTURES[arch]
+    assert llm.engine.model_config.architecture == ARCHITECTURES[arch]
+    assert ("router" in llm.engine.runner.params["layers"][0]) == arch.endswith("moe")
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY), strict=True):
+        assert out.outputs[0].token_ids == _hf_greedy(oracle, prompt), prompt
+    _logits_match(llm, oracle)
+
+
+def test_a_missing_expert_stack_names_the_tensor(tmp_path, monkeypatch):
+    """A Qwen3-MoE file without one layer's ffn_up_exps: a load error naming what is
+    missing, not a shape error deep in the loader."""
+    import tests.quantization.gguf_writer as writer
+
+    whole = writer._layer_tensors
+    monkeypatch.setattr(writer, "_layer_tensors", lambda *a: [
+        t for t in whole(*a) if not (t[0] == "ffn_up_exps" and a[0].startswith("model.layers.1"))])
+    cls, fields, _ = ARCH_CASES["qwen3moe"]
+    config = getattr(transformers, cls)(**GGUF_TINY, **fields)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path = write_gguf(model, tmp_path / "model.gguf", "qwen3moe")
+    with pytest.raises(ModelLoadError, match="experts.gate_up_proj'.*in the file: "
+                       "'blk.1.ffn_gate_exps.weight', 'blk.1.ffn_up_exps.weight'"):
         LLM(str(path), **ENGINE)
