@@ -172,7 +172,7 @@ def _missing(index: Any, p: ParamSpec, name: str, architecture: str) -> str:
     other = f" (or {', '.join(map(repr, p.fallback[0]))})" if p.fallback else ""
     stored_names = getattr(index, "stored_names", None)
     if stored_names is not None:  # GGUF: the tensors llama.cpp names
-        found = stored_names(p.fallback[0][0] if p.fallback else name)
+        found = (p.fallback and stored_names(p.fallback[0][0])) or stored_names(name)
         other += f" (in the file: {', '.join(map(repr, found))})" if found else ""
     return (f"checkpoint in {index.model_dir} is missing tensor {name!r}{other} (needed for "
             f"{architecture} with this {'file' if stored_names else 'config.json'})")
