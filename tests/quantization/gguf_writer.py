@@ -129,11 +129,34 @@ def _layer_tensors(name: str, value: np.ndarray, cfg, arch: str):
     return [(short, leaf, value)]
 
 
-def write_gguf(model, path: Path, arch: str, *, extra_types: dict[str, str] | None = None,
-               seed: int = 0) -> Path:
+def add_bpe_tokenizer(w, folder: Path) -> None:
+    """A byte-level BPE tokenizer folder (tokenizer.json, tokenizer_config.json) as llama.cpp's
+    `gpt2` tokenizer metadata: tokens by id, their types, merges, special ids, chat template."""
+    import json
+
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    conf = json.loads((folder / "tokenizer_config.json").read_text())
+    vocab = tok["model"]["vocab"]
+    special = {t["id"] for t in tok["added_tokens"] if t["special"]}
+    ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    tokens = sorted(vocab, key=vocab.get)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if vocab[t] in special else 1 for t in tokens])  # control / normal
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m)
+                        for m in tok["model"]["merges"]])
+    w.add_add_bos_token(bool(conf.get("add_bos_token", False)))
+    w.add_pad_token_id(ids[conf["pad_token"]])
+    w.add_chat_template(conf["chat_template"])
+
+
+def write_gguf(model, path: Path, arch: str, *, extra_types: dict[str, str | None] | None = None,
+               seed: int = 0, tokenizer: Path | None = None) -> Path:
     """`model` (a tiny float Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE) as a GGUF file
     of mixed tensor types (`LAYER_TYPES` updated by `extra_types`, by llama.cpp's short
-    names; other tensors float32)."""
+    names; other tensors float32); `tokenizer`: a byte-level BPE tokenizer folder to store
+    in the metadata."""
     import gguf
     from gguf import GGMLQuantizationType as T
 
@@ -142,6 +165,8 @@ def write_gguf(model, path: Path, arch: str, *, extra_types: dict[str, str] | No
     types = LAYER_TYPES | (extra_types or {})
     w = gguf.GGUFWriter(str(path), arch)
     _metadata(w, cfg, arch)
+    if tokenizer is not None:
+        add_bpe_tokenizer(w, tokenizer)
     for name, value in model.state_dict().items():
         value = value.detach().numpy().astype(np.float32)
         if name == "model.embed_tokens.weight":

@@ -13,7 +13,7 @@ from pjinfer.errors import ModelLoadError
 from pjinfer.models.dense import dense_logits
 from pjinfer.quantization.gguf_file import ARCHITECTURES
 from pjinfer.quantization.weight import QuantizedWeight
-from tests.quantization.gguf_writer import GGUF_TINY, OTHER_TYPES, write_gguf
+from tests.quantization.gguf_writer import GGUF_TINY, LAYER_TYPES, OTHER_TYPES, write_gguf
 from tests.quantization.test_checkpoints import ENGINE, GREEDY, PROMPTS, _hf_greedy
 
 torch = pytest.importorskip("torch")
@@ -147,3 +147,31 @@ def test_a_missing_expert_stack_names_the_tensor(tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError, match="experts.gate_up_proj'.*in the file: "
                        "'blk.1.ffn_gate_exps.weight', 'blk.1.ffn_up_exps.weight'"):
         LLM(str(path), **ENGINE)
+
+
+def test_the_demo_model_as_gguf_brings_its_tokenizer_and_chat_template(tmp_path):
+    """The demo model written as a GGUF file (float tensors) with its byte-level BPE tokenizer
+    and chat template in the metadata, as llama.cpp's converter stores them: the engine builds
+    its tokenizer from the file alone and answers with the same text as the demo folder."""
+    from pjinfer.demo import DEMO_MODEL_DIR, zen_lines
+    from pjinfer.sampling_params import SamplingParams
+    from pjinfer.tokenizer import load_tokenizer
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR,
+                                                              dtype=torch.float32)
+    path = write_gguf(model, tmp_path / "demo.gguf", "llama", tokenizer=DEMO_MODEL_DIR,
+                      extra_types=dict.fromkeys(LAYER_TYPES))
+    got, want = load_tokenizer(path), load_tokenizer(DEMO_MODEL_DIR)
+    for text in [*zen_lines(), "héllo wörld 🙂", "<|user|>\nhi</s>"]:
+        assert got.encode(text) == want.encode(text), text
+    assert got.chat_template == want.chat_template
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    from_file, from_folder = (LLM(str(m), dtype="float32", warmup=False)
+                              for m in (path, DEMO_MODEL_DIR))
+    prompts = ["Beautiful is", "Errors should never"]
+    texts = [[o.outputs[0].text for o in llm.generate(prompts, greedy)]
+             for llm in (from_file, from_folder)]
+    assert texts[0] == texts[1] and texts[0][0].startswith(" better than ugly."), texts
+    chat = [{"role": "user", "content": "What is the Zen of Python?"}]
+    answers = [llm.chat(chat, greedy)[0].outputs[0].text for llm in (from_file, from_folder)]
+    assert answers[0] == answers[1] and answers[0], answers
