@@ -79,6 +79,7 @@
 #   bash benchmarks/run_h200.sh densegemv  # the same projections through the routed kernel as
 #                                          # a dense GEMV (one expert every token chose) at
 #                                          # DENSE_TILINGS (block_n:K ranges) vs XLA (~4 min)
+#   bash benchmarks/run_h200.sh reduceprobe  # projections as multiply-and-sum vs XLA's dot (~3 min)
 #   bash benchmarks/run_h200.sh pdlcheck  # which kernels of Qwen3's batch-1 decode step wait
 #                                         # on the grid dependency (PDL) in XLA's PTX (~3 min)
 #   bash benchmarks/run_h200.sh routedwide  # Mixtral's down projection in 4, 8, 16 K ranges
@@ -418,6 +419,14 @@ stage_densegemv() {
   step dense_gemv_probe 300 $PY -m pjinfer.benchmarks.splitk_probe "${args[@]}" --splits 4 \
       --routed ${DENSE_TILINGS:-128:1 64:1 64:2 32:1 32:2 16:1 16:2} \
       --out "$JSON/dense_gemv_probe.json"
+}
+
+# A projection as a float32 multiply-and-sum (one XLA reduction fusion) against XLA's dot (a
+# GEMM and its split-K sum): fewer kernels a decode layer, if the reduction streams as well
+stage_reduceprobe() {
+  local args=(--tokens 1 2 8); [ $SMOKE = 1 ] && args=(--smoke --tokens 1 --layers 2 --calls 1)
+  step reduce_probe 300 $PY -m pjinfer.benchmarks.splitk_probe "${args[@]}" --splits 4 \
+      --reduce --out "$JSON/reduce_probe.json"
 }
 
 # XLA launches its own kernels with PDL (on by default); do the Pallas kernels' custom calls
@@ -827,13 +836,14 @@ for stage in "${STAGES[@]}"; do
     routedffn) stage_routedffn ;;
     splitk) stage_splitk ;;
     densegemv) stage_densegemv ;;
+    reduceprobe) stage_reduceprobe ;;
     pdlcheck) stage_pdlcheck ;;
     loramulti) stage_loramulti ;;
     int4ncu) stage_int4ncu ;;
     quantshapes) stage_quantshapes ;;
     quanttuned) stage_quanttuned ;;
     quantt2) stage_quantt2 ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moemid | moefp8 | moeprofile | w8a8 | decodesplits | kvfp8 | w3fp8 | attnfp8 | kvprobe | raggedfp8 | raggedqwen3 | rotarytests | hoststep | routed | routedwide | loramulti | int4ncu | quantshapes | quanttuned | quantt2)" ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moemid | moefp8 | moeprofile | w8a8 | decodesplits | kvfp8 | w3fp8 | attnfp8 | kvprobe | raggedfp8 | raggedqwen3 | rotarytests | hoststep | routed | routedwide | densegemv | reduceprobe | pdlcheck | loramulti | int4ncu | quantshapes | quanttuned | quantt2)" ;;
   esac
 done
 pack

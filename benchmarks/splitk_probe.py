@@ -3,6 +3,7 @@
   python -m pjinfer.benchmarks.splitk_probe --out splitk_probe.json           # GPU
   python -m pjinfer.benchmarks.splitk_probe --splits 4 --routed 128:1 128:2 64:1 64:2 \
       --out dense_routed.json                    # GPU, with the routed kernel as a dense GEMV
+  python -m pjinfer.benchmarks.splitk_probe --reduce --splits 4 --out reduce.json   # GPU
   python -m pjinfer.benchmarks.splitk_probe --smoke --out /tmp/splitk.json    # CPU plumbing
 
 At batch 1 XLA cuts a projection's K into ranges (split-K) and sums the float32 partials in a
@@ -21,7 +22,9 @@ that pays depends on what XLA makes of the batched dot and of x's layout. Each l
                              routed: the routed expert kernel over W as a one-expert stack
                              (every token choosing it: W read once), block_n columns and
                              S K ranges a program, its raw [S, Tp, N] output as is
-  a Pallas kernel sums y's partials (one for plain) and h takes its mean
+                             reduce: sum(x[:, :, None] * W, axis=1) in float32, no dot:
+                             one reduction fusion where the dot is a GEMM and a split-K sum
+  a Pallas kernel sums y's partials (one for plain and reduce) and h takes its mean
 
 timed over `layers` layers a call, and counted: the kernels of the optimized HLO's entry
 (fusions by kind, custom calls, copies), a layer.
@@ -142,6 +145,9 @@ def step_fn(form: str, source: str, splits: int, interpret: bool, block_n: int =
                 extra = touch(x).astype(jnp.float32) * 1e-3
             if form == "plain":
                 parts = jnp.dot(x, w, preferred_element_type=jnp.float32)[None]
+            elif form == "reduce":  # no dot: XLA's reduction emitter, one kernel
+                parts = jnp.sum(x.astype(jnp.float32)[:, :, None]
+                                * w.astype(jnp.float32)[None], axis=1)[None]
             elif form == "routed":
                 parts = routed_dense(x, w, block_n, splits, interpret)
             else:
@@ -186,6 +192,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         for t in args.tokens:
             h = _filled((t, k), 1)
             forms = ([("plain", args.splits[0], None)]
+                     + ([("reduce", 1, None)] if args.reduce else [])
                      + [("batched", s, None) for s in args.splits]
                      + [("routed", s, dividing_block(bn, n)) for bn, s in args.routed])
             for form, splits, block_n in forms:
@@ -195,7 +202,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                 per_layer = min(sec) / args.layers
                 counts = kernel_counts(hlo)
                 row = {"shape": name, "k": k, "n": n, "source": source, "tokens": t,
-                       "form": form, "splits": None if form == "plain" else splits,
+                       "form": form, "splits": splits if form in ("batched", "routed") else None,
                        "block_n": block_n,
                        "us_per_layer": per_layer * 1e6,
                        "kernels_per_layer": {key: c / args.layers for key, c in counts.items()},
@@ -238,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time the routed kernel as a dense GEMV at these tilings "
                              "(block_n a power of two, capped at N; K ranges dividing K's "
                              "128-wide blocks), e.g. 128:1 64:2")
+    parser.add_argument("--reduce", action="store_true",
+                        help="also time the projection as a float32 multiply-and-sum (no dot)")
     parser.add_argument("--hlo-dir", default=None, help="write each form's optimized HLO here")
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--samples", type=int, default=None)

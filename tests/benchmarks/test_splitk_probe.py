@@ -30,14 +30,32 @@ def test_smoke_record(tmp_path):
     hlo = tmp_path / "hlo"
     hlo.mkdir()
     assert main(["--smoke", "--tokens", "1", "--splits", "4", "--layers", "2", "--calls", "1",
-                 "--samples", "1", "--routed", "128:1", "16:2", "--hlo-dir", str(hlo),
-                 "--out", str(out)]) == 0
+                 "--samples", "1", "--routed", "128:1", "16:2", "--reduce", "--hlo-dir",
+                 str(hlo), "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    forms = [("plain", None, None), ("batched", 4, None), ("routed", 1, 32), ("routed", 2, 16)]
+    forms = [("plain", None, None), ("reduce", None, None), ("batched", 4, None),
+             ("routed", 1, 32), ("routed", 2, 16)]
     assert [(r["shape"], r["form"], r["splits"], r["block_n"]) for r in rows] == [
         (shape, *form) for shape in ("tiny", "tiny_o") for form in forms]
     assert all(r["us_per_layer"] > 0 and r["kernels_per_layer"] for r in rows)
-    assert len(list(hlo.iterdir())) == 8
+    assert len(list(hlo.iterdir())) == 10
+
+
+@pytest.mark.parametrize("source", ["norm", "kernel"])
+def test_every_form_computes_the_same_layers(source):
+    """plain (XLA's dot), reduce (multiply and sum), batched and routed: the same h after two
+    layers."""
+    import numpy as np
+
+    from pjinfer.benchmarks.ceilings import _filled
+    from pjinfer.benchmarks.splitk_probe import step_fn
+
+    h, weights = _filled((3, 256), 1), [_filled((256, 64), 20 + i) for i in range(2)]
+    want = np.asarray(step_fn("plain", source, 1, True)(h, weights), np.float32)
+    for form, splits, block_n in (("reduce", 1, None), ("batched", 2, None), ("routed", 2, 32)):
+        got = np.asarray(step_fn(form, source, splits, True, block_n or 128)(h, weights),
+                         np.float32)
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2, err_msg=form)
 
 
 def test_the_routed_kernel_as_a_dense_gemv_matches_the_dot():
