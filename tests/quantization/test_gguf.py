@@ -86,6 +86,19 @@ def test_engine_matches_transformers_on_the_other_types(tmp_path, arch, cls):
     _logits_match(llm, oracle)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tensor_parallel_2(gguf_files, arch):
+    """The packed Q4_0 / Q8_0 weights shard like their float form (q_proj column-parallel:
+    its blocks' output rows split; the K-quants, dequantized, as float weights)."""
+    path, oracle = gguf_files[arch]
+    llm = LLM(str(path), tensor_parallel_size=2, **ENGINE)
+    q = llm.engine.runner.params["layers"][0]["q_proj"]
+    assert isinstance(q, QuantizedWeight) and len(q.packed.sharding.device_set) == 2
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY), strict=True):
+        assert out.outputs[0].token_ids == _hf_greedy(oracle, prompt), prompt
+    _logits_match(llm, oracle)
+
+
 def test_unsupported_tensor_type_names_the_tensor(tmp_path):
     config = transformers.LlamaConfig(**GGUF_TINY)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -107,11 +120,16 @@ ARCH_CASES = {
 }
 
 
-@pytest.mark.parametrize("arch", list(ARCH_CASES))
-def test_qwen3_and_moe_gguf_match_transformers(tmp_path, arch):
+@pytest.mark.parametrize("arch, parallel", [
+    ("qwen3", {}), ("qwen3moe", {}), ("qwen2moe", {}),
+    ("qwen3moe", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+    ("qwen2moe", dict(tensor_parallel_size=2))],
+    ids=["qwen3", "qwen3moe", "qwen2moe", "qwen3moe-tp2-ep", "qwen2moe-tp2"])
+def test_qwen3_and_moe_gguf_match_transformers(tmp_path, arch, parallel):
     """Qwen3 (q / k norms) and the MoE files (llama.cpp's [E, ...] expert stacks, router,
     Qwen2-MoE's shared expert and its [D] gate) through the engine equal transformers reading
-    the same file: greedy tokens and logits."""
+    the same file: greedy tokens and logits; at tp=2 too, experts whole a device (expert
+    parallel) or split over their width."""
     cls, fields, types = ARCH_CASES[arch]
     torch.manual_seed(5)
     config = getattr(transformers, cls)(**GGUF_TINY, **fields)
@@ -123,10 +141,13 @@ def test_qwen3_and_moe_gguf_match_transformers(tmp_path, arch):
     path = write_gguf(model, tmp_path / "model.gguf", arch, extra_types=types, seed=9)
     oracle = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, gguf_file="model.gguf", dtype=torch.float32).eval()
-    llm = LLM(str(path), **ENGINE)
+    llm = LLM(str(path), **ENGINE, **parallel)
     assert type(oracle).__name__ == ARCHITECTURES[arch]
     assert llm.engine.model_config.architecture == ARCHITECTURES[arch]
-    assert ("router" in llm.engine.runner.params["layers"][0]) == arch.endswith("moe")
+    layer = llm.engine.runner.params["layers"][0]
+    assert ("router" in layer) == arch.endswith("moe")
+    if parallel:
+        assert len(layer["experts_gate_up"].sharding.device_set) == 2
     for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY), strict=True):
         assert out.outputs[0].token_ids == _hf_greedy(oracle, prompt), prompt
     _logits_match(llm, oracle)
