@@ -12,6 +12,8 @@ llama.cpp stores Llama's q and k projections with their rows permuted for its ro
 they are permuted back here (whole rows, so packed blocks move unchanged). Architectures: Llama,
 Qwen2, Qwen3, and the MoE files of Qwen2-MoE / Qwen3-MoE, whose [E, ...] expert stacks
 (`ffn_{gate,up,down}_exps`) are served under transformers 5's fused names and load as float.
+Rope scaling: linear from the metadata, and Llama 3.1's as llama.cpp stores it (`rope_freqs`,
+a divisor a frequency), which transformers' own GGUF reader drops.
 """
 
 from __future__ import annotations
@@ -236,7 +238,25 @@ class GGUFIndex:
             raw["head_dim"] = int(key("attention.key_length"))
         if arch.endswith("moe"):
             raw.update(_moe_config(key, arch))
+        scaling = str(key("rope.scaling.type", "none"))
+        if scaling == "linear":
+            raw["rope_scaling"] = dict(rope_type="linear", factor=float(key("rope.scaling.factor")))
+        elif scaling != "none":
+            raise ModelLoadError(f"{self.model_dir}: GGUF rope scaling {scaling!r} is not "
+                                 "supported; supported: none, linear, and Llama 3.1's rope_freqs")
+        if "rope_freqs.weight" in self._tensors:
+            raw["rope_scaling"] = self._rope_factors(raw["max_position_embeddings"])
         return raw
+
+    def _rope_factors(self, context: int) -> dict[str, Any]:
+        """llama.cpp's `rope_freqs` (Llama 3.1's scaling, as its converter stores it): one
+        divisor a rotary frequency, which is LongRoPE's form with the same factors at every
+        length and no attention factor."""
+        factors = [float(f) for f in self._float("rope_freqs.weight",
+                                                 self._tensors["rope_freqs.weight"])]
+        return dict(rope_type="longrope", short_factor=factors, long_factor=factors,
+                    original_max_position_embeddings=context, factor=1.0,
+                    attention_factor=1.0)
 
 
 def _moe_config(key: Any, arch: str) -> dict[str, Any]:

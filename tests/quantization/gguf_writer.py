@@ -94,7 +94,7 @@ def _metadata(w, cfg, arch: str) -> None:
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_theta if hasattr(cfg, "rope_theta") else 10000.0)
+    w.add_rope_freq_base(_rope(cfg).get("rope_theta", 10000.0))
     w.add_vocab_size(cfg.vocab_size)
     w.add_bos_token_id(cfg.bos_token_id)
     w.add_eos_token_id(cfg.eos_token_id)
@@ -151,12 +151,37 @@ def add_bpe_tokenizer(w, folder: Path) -> None:
     w.add_chat_template(conf["chat_template"])
 
 
+def _rope(cfg) -> dict:
+    return getattr(cfg, "rope_parameters", None) or {}
+
+
+def llama3_rope_freqs(cfg) -> np.ndarray:
+    """The `rope_freqs` divisors llama.cpp's converter writes for a Llama 3.1 rope_scaling."""
+    s, d = _rope(cfg), cfg.head_dim
+    freqs = 1.0 / s["rope_theta"] ** (np.arange(0, d, 2) / d)
+    old = s["original_max_position_embeddings"]
+    low, high = old / s["low_freq_factor"], old / s["high_freq_factor"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < high:
+            out.append(1.0)
+        elif wavelen > low:
+            out.append(s["factor"])
+        else:
+            smooth = ((old / wavelen - s["low_freq_factor"])
+                      / (s["high_freq_factor"] - s["low_freq_factor"]))
+            out.append(1 / ((1 - smooth) / s["factor"] + smooth))
+    return np.asarray(out, np.float32)
+
+
 def write_gguf(model, path: Path, arch: str, *, extra_types: dict[str, str | None] | None = None,
-               seed: int = 0, tokenizer: Path | None = None) -> Path:
+               seed: int = 0, tokenizer: Path | None = None,
+               metadata: dict[str, str | float] | None = None) -> Path:
     """`model` (a tiny float Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE) as a GGUF file
     of mixed tensor types (`LAYER_TYPES` updated by `extra_types`, by llama.cpp's short
     names; other tensors float32); `tokenizer`: a byte-level BPE tokenizer folder to store
-    in the metadata."""
+    in the metadata; `metadata`: more fields (strings or float32)."""
     import gguf
     from gguf import GGMLQuantizationType as T
 
@@ -165,6 +190,10 @@ def write_gguf(model, path: Path, arch: str, *, extra_types: dict[str, str | Non
     types = LAYER_TYPES | (extra_types or {})
     w = gguf.GGUFWriter(str(path), arch)
     _metadata(w, cfg, arch)
+    for name, value in (metadata or {}).items():  # extra fields, as given
+        (w.add_string if isinstance(value, str) else w.add_float32)(name, value)
+    if _rope(cfg).get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg))
     if tokenizer is not None:
         add_bpe_tokenizer(w, tokenizer)
     for name, value in model.state_dict().items():

@@ -196,3 +196,48 @@ def test_the_demo_model_as_gguf_brings_its_tokenizer_and_chat_template(tmp_path)
     chat = [{"role": "user", "content": "What is the Zen of Python?"}]
     answers = [llm.chat(chat, greedy)[0].outputs[0].text for llm in (from_file, from_folder)]
     assert answers[0] == answers[1] and answers[0], answers
+
+
+def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
+    """A Llama 3.1 file: llama.cpp stores its rope scaling as the `rope_freqs` tensor (one
+    divisor a frequency), which transformers' GGUF reader ignores. The engine applies it, so it
+    matches transformers running the original float model (same weights: F32 tensors), and
+    not transformers' reading of the file."""
+    torch.manual_seed(3)
+    rope = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                high_freq_factor=4.0, original_max_position_embeddings=16)
+    config = transformers.LlamaConfig(**GGUF_TINY, rope_parameters=rope)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # as the file stores them: F16 embeddings, a BF16 lm_head
+        model.model.embed_tokens.weight.copy_(model.model.embed_tokens.weight.half())
+        model.lm_head.weight.copy_(model.lm_head.weight.bfloat16())
+    path = write_gguf(model, tmp_path / "model.gguf", "llama",
+                      extra_types=dict.fromkeys(LAYER_TYPES))
+    llm = LLM(str(path), **ENGINE)
+    assert llm.engine.model_config.rope_scaling.short_factor[-1] == 8.0
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY), strict=True):
+        assert out.outputs[0].token_ids == _hf_greedy(model, prompt), prompt
+    _logits_match(llm, model)
+    unscaled = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file="model.gguf", dtype=torch.float32).eval()
+    with pytest.raises(AssertionError):
+        _logits_match(llm, unscaled)
+
+
+@pytest.mark.parametrize("scaling, error", [("linear", None), ("yarn", "rope scaling 'yarn'")])
+def test_rope_scaling_metadata(tmp_path, scaling, error):
+    """`rope.scaling.type`: linear (with its factor) as transformers' linear scaling; a type
+    pjinfer does not implement is one clear error, not a silently different model."""
+    from pjinfer.quantization.gguf_file import GGUFIndex
+
+    config = transformers.LlamaConfig(**GGUF_TINY)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path = write_gguf(model, tmp_path / "model.gguf", "llama",
+                      metadata={"llama.rope.scaling.type": scaling,
+                                "llama.rope.scaling.factor": 4.0})
+    if error:
+        with pytest.raises(ModelLoadError, match=error):
+            LLM(str(path), **ENGINE)
+        return
+    assert GGUFIndex(path).hf_config()["rope_scaling"] == dict(rope_type="linear", factor=4.0)
+    assert LLM(str(path), **ENGINE).engine.model_config.rope_scaling.factor == 4.0
