@@ -9,8 +9,9 @@
     and `<prefix>.gguf_type`, which `gguf_blocks.read` turns into the canonical packed int8 /
     int4 form (blocks of 32 along the input dim: group size 32) that the kernel streams.
 llama.cpp stores Llama's q and k projections with their rows permuted for its rotary layout;
-they are permuted back here (whole rows, so packed blocks move unchanged). Architectures: Llama,
-Qwen2, Qwen3, and the MoE files of Qwen2-MoE / Qwen3-MoE, whose [E, ...] expert stacks
+they are permuted back here (whole rows, so packed blocks move unchanged). Architectures: Llama
+(Mistral's too), Qwen2, Qwen3, and the MoE files of Mixtral (a llama with `expert_count`),
+Qwen2-MoE and Qwen3-MoE, whose [E, ...] expert stacks
 (`ffn_{gate,up,down}_exps`) are served under transformers 5's fused names and load as float.
 Rope scaling: linear from the metadata, and Llama 3.1's as llama.cpp stores it (`rope_freqs`,
 a divisor a frequency), which transformers' own GGUF reader drops.
@@ -238,6 +239,10 @@ class GGUFIndex:
             raw["head_dim"] = int(key("attention.key_length"))
         if arch.endswith("moe"):
             raw.update(_moe_config(key, arch))
+        elif arch == "llama" and key("expert_count"):  # Mixtral: llama.cpp's llama + experts
+            raw.update(architectures=["MixtralForCausalLM"],
+                       num_local_experts=int(key("expert_count")),
+                       num_experts_per_tok=int(key("expert_used_count", 2)))
         scaling = str(key("rope.scaling.type", "none"))
         if scaling == "linear":
             raw["rope_scaling"] = dict(rope_type="linear", factor=float(key("rope.scaling.factor")))

@@ -101,6 +101,9 @@ def _metadata(w, cfg, arch: str) -> None:
     if arch.startswith("qwen3"):
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
+    if getattr(cfg, "num_local_experts", None):  # Mixtral: a llama with experts
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
     if arch.endswith("moe"):  # llama.cpp's expert fields
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)

@@ -51,6 +51,13 @@ def _logits_match(llm: LLM, oracle) -> None:
         assert np.abs(got[i, :len(p)] - want).max() / np.abs(want).max() < 1e-3
 
 
+def _as_stored(model) -> None:
+    """The float model as a GGUF file of F32 layers stores it: F16 embeddings, a BF16 head."""
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(model.model.embed_tokens.weight.half())
+        model.lm_head.weight.copy_(model.lm_head.weight.bfloat16())
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_engine_matches_transformers_gguf(gguf_files, arch):
     path, oracle = gguf_files[arch]
@@ -208,9 +215,7 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
                 high_freq_factor=4.0, original_max_position_embeddings=16)
     config = transformers.LlamaConfig(**GGUF_TINY, rope_parameters=rope)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # as the file stores them: F16 embeddings, a BF16 lm_head
-        model.model.embed_tokens.weight.copy_(model.model.embed_tokens.weight.half())
-        model.lm_head.weight.copy_(model.lm_head.weight.bfloat16())
+    _as_stored(model)
     path = write_gguf(model, tmp_path / "model.gguf", "llama",
                       extra_types=dict.fromkeys(LAYER_TYPES))
     llm = LLM(str(path), **ENGINE)
@@ -222,6 +227,28 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
         tmp_path, gguf_file="model.gguf", dtype=torch.float32).eval()
     with pytest.raises(AssertionError):
         _logits_match(llm, unscaled)
+
+
+@pytest.mark.parametrize("parallel", [{}, dict(tensor_parallel_size=2,
+                                                enable_expert_parallel=True)])
+def test_mixtral_gguf(tmp_path, parallel):
+    """llama.cpp writes Mixtral as a `llama` with `expert_count` and [E, ...] expert stacks,
+    which transformers' GGUF reader loads as a dense Llama; the oracle is transformers' Mixtral
+    with the same (float) weights."""
+    torch.manual_seed(4)
+    config = transformers.MixtralConfig(**GGUF_TINY, num_local_experts=4, num_experts_per_tok=2)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for i in range(config.num_hidden_layers):  # decisive routing
+            model.model.layers[i].mlp.gate.weight.normal_(0.0, 0.5)
+    _as_stored(model)
+    path = write_gguf(model, tmp_path / "model.gguf", "llama",
+                      extra_types=dict.fromkeys(LAYER_TYPES))
+    llm = LLM(str(path), **ENGINE, **parallel)
+    assert llm.engine.model_config.architecture == "MixtralForCausalLM"
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY), strict=True):
+        assert out.outputs[0].token_ids == _hf_greedy(model, prompt), prompt
+    _logits_match(llm, model)
 
 
 @pytest.mark.parametrize("scaling, error", [("linear", None), ("yarn", "rope scaling 'yarn'")])
