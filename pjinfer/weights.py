@@ -297,8 +297,15 @@ def _dummy(cfg: ModelConfig, placer: Placer, model_dtype: Any, seed: int,
     return build_tree((p.path, make(n, p)) for n, p in enumerate(cfg.param_specs()))
 
 
-def read_model_config(model_dir: str | Path) -> ModelConfig:
-    """config.json of a model folder, or the metadata of a GGUF file."""
+def read_model_config(model_dir: str | Path, hf_config_path: str | Path | None = None
+                      ) -> ModelConfig:
+    """config.json of a model folder (or of `hf_config_path`), or the metadata of a GGUF
+    file."""
+    if hf_config_path is not None:
+        if not (Path(hf_config_path) / "config.json").is_file():
+            raise ModelLoadError(f"hf_config_path {str(hf_config_path)!r} has no config.json: "
+                                 "pass the folder that holds the model's config.json")
+        return ModelConfig.from_pretrained(hf_config_path)
     gguf = gguf_path(model_dir)
     if gguf is None:
         return ModelConfig.from_pretrained(model_dir)
@@ -313,18 +320,20 @@ def load_engine_model(model_dir: str | Path, *, tensor_parallel_size: int = 1,
                       load_format: str = "auto", seed: int = 0, params: Params | None = None,
                       enable_expert_parallel: bool = False, devices: list | None = None,
                       quantization: QuantConfig | None = None,
+                      hf_config_path: str | Path | None = None,
                       ) -> tuple[ModelConfig, Params, Mesh | None]:
     """(config, params, mesh) for an engine: a ("dp", "tp") mesh when either size is > 1 (None
     otherwise, unless `devices` pins the engine to some: a data-parallel replica), validated
     against the model before any weight is read.
     `enable_expert_parallel` places a MoE model's whole experts on the tp axis (the returned
-    config says so), instead of splitting every expert.
+    config says so), instead of splitting every expert. `hf_config_path`: a folder whose
+    config.json describes the model instead of the model folder's (or GGUF metadata).
 
     Given `params` (unsharded, checkpoint layout) only config.json is read; they are returned as
     they are without a mesh, else placed onto it.
     """
     check_load_format(load_format)
-    cfg = read_model_config(model_dir)
+    cfg = read_model_config(model_dir, hf_config_path)
     mesh = None
     if tensor_parallel_size > 1 or data_parallel_size > 1 or devices is not None:
         mesh = make_mesh(tensor_parallel_size, data_parallel_size, cfg=cfg, devices=devices)

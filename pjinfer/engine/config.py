@@ -44,6 +44,9 @@ class EngineConfig:
     model: str | None = arg(None, "local Hugging Face model folder (default: the embedded "
                             "demo model)", "model", key="path")
     tokenizer: str | None = arg(None, "tokenizer folder (default: the model folder)", "model")
+    hf_config_path: str | None = arg(None, "folder whose config.json describes the model "
+                                     "(default: the model folder's, or a GGUF file's metadata): "
+                                     "e.g. the original model's for a GGUF file", "model")
     served_model_name: str | None = arg(None, "model name clients send (default: the model "
                                         "folder's name)", "model")
     dtype: str = arg("auto", "weight and activation dtype; auto = the checkpoint's", "model",

@@ -91,7 +91,8 @@ class LLMEngine:
     def _build_device_state(self, model_dir: str, params, policy) -> None:
         """Weights, KV cache and compiled steps (the runner), and the scheduler over them."""
         config = self.config
-        self.quantization = resolve_quantization(model_dir, config.quantization)
+        self.quantization = resolve_quantization(model_dir, config.quantization,
+                                                 config.hf_config_path)
         with timed(self.startup_phases, "weights"):
             self.model_config, loaded, mesh = self._load(model_dir, params)
         self.served_model_name = config.served_model_name or (
@@ -135,7 +136,8 @@ class LLMEngine:
         return load_engine_model(model_dir, tensor_parallel_size=c.tensor_parallel_size,
                                  dtype=c.dtype, load_format=c.load_format, seed=c.seed,
                                  params=params, enable_expert_parallel=c.enable_expert_parallel,
-                                 devices=self._devices, quantization=self.quantization)
+                                 devices=self._devices, quantization=self.quantization,
+                                 hf_config_path=c.hf_config_path)
 
     @property
     def quantization_method(self) -> str | None:

@@ -127,9 +127,11 @@ def _compressed_tensors(raw: dict[str, Any]) -> QuantConfig:
                        ignore=tuple(raw.get("ignore") or ("lm_head",)), block=block)
 
 
-def resolve(model_dir: str | Path | None, quantization: str | None) -> QuantConfig | None:
+def resolve(model_dir: str | Path | None, quantization: str | None,
+            hf_config_path: str | Path | None = None) -> QuantConfig | None:
     """The model's quantization: the checkpoint's, which `quantization` may only confirm
-    (an fp8 checkpoint with "fp8"), else the on-the-fly method `quantization` names."""
+    (an fp8 checkpoint with "fp8"), else the on-the-fly method `quantization` names. The
+    checkpoint's is a GGUF file's own, else config.json's (`hf_config_path`'s when given)."""
     from pjinfer.quantization.gguf_file import gguf_path
 
     if gguf_path(model_dir) is not None:  # per-tensor types; Q8_0 / Q4_0 stay packed
@@ -138,7 +140,8 @@ def resolve(model_dir: str | Path | None, quantization: str | None) -> QuantConf
                              "a GGUF file; leave quantization unset")
         return QuantConfig("gguf", 8, 32)
     raw = None
-    path = Path(model_dir) / "config.json" if model_dir is not None else None
+    folder = hf_config_path if hf_config_path is not None else model_dir
+    path = Path(folder) / "config.json" if folder is not None else None
     if path is not None and path.is_file():
         raw = json.loads(path.read_text()).get("quantization_config")
     if raw:

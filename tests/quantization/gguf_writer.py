@@ -180,11 +180,13 @@ def llama3_rope_freqs(cfg) -> np.ndarray:
 
 def write_gguf(model, path: Path, arch: str, *, extra_types: dict[str, str | None] | None = None,
                seed: int = 0, tokenizer: Path | None = None,
-               metadata: dict[str, str | float] | None = None) -> Path:
+               metadata: dict[str, str | float] | None = None,
+               state: dict | None = None) -> Path:
     """`model` (a tiny float Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE) as a GGUF file
     of mixed tensor types (`LAYER_TYPES` updated by `extra_types`, by llama.cpp's short
     names; other tensors float32); `tokenizer`: a byte-level BPE tokenizer folder to store
-    in the metadata; `metadata`: more fields (strings or float32)."""
+    in the metadata; `metadata`: more fields (strings or float32); `state`: tensors to write
+    instead of the model's (its config still writes the metadata)."""
     import gguf
     from gguf import GGMLQuantizationType as T
 
@@ -199,7 +201,7 @@ def write_gguf(model, path: Path, arch: str, *, extra_types: dict[str, str | Non
         w.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg))
     if tokenizer is not None:
         add_bpe_tokenizer(w, tokenizer)
-    for name, value in model.state_dict().items():
+    for name, value in (state if state is not None else model.state_dict()).items():
         value = value.detach().numpy().astype(np.float32)
         if name == "model.embed_tokens.weight":
             w.add_tensor("token_embd.weight", value.astype(np.float16))

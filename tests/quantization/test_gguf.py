@@ -11,7 +11,7 @@ import pytest
 from pjinfer import LLM
 from pjinfer.errors import ModelLoadError
 from pjinfer.models.dense import dense_logits
-from pjinfer.quantization.gguf_file import ARCHITECTURES
+from pjinfer.quantization.gguf_file import ARCHITECTURES, GGUFIndex
 from pjinfer.quantization.weight import QuantizedWeight
 from tests.quantization.gguf_writer import GGUF_TINY, LAYER_TYPES, OTHER_TYPES, write_gguf
 from tests.quantization.test_checkpoints import ENGINE, GREEDY, PROMPTS, _hf_greedy
@@ -255,8 +255,6 @@ def test_mixtral_gguf(tmp_path, parallel):
 def test_rope_scaling_metadata(tmp_path, scaling, error):
     """`rope.scaling.type`: linear (with its factor) as transformers' linear scaling; a type
     pjinfer does not implement is one clear error, not a silently different model."""
-    from pjinfer.quantization.gguf_file import GGUFIndex
-
     config = transformers.LlamaConfig(**GGUF_TINY)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     path = write_gguf(model, tmp_path / "model.gguf", "llama",
@@ -268,3 +266,30 @@ def test_rope_scaling_metadata(tmp_path, scaling, error):
         return
     assert GGUFIndex(path).hf_config()["rope_scaling"] == dict(rope_type="linear", factor=4.0)
     assert LLM(str(path), **ENGINE).engine.model_config.rope_scaling.factor == 4.0
+
+
+def test_hf_config_path_describes_a_gguf_file(tmp_path):
+    """A file whose converter wrote no rope scaling (no `rope_freqs`): `hf_config_path`, the
+    original model's folder, gives the config (vLLM's flag for GGUF metadata that falls
+    short), so the engine matches transformers running the original model; a folder without
+    config.json is one clear error."""
+    torch.manual_seed(3)
+    rope = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                high_freq_factor=4.0, original_max_position_embeddings=16)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.LlamaConfig(**GGUF_TINY, rope_parameters=rope), dtype=torch.float32).eval()
+    _as_stored(model)
+    original = tmp_path / "original"
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.config.save_pretrained(original)  # config.json alone
+    plain = transformers.LlamaConfig(**GGUF_TINY)  # the file as if rope scaling were lost
+    path = write_gguf(transformers.AutoModelForCausalLM.from_config(plain), tmp_path / "m.gguf",
+                      "llama", extra_types=dict.fromkeys(LAYER_TYPES), state=model.state_dict())
+    assert "rope_scaling" not in GGUFIndex(path).hf_config()
+    llm = LLM(str(path), hf_config_path=str(original), **ENGINE)
+    assert llm.engine.model_config.rope_scaling.rope_type == "llama3"
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY), strict=True):
+        assert out.outputs[0].token_ids == _hf_greedy(model, prompt), prompt
+    _logits_match(llm, model)
+    with pytest.raises(ModelLoadError, match="hf_config_path .* has no config.json"):
+        LLM(str(path), hf_config_path=str(tmp_path), **ENGINE)
