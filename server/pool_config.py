@@ -18,7 +18,7 @@ from pjinfer.server.model_entry import ModelSpec
 from pjinfer.server.model_memory import device_budget
 from pjinfer.server.model_pool import ModelPool
 
-_PER_MODEL = ("model", "served_model_name", "tokenizer")  # never shared by the whole pool
+_PER_MODEL = ("model", "served_model_name", "tokenizer", "hf_config_path")  # each model its own
 
 
 def build_engine(config: EngineConfig, data_parallel_size: int = 1
