@@ -91,8 +91,6 @@ class LLMEngine:
     def _build_device_state(self, model_dir: str, params, policy) -> None:
         """Weights, KV cache and compiled steps (the runner), and the scheduler over them."""
         config = self.config
-        self.quantization = resolve_quantization(model_dir, config.quantization,
-                                                 config.hf_config_path)
         with timed(self.startup_phases, "weights"):
             self.model_config, loaded, mesh = self._load(model_dir, params)
         self.served_model_name = config.served_model_name or (
@@ -130,9 +128,9 @@ class LLMEngine:
             self.memory_report = self.runner.memory_report()
 
     def _load(self, model_dir: str, params) -> tuple:
-        """(model config, params, mesh): one loader for every format, one device or sharded
-        over a ("dp", "tp") mesh (tensor_parallel_size > 1); given params are only sharded."""
+        """(config, params, mesh) of any format, one device or a (dp, tp) mesh; quantization."""
         c = self.config
+        self.quantization = resolve_quantization(model_dir, c.quantization, c.hf_config_path)
         return load_engine_model(model_dir, tensor_parallel_size=c.tensor_parallel_size,
                                  dtype=c.dtype, load_format=c.load_format, seed=c.seed,
                                  params=params, enable_expert_parallel=c.enable_expert_parallel,
