@@ -10,8 +10,9 @@
     int4 form (blocks of 32 along the input dim: group size 32) that the kernel streams.
 llama.cpp stores Llama's q and k projections with their rows permuted for its rotary layout;
 they are permuted back here (whole rows, so packed blocks move unchanged). Architectures: Llama
-(Mistral's too), Qwen2, Qwen3, and the MoE files of Mixtral (a llama with `expert_count`),
-Qwen2-MoE and Qwen3-MoE, whose [E, ...] expert stacks
+(Mistral's too), Qwen2, Qwen3, Phi-3 (its fused attn_qkv and ffn_up read as the fused
+checkpoint tensors; sliding window and LongRoPE factors from the file), and the MoE files of
+Mixtral (a llama with `expert_count`), Qwen2-MoE and Qwen3-MoE, whose [E, ...] expert stacks
 (`ffn_{gate,up,down}_exps`) are served under transformers 5's fused names and load as float.
 Rope scaling: linear from the metadata, and Llama 3.1's as llama.cpp stores it (`rope_freqs`,
 a divisor a frequency), which transformers' own GGUF reader drops.
@@ -29,7 +30,7 @@ from pjinfer.errors import ModelLoadError
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
-                 "qwen3moe": "Qwen3MoeForCausalLM"}
+                 "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM"}
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K",
                    "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 PACKED_TYPES = ("Q8_0", "Q4_0")  # kept packed for the kernel
@@ -42,7 +43,8 @@ _LAYER = {"input_layernorm.weight": "attn_norm.weight",
           "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
           "mlp.shared_expert.up_proj": "ffn_up_shexp",
           "mlp.shared_expert.down_proj": "ffn_down_shexp",
-          "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+          "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+          "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # Phi-3's fused
 # a MoE layer's expert stacks, as transformers 5 names them ([E, 2I, D] gate rows first;
 # [E, D, I]): llama.cpp's stacks concatenated along dim 1
 _EXPERTS = {"mlp.experts.gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"),
@@ -251,7 +253,27 @@ class GGUFIndex:
                                  "supported; supported: none, linear, and Llama 3.1's rope_freqs")
         if "rope_freqs.weight" in self._tensors:
             raw["rope_scaling"] = self._rope_factors(raw["max_position_embeddings"])
+        if arch == "phi3" and key("attention.sliding_window") is not None:
+            raw["sliding_window"] = int(key("attention.sliding_window"))
+        if "rope_factors_long.weight" in self._tensors:  # Phi-3's LongRoPE
+            raw["rope_scaling"] = self._longrope(key)
+            if key("rope.scaling.original_context_length") is not None:  # Phi3Config's field
+                raw["original_max_position_embeddings"] = int(
+                    key("rope.scaling.original_context_length"))
         return raw
+
+    def _longrope(self, key: Any) -> dict[str, Any]:
+        """Phi-3's LongRoPE as llama.cpp stores it: the factors as tensors, the attention
+        factor (and the original length: `hf_config`) in the metadata; transformers'
+        defaults when absent."""
+        factors = {n: [float(f) for f in self._float(f"rope_factors_{n}.weight",
+                                                     self._tensors[f"rope_factors_{n}.weight"])]
+                   for n in ("short", "long")}
+        out = dict(rope_type="longrope", short_factor=factors["short"],
+                   long_factor=factors["long"])
+        if key("rope.scaling.attn_factor") is not None:
+            out["attention_factor"] = float(key("rope.scaling.attn_factor"))
+        return out
 
     def _rope_factors(self, context: int) -> dict[str, Any]:
         """llama.cpp's `rope_freqs` (Llama 3.1's scaling, as its converter stores it): one

@@ -30,7 +30,8 @@ HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
               "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
               "mlp.shared_expert.up_proj": "ffn_up_shexp",
               "mlp.shared_expert.down_proj": "ffn_down_shexp",
-              "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+              "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+              "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -98,6 +99,10 @@ def _metadata(w, cfg, arch: str) -> None:
     w.add_vocab_size(cfg.vocab_size)
     w.add_bos_token_id(cfg.bos_token_id)
     w.add_eos_token_id(cfg.eos_token_id)
+    if arch == "phi3":  # else transformers' Phi3Config pads with id 32000
+        w.add_pad_token_id(cfg.pad_token_id)
+        if cfg.sliding_window:
+            w.add_sliding_window(cfg.sliding_window)
     if arch.startswith("qwen3"):
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
@@ -199,6 +204,14 @@ def write_gguf(model, path: Path, arch: str, *, extra_types: dict[str, str | Non
         (w.add_string if isinstance(value, str) else w.add_float32)(name, value)
     if _rope(cfg).get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg))
+    if _rope(cfg).get("rope_type") == "longrope":  # Phi-3, as llama.cpp's converter writes it
+        r, orig = _rope(cfg), cfg.original_max_position_embeddings
+        w.add_tensor("rope_factors_short.weight", np.asarray(r["short_factor"], np.float32))
+        w.add_tensor("rope_factors_long.weight", np.asarray(r["long_factor"], np.float32))
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length", orig)
+        scale = cfg.max_position_embeddings / orig
+        w.add_float32(f"{arch}.rope.scaling.attn_factor",
+                      float(np.sqrt(1 + np.log(scale) / np.log(orig))) if scale > 1 else 1.0)
     if tokenizer is not None:
         add_bpe_tokenizer(w, tokenizer)
     for name, value in (state if state is not None else model.state_dict()).items():

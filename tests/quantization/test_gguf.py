@@ -293,3 +293,67 @@ def test_hf_config_path_describes_a_gguf_file(tmp_path):
     _logits_match(llm, model)
     with pytest.raises(ModelLoadError, match="hf_config_path .* has no config.json"):
         LLM(str(path), hf_config_path=str(tmp_path), **ENGINE)
+
+
+def test_phi3_gguf(tmp_path):
+    """Phi-3: llama.cpp keeps its fused attn_qkv and ffn_up (gate | up), read as the fused
+    checkpoint tensors the model slices (dequantized: a Q8_0 / Q4_0 fused tensor is not a
+    Linear weight), against transformers reading the same file."""
+    torch.manual_seed(8)
+    config = transformers.Phi3Config(**GGUF_TINY)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path = write_gguf(model, tmp_path / "model.gguf", "phi3",
+                      extra_types={"attn_qkv": "Q8_0", "ffn_up": "Q4_0"})
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file="model.gguf", dtype=torch.float32).eval()
+    llm = LLM(str(path), **ENGINE)
+    assert llm.engine.model_config.architecture == "Phi3ForCausalLM"
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY), strict=True):
+        assert out.outputs[0].token_ids == _hf_greedy(oracle, prompt), prompt
+    _logits_match(llm, oracle)
+
+
+def test_phi3_sliding_window_from_the_metadata(tmp_path):
+    """`phi3.attention.sliding_window` (which transformers' GGUF reader leaves out): prompts
+    longer than the window match transformers' Phi-3 with that window."""
+    torch.manual_seed(10)
+    config = transformers.Phi3Config(**GGUF_TINY, sliding_window=8)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    _as_stored(model)
+    path = write_gguf(model, tmp_path / "model.gguf", "phi3",
+                      extra_types=dict.fromkeys(LAYER_TYPES))
+    llm = LLM(str(path), **ENGINE)
+    assert llm.engine.model_config.sliding_window(0) == 8
+    assert min(map(len, PROMPTS)) > 8
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY), strict=True):
+        assert out.outputs[0].token_ids == _hf_greedy(model, prompt), prompt
+    _logits_match(llm, model)
+
+
+def test_phi3_longrope_from_rope_factors(tmp_path):
+    """Phi-3's LongRoPE as llama.cpp stores it (`rope_factors_short` / `_long` tensors, the
+    original length and attention factor in the metadata), which transformers' GGUF reader
+    drops: the engine (max_model_len within the original length: the short factors, as
+    transformers takes for these prompts) matches transformers running the original model."""
+    torch.manual_seed(9)
+    pairs = GGUF_TINY["hidden_size"] // GGUF_TINY["num_attention_heads"] // 2
+    rope = dict(rope_type="longrope", rope_theta=10000.0,
+                short_factor=[1.0 + 0.1 * i for i in range(pairs)],
+                long_factor=[2.0 + 0.5 * i for i in range(pairs)])
+    config = transformers.Phi3Config(**GGUF_TINY, rope_parameters=rope,
+                                     original_max_position_embeddings=64)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    _as_stored(model)
+    path = write_gguf(model, tmp_path / "model.gguf", "phi3",
+                      extra_types=dict.fromkeys(LAYER_TYPES))
+    llm = LLM(str(path), **{**ENGINE, "max_model_len": 64})
+    scaling = llm.engine.model_config.rope_scaling
+    assert scaling.rope_type == "longrope" and scaling.original_max_position_embeddings == 64
+    assert scaling.attention_factor == pytest.approx(float(np.sqrt(1 + np.log(4) / np.log(64))))
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY), strict=True):
+        assert out.outputs[0].token_ids == _hf_greedy(model, prompt), prompt
+    _logits_match(llm, model)
+    unscaled = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file="model.gguf", dtype=torch.float32).eval()
+    with pytest.raises(AssertionError):
+        _logits_match(llm, unscaled)
