@@ -222,13 +222,19 @@ class GGUFIndex:
 
         def key(name: str, default: Any = None) -> Any:
             return m.get(f"{arch}.{name}", default)
+
+        def need(name: str) -> int:
+            if key(name) is None:
+                raise ModelLoadError(f"{self.model_dir}: the GGUF metadata lacks {arch}.{name}; "
+                                     "pass the original model's folder as hf_config_path")
+            return int(key(name))
         tokens = m.get("tokenizer.ggml.tokens")
-        heads = int(key("attention.head_count"))
+        heads = need("attention.head_count")
         raw = dict(architectures=[ARCHITECTURES[arch]],
                    vocab_size=int(key("vocab_size", len(tokens) if tokens else 0)),
-                   hidden_size=int(key("embedding_length")),
-                   intermediate_size=int(key("feed_forward_length")),
-                   num_hidden_layers=int(key("block_count")),
+                   hidden_size=need("embedding_length"),
+                   intermediate_size=need("feed_forward_length"),
+                   num_hidden_layers=need("block_count"),
                    num_attention_heads=heads,
                    num_key_value_heads=int(key("attention.head_count_kv", heads)),
                    max_position_embeddings=int(key("context_length", 2048)),
@@ -239,28 +245,30 @@ class GGUFIndex:
                    eos_token_id=m.get("tokenizer.ggml.eos_token_id"), dtype="float32")
         if key("attention.key_length") is not None:
             raw["head_dim"] = int(key("attention.key_length"))
-        if arch.endswith("moe"):
-            raw.update(_moe_config(key, arch))
-        elif arch == "llama" and key("expert_count"):  # Mixtral: llama.cpp's llama + experts
-            raw.update(architectures=["MixtralForCausalLM"],
-                       num_local_experts=int(key("expert_count")),
-                       num_experts_per_tok=int(key("expert_used_count", 2)))
+        return {**raw, **_moe_config(key, arch),
+                **self._rope_config(key, arch, raw["max_position_embeddings"])}
+
+    def _rope_config(self, key: Any, arch: str, context: int) -> dict[str, Any]:
+        """Rope scaling (and Phi-3's window) from the metadata and the factor tensors:
+        linear scaling, Llama 3.1's `rope_freqs`, Phi-3's LongRoPE; any other type is an
+        error, not a silently different model."""
+        out: dict[str, Any] = {}
         scaling = str(key("rope.scaling.type", "none"))
         if scaling == "linear":
-            raw["rope_scaling"] = dict(rope_type="linear", factor=float(key("rope.scaling.factor")))
+            out["rope_scaling"] = dict(rope_type="linear", factor=float(key("rope.scaling.factor")))
         elif scaling != "none":
             raise ModelLoadError(f"{self.model_dir}: GGUF rope scaling {scaling!r} is not "
                                  "supported; supported: none, linear, and Llama 3.1's rope_freqs")
         if "rope_freqs.weight" in self._tensors:
-            raw["rope_scaling"] = self._rope_factors(raw["max_position_embeddings"])
+            out["rope_scaling"] = self._rope_factors(context)
         if arch == "phi3" and key("attention.sliding_window") is not None:
-            raw["sliding_window"] = int(key("attention.sliding_window"))
+            out["sliding_window"] = int(key("attention.sliding_window"))
         if "rope_factors_long.weight" in self._tensors:  # Phi-3's LongRoPE
-            raw["rope_scaling"] = self._longrope(key)
+            out["rope_scaling"] = self._longrope(key)
             if key("rope.scaling.original_context_length") is not None:  # Phi3Config's field
-                raw["original_max_position_embeddings"] = int(
+                out["original_max_position_embeddings"] = int(
                     key("rope.scaling.original_context_length"))
-        return raw
+        return out
 
     def _longrope(self, key: Any) -> dict[str, Any]:
         """Phi-3's LongRoPE as llama.cpp stores it: the factors as tensors, the attention
@@ -287,8 +295,15 @@ class GGUFIndex:
 
 
 def _moe_config(key: Any, arch: str) -> dict[str, Any]:
-    """A MoE GGUF's expert fields, in llama.cpp's meaning: Qwen3-MoE renormalises the top-k
-    weights, Qwen2-MoE does not (unless the file says `expert_weights_norm`)."""
+    """A MoE GGUF's expert fields (none for a dense one), in llama.cpp's meaning: Mixtral is
+    its `llama` with `expert_count`; Qwen3-MoE renormalises the top-k weights, Qwen2-MoE does
+    not (unless the file says `expert_weights_norm`)."""
+    if arch == "llama" and key("expert_count"):
+        return dict(architectures=["MixtralForCausalLM"],
+                    num_local_experts=int(key("expert_count")),
+                    num_experts_per_tok=int(key("expert_used_count", 2)))
+    if not arch.endswith("moe"):
+        return {}
     sizes = {"num_experts": "expert_count", "num_experts_per_tok": "expert_used_count",
              "moe_intermediate_size": "expert_feed_forward_length"}
     if arch == "qwen2moe":

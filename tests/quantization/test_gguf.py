@@ -357,3 +357,14 @@ def test_phi3_longrope_from_rope_factors(tmp_path):
         tmp_path, gguf_file="model.gguf", dtype=torch.float32).eval()
     with pytest.raises(AssertionError):
         _logits_match(llm, unscaled)
+
+
+def test_missing_metadata_names_the_key(tmp_path, monkeypatch):
+    import gguf
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_feed_forward_length", lambda *a: None)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**GGUF_TINY))
+    path = write_gguf(model, tmp_path / "model.gguf", "llama")
+    with pytest.raises(ModelLoadError, match="lacks llama.feed_forward_length; pass the "
+                                             "original model's folder as hf_config_path"):
+        LLM(str(path), **ENGINE)
