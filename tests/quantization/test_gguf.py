@@ -51,6 +51,22 @@ def _logits_match(llm: LLM, oracle) -> None:
         assert np.abs(got[i, :len(p)] - want).max() / np.abs(want).max() < 1e-3
 
 
+def _check(llm: LLM, oracle) -> None:
+    """Greedy tokens of every prompt and the logits equal the oracle's."""
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY), strict=True):
+        assert out.outputs[0].token_ids == _hf_greedy(oracle, prompt), prompt
+    _logits_match(llm, oracle)
+
+
+def _differs_from_transformers_reading(llm: LLM, folder) -> None:
+    """transformers' own reading of the folder's model.gguf (which drops what the test is
+    about) gives other logits: the test exercises what it says."""
+    dropped = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file="model.gguf", dtype=torch.float32).eval()
+    with pytest.raises(AssertionError):
+        _logits_match(llm, dropped)
+
+
 def _as_stored(model) -> None:
     """The float model as a GGUF file of F32 layers stores it: F16 embeddings, a BF16 head."""
     with torch.no_grad():
@@ -68,9 +84,7 @@ def test_engine_matches_transformers_gguf(gguf_files, arch):
     assert isinstance(layer["k_proj"], QuantizedWeight) and layer["k_proj"].kind == "int8"
     assert layer["q_proj"].scales.shape[0] == GGUF_TINY["hidden_size"] // 32  # Q4_0 blocks
     assert not isinstance(layer["v_proj"], QuantizedWeight)  # Q4_K: dequantized at load
-    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY), strict=True):
-        assert out.outputs[0].token_ids == _hf_greedy(oracle, prompt), prompt
-    _logits_match(llm, oracle)
+    _check(llm, oracle)
 
 
 @pytest.mark.parametrize("arch, cls", [("llama", "LlamaConfig"), ("qwen2", "Qwen2Config")])
@@ -88,9 +102,7 @@ def test_engine_matches_transformers_on_the_other_types(tmp_path, arch, cls):
     assert llm.engine.quantization_method == "gguf"
     layer = llm.engine.runner.params["layers"][0]
     assert not any(isinstance(w, QuantizedWeight) for w in layer.values())
-    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY), strict=True):
-        assert out.outputs[0].token_ids == _hf_greedy(oracle, prompt), prompt
-    _logits_match(llm, oracle)
+    _check(llm, oracle)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -101,9 +113,7 @@ def test_tensor_parallel_2(gguf_files, arch):
     llm = LLM(str(path), tensor_parallel_size=2, **ENGINE)
     q = llm.engine.runner.params["layers"][0]["q_proj"]
     assert isinstance(q, QuantizedWeight) and len(q.packed.sharding.device_set) == 2
-    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY), strict=True):
-        assert out.outputs[0].token_ids == _hf_greedy(oracle, prompt), prompt
-    _logits_match(llm, oracle)
+    _check(llm, oracle)
 
 
 def test_unsupported_tensor_type_names_the_tensor(tmp_path):
@@ -155,9 +165,7 @@ def test_qwen3_and_moe_gguf_match_transformers(tmp_path, arch, parallel):
     assert ("router" in layer) == arch.endswith("moe")
     if parallel:
         assert len(layer["experts_gate_up"].sharding.device_set) == 2
-    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY), strict=True):
-        assert out.outputs[0].token_ids == _hf_greedy(oracle, prompt), prompt
-    _logits_match(llm, oracle)
+    _check(llm, oracle)
 
 
 def test_a_missing_expert_stack_names_the_tensor(tmp_path, monkeypatch):
@@ -220,13 +228,8 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
                       extra_types=dict.fromkeys(LAYER_TYPES))
     llm = LLM(str(path), **ENGINE)
     assert llm.engine.model_config.rope_scaling.short_factor[-1] == 8.0
-    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY), strict=True):
-        assert out.outputs[0].token_ids == _hf_greedy(model, prompt), prompt
-    _logits_match(llm, model)
-    unscaled = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, gguf_file="model.gguf", dtype=torch.float32).eval()
-    with pytest.raises(AssertionError):
-        _logits_match(llm, unscaled)
+    _check(llm, model)
+    _differs_from_transformers_reading(llm, tmp_path)
 
 
 @pytest.mark.parametrize("parallel", [{}, dict(tensor_parallel_size=2,
@@ -246,9 +249,7 @@ def test_mixtral_gguf(tmp_path, parallel):
                       extra_types=dict.fromkeys(LAYER_TYPES))
     llm = LLM(str(path), **ENGINE, **parallel)
     assert llm.engine.model_config.architecture == "MixtralForCausalLM"
-    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY), strict=True):
-        assert out.outputs[0].token_ids == _hf_greedy(model, prompt), prompt
-    _logits_match(llm, model)
+    _check(llm, model)
 
 
 @pytest.mark.parametrize("scaling, error", [("linear", None), ("yarn", "rope scaling 'yarn'")])
@@ -288,9 +289,7 @@ def test_hf_config_path_describes_a_gguf_file(tmp_path):
     assert "rope_scaling" not in GGUFIndex(path).hf_config()
     llm = LLM(str(path), hf_config_path=str(original), **ENGINE)
     assert llm.engine.model_config.rope_scaling.rope_type == "llama3"
-    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY), strict=True):
-        assert out.outputs[0].token_ids == _hf_greedy(model, prompt), prompt
-    _logits_match(llm, model)
+    _check(llm, model)
     with pytest.raises(ModelLoadError, match="hf_config_path .* has no config.json"):
         LLM(str(path), hf_config_path=str(tmp_path), **ENGINE)
 
@@ -308,9 +307,7 @@ def test_phi3_gguf(tmp_path):
         tmp_path, gguf_file="model.gguf", dtype=torch.float32).eval()
     llm = LLM(str(path), **ENGINE)
     assert llm.engine.model_config.architecture == "Phi3ForCausalLM"
-    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY), strict=True):
-        assert out.outputs[0].token_ids == _hf_greedy(oracle, prompt), prompt
-    _logits_match(llm, oracle)
+    _check(llm, oracle)
 
 
 def test_phi3_sliding_window_from_the_metadata(tmp_path):
@@ -325,9 +322,7 @@ def test_phi3_sliding_window_from_the_metadata(tmp_path):
     llm = LLM(str(path), **ENGINE)
     assert llm.engine.model_config.sliding_window(0) == 8
     assert min(map(len, PROMPTS)) > 8
-    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY), strict=True):
-        assert out.outputs[0].token_ids == _hf_greedy(model, prompt), prompt
-    _logits_match(llm, model)
+    _check(llm, model)
 
 
 def test_phi3_longrope_from_rope_factors(tmp_path):
@@ -350,13 +345,8 @@ def test_phi3_longrope_from_rope_factors(tmp_path):
     scaling = llm.engine.model_config.rope_scaling
     assert scaling.rope_type == "longrope" and scaling.original_max_position_embeddings == 64
     assert scaling.attention_factor == pytest.approx(float(np.sqrt(1 + np.log(4) / np.log(64))))
-    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY), strict=True):
-        assert out.outputs[0].token_ids == _hf_greedy(model, prompt), prompt
-    _logits_match(llm, model)
-    unscaled = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, gguf_file="model.gguf", dtype=torch.float32).eval()
-    with pytest.raises(AssertionError):
-        _logits_match(llm, unscaled)
+    _check(llm, model)
+    _differs_from_transformers_reading(llm, tmp_path)
 
 
 def test_missing_metadata_names_the_key(tmp_path, monkeypatch):
