@@ -21,6 +21,7 @@ from pjinfer.errors import ModelLoadError
 from pjinfer.quantization.config import resolve as resolve_quantization
 from pjinfer.quantization.kv_cache import kv_cache_dtype
 from pjinfer.quantization.loader import device_bytes
+from pjinfer.weights import read_model_config
 
 ACTIVATION_MARGIN = 0.1  # of a model's share, kept free for the step's temporaries
 MiB = 1 << 20
@@ -34,14 +35,20 @@ def device_budget() -> int | None:
     return stats.get("bytes_limit") or None
 
 
+def _config(model_dir: str | None, hf_config_path: str | None) -> ModelConfig:
+    """The model's config as the engine reads it (config.json, hf_config_path's, or a GGUF
+    file's metadata)."""
+    return read_model_config(model_dir or DEMO_MODEL_DIR, hf_config_path)
+
+
 def weight_bytes(model_dir: str | None, dtype: str = "auto",
-                 quantization: str | None = None) -> int:
+                 quantization: str | None = None, hf_config_path: str | None = None) -> int:
     """Bytes of every parameter of the model as the engine will hold them (the engine's
-    dtype; quantized Linear weights at their bits), from config.json alone."""
-    cfg = ModelConfig.from_pretrained(model_dir or DEMO_MODEL_DIR)
+    dtype; quantized Linear weights at their bits), from its config alone."""
+    cfg = _config(model_dir, hf_config_path)
     model_dtype = resolve_dtype(dtype, cfg)
     try:
-        q = resolve_quantization(model_dir, quantization)
+        q = resolve_quantization(model_dir, quantization, hf_config_path)
     except ValueError as e:  # the engine arguments are wrong, not the memory too small
         raise ModelLoadError(str(e)) from None
     return sum(device_bytes(p, q, np.dtype(p.target_dtype(model_dtype)).itemsize)
@@ -53,7 +60,7 @@ def kv_bytes(model_dir: str | None, args: dict[str, Any]) -> int:
     if args.get("kv_cache_memory") is not None:
         return int(args["kv_cache_memory"])
     if args.get("num_kv_blocks") is not None:
-        cfg = ModelConfig.from_pretrained(model_dir or DEMO_MODEL_DIR)
+        cfg = _config(model_dir, args.get("hf_config_path"))
         dtype = kv_cache_dtype(args.get("kv_cache_dtype", "auto"),
                                resolve_dtype(args.get("dtype", "auto"), cfg))
         per_block = kv_bytes_per_block(cfg, args.get("block_size", 16), dtype)
@@ -68,7 +75,8 @@ def check_fits(name: str, model_dir: str | None, args: dict[str, Any], share: fl
     if budget is None:
         return args
     limit = int(share * budget)
-    weights = weight_bytes(model_dir, args.get("dtype", "auto"), args.get("quantization"))
+    weights = weight_bytes(model_dir, args.get("dtype", "auto"), args.get("quantization"),
+                           args.get("hf_config_path"))
     sized = args.get("kv_cache_memory") is not None or args.get("num_kv_blocks") is not None
     need = weights + (kv_bytes(model_dir, args) if sized else 0)
     usable = int(limit * (1 - ACTIVATION_MARGIN))

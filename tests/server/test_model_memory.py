@@ -49,3 +49,30 @@ def test_a_bad_quantization_is_a_load_error_not_a_memory_one():
 
     with pytest.raises(ModelLoadError, match="quantization='bogus'"):
         check_fits("m", None, {"quantization": "bogus"}, 0.5, 1 << 30)
+
+
+def test_a_gguf_file_and_hf_config_path_are_planned_from_the_config_the_engine_reads(tmp_path):
+    """A GGUF file has no config.json: its metadata gives the shapes (its tensors counted as
+    float, as the loader's planning does); hf_config_path's config.json wins when given."""
+    import shutil
+
+    import pytest
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    from pjinfer.demo import DEMO_MODEL_DIR
+    from pjinfer.server.model_memory import weight_bytes
+    from tests.quantization.gguf_writer import LAYER_TYPES, write_gguf
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR,
+                                                              dtype=torch.float32)
+    path = write_gguf(model, tmp_path / "demo.gguf", "llama", extra_types=dict.fromkeys(
+        LAYER_TYPES, "Q8_0"))
+    plain = weight_bytes(None, "float32")
+    assert weight_bytes(str(path), "float32") == plain
+    assert kv_bytes(str(path), {"num_kv_blocks": 10}) == kv_bytes(None, {"num_kv_blocks": 10})
+    config = tmp_path / "config"
+    config.mkdir()
+    shutil.copy(DEMO_MODEL_DIR / "config.json", config)
+    assert weight_bytes(str(path), "float32", hf_config_path=str(config)) == plain
