@@ -1,6 +1,8 @@
 """GGUF files (F16, BF16, F32, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K; Llama, Qwen2, Qwen3,
-Qwen2-MoE, Qwen3-MoE) through the engine equal transformers loading the same file with
-`gguf_file=`: greedy tokens for 24 tokens, logits within 1e-3."""
+Phi-3, Mixtral, Qwen2-MoE, Qwen3-MoE) through the engine equal transformers loading the same
+file with `gguf_file=` (greedy tokens for 24 tokens, logits within 1e-3), or, where that
+reader drops what the file holds (Mixtral's experts, rope factors, Phi-3's window),
+transformers running the original model on the same weights."""
 
 from __future__ import annotations
 
