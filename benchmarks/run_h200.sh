@@ -435,7 +435,8 @@ stage_pdlcheck() {
   if [ $SMOKE = 1 ]; then log "SKIP pdlcheck in smoke mode (needs a GPU's PTX)"; return 0; fi
   local dump=/tmp/pjinfer-pdl-dump
   rm -rf "$dump"
-  # no module filter: round 33's `.*step.*` dumped no PTX (what the folder holds is listed)
+  # jax 0.11.2's dump held no PTX with or without a module filter (round 33): what the folder
+  # holds is listed beside the scan
   step pdl_step 300 env XLA_FLAGS="--xla_dump_to=$dump" \
       $PY benchmarks/step_probe.py --model configs/models/qwen3-30b-a3b \
       --layouts decode_1x768 --backends auto --num-kv-blocks 4096 --max-model-len 4096 \

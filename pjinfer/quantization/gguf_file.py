@@ -72,26 +72,31 @@ def gguf_name(hf_name: str) -> str | None:
     """transformers' tensor name -> llama.cpp's (None when it has no counterpart)."""
     if hf_name in _TOP:
         return _TOP[hf_name]
-    parts = hf_name.split(".")
-    if len(parts) < 4 or parts[:2] != ["model", "layers"]:
+    layer = _layer_part(hf_name)
+    if layer is None or layer[1] in _EXPERTS:  # an expert stack is several: `expert_names`
         return None
-    rest = ".".join(parts[3:])
-    if rest in _EXPERTS:
-        return None  # several tensors: `expert_names`
+    block, rest = layer
     for hf, gg in _LAYER.items():
         if rest == hf or rest.startswith(hf + "."):
-            return f"blk.{parts[2]}.{gg}{rest[len(hf):]}"
+            return f"blk.{block}.{gg}{rest[len(hf):]}"
     return None
 
 
 def expert_names(hf_name: str) -> tuple[str, ...] | None:
     """A MoE layer's expert stack in transformers 5's name -> llama.cpp's tensors (in
     the order they concatenate), else None."""
-    parts = hf_name.split(".")
-    rest = ".".join(parts[3:])
-    if len(parts) < 4 or parts[:2] != ["model", "layers"] or rest not in _EXPERTS:
+    layer = _layer_part(hf_name)
+    if layer is None or layer[1] not in _EXPERTS:
         return None
-    return tuple(f"blk.{parts[2]}.{name}.weight" for name in _EXPERTS[rest])
+    return tuple(f"blk.{layer[0]}.{name}.weight" for name in _EXPERTS[layer[1]])
+
+
+def _layer_part(hf_name: str) -> tuple[str, str] | None:
+    """'model.layers.{i}.rest' -> (i, rest), else None."""
+    parts = hf_name.split(".")
+    if len(parts) < 4 or parts[:2] != ["model", "layers"]:
+        return None
+    return parts[2], ".".join(parts[3:])
 
 
 def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -176,16 +181,16 @@ class GGUFIndex:
     def get(self, hf_name: str) -> np.ndarray:
         stack = expert_names(hf_name)
         if stack is not None:
-            if not all(name in self._tensors for name in stack):
+            if hf_name not in self:
                 raise KeyError(hf_name)
-            return np.concatenate([self._float(n, self._tensors[n]) for n in stack], axis=1)
+            return np.concatenate([self._float(n) for n in stack], axis=1)
         name, t, base = self._tensor(hf_name)
         if hf_name.endswith((".gguf_type", ".gguf_blocks")):
             self._check_type(name, t)
             if hf_name.endswith(".gguf_type"):
                 return np.array(t.tensor_type.name)
             return self._rows(base, np.asarray(t.data))  # [out, row bytes]
-        data = self._float(name, t)
+        data = self._float(name)
         if base.endswith("shared_expert_gate.weight") and data.ndim == 1:
             data = data[None]  # llama.cpp stores Qwen2-MoE's [1, D] gate as [D]
         return self._rows(base, data)
@@ -197,10 +202,11 @@ class GGUFIndex:
             raise ModelLoadError(f"tensor {name!r} has GGUF type {kind}, which pjinfer does not "
                                  f"read; supported: {', '.join(SUPPORTED_TYPES)}")
 
-    def _float(self, name: str, t: Any) -> np.ndarray:
-        """One tensor dequantized to float32, in numpy's dim order."""
+    def _float(self, name: str) -> np.ndarray:
+        """The file's tensor `name` dequantized to float32, in numpy's dim order."""
         import gguf
 
+        t = self._tensors[name]
         self._check_type(name, t)
         data = np.asarray(t.data)
         if t.tensor_type.name not in ("F32", "F16"):
@@ -274,11 +280,9 @@ class GGUFIndex:
         """Phi-3's LongRoPE as llama.cpp stores it: the factors as tensors, the attention
         factor (and the original length: `hf_config`) in the metadata; transformers'
         defaults when absent."""
-        factors = {n: [float(f) for f in self._float(f"rope_factors_{n}.weight",
-                                                     self._tensors[f"rope_factors_{n}.weight"])]
-                   for n in ("short", "long")}
-        out = dict(rope_type="longrope", short_factor=factors["short"],
-                   long_factor=factors["long"])
+        out = dict(rope_type="longrope",
+                   short_factor=self._float("rope_factors_short.weight").tolist(),
+                   long_factor=self._float("rope_factors_long.weight").tolist())
         if key("rope.scaling.attn_factor") is not None:
             out["attention_factor"] = float(key("rope.scaling.attn_factor"))
         return out
@@ -287,8 +291,7 @@ class GGUFIndex:
         """llama.cpp's `rope_freqs` (Llama 3.1's scaling, as its converter stores it): one
         divisor a rotary frequency, which is LongRoPE's form with the same factors at every
         length and no attention factor."""
-        factors = [float(f) for f in self._float("rope_freqs.weight",
-                                                 self._tensors["rope_freqs.weight"])]
+        factors = self._float("rope_freqs.weight").tolist()
         return dict(rope_type="longrope", short_factor=factors, long_factor=factors,
                     original_max_position_embeddings=context, factor=1.0,
                     attention_factor=1.0)

@@ -106,12 +106,11 @@ def _metadata(w, cfg, arch: str) -> None:
     if arch.startswith("qwen3"):
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
-    if getattr(cfg, "num_local_experts", None):  # Mixtral: a llama with experts
-        w.add_expert_count(cfg.num_local_experts)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:  # llama.cpp's expert fields (Mixtral: a llama with them)
+        w.add_expert_count(experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
-    if arch.endswith("moe"):  # llama.cpp's expert fields
-        w.add_expert_count(cfg.num_experts)
-        w.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch.endswith("moe"):
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         if arch == "qwen2moe":
             w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
@@ -183,15 +182,32 @@ def llama3_rope_freqs(cfg) -> np.ndarray:
     return np.asarray(out, np.float32)
 
 
+def _rope_tensors(w, cfg, arch: str) -> None:
+    """Rope scaling as llama.cpp's converter writes it: Llama 3.1's `rope_freqs`, Phi-3's
+    LongRoPE factors with the original length and attention factor in the metadata."""
+    r = _rope(cfg)
+    if r.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg))
+    if r.get("rope_type") == "longrope":
+        orig = cfg.original_max_position_embeddings
+        w.add_tensor("rope_factors_short.weight", np.asarray(r["short_factor"], np.float32))
+        w.add_tensor("rope_factors_long.weight", np.asarray(r["long_factor"], np.float32))
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length", orig)
+        scale = cfg.max_position_embeddings / orig
+        w.add_float32(f"{arch}.rope.scaling.attn_factor",
+                      float(np.sqrt(1 + np.log(scale) / np.log(orig))) if scale > 1 else 1.0)
+
+
 def write_gguf(model, path: Path, arch: str, *, extra_types: dict[str, str | None] | None = None,
                seed: int = 0, tokenizer: Path | None = None,
                metadata: dict[str, str | float] | None = None,
                state: dict | None = None) -> Path:
-    """`model` (a tiny float Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE) as a GGUF file
-    of mixed tensor types (`LAYER_TYPES` updated by `extra_types`, by llama.cpp's short
-    names; other tensors float32); `tokenizer`: a byte-level BPE tokenizer folder to store
-    in the metadata; `metadata`: more fields (strings or float32); `state`: tensors to write
-    instead of the model's (its config still writes the metadata)."""
+    """`model` (a tiny float Llama / Qwen2 / Qwen3 / Phi-3 / Mixtral / Qwen2-MoE / Qwen3-MoE,
+    llama.cpp's `arch` naming its family) as a GGUF file of mixed tensor types (`LAYER_TYPES`
+    updated by `extra_types`, by llama.cpp's short names; other tensors float32).
+    `tokenizer`: a byte-level BPE tokenizer folder to store in the metadata; `metadata`: more
+    fields (strings or float32); `state`: tensors to write instead of the model's (its config
+    still writes the metadata)."""
     import gguf
     from gguf import GGMLQuantizationType as T
 
@@ -202,16 +218,7 @@ def write_gguf(model, path: Path, arch: str, *, extra_types: dict[str, str | Non
     _metadata(w, cfg, arch)
     for name, value in (metadata or {}).items():  # extra fields, as given
         (w.add_string if isinstance(value, str) else w.add_float32)(name, value)
-    if _rope(cfg).get("rope_type") == "llama3":
-        w.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg))
-    if _rope(cfg).get("rope_type") == "longrope":  # Phi-3, as llama.cpp's converter writes it
-        r, orig = _rope(cfg), cfg.original_max_position_embeddings
-        w.add_tensor("rope_factors_short.weight", np.asarray(r["short_factor"], np.float32))
-        w.add_tensor("rope_factors_long.weight", np.asarray(r["long_factor"], np.float32))
-        w.add_uint32(f"{arch}.rope.scaling.original_context_length", orig)
-        scale = cfg.max_position_embeddings / orig
-        w.add_float32(f"{arch}.rope.scaling.attn_factor",
-                      float(np.sqrt(1 + np.log(scale) / np.log(orig))) if scale > 1 else 1.0)
+    _rope_tensors(w, cfg, arch)
     if tokenizer is not None:
         add_bpe_tokenizer(w, tokenizer)
     for name, value in (state if state is not None else model.state_dict()).items():
