@@ -3,21 +3,26 @@
 Kept free of JAX (the engine-argument table imports `QUANTIZATION_METHODS`). Field meanings
 follow the producers: GPTQ (AutoGPTQ / GPTQModel: bits, group_size, desc_act, sym,
 checkpoint_format), AWQ (AutoAWQ: bits, group_size, zero_point, version), compressed-tensors
-(llm-compressor: format, config_groups[*].weights, ignore) and fp8 (vLLM / transformers:
+(llm-compressor: format, config_groups[*].weights / format, ignore) and fp8 (vLLM / transformers:
 activation_scheme, weight_block_size).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("pjinfer")
 
 # on-the-fly methods quantize a float checkpoint at load; the others read a quantized one
 ON_THE_FLY = ("fp8", "int8")
 CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
 QUANTIZATION_METHODS = ("awq", "compressed-tensors", "fp8", "gguf", "gptq", "int8")
+# naive- and int-quantized store the same tensors (int-quantized: llm-compressor's W8A8 int8)
+CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
 _ALIASES = {"compressed_tensors": "compressed-tensors", "gptq_marlin": "gptq",
             "awq_marlin": "awq"}
 
@@ -100,31 +105,46 @@ def _fp8_block(raw: Any) -> tuple[int, int] | None:
 
 
 def _compressed_tensors(raw: dict[str, Any]) -> QuantConfig:
-    """One weights scheme for every Linear (the W4A16 / W8A16 / FP8 presets)."""
-    fmt = raw.get("format", "")
+    """One weights scheme for every Linear (the W4A16 / W8A16 / W8A8 / FP8 presets, their
+    asymmetric and act-order variants); a group's own `format` overrides the top level's."""
     groups = list((raw.get("config_groups") or {}).values())
     if len(groups) != 1 or not groups[0].get("weights"):
         raise ValueError("compressed-tensors: exactly one config group with a weights scheme "
                          f"is supported, got {len(groups)}")
+    fmt = groups[0].get("format") or raw.get("format", "")
     w = groups[0]["weights"]
     strategy = w.get("strategy", "tensor")
-    if fmt not in ("pack-quantized", "float-quantized", "naive-quantized"):
+    if fmt not in CT_FORMATS:
         raise ValueError(f"compressed-tensors: format {fmt!r} is not supported; supported: "
-                         "pack-quantized, float-quantized, naive-quantized")
+                         f"{', '.join(CT_FORMATS)}")
     if strategy not in ("group", "channel", "tensor", "block") or (
             strategy == "block" and w.get("type") != "float"):
         raise ValueError(f"compressed-tensors: weight strategy {strategy!r} is not supported"
                          + (" for int weights" if strategy == "block" else ""))
-    if w.get("actorder") not in (None, False, "static"):
-        raise ValueError(f"compressed-tensors: actorder {w.get('actorder')!r} is not supported")
+    actorder = w.get("actorder")
+    if actorder not in (None, False, True, "static", "weight", "group"):
+        raise ValueError(f"compressed-tensors: actorder {actorder!r} is not supported; "
+                         "supported: group, weight, static")
     block = _fp8_block(w.get("block_structure")) if strategy == "block" else None
     if strategy == "block" and block is None:
         raise ValueError("compressed-tensors: a block weight strategy needs block_structure "
                          "[out, in]")
+    _log_activations(groups[0].get("input_activations"), w.get("type", "int"))
     group = int(w["group_size"]) if strategy == "group" else block[1] if block else -1
+    # "weight" and "static" orders keep each group's rows contiguous: only "group" stores
+    # a weight_g_idx (True is its old spelling)
     return QuantConfig("compressed-tensors", int(w.get("num_bits", 8)), group,
-                       bool(w.get("symmetric", True)), kind=w.get("type", "int"), fmt=fmt,
+                       bool(w.get("symmetric", True)), desc_act=actorder in (True, "group"),
+                       kind=w.get("type", "int"), fmt=fmt,
                        ignore=tuple(raw.get("ignore") or ("lm_head",)), block=block)
+
+
+def _log_activations(acts: dict | None, weight_type: str) -> None:
+    """Int8 activation schemes (W8A8 int8) run weight-only: say so once, at load."""
+    if acts and acts.get("type", "int") == "int" and weight_type == "int":
+        log.info("compressed-tensors: the checkpoint's %d-bit int activation quantization is "
+                 "not applied; activations stay in the model dtype (weight-only int "
+                 "weights)", int(acts.get("num_bits", 8)))
 
 
 def resolve(model_dir: str | Path | None, quantization: str | None,

@@ -12,13 +12,11 @@ kernel reads it; the activations are permuted the same way at run time.
 
 from __future__ import annotations
 
-import numpy as np
-
-from pjinfer.errors import ModelLoadError
 from pjinfer.quantization.config import QuantConfig
 from pjinfer.quantization.host import (
     Getter,
     HostQuant,
+    act_order,
     check_shape,
     from_unsigned,
     group_count,
@@ -40,26 +38,7 @@ def read(get: Getter, prefix: str, shape: tuple[int, int], q: QuantConfig) -> Ho
     zeros = None
     if not q.sym:
         zeros = unpack_words(qzeros, q.bits, axis=1) + (0 if q.fmt == "gptq_v2" else 1)
-    perm = _act_order(get, prefix, rows, q.group_size if groups > 1 else rows)
+    perm = act_order(get, f"{prefix}.g_idx", rows, q.group_size if groups > 1 else rows)
     if perm is not None:
         values = values[perm]
     return from_unsigned(values, scales, zeros, perm, q.bits)
-
-
-def _act_order(get: Getter, prefix: str, rows: int, group_size: int) -> np.ndarray | None:
-    """The rows sorted by group (stable) when g_idx reorders them; None when it is the plain
-    row // group_size. Every group must have group_size rows, as GPTQ writes them."""
-    try:
-        g_idx = get(f"{prefix}.g_idx")
-    except KeyError:
-        return None
-    check_shape(f"{prefix}.g_idx", g_idx.shape, (rows,))
-    g_idx = np.asarray(g_idx, np.int32)
-    plain = np.arange(rows, dtype=np.int32) // group_size
-    if np.array_equal(g_idx, plain):
-        return None
-    perm = np.argsort(g_idx, kind="stable").astype(np.int32)
-    if not np.array_equal(g_idx[perm], plain):
-        raise ModelLoadError(f"tensor {prefix}.g_idx: its groups do not have {group_size} rows "
-                             "each; the checkpoint and its group_size disagree")
-    return perm

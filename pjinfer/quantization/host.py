@@ -73,3 +73,23 @@ def check_shape(name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
     if tuple(got) != tuple(want):
         raise ModelLoadError(f"tensor {name!r} has shape {tuple(got)}, expected {tuple(want)} "
                              "from config.json and quantization_config")
+
+
+def act_order(get: Getter, name: str, rows: int, group_size: int) -> np.ndarray | None:
+    """The rows sorted by group (stable) when the g_idx tensor `name` (each input row's group:
+    GPTQ's `g_idx`, compressed-tensors' `weight_g_idx`) reorders them; None when it is absent
+    or the plain row // group_size. Every group must have group_size rows, as both write them."""
+    try:
+        g_idx = get(name)
+    except KeyError:
+        return None
+    check_shape(name, g_idx.shape, (rows,))
+    g_idx = np.asarray(g_idx, np.int32)
+    plain = np.arange(rows, dtype=np.int32) // group_size
+    if np.array_equal(g_idx, plain):
+        return None
+    perm = np.argsort(g_idx, kind="stable").astype(np.int32)
+    if not np.array_equal(g_idx[perm], plain):
+        raise ModelLoadError(f"tensor {name}: its groups do not have {group_size} rows "
+                             "each; the checkpoint and its group_size disagree")
+    return perm

@@ -24,15 +24,19 @@ FP8_BLOCK = (16, 32)  # [out, in]: not square, so a transposed block reads wrong
 LINEAR = re.compile(r"(model\.layers\.\d+\.(?:self_attn|mlp)\.\w+_proj)\.weight")
 
 
-def _ct(bits: int, group_size: int) -> dict:
+def _ct(bits: int, group_size: int, *, sym: bool = True, actorder: str | None = None,
+        fmt: str = "pack-quantized", activations: dict | None = None) -> dict:
     strategy = "channel" if group_size == -1 else "group"
-    weights = {"num_bits": bits, "type": "int", "symmetric": True, "strategy": strategy,
-               "group_size": None if group_size == -1 else group_size}
-    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+    weights = {"num_bits": bits, "type": "int", "symmetric": sym, "strategy": strategy,
+               "group_size": None if group_size == -1 else group_size, "actorder": actorder}
+    return {"quant_method": "compressed-tensors", "format": fmt,
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                          "input_activations": None}}, "ignore": ["lm_head"]}
+                                          "input_activations": activations}},
+            "ignore": ["lm_head"]}
 
 
+INT8_TOKENS = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True,
+               "strategy": "token"}  # llm-compressor's W8A8 int8 activations
 CT_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized",
           "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
               "num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor"},
@@ -78,6 +82,10 @@ def scheme(name: str) -> tuple[Callable, dict]:
                      "version": "gemm"}),
         "ct_w4a16_g128": (lambda w: packers.ct_int(w, 4, 128), _ct(4, 128)),
         "ct_w8a16_g64": (lambda w: packers.ct_int(w, 8, 64), _ct(8, 64)),
+        "ct_w4a16_asym_act": (lambda w: packers.ct_int(w, 4, 32, sym=False, rng=rng),
+                              _ct(4, 32, sym=False, actorder="group")),
+        "ct_w8a8_int": (lambda w: packers.ct_int(w, 8, -1, packed=False),
+                        _ct(8, -1, fmt="int-quantized", activations=INT8_TOKENS)),
         "ct_fp8_tensor": (lambda w: packers.fp8(w, per_channel=False), CT_FP8),
         "fp8_channel": (lambda w: packers.fp8(w, per_channel=True),
                         {"quant_method": "fp8", "activation_scheme": "dynamic"}),

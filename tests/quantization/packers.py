@@ -71,16 +71,36 @@ def awq(w: np.ndarray, group_size: int) -> tuple[dict[str, np.ndarray], np.ndarr
     return tensors, deq.T.astype(np.float32)
 
 
-def ct_int(w: np.ndarray, bits: int, group_size: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """compressed-tensors pack-quantized, symmetric; group_size -1: per channel."""
+def ct_int(w: np.ndarray, bits: int, group_size: int, *, sym: bool = True, packed: bool = True,
+           rng: np.random.Generator | None = None) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """compressed-tensors int weights; group_size -1: per channel. `packed`: pack-quantized
+    (int32 words, values stored plus 2^(bits-1); asymmetric zero points packed along the
+    output dim), else naive- / int-quantized (signed int8 values and zero points). `rng`:
+    act-order "group" (a weight_g_idx scattering each group's columns)."""
     out, inp = w.shape
     gs = inp if group_size == -1 else group_size
-    wg = w.reshape(out, inp // gs, gs)
-    q, scale, half = _sym(wg, bits)  # q unsigned = signed + 2^(bits-1): the stored offset
-    deq = ((q - half[..., None]) * scale[..., None]).reshape(out, inp)
-    tensors = dict(weight_packed=_words(q.reshape(out, inp), bits),
-                   weight_scale=scale.astype(np.float16),
-                   weight_shape=np.array([out, inp], np.int64))
+    order = rng.permutation(inp) if rng is not None else np.arange(inp)
+    g_idx = np.empty(inp, np.int32)
+    g_idx[order] = np.arange(inp) // gs
+    groups = inp // gs
+    q = np.zeros((out, inp))
+    scales, zeros = np.zeros((out, groups), np.float32), np.zeros((out, groups))
+    for g in range(groups):
+        cols = np.flatnonzero(g_idx == g)
+        q[:, cols], scales[:, g], zeros[:, g] = (_sym if sym else _asym)(w[:, cols], bits)
+    deq = (q - zeros[:, g_idx]) * scales[:, g_idx]  # unsigned q and zero: signed + 2^(bits-1)
+    half = 2 ** (bits - 1)
+    tensors = dict(weight_scale=scales.astype(np.float16))
+    if packed:
+        tensors |= dict(weight_packed=_words(q, bits), weight_shape=np.array([out, inp]))
+        if not sym:
+            tensors["weight_zero_point"] = _words(zeros.T, bits).T  # [out / per, G]
+    else:
+        tensors["weight"] = (q - half).astype(np.int8)
+        if not sym:
+            tensors["weight_zero_point"] = (zeros - half).astype(np.int8)
+    if rng is not None:
+        tensors["weight_g_idx"] = g_idx
     return tensors, deq.astype(np.float32)
 
 

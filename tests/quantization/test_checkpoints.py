@@ -84,6 +84,7 @@ ENGINE = dict(dtype="float32", enable_prefix_caching=True, max_num_batched_token
     ("llama", "gptq4_g32_asym_act"), ("llama", "awq_g64"), ("llama", "ct_w4a16_g128"),
     ("llama", "fp8_channel"), ("qwen2", "fp8_block"), ("qwen2", "gptq8_gall_sym"),
     ("qwen2", "ct_w8a16_g64"), ("qwen2", "ct_fp8_tensor"), ("llama", "ct_fp8_block"),
+    ("llama", "ct_w8a8_int"), ("qwen2", "ct_w4a16_asym_act"),
 ])
 def test_engine_matches_transformers_on_dequantized_weights(quantized, arch, name):
     folder, oracle = quantized(arch, name)
@@ -93,7 +94,7 @@ def test_engine_matches_transformers_on_dequantized_weights(quantized, arch, nam
 
 
 @pytest.mark.parametrize("arch, name", [("llama", "gptq4_g64_asym_act"), ("qwen2", "awq_g32"),
-                                        ("llama", "fp8_block")])
+                                        ("llama", "fp8_block"), ("llama", "ct_w4a16_asym_act")])
 def test_tensor_parallel_2(quantized, arch, name):
     folder, oracle = quantized(arch, name)
     llm = LLM(str(folder), tensor_parallel_size=2, **ENGINE)

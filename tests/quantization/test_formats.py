@@ -54,10 +54,32 @@ def test_awq(group_size):
     np.testing.assert_allclose(_decode(awq, tensors, q), want, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("bits, group_size", [(4, 32), (4, 128), (4, -1), (8, 64), (8, -1)])
-def test_compressed_tensors_pack_quantized(bits, group_size):
-    tensors, want = packers.ct_int(_weight(2), bits, group_size)
-    q = QuantConfig("compressed-tensors", bits, group_size, fmt="pack-quantized")
+@pytest.mark.parametrize("bits, group_size, sym, act", [
+    (4, 32, True, False), (4, 128, True, False), (4, -1, True, False), (8, 64, True, False),
+    (8, -1, True, False), (4, 32, False, False), (4, -1, False, False), (8, 64, False, False),
+    (4, 32, False, True), (4, 64, True, True)])
+@pytest.mark.parametrize("fmt", ["pack-quantized", "int-quantized"])
+def test_compressed_tensors_int(bits, group_size, sym, act, fmt):
+    """Packed (int32 words) and naive (int8) values, symmetric and asymmetric, act-order."""
+    rng = np.random.default_rng(bits) if act else None
+    tensors, want = packers.ct_int(_weight(2), bits, group_size, sym=sym,
+                                   packed=fmt == "pack-quantized", rng=rng)
+    q = QuantConfig("compressed-tensors", bits, group_size, sym, desc_act=act, fmt=fmt)
+    np.testing.assert_allclose(_decode(compressed_tensors, tensors, q), want, rtol=1e-6,
+                               atol=1e-7)
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_compressed_tensors_int8_per_tensor(sym):
+    """The tensor strategy: one scale (and zero point) for the whole weight."""
+    w = _weight(4)
+    scale, zero = np.float32(np.abs(w).max() / 100), np.int8(0 if sym else -7)
+    values = np.clip(np.round(w / scale) + zero, -128, 127).astype(np.int8)
+    tensors = dict(weight=values, weight_scale=np.array([scale], np.float32))
+    if not sym:
+        tensors["weight_zero_point"] = np.array([zero], np.int8)
+    want = (values.astype(np.float32) - zero) * scale
+    q = QuantConfig("compressed-tensors", 8, -1, sym, fmt="int-quantized")
     np.testing.assert_allclose(_decode(compressed_tensors, tensors, q), want, rtol=1e-6,
                                atol=1e-7)
 
@@ -85,6 +107,18 @@ def test_config_json_spellings():
             "group_size": 128}}}, "ignore": ["lm_head"]}
     cfg = QuantConfig.from_hf(ct)
     assert (cfg.bits, cfg.group_size, cfg.weight_kind) == (4, 128, "int4")
+    weights = ct["config_groups"]["group_0"]["weights"]
+    weights |= {"symmetric": False, "actorder": "group"}
+    cfg = QuantConfig.from_hf(ct)
+    assert (cfg.sym, cfg.desc_act) == (False, True)
+    for order in ("weight", "static", None):  # groups stay contiguous: no weight_g_idx
+        assert not QuantConfig.from_hf(ct | {"config_groups": {"group_0": {
+            "weights": weights | {"actorder": order}}}}).desc_act
+    # a group's own format (top level "mixed-precision") overrides the top level's
+    mixed = ct | {"format": "mixed-precision", "config_groups": {"group_0": {
+        "format": "int-quantized", "weights": weights | {"num_bits": 8}}}}
+    assert (QuantConfig.from_hf(mixed).fmt, QuantConfig.from_hf(mixed).bits) == \
+        ("int-quantized", 8)
 
 
 def _ct_weights(**weights) -> dict:
@@ -107,6 +141,9 @@ def test_compressed_tensors_block_strategy_reads_its_blocks():
     ({"quant_method": "fp8", "weight_block_size": [128]}, "two positive integers"),
     (_ct_weights(type="int", strategy="block", block_structure=[128, 128]), "for int weights"),
     (_ct_weights(type="float", strategy="block"), "needs block_structure"),
+    (_ct_weights(type="int", strategy="channel", actorder="dynamic"), "actorder 'dynamic'"),
+    (_ct_weights(type="int", strategy="channel") | {"format": "marlin-24"},
+     "format 'marlin-24' is not supported"),
 ])
 def test_unsupported_configs_are_refused(raw, match):
     with pytest.raises(ValueError, match=match):
@@ -124,3 +161,15 @@ def test_wrong_shape_names_the_tensor():
     tensors["scales"] = tensors["scales"][:, :8]
     with pytest.raises(ModelLoadError, match=f"{PREFIX}.scales.*has shape"):
         _decode(awq, tensors, QuantConfig("awq", 4, 32, sym=False))
+
+
+def test_compressed_tensors_bad_zero_points_and_values_name_the_tensor():
+    tensors, _ = packers.ct_int(_weight(), 4, 32, sym=False)
+    q = QuantConfig("compressed-tensors", 4, 32, sym=False, fmt="pack-quantized")
+    bad = tensors | {"weight_zero_point": tensors["weight_zero_point"][:, :2]}
+    with pytest.raises(ModelLoadError, match=f"{PREFIX}.weight_zero_point.*has shape"):
+        _decode(compressed_tensors, bad, q)
+    tensors, _ = packers.ct_int(_weight(), 8, -1, packed=False)
+    naive = QuantConfig("compressed-tensors", 8, -1, fmt="int-quantized")
+    with pytest.raises(ModelLoadError, match=f"{PREFIX}.weight'? has dtype float32"):
+        _decode(compressed_tensors, tensors | {"weight": _weight()}, naive)
