@@ -11,7 +11,9 @@ the weight-streaming GEMV measured in the same process (`benchmarks/ceilings.py`
 Qwen3-30B-A3B (2048 -> 2 x 768, 128 experts, top-8) and Mixtral-8x7B (4096 -> 2 x 14336, 8
 experts, top-2), with fewer layers than the models (the weights must be read from HBM, not L2,
 and fit beside each other). `--expert-dtype fp8|int8` streams quantized experts
-(`pjinfer.quantization.experts`: a byte a value, float32 scales counted in the bytes).
+(`pjinfer.quantization.experts`: a byte a value, float32 scales counted in the bytes);
+`fp8-block` as block-wise fp8 checkpoints hold them (Qwen3-30B-A3B-FP8: a scale per output
+channel and 128-row K group, each K step scaling its sums; block_k must divide 128).
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ class _Shape:
 
     def matmul_shapes(self, tokens: int) -> list[tuple[int, int, int]]:
         return [(tokens, self.hidden_size, self.intermediate_size)]
+
+
+BLOCK_K_GROUP = 128  # block-wise fp8 checkpoints' K blocks (Qwen3-30B-A3B-FP8, DeepSeek-V3)
 
 
 def routing(tokens: int, experts: int, top_k: int, rng: np.random.Generator) -> np.ndarray:
@@ -119,9 +124,12 @@ def run_model(name: str, s: dict, tokens: list[int], tilings: list[dict], timing
     down = [_filled((e, inter, d), 100 + i) for i in range(n_layers)]
     per_expert = 2 * 3 * d * inter  # bf16 gate, up and down
     if expert_dtype != "bfloat16":  # a byte a value, float32 scales per output channel
-        gate_up = [quantize_experts(w, expert_dtype) for w in gate_up]
-        down = [quantize_experts(w, expert_dtype) for w in down]
-        per_expert = 3 * d * inter + 4 * (2 * inter + d)
+        kind = "fp8" if expert_dtype == "fp8-block" else expert_dtype
+        blocks = expert_dtype == "fp8-block"  # K groups (the smoke shapes' K: one group)
+        g_gu, g_dn = (min(BLOCK_K_GROUP, d), min(BLOCK_K_GROUP, inter)) if blocks else (d, inter)
+        gate_up = [quantize_experts(w, kind, g_gu) for w in gate_up]
+        down = [quantize_experts(w, kind, g_dn) for w in down]
+        per_expert = 3 * d * inter + 4 * (2 * inter * d // g_gu + d * inter // g_dn)
     interpret = jax.default_backend() != "gpu"
     rows = []
     for t in tokens:
@@ -211,8 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fused", type=int, nargs="+", choices=(0, 1), default=[0],
                         help="1: `routed_ffn` (the activation in the down kernel's loads); 0: "
                         "two routed_matmul calls with XLA's activation kernel between")
-    parser.add_argument("--expert-dtype", default="bfloat16", choices=("bfloat16", "fp8", "int8"),
-                        help="experts as stored: bf16, or quantized (fp8 / int8 values)")
+    parser.add_argument("--expert-dtype", default="bfloat16",
+                        choices=("bfloat16", "fp8", "int8", "fp8-block"),
+                        help="experts as stored: bf16, or quantized (fp8 / int8 values; "
+                        f"fp8-block: scales per {BLOCK_K_GROUP}-row K group too)")
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--samples", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)

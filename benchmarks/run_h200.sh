@@ -369,6 +369,11 @@ stage_moefp8() {
     step moe_decode_stack_$dtype 300 $PY -m pjinfer.benchmarks.moe_decode_stack "${stack[@]}" \
         "${sweep[@]}" --expert-dtype $dtype --out "$JSON/moe_decode_stack_$dtype.json"
   done
+  # block-wise fp8 (a scale per 128-row K group: each K step scales its sums) against fp8
+  local blocks=(--block-k 64 128); [ $SMOKE = 1 ] && blocks=()
+  step moe_decode_stack_fp8_block 300 $PY -m pjinfer.benchmarks.moe_decode_stack \
+      "${stack[@]}" "${blocks[@]}" --expert-dtype fp8-block \
+      --out "$JSON/moe_decode_stack_fp8_block.json"
   for q in none fp8; do
     local quant=(); [ $q = fp8 ] && quant=(--quantization fp8)
     step moe_qwen3_b1_$q 300 "${BENCH[@]}" latency "${qwen[@]}" "${quant[@]}" --batch-size 1 \

@@ -31,11 +31,14 @@ from jax.experimental.pallas import triton as pltriton
 
 from pjinfer.kernels import common
 from pjinfer.kernels.expert_stack import (
+    check_k_group,
     check_scales,
     dequantized,
+    k_group,
     pad_stack,
     pad_to,
     stack_dims,
+    step_group,
     weight_dot,
 )
 
@@ -95,14 +98,16 @@ def band_order(program, num_tiles: int, num_cols: int, band: int):
 
 
 def _kernel(group_ref, first_ref, valid_ref, *refs, block_m: int, block_n: int,
-            block_k: int, k_steps: int, band: int, gather: bool, quantized: bool, glu: bool):
+            block_k: int, k_steps: int, band: int, gather: bool, quantized: bool, glu: bool,
+            k_group: int | None):
     """One tile of `block_m` rows of one group times one [K / splits, block_n] slice of its
     expert (split `pl.program_id(1)` of K), stored to its rows of split s's partial (o_ref
     [splits * M, N]); a spare tile stores zeros. Program `pl.program_id(0)` picks the
     (tile, column block) in `band_order`. `gather`: a rows ref [M] comes first and the tile
     loads lhs[rows[r]] for its rows r. `quantized`: a scale ref ([G, N] float32, before
     o_ref) follows rhs, which holds quantized values: each tile is widened to lhs's dtype for
-    the dot and the sums are scaled once, after the K loop. `glu`: rhs's columns are gate
+    the dot and the sums are scaled once, after the K loop (`k_group` rows a scale: scales
+    [G, KG, N], each K step's sums by its group's). `glu`: rhs's columns are gate
     then up halves; the program multiplies the same x tiles by both halves' column block and
     stores silu(gate) * up (o_ref half as wide)."""
     rows_ref, refs = (refs[0], refs[1:]) if gather else (None, refs)
@@ -131,8 +136,11 @@ def _kernel(group_ref, first_ref, valid_ref, *refs, block_m: int, block_n: int,
         if scale_ref is None:  # [bk, bn] tiles
             return tuple(a + weight_dot(x, rhs_ref[group, ks, c], False)
                          for a, c in zip(accs, cols, strict=True))
-        return tuple(a + weight_dot(x, rhs_ref[group, c, ks], True)  # [bn, bk] stored
-                     for a, c in zip(accs, cols, strict=True))
+        sums = [weight_dot(x, rhs_ref[group, c, ks], True) for c in cols]  # [bn, bk] stored
+        if k_group is not None:
+            kg = step_group(scale_ref, (split * k_steps + kb) * block_k, k_group)
+            sums = [y * scale_ref[group, kg, c][None, :] for y, c in zip(sums, cols, strict=True)]
+        return tuple(a + y for a, y in zip(accs, sums, strict=True))
 
     # A static trip count under pl.when (Triton's scf.for rejected a traced bound whose type
     # differed from the constant lower bound on the H200); an empty tile reads nothing.
@@ -140,7 +148,7 @@ def _kernel(group_ref, first_ref, valid_ref, *refs, block_m: int, block_n: int,
     def _():
         zero = jnp.zeros((block_m, block_n), jnp.float32)
         accs = jax.lax.fori_loop(0, k_steps, body, (zero,) * len(parts))
-        if scale_ref is not None:
+        if scale_ref is not None and k_group is None:
             accs = [a * scale_ref[group, c][None, :] for a, c in zip(accs, cols, strict=True)]
         store(jax.nn.silu(accs[0]) * accs[1] if glu else accs[0])
 
@@ -162,7 +170,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     [G] -> [M, N] in `out_dtype` (default lhs's), float32 sums. Block sizes are powers of two
     (>= 16 on a GPU: Triton's dot); K and N are padded to them when they do not divide.
     `rhs_scales` [G, N] float32: rhs holds quantized values (fp8, int8), the weight being
-    rhs[g] * rhs_scales[g] per column (`pjinfer.quantization.experts`). `lhs_rows` [M] int
+    rhs[g] * rhs_scales[g] per column (`pjinfer.quantization.experts`); [G, KG, N]: and per
+    group of K / KG rows (block_k must divide it). `lhs_rows` [M] int
     (each in [0, T)): row r of the product reads lhs[lhs_rows[r]] of lhs [T, K]. `glu`: rhs's
     N columns are gate then up halves, and the result is silu(lhs @ gate) * (lhs @ up) [M,
     N / 2], computed from the float32 sums (the MoE layer's gate/up GEMM and activation in
@@ -175,6 +184,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     """
     _check(lhs, rhs, group_sizes, rhs_scales, lhs_rows)
     common.check_pow2(block_m=block_m, block_n=block_n, block_k=block_k, k_splits=k_splits)
+    group_k = k_group(rhs, rhs_scales)
+    check_k_group(group_k, block_k)
     gather = lhs_rows is not None
     num_rows = lhs_rows.shape[0] if gather else lhs.shape[0]
     n = stack_dims(rhs, rhs_scales)[2]
@@ -201,7 +212,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
                           k_steps=lhs_p.shape[1] // (block_k * k_splits),
                           band=min(band or num_tiles, num_tiles), gather=gather,
-                          quantized=bool(scales), glu=glu),
+                          quantized=bool(scales), glu=glu, k_group=group_k),
         grid=(num_tiles * (width // block_n), k_splits),
         in_specs=[whole((num_tiles,)), whole((num_tiles,)), whole((num_tiles,)),
                   *(whole((rows_p,)) for _ in rows), whole(lhs_p.shape), whole(rhs_p.shape),
@@ -226,10 +237,11 @@ def _pad_halves(rhs: jax.Array, rhs_scales: jax.Array | None, k_multiple: int,
         g, k, n = rhs.shape
         halves = pad_stack(rhs.reshape(g, k * 2, n // 2), None, 1, n_multiple)[0]
         return pad_to(halves.reshape(g, k, -1), 1, k_multiple), []
-    g, n, k = rhs.shape
-    values, scales = pad_stack(rhs.reshape(g * 2, n // 2, k), rhs_scales.reshape(g * 2, -1),
-                               k_multiple, n_multiple)
-    return values.reshape(g, -1, values.shape[2]), [scales[0].reshape(g, -1)]
+    g, n, k = rhs.shape  # values [G, N, K]: N the gate then up halves
+    values = pad_to(pad_to(rhs.reshape(g * 2, n // 2, k), 2, k_multiple), 1, n_multiple)
+    scales = rhs_scales.reshape(*rhs_scales.shape[:-1], 2, n // 2)  # [G, (KG,) 2, N / 2]
+    scales = pad_to(scales, scales.ndim - 1, n_multiple)
+    return values.reshape(g, -1, values.shape[2]), [scales.reshape(*scales.shape[:-2], -1)]
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "glu"))
@@ -250,7 +262,8 @@ def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Ar
     return jnp.where((row < ends[-1])[:, None], out, 0).astype(out_dtype or lhs.dtype)
 
 
-def default_grouped_block_sizes(rows: int, groups: int, k: int, n: int) -> dict[str, int]:
+def default_grouped_block_sizes(rows: int, groups: int, k: int, n: int,
+                                k_group: int | None = None) -> dict[str, int]:
     """Tiling by regime: decode (few rows per expert, each tile mostly one row: weight
     streaming) takes the smallest row tile Triton's dot allows and long K steps; prefill
     (hundreds of rows per expert) the compute tiling; a decode step with few programs splits
@@ -262,13 +275,16 @@ def default_grouped_block_sizes(rows: int, groups: int, k: int, n: int) -> dict[
     (`band_order`; RESULTS round 19: Qwen3-30B-A3B's ~4 tiles an expert best
     column-fastest, gate/up 0.66 -> 0.71-0.73 of the matmul rate, down 0.55 -> 0.61-0.62;
     Mixtral-8x7B's 16 in bands of 4, 0.81 / 0.84 -> 0.88 / 0.92, where column-fastest
-    re-streams an expert's 112 gate/up column blocks for every tile: 0.65)."""
+    re-streams an expert's 112 gate/up column blocks for every tile: 0.65).
+    `k_group`: rows of K a scale covers (K-grouped quantized experts): K blocks divide it."""
+    k_steps = k_group or k
     if rows > 4 * groups:
         block_m = 128
         band = common.prev_pow2(rows // (groups * block_m * 4))  # 1/4 of an expert's tiles
         return dict(block_m=block_m, block_n=common.dividing_block(256, n),
-                    block_k=common.dividing_block(64, k), num_warps=8, num_stages=3, band=band)
-    bn, bk = common.dividing_block(128, n), common.dividing_block(128, k)
+                    block_k=common.dividing_block(64, k_steps), num_warps=8, num_stages=3,
+                    band=band)
+    bn, bk = common.dividing_block(128, n), common.dividing_block(128, k_steps)
     programs = min(rows, groups) * -(-n // bn)  # (tile, column) programs when all are busy
     splits = 1  # split K until ~512 programs stream weights, each keeping >= 4 K steps
     while programs * splits < DECODE_PROGRAMS and k % (2 * splits * bk) == 0 \

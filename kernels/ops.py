@@ -152,10 +152,17 @@ Experts = jax.Array | QuantizedExperts  # a stack [G, K, N], float or quantized
 
 def _stored(rhs: Experts) -> tuple[jax.Array, jax.Array | None]:
     """What the kernels take: (a float stack [G, K, N], None) or (quantized values [G, N, K],
-    their scales [G, N])."""
+    their scales [G, N] or [G, KG, N])."""
     if isinstance(rhs, QuantizedExperts):
         return rhs.values, rhs.scales
     return rhs, None
+
+
+def _k_group(rhs: Experts) -> int | None:
+    """Rows of K one scale covers in a K-grouped quantized stack, else None."""
+    if isinstance(rhs, QuantizedExperts) and rhs.k_groups > 1:
+        return rhs.shape[1] // rhs.k_groups
+    return None
 
 
 def grouped_matmul(lhs: jax.Array, rhs: Experts, group_sizes: jax.Array, *,
@@ -182,18 +189,19 @@ def grouped_matmul(lhs: jax.Array, rhs: Experts, group_sizes: jax.Array, *,
         return (silu_and_mul(out) if glu else out).astype(out_dtype)
     values, scales = _stored(rhs)
     rows = lhs.shape[0] if lhs_rows is None else lhs_rows.shape[0]
-    tiling = grouped_tiling(rows, *rhs.shape, glu=glu)
+    tiling = grouped_tiling(rows, *rhs.shape, glu=glu, k_group=_k_group(rhs))
     out = pallas_grouped_matmul(lhs, values, group_sizes, rhs_scales=scales,
                                 out_dtype=out_dtype, lhs_rows=lhs_rows, interpret=_interpret(),
                                 **tiling)
     return silu_and_mul(out) if glu and not tiling["glu"] else out
 
 
-def grouped_tiling(rows: int, groups: int, k: int, n: int, glu: bool = False) -> dict:
+def grouped_tiling(rows: int, groups: int, k: int, n: int, glu: bool = False,
+                   k_group: int | None = None) -> dict:
     """The grouped kernel's keyword arguments for these shapes: `default_grouped_block_sizes`
     and `glu`, whether the kernel applies the activation itself (when asked and its tiling
     takes K whole; then two [bm, bn / 2] sums, gate and up: the registers of one [bm, bn])."""
-    tiling = default_grouped_block_sizes(rows, groups, k, n)
+    tiling = default_grouped_block_sizes(rows, groups, k, n, k_group)
     tiling["glu"] = glu and tiling.get("k_splits", 1) == 1 and tiling["block_n"] >= 32
     if tiling["glu"]:
         tiling["block_n"] //= 2
@@ -224,12 +232,12 @@ def routed_matmul(lhs: jax.Array, rhs: Experts, ids: jax.Array, *, per_assignmen
                   backend: str = "auto", out_dtype=None) -> jax.Array:
     """ids [T, k] -> [T*k, N]: row t*k+j = lhs[t] (or lhs[t*k+j] when `per_assignment`) @
     rhs[ids[t, j]], 0 where ids[t, j] < 0; each chosen expert read once (Pallas)."""
-    rhs_shape = rhs.shape  # of the float stack, quantized or not
+    rhs_shape, k_group = rhs.shape, _k_group(rhs)  # of the float stack, quantized or not
     rhs, scales = _stored(rhs)
     if not _use_pallas(backend):
         return routed_matmul_reference(lhs, rhs, ids, per_assignment=per_assignment,
                                        rhs_scales=scales, out_dtype=out_dtype)
-    (bn, bk), k_splits = default_routed_tiling(rhs_shape, ids.shape[1])
+    (bn, bk), k_splits = default_routed_tiling(rhs_shape, ids.shape[1], k_group)
     return pallas_routed_matmul(lhs, rhs, ids, per_assignment=per_assignment,
                                 rhs_scales=scales, out_dtype=out_dtype, interpret=_interpret(),
                                 block_n=bn, block_k=bk, k_splits=k_splits)
@@ -241,7 +249,8 @@ def routed_ffn(x: jax.Array, gate_up: Experts, down: Experts, ids: jax.Array, *,
     gate_up [E, D, 2I] gate then up columns, down [E, I, D]). On Pallas two routed kernels:
     for a long down GEMM (`ROUTED_FFN_MIN_K_BLOCKS`) the second takes the activation from
     the first's raw output as it loads (`routed_ffn`), else XLA computes it between them."""
-    tilings = [default_routed_tiling(w.shape, ids.shape[1]) for w in (gate_up, down)]
+    tilings = [default_routed_tiling(w.shape, ids.shape[1], _k_group(w))
+               for w in (gate_up, down)]
     k_blocks, rest = divmod(down.shape[1], tilings[1][0][1])
     if _use_pallas(backend) and (rest or k_blocks < ROUTED_FFN_MIN_K_BLOCKS):
         h = routed_matmul(x, gate_up, ids, per_assignment=False, backend=backend)

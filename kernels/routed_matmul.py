@@ -46,13 +46,14 @@ def _check_routed(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, per_assignment
 ROUTED_SPLITS = 128
 
 
-def default_routed_tiling(rhs_shape: tuple[int, int, int], top_k: int
-                          ) -> tuple[tuple[int, int], int]:
-    """((block_n, block_k), K ranges) of a routed GEMM over a [G, K, N] expert stack."""
+def default_routed_tiling(rhs_shape: tuple[int, int, int], top_k: int,
+                          k_group: int | None = None) -> tuple[tuple[int, int], int]:
+    """((block_n, block_k), K ranges) of a routed GEMM over a [G, K, N] expert stack
+    (`k_group`: rows of K a scale covers, which K blocks divide)."""
     groups, kk, n = rhs_shape
     # n128 / k128: round 7's sweep on the H200 (RESULTS.md) found them best or within 9% of
     # the best at 1-16 tokens for Qwen3-30B-A3B and Mixtral-8x7B experts
-    bn, bk = common.dividing_block(128, n), common.dividing_block(128, kk)
+    bn, bk = common.dividing_block(128, n), common.dividing_block(128, k_group or kk)
     # programs with an expert to read when one real token fills the step: decode buckets pad
     # T with inactive rows, so T cannot tell how many experts a step reads
     busy = -(-n // bn) * min(top_k, groups)
@@ -78,7 +79,7 @@ ROUTED_BUSY_PROGRAMS = 256  # ~2 per SM of an H100/H200
 
 def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
                    k_steps: int, per_assignment: bool, splits: int, padded: tuple[int, int],
-                   glu: tuple[int, int] | None, dtype):
+                   glu: tuple[int, int] | None, dtype, k_group: int | None):
     """Program (column block, K range q, split s): assignments s, s + splits, ... of the flat
     [T*k] ids. Each one that is its expert's first (and not inactive) multiplies every token
     that chose that expert over K range q (`k_steps` blocks), as one dense [T, bk] x [bk, bn]
@@ -89,7 +90,8 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
     `padded` [Tp, kp] (Tp >= 16 for the dot) with the extra entries inactive (-1), and a
     padding token's lhs row clamped to lhs's last, masked out like any token that did not
     choose the expert. A scale ref (before o_ref) scales quantized rhs values' sums, as in
-    `grouped_matmul`'s kernel. `glu` (up column offset, partials): lhs is a gate/up routed
+    `grouped_matmul`'s kernel (`k_group`: per K step, by its group's). `glu` (up column
+    offset, partials): lhs is a gate/up routed
     GEMM's raw output (`partials` K ranges of [Tp*kp, >= 2K] rows in this padded layout),
     summed and taken to silu(gate) * up in `dtype` as each [T, bk] tile loads."""
     scale_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
@@ -127,11 +129,15 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
                 x = jnp.where(hit[:, None], x, 0)  # [T, bk]
                 if scale_ref is None:
                     return acc + expert_stack.weight_dot(x, rhs_ref[e, ks, cols], False)
-                return acc + expert_stack.weight_dot(x, rhs_ref[e, cols, ks], True)
+                y = expert_stack.weight_dot(x, rhs_ref[e, cols, ks], True)
+                if k_group is not None:
+                    kg = expert_stack.step_group(scale_ref, start, k_group)
+                    y = y * scale_ref[e, kg, cols][None, :]
+                return acc + y
 
             acc = jax.lax.fori_loop(0, k_steps, body,
                                     jnp.zeros((num_tokens, block_n), jnp.float32))
-            if scale_ref is not None:
+            if scale_ref is not None and k_group is None:
                 acc = acc * scale_ref[e, cols][None, :]
             partial_rows = k_range * num_tokens * top_k + out_rows  # range q's [T*k] block
             pltriton.store(o_ref.at[partial_rows[:, None], col_ids[None, :]],
@@ -162,9 +168,12 @@ def _glu_tile(lhs_ref, rows, start, block_k: int, glu: tuple[int, int],
 def _routed_call(lhs: jax.Array, rhs: jax.Array, scales: list, ids: jax.Array, *,
                  per_assignment: bool, glu: tuple[int, int] | None, block_n: int,
                  block_k: int, num_warps: int, num_stages: int, splits: int, k_splits: int,
-                 dtype, interpret: bool, partial_dtype=jnp.float32) -> tuple[jax.Array, int]:
+                 dtype, interpret: bool, k_group: int | None = None,
+                 partial_dtype=jnp.float32) -> tuple[jax.Array, int]:
     """The kernel over padded rhs (`pad_stack`) and lhs: its raw output [q * Tp*kp, width]
-    (q K ranges, rows of inactive choices unwritten) and q."""
+    (q K ranges, rows of inactive choices unwritten) and q. `k_group`: the unpadded
+    stack's rows of K a scale covers (scales [G, KG, N]), else None."""
+    expert_stack.check_k_group(k_group, block_k)
     tp, kp = max(16, common.next_pow2(ids.shape[0])), common.next_pow2(ids.shape[1])
     # padded rhs: [G, K, width] floats, or [G, width, K] quantized values
     width, k_blocks = (rhs.shape[1], rhs.shape[2]) if scales else (rhs.shape[2], rhs.shape[1])
@@ -177,7 +186,8 @@ def _routed_call(lhs: jax.Array, rhs: jax.Array, scales: list, ids: jax.Array, *
     out = pl.pallas_call(
         functools.partial(_routed_kernel, block_n=block_n, block_k=block_k,
                           k_steps=k_blocks // k_splits, per_assignment=per_assignment,
-                          splits=splits, padded=(tp, kp), glu=glu, dtype=dtype),
+                          splits=splits, padded=(tp, kp), glu=glu, dtype=dtype,
+                          k_group=k_group),
         # splits slowest: the programs of the first (real) assignments run first, every K
         # range of them, and the padding's programs (which only find nothing to do) after
         grid=(width // block_n, k_splits, splits),
@@ -219,7 +229,7 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
     two (>= 16 tokens: Triton's dot) inside the kernel. `k_splits` > 1 cuts K into that many
     ranges (the largest count <= it that divides K's blocks), each program's float32 partial
     summed after: more programs for a step whose chosen experts x column blocks leave SMs
-    idle. `rhs_scales` [G, N]: quantized rhs, as in `grouped_matmul`."""
+    idle. `rhs_scales` [G, N] (or [G, KG, N]): quantized rhs, as in `grouped_matmul`."""
     _check_routed(lhs, rhs, ids, per_assignment, rhs_scales)
     _check_tiling(ids, block_n, block_k)
     n = expert_stack.stack_dims(rhs, rhs_scales)[2]
@@ -229,7 +239,8 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
     out, q = _routed_call(lhs_p, rhs_p, scales, ids, per_assignment=per_assignment, glu=None,
                           block_n=block_n, block_k=block_k, num_warps=num_warps,
                           num_stages=num_stages, splits=splits, k_splits=k_splits,
-                          dtype=dtype, interpret=interpret)
+                          dtype=dtype, interpret=interpret,
+                          k_group=expert_stack.k_group(rhs, rhs_scales))
     return _assignment_rows(out, q, ids, n, dtype)
 
 
@@ -271,10 +282,12 @@ def routed_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax.Array
     rhs, scales = expert_stack.pad_stack(gate_up, gate_up_scales, bk, bn)
     h, q = _routed_call(expert_stack.pad_to(x, 1, bk), rhs, scales, ids, per_assignment=False,
                         glu=None, block_n=bn, block_k=bk, k_splits=k_splits[0],
+                        k_group=expert_stack.k_group(gate_up, gate_up_scales),
                         partial_dtype=x.dtype, **launch)  # [q * Tp*kp, >= 2I]
     rhs, scales = expert_stack.pad_stack(down, down_scales, down_bk, down_bn)
     out, q = _routed_call(h, rhs, scales, ids, per_assignment=True, glu=(inter, q),
-                          block_n=down_bn, block_k=down_bk, k_splits=k_splits[1], **launch)
+                          block_n=down_bn, block_k=down_bk, k_splits=k_splits[1],
+                          k_group=expert_stack.k_group(down, down_scales), **launch)
     return _assignment_rows(out, q, ids, n, out_dtype or x.dtype)
 
 

@@ -3,8 +3,9 @@
 Params of a MoE layer (weights input-major, like every pjinfer linear):
   router [D, E]; experts_gate_up [E, D, 2, I] (gate then up of each expert); experts_down
   [E, I, D]; optional shared expert (Qwen2-MoE) `shared_expert` {gate_proj, up_proj,
-  down_proj} and `shared_expert_gate` [D, 1]. Under fp8 / int8 quantization either expert stack
-  is a `QuantizedExperts` (pjinfer.quantization.experts), which the kernels read as stored.
+  down_proj} and `shared_expert_gate` [D, 1]. Under fp8 / int8 quantization (and from fp8
+  checkpoints, block-wise ones included) either expert stack is a `QuantizedExperts`
+  (pjinfer.quantization.experts), which the kernels read as stored.
 gate and up sit on their own axis of size 2 so that splitting I over tensor-parallel shards
 keeps each shard's gate and up columns together: a shard's [E, D, 2, I/tp] block reshapes for
 free to the [E, D, 2I/tp] of one fused grouped GEMM.
@@ -139,10 +140,11 @@ def _sharded_expert_ffn(x, weights, ids, gate_up, down, *, expert_parallel: bool
 
 def _stack_spec(stack: ops.Experts, spec: P) -> P | QuantizedExperts:
     """A stack's shard_map spec (of its float [E, K, *out]); a quantized one's values and
-    scales split along the same axes."""
+    scales split along the same axes (K groups with K)."""
     if not isinstance(stack, QuantizedExperts):
         return spec
-    return QuantizedExperts(P(*value_axes(tuple(spec))), P(*scale_axes(tuple(spec))))
+    return QuantizedExperts(P(*value_axes(tuple(spec))),
+                            P(*scale_axes(tuple(spec), stack.k_groups > 1)))
 
 
 def moe_block(lp: dict, x: jax.Array, *, moe: MoeConfig, valid: jax.Array | None = None,

@@ -10,10 +10,16 @@ them as well as the Linear weights. A stack standing for the float [E, K, *out] 
           kernel's dot operand a byte at a time from shared memory: sm_90a SASS, 5.8
           instructions a weight against 1.8 for bf16; RESULTS.md, round 27);
   scales  float32 [E, *out], one per expert and output channel: symmetric, scale = absmax /
-          max value, as `weight.quantize_per_channel` does for a Linear weight.
+          max value, as `weight.quantize_per_channel` does for a Linear weight; or
+          [E, G, *out]: G groups of K / G rows each along K (block-wise fp8 checkpoints,
+          Qwen3-30B-A3B-FP8's 128 x 128 blocks, each output channel taking its block's),
+          group-major, so that a kernel's K step loads its group's scales for a block of
+          columns contiguously.
 With no K axis in the scale the grouped kernels multiply a tile's float32 sums by it once,
-after their K loop (`kernels.grouped_matmul`), and stream the values as stored. Tensor and
-expert parallelism split values and scales along the float stack's axes (`value_axes`).
+after their K loop (`kernels.grouped_matmul`); with K groups, each K step's sums by its
+group's (a step never straddles two). Either way they stream the values as stored. Tensor and
+expert parallelism split values and scales along the float stack's axes (`value_axes`;
+K groups split with K, whole: grouped scales have the float stack's axes).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from pjinfer.kernels.expert_stack import value_scales
 from pjinfer.models.spec import Axes
 from pjinfer.quantization.weight import FP8, FP8_MAX
 
@@ -36,10 +43,10 @@ _TOP = {"fp8": FP8_MAX, "int8": 127.0}
 @dataclass(frozen=True)
 class QuantizedExperts:
     """A stack of expert weights [E, K, *out]: values [E, *out, K] as stored, float32
-    scales [E, *out]."""
+    scales [E, *out] (per output channel) or [E, G, *out] (and per group of K / G rows)."""
 
     values: jax.Array  # [E, *out, K] float8_e4m3fn or int8
-    scales: jax.Array  # [E, *out] float32
+    scales: jax.Array  # [E, *out] or [E, G, *out] float32
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -52,33 +59,46 @@ class QuantizedExperts:
         return "fp8" if self.values.dtype == FP8 else "int8"
 
     @property
+    def k_groups(self) -> int:
+        """Scale groups along K (1: one scale per output channel)."""
+        return self.scales.shape[1] if self.scales.ndim == self.values.ndim else 1
+
+    @property
     def nbytes(self) -> int:
         return sum(a.size * a.dtype.itemsize for a in (self.values, self.scales))
 
     def with_out_shape(self, *out: int) -> QuantizedExperts:
         """The same stack with its output dims reshaped (gate/up's [2, I] -> [2I]: free)."""
         e, k = self.shape[:2]
-        return QuantizedExperts(self.values.reshape(e, *out, k), self.scales.reshape(e, *out))
+        groups = self.scales.shape[1:2] if self.scales.ndim == self.values.ndim else ()
+        return QuantizedExperts(self.values.reshape(e, *out, k),
+                                self.scales.reshape(e, *groups, *out))
 
 
-@partial(jax.jit, static_argnames=("kind",))
-def quantize_experts(w: jax.Array, kind: str) -> QuantizedExperts:
+@partial(jax.jit, static_argnames=("kind", "k_group"))
+def quantize_experts(w: jax.Array, kind: str, k_group: int | None = None) -> QuantizedExperts:
     """w [E, K, *out] -> per expert and output channel symmetric values (fp8 e4m3: scaled to
-    +-448; int8: rounded to +-127)."""
+    +-448; int8: rounded to +-127); `k_group` (dividing K): a scale per channel and group
+    of that many K rows (the layout of block-wise fp8 checkpoints' experts)."""
     if kind not in EXPERT_KINDS:
         raise ValueError(f"experts quantize to {' or '.join(EXPERT_KINDS)}, not {kind!r}")
-    w32 = w.astype(jnp.float32)
-    absmax = jnp.max(jnp.abs(w32), axis=1)  # [E, *out]
+    e, k, *out = w.shape
+    group = k if k_group is None else k_group
+    w32 = w.astype(jnp.float32).reshape(e, k // group, group, *out)
+    absmax = jnp.max(jnp.abs(w32), axis=2)  # [E, G, *out]
     scales = jnp.where(absmax > 0, absmax / _TOP[kind], 1.0)
-    scaled = w32 / scales[:, None]
+    scaled = (w32 / scales[:, :, None]).reshape(w.shape)
+    if group == k:
+        scales = scales[:, 0]  # per channel [E, *out]
     if kind == "int8":
         scaled = jnp.clip(jnp.round(scaled), -127, 127)
     return QuantizedExperts(jnp.moveaxis(scaled, 1, -1).astype(_STORED[kind]), scales)
 
 
 def dequantize_experts(q: QuantizedExperts, dtype=jnp.float32) -> jax.Array:
-    """The float stack [E, K, *out] in `dtype` (values times their channel's scale, in float32)."""
-    w = q.values.astype(jnp.float32) * q.scales[..., None]  # [E, *out, K]
+    """The float stack [E, K, *out] in `dtype` (values times their channel's, or their
+    channel's and K group's, scale, in float32)."""
+    w = q.values.astype(jnp.float32) * value_scales(q.values, q.scales)  # [E, *out, K]
     return jnp.moveaxis(w, -1, 1).astype(dtype)
 
 
@@ -88,15 +108,16 @@ def value_axes(stack_axes: Axes) -> Axes:
     return (stack_axes[0], *stack_axes[2:], stack_axes[1])
 
 
-def scale_axes(stack_axes: Axes) -> Axes:
-    """Logical axes of the scales [E, *out] from the float stack's [E, K, *out]: K dropped."""
-    return (stack_axes[0], *stack_axes[2:])
+def scale_axes(stack_axes: Axes, grouped: bool = False) -> Axes:
+    """Logical axes of the scales [E, *out] from the float stack's [E, K, *out]: K dropped
+    (`grouped` scales [E, G, *out]: the stack's own, the groups splitting with K)."""
+    return tuple(stack_axes) if grouped else (stack_axes[0], *stack_axes[2:])
 
 
-def expert_bytes(shape: tuple[int, ...]) -> int:
+def expert_bytes(shape: tuple[int, ...], k_groups: int = 1) -> int:
     """Device bytes of a quantized stack of `shape` [E, K, *out]: a byte a value, float32
-    scales."""
+    scales (`k_groups` per output channel)."""
     values = 1
     for n in shape:
         values *= n
-    return values + 4 * values // shape[1]
+    return values + 4 * values // shape[1] * k_groups

@@ -70,13 +70,27 @@ def loads_quantized(p: ParamSpec, q: QuantConfig | None) -> bool:
 
 def quantizable_experts(p: ParamSpec, q: QuantConfig | None) -> bool:
     """An expert stack that `q` turns into `QuantizedExperts`: fp8 / int8 quantization on the
-    fly (or of dummy weights), and a per-tensor / per-channel fp8 checkpoint's (which may
-    also store its experts float); int-packed and block-wise experts load dequantized."""
+    fly (or of dummy weights), an fp8 checkpoint's, per tensor, channel or block, and a
+    symmetric 8-bit int checkpoint's without act-order, per channel or group (either may
+    also store its experts float); other int-packed experts load dequantized."""
     if q is None or p.path[0] != "layers" or p.path[-1] not in ROUTED_EXPERT_PARAMS:
         return False
     if q.from_checkpoint:
-        return q.method != "gguf" and q.weight_kind == "fp8" and not q.block
+        return q.method != "gguf" and (q.weight_kind == "fp8" or _int8_experts(q))
     return q.weight_kind in EXPERT_KINDS
+
+
+def _int8_experts(q: QuantConfig) -> bool:
+    """int8 values times a scale per channel (and K group): what the expert kernels read."""
+    return q.weight_kind == "int8" and q.sym and not q.desc_act
+
+
+def _k_groups(p: ParamSpec, q: QuantConfig) -> int:
+    """Scale groups along a checkpoint's expert K (block-wise fp8: one per input block;
+    int: one per quantization group)."""
+    if not q.from_checkpoint or q.group_size <= 0:
+        return 1
+    return max(1, p.shape[1] // q.group_size)
 
 
 def device_bytes(p: ParamSpec, q: QuantConfig | None, itemsize: int) -> int:
@@ -85,7 +99,7 @@ def device_bytes(p: ParamSpec, q: QuantConfig | None, itemsize: int) -> int:
     zeros, and an act-order permutation) per group; anything else at `itemsize` (the model
     dtype's). GGUF tensors, whose types only the file knows, count as float."""
     if quantizable_experts(p, q):
-        return expert_bytes(p.shape)
+        return expert_bytes(p.shape, _k_groups(p, q))
     if q is None or q.method == "gguf" or not quantizable(p) or (
             q.from_checkpoint and not _stored_as_linear(p)):
         return math.prod(p.shape) * itemsize
@@ -143,34 +157,65 @@ def _checkpoint_experts(get: Callable[[str], Any], has: Callable[[str], bool], p
                         load_float: Callable[..., jax.Array]) -> Any:
     """An expert stack from a quantized checkpoint: float experts as they are; fp8 experts
     (each a float8_e4m3fn [out, in] `.weight` with a per-tensor or per-channel
-    `.weight_scale`, as for a Linear) stacked into `QuantizedExperts`; block-wise fp8 and
-    int-packed experts (GPTQ, AWQ, compressed-tensors) dequantized to the model dtype, with
-    a warning: the expert kernels read one scale per output channel."""
+    `.weight_scale`, as for a Linear, or block-wise `.weight_scale_inv`) and symmetric int8
+    ones (GPTQ, compressed-tensors; per channel or group, no act-order) stacked into
+    `QuantizedExperts`, scales per output channel and K group; other int-packed experts
+    (4-bit, asymmetric, act-order) dequantized to the model dtype, with a warning: the expert
+    kernels read one-byte values and one scale a K group."""
     first = p.hf_names[0].removesuffix(".weight")
     if not has(f"{first}.{_marker(q)}"):
         return load_float(p)
     where = "/".join(map(str, p.path))
-    if q.block:  # scales vary along K, which the expert kernels scale once, after it
-        log.warning("%s: block-wise fp8 experts are dequantized to the model dtype at load "
-                    "(twice their stored bytes)", where)
-        return load_float(p)  # `weights.read_param` applies each block's scale
-    if q.weight_kind != "fp8":  # int-packed experts (GPTQ, AWQ, compressed-tensors)
+    as_stored = q.weight_kind == "fp8" or _int8_experts(q)
+    if as_stored and not _kernel_groups(p, q, placer):
+        log.warning("%s: %s experts with K groups of %d rows are dequantized to the model "
+                    "dtype at load (taking its bytes): the expert kernels need K groups of a "
+                    "multiple of 16 rows that split whole over tensor_parallel_size (or use "
+                    "enable_expert_parallel)", where, q.method, q.group_size)
+        as_stored = False
+    if not as_stored:
+        if q.weight_kind == "fp8":
+            return load_float(p)  # `weights.read_param` applies each block's scale
         log.warning("%s: %s %d-bit experts are dequantized to the model dtype at load (the "
-                    "expert kernels read float or fp8 experts), taking that dtype's bytes",
-                    where, q.method, q.bits)
+                    "expert kernels read symmetric one-byte values without act-order), "
+                    "taking that dtype's bytes", where, q.method, q.bits)
         return load_float(p, _dequantized_experts(get, p, q))
     e, rows, *out = p.shape
     try:  # each expert's HF [out, in] tensors, in the stack's order (gate/up: g0, u0, g1, ...)
-        hosts = [fp8.read(get, name.removesuffix(".weight"), (rows, out[-1]), q)
+        hosts = [READERS[q.method].read(get, name.removesuffix(".weight"), (rows, out[-1]), q)
                  for name in p.hf_names]
     except KeyError as missing:
-        raise ModelLoadError(f"checkpoint is missing tensor {missing.args[0]!r}: fp8 experts "
-                             f"need a weight and a weight_scale for each of {first} ...") from None
-    values = np.stack([h.packed for h in hosts]).reshape(e, *out, rows)  # as stored
-    scales = np.stack([h.scales[0] for h in hosts]).reshape(e, *out)
-    value_spec, scale_spec = _part_specs(p, placer)
+        raise ModelLoadError(f"checkpoint is missing tensor {missing.args[0]!r}: {q.method} "
+                             f"experts need {', '.join(_parts(q))} for each of {first} ..."
+                             ) from None
+    if any(h.perm is not None for h in hosts):  # a g_idx that reorders rows after all
+        log.warning("%s: act-order experts are dequantized to the model dtype at load", where)
+        return load_float(p, _dequantized_experts(get, p, q))
+    # fp8 values are [out, in] as stored, int8 ones [in, out] (`weight.OUT_MAJOR`)
+    values = np.stack([h.packed if h.kind in OUT_MAJOR else h.packed.T for h in hosts])
+    values = values.reshape(e, *out, rows)
+    scales = np.stack([h.scales for h in hosts])  # [E * names, G, out]: G 1 unless groups
+    groups = scales.shape[1]
+    scales = scales.reshape(e, -1, groups, out[-1])  # [E, names an expert, G, out]
+    scales = np.moveaxis(scales, 2, 1).reshape(e, groups, *out)  # [E, G, *out]
+    if groups == 1:
+        scales = scales[:, 0]  # per channel [E, *out]
+    value_spec, scale_spec = _part_specs(p, placer, groups if groups > 1 else None)
     return QuantizedExperts(placer.from_host(value_spec, values),
                             placer.from_host(scale_spec, scales))
+
+
+def _kernel_groups(p: ParamSpec, q: QuantConfig, placer: Placer) -> bool:
+    """Whether an expert stack's K groups (block-wise fp8, grouped int8) suit the expert
+    kernels: a multiple of 16 rows (their smallest K step) and, where tensor parallelism
+    splits K (a down stack without expert parallelism), whole on every shard."""
+    groups = _k_groups(p, q)
+    if groups == 1:
+        return True
+    sharding = placer.sharding(p)  # of the float stack [E, K, *out]
+    spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
+    shards = placer.mesh.shape[spec[1]] if len(spec) > 1 and spec[1] is not None else 1
+    return q.group_size % 16 == 0 and groups % shards == 0
 
 
 def _dequantized_experts(get: Callable[[str], Any], p: ParamSpec, q: QuantConfig) -> np.ndarray:
@@ -193,13 +238,16 @@ def _dequantized_experts(get: Callable[[str], Any], p: ParamSpec, q: QuantConfig
     return np.moveaxis(stack, 2, 1).reshape(p.shape)  # [E, K, *out]
 
 
-def _part_specs(p: ParamSpec, placer: Placer) -> tuple[ParamSpec, ParamSpec]:
-    """ParamSpecs of an expert stack's values [E, *out, K] and scales [E, *out], placed
-    along the float stack's axes."""
+def _part_specs(p: ParamSpec, placer: Placer,
+                groups: int | None = None) -> tuple[ParamSpec, ParamSpec]:
+    """ParamSpecs of an expert stack's values [E, *out, K] and scales [E, *out] (`groups`
+    G: [E, G, *out]), placed along the float stack's axes."""
     axes = placer.axes(p)
     e, rows, *out = p.shape
+    scales = (e, *out) if groups is None else (e, groups, *out)
     return (ParamSpec((*p.path, "values"), (e, *out, rows), axes=value_axes(axes)),
-            ParamSpec((*p.path, "scales"), (e, *out), dtype="float32", axes=scale_axes(axes)))
+            ParamSpec((*p.path, "scales"), scales, dtype="float32",
+                      axes=scale_axes(axes, groups is not None)))
 
 
 def _place_experts(qe: QuantizedExperts, p: ParamSpec, placer: Placer) -> QuantizedExperts:

@@ -1,5 +1,6 @@
 """The grouped and routed expert kernels over quantized experts (fp8, int8 values with
-per-expert, per-column scales) against their references, which dequantize first."""
+per-expert, per-column scales, or per column and K group: block-wise fp8 checkpoints)
+against their references, which dequantize first."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pjinfer.kernels.grouped_matmul import (
     grouped_matmul_reference,
 )
 from pjinfer.kernels.routed_matmul import (
+    default_routed_tiling,
     routed_ffn,
     routed_ffn_reference,
     routed_matmul,
@@ -25,9 +27,11 @@ from tests.kernels.lowering import cuda_module
 from tests.kernels.test_grouped_matmul import F32_TOL, INTERPRET, _inputs
 
 
-def _quantized(rhs: jax.Array, kind: str):
-    """rhs [G, K, N] -> (QuantizedExperts, the float weights it stands for [G, K, N])."""
-    q = quantize_experts(rhs, kind)
+def _quantized(rhs: jax.Array, kind: str, k_groups: int = 1):
+    """rhs [G, K, N] -> (QuantizedExperts, the float weights it stands for [G, K, N]);
+    `k_groups` > 1: a scale per column and group of K / k_groups rows."""
+    q = quantize_experts(rhs, kind, rhs.shape[1] // k_groups)
+    assert q.k_groups == k_groups and q.shape == rhs.shape
     return q, dequantize_experts(q)
 
 
@@ -139,13 +143,90 @@ def test_kernels_lower_to_triton_ir_over_quantized_qwen3_experts(dtype):
     assert "xla.gpu.triton" in text
 
 
+@pytest.mark.skipif(not INTERPRET, reason="on a GPU the compiled kernel tests run the lowering")
+def test_kernels_lower_to_triton_ir_over_block_fp8_qwen3_experts():
+    """Qwen3-30B-A3B-FP8's gate/up experts (128 x 128 blocks: 16 K groups a channel), bf16
+    rows, with ops' tilings: the grouped (prefill) and routed (decode) GEMMs lower to Triton
+    IR, each K step loading its group's scales."""
+    values = jax.ShapeDtypeStruct((128, 1536, 2048), jnp.float8_e4m3fn)
+    scales = jax.ShapeDtypeStruct((128, 16, 1536), jnp.float32)
+    grouped = jax.jit(lambda a, b, s, g: grouped_matmul(
+        a, b, g, rhs_scales=s, **default_grouped_block_sizes(8192, 128, 2048, 1536, 128)))
+    text = cuda_module(grouped, jax.ShapeDtypeStruct((8192, 2048), jnp.bfloat16), values,
+                       scales, jax.ShapeDtypeStruct((128,), jnp.int32))
+    assert "xla.gpu.triton" in text
+    (bn, bk), splits = default_routed_tiling((128, 2048, 1536), 8, 128)
+    assert bk == 128
+    routed = jax.jit(lambda a, b, s, i: routed_matmul(a, b, i, per_assignment=False,
+                                                      rhs_scales=s, block_n=bn, block_k=bk,
+                                                      k_splits=splits))
+    text = cuda_module(routed, jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16), values, scales,
+                       jax.ShapeDtypeStruct((8, 8), jnp.int32))
+    assert "xla.gpu.triton" in text
+
+
 def test_scales_must_come_with_quantized_values_only():
     lhs, rhs, sizes = _inputs(2, 8, 16, 16, 2)
     q, _ = _quantized(rhs, "int8")
-    with pytest.raises(ValueError, match="needs rhs_scales \\[G, N\\]"):
+    with pytest.raises(ValueError, match="needs rhs_scales \\[G, N\\] or"):
         grouped_matmul(lhs, q.values, sizes, interpret=INTERPRET)
     with pytest.raises(ValueError, match="needs rhs_scales None"):
         grouped_matmul(lhs, rhs, sizes, rhs_scales=q.scales, interpret=INTERPRET)
-    with pytest.raises(ValueError, match="needs rhs_scales \\[G, N\\]"):
+    with pytest.raises(ValueError, match="needs rhs_scales \\[G, N\\] or"):
         routed_matmul_reference(lhs, q.values, jnp.zeros((8, 1), jnp.int32),
                                 per_assignment=False, rhs_scales=q.scales[:, :4])
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize("m, k, n, g, bm, bn, bk, splits, k_groups", [
+    (37, 96, 40, 6, 16, 16, 16, 1, 3),  # N padded, 3 groups of 32 rows, 2 K steps each
+    (5, 128, 16, 9, 16, 16, 16, 4, 4),  # decode-like, K split 4 ways, a group a range
+    (23, 96, 32, 4, 16, 32, 32, 2, 3),  # K padded to 128 for 2 ranges: the pad's step
+])                                      # reads the last group's scale (values 0)
+def test_grouped_kernel_on_k_grouped_experts(kind, m, k, n, g, bm, bn, bk, splits, k_groups):
+    lhs, rhs, sizes = _inputs(m + k + g, m, k, n, g)
+    q, w = _quantized(rhs, kind, k_groups)
+    want = grouped_matmul_reference(lhs, w, sizes)
+    ref = grouped_matmul_reference(lhs, q.values, sizes, rhs_scales=q.scales)
+    np.testing.assert_allclose(ref, want, **F32_TOL)
+    out = grouped_matmul(lhs, q.values, sizes, rhs_scales=q.scales, block_m=bm, block_n=bn,
+                         block_k=bk, k_splits=splits, interpret=INTERPRET)
+    np.testing.assert_allclose(out, want, **F32_TOL)
+    for backend in ("reference", "pallas"):
+        got = ops.grouped_matmul(lhs, q, sizes, backend=backend)
+        np.testing.assert_allclose(got, want, **F32_TOL, err_msg=backend)
+    rows = jnp.asarray(np.random.default_rng(m).permutation(m), jnp.int32)
+    glu = grouped_matmul(lhs, q.values, sizes, rhs_scales=q.scales, block_m=16, block_n=16,
+                         block_k=16, lhs_rows=rows, glu=True, interpret=INTERPRET)
+    np.testing.assert_allclose(glu, grouped_matmul_reference(lhs, w, sizes, lhs_rows=rows,
+                                                             glu=True), **F32_TOL)
+    with pytest.raises(ValueError, match="must divide the scales' K group"):
+        grouped_matmul(lhs, q.values, sizes, rhs_scales=q.scales, block_k=64,
+                       interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_routed_kernels_on_k_grouped_experts(kind):
+    """Routed GEMM (2 K ranges) and the fused SwiGLU pair, both stacks K-grouped (gate/up's
+    K 64 in 2 groups, down's 32 in 2), against the reference and through ops."""
+    rng = np.random.default_rng(11)
+    ids = np.argsort(rng.random((5, 9)), axis=1)[:, :3].astype(np.int32)
+    ids[1, 2] = -1
+    ids, x = jnp.asarray(ids), jnp.asarray(rng.normal(size=(5, 64)), jnp.float32)
+    gu, gu_w = _quantized(jnp.asarray(rng.normal(size=(9, 64, 64)) / 8, jnp.float32), kind, 2)
+    dn, dn_w = _quantized(jnp.asarray(rng.normal(size=(9, 32, 64)) / 6, jnp.float32), kind, 2)
+    want = routed_matmul_reference(x, gu_w, ids, per_assignment=False)
+    out = routed_matmul(x, gu.values, ids, per_assignment=False, rhs_scales=gu.scales,
+                        block_n=16, block_k=16, k_splits=2, interpret=INTERPRET)
+    np.testing.assert_allclose(out, want, **F32_TOL)
+    want = routed_ffn_reference(x, gu_w, dn_w, ids)
+    out = routed_ffn(x, gu.values, dn.values, ids, gate_up_scales=gu.scales,
+                     down_scales=dn.scales, blocks=((16, 16), (32, 16)), k_splits=(2, 1),
+                     interpret=INTERPRET)
+    np.testing.assert_allclose(out, want, **F32_TOL)
+    for backend in ("reference", "pallas"):
+        np.testing.assert_allclose(ops.routed_ffn(x, gu, dn, ids, backend=backend), want,
+                                   **F32_TOL, err_msg=backend)
+        np.testing.assert_allclose(
+            ops.routed_matmul(x, gu, ids, per_assignment=False, backend=backend),
+            routed_matmul_reference(x, gu_w, ids, per_assignment=False), **F32_TOL)

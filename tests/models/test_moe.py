@@ -18,6 +18,7 @@ from pjinfer.kernels import ops
 from pjinfer.kernels.moe_route import route_reference as route
 from pjinfer.models.dense import dense_logits
 from pjinfer.models.moe import MoeConfig, expert_ffn, moe_block
+from pjinfer.quantization.experts import dequantize_experts, quantize_experts
 from pjinfer.weights import load_model
 from tests.kernels.lowering import cuda_module
 from tests.kernels.test_grouped_matmul import F32_TOL
@@ -127,6 +128,22 @@ def test_routed_decode_path_equals_sorted_one():
     halves = [expert_ffn(x[:1], weights[:1], ids[:1], gu[s:s + 3], down[s:s + 3], s,
                          backend="pallas", path="routed") for s in (0, 3)]
     np.testing.assert_allclose(halves[0] + halves[1], want[:1], **F32_TOL)
+
+
+def test_k_grouped_fp8_experts_on_both_paths():
+    """Block-wise fp8 experts (scales per channel and K group of 8 rows): the sorted grouped
+    kernels and the routed ones (interpret mode) equal the reference over the weights the
+    stacks stand for."""
+    lp = _block_params(2, d=32)  # gate/up's K 32 in 2 groups of 16, down's in 1 (per channel)
+    gu = quantize_experts(lp["experts_gate_up"], "fp8", 16)
+    down = quantize_experts(lp["experts_down"], "fp8", 8)
+    assert (gu.k_groups, down.k_groups) == (2, 1)
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(5, 32)), jnp.float32)
+    weights, ids = route(x @ lp["router"], 2, renormalize=True)
+    want = expert_ffn(x, weights, ids, dequantize_experts(gu), dequantize_experts(down))
+    for path in ("sorted", "routed"):
+        got = expert_ffn(x, weights, ids, gu, down, backend="pallas", path=path)
+        np.testing.assert_allclose(got, want, **F32_TOL, err_msg=path)
 
 
 def test_padding_tokens_do_not_change_real_ones():

@@ -82,6 +82,7 @@ def scheme(name: str) -> tuple[Callable, dict]:
                      "version": "gemm"}),
         "ct_w4a16_g128": (lambda w: packers.ct_int(w, 4, 128), _ct(4, 128)),
         "ct_w8a16_g64": (lambda w: packers.ct_int(w, 8, 64), _ct(8, 64)),
+        "ct_w8a16_g16": (lambda w: packers.ct_int(w, 8, 16), _ct(8, 16)),
         "ct_w4a16_asym_act": (lambda w: packers.ct_int(w, 4, 32, sym=False, rng=rng),
                               _ct(4, 32, sym=False, actorder="group")),
         "ct_w8a8_int": (lambda w: packers.ct_int(w, 8, -1, packed=False),
@@ -95,6 +96,9 @@ def scheme(name: str) -> tuple[Callable, dict]:
         "fp8_block": (lambda w: packers.fp8_block(w, FP8_BLOCK),
                       {"quant_method": "fp8", "activation_scheme": "dynamic",
                        "weight_block_size": list(FP8_BLOCK)}),
+        "fp8_block16": (lambda w: packers.fp8_block(w, (16, 16)),
+                        {"quant_method": "fp8", "activation_scheme": "dynamic",
+                         "weight_block_size": [16, 16]}),
     }
     return table[name]
 

@@ -1,4 +1,5 @@
-"""Quantized MoE experts: on-the-fly fp8 / int8 and fp8 checkpoints through the engine equal
+"""Quantized MoE experts: on-the-fly fp8 / int8, fp8 checkpoints (per tensor, channel or block)
+and symmetric int8 ones through the engine equal
 transformers running the same model with the dequantized weights (float32, greedy 24 tokens,
 logits within 1e-3 relative; chunked prefill, prefix caching, tp=2 with and without expert
 parallelism); bounded reconstruction error; one clear error per unsupported expert format."""
@@ -118,10 +119,29 @@ def test_fp8_checkpoint_experts_load_as_stored(moe_models, tmp_path, name, extra
     _check(llm, oracle)
 
 
+@pytest.mark.parametrize("name, extra, groups", [
+    ("gptq8_gall_sym", {}, (1, 1)),  # per channel
+    ("ct_w8a16_g16", dict(tensor_parallel_size=2), (4, 2)),  # down's 2 groups split over tp
+])
+def test_int8_checkpoint_experts_load_as_stored(moe_models, tmp_path, name, extra, groups):
+    """Symmetric 8-bit int experts (GPTQ, compressed-tensors) become int8 stacks with their
+    scales per channel and K group, as the expert kernels read them."""
+    folder = tmp_path / f"qwen3_moe-{name}"
+    oracle_dir = checkpoints.folder(moe_models["qwen3_moe"], folder, name)
+    llm = LLM(str(folder), **ENGINE, **extra)
+    _stacks(llm, "int8")
+    layer = llm.engine.runner.params["layers"][0]
+    assert (layer["experts_gate_up"].k_groups, layer["experts_down"].k_groups) == groups
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(oracle_dir,
+                                                               dtype=torch.float32).eval()
+    _check(llm, oracle)
+
+
 @pytest.mark.parametrize("name", ["gptq4_g32_asym_act", "awq_g32"])
 def test_int_packed_experts_are_dequantized_at_load(moe_models, tmp_path, caplog, name):
-    """GPTQ (act-order, asymmetric) and AWQ experts, which the expert kernels do not read:
-    dequantized to the model dtype at load, with a warning; the projections stay packed."""
+    """4-bit GPTQ (act-order, asymmetric) and AWQ experts, which the expert kernels do not
+    read: dequantized to the model dtype at load, with a warning; the projections stay
+    packed."""
     folder = tmp_path / f"qwen3_moe-{name}"
     oracle_dir = checkpoints.folder(moe_models["qwen3_moe"], folder, name)
     with caplog.at_level("WARNING", logger="pjinfer"):
@@ -157,18 +177,59 @@ def test_fp8_values_are_kept_as_stored(moe_models, tmp_path):
     np.testing.assert_array_equal(np.asarray(down.values[2]).view(np.uint8), stored.view(np.uint8))
 
 
-def test_block_wise_fp8_experts_are_dequantized_at_load(moe_models, tmp_path, caplog):
-    """Block scales vary along K, which the expert kernels scale once after it: such experts
-    load dequantized (with a warning); the projections keep their block scales as groups."""
-    folder = tmp_path / "qwen3_moe-fp8-block"
-    oracle_dir = checkpoints.folder(moe_models["qwen3_moe"], folder, "fp8_block")
-    with caplog.at_level("WARNING", logger="pjinfer"):
-        llm = LLM(str(folder), **ENGINE)
-    assert "block-wise fp8 experts are dequantized" in caplog.text
+@pytest.mark.parametrize("name, extra, groups", [
+    ("fp8_block", {}, (2, 1)),  # blocks [16, 32]: gate/up's K 64 in 2 groups, down's 32 in 1
+    ("fp8_block16", dict(tensor_parallel_size=2), (4, 2)),  # down's 2 groups split over tp
+    ("fp8_block16", dict(tensor_parallel_size=2, enable_expert_parallel=True), (4, 2)),
+])
+def test_block_wise_fp8_experts_load_as_stored(moe_models, tmp_path, name, extra, groups):
+    """Block scales become per output channel and K group scales [E, *out, G] (one group:
+    per channel [E, *out]); the projections keep their block scales as groups too."""
+    folder = tmp_path / f"qwen3_moe-{name}"
+    oracle_dir = checkpoints.folder(moe_models["qwen3_moe"], folder, name)
+    llm = LLM(str(folder), **ENGINE, **extra)
+    _stacks(llm, "fp8")
     layer = llm.engine.runner.params["layers"][0]
-    assert not isinstance(layer["experts_down"], QuantizedExperts)
+    assert (layer["experts_gate_up"].k_groups, layer["experts_down"].k_groups) == groups
     q = layer["q_proj"]
-    assert q.kind == "fp8" and q.scales.shape == (64 // checkpoints.FP8_BLOCK[1], 128)
+    assert q.kind == "fp8" and q.scales.shape[0] == 64 // checkpoints.scheme(name)[1][
+        "weight_block_size"][1]
     oracle = transformers.AutoModelForCausalLM.from_pretrained(oracle_dir,
                                                                dtype=torch.float32).eval()
     _check(llm, oracle)
+
+
+def test_block_wise_fp8_experts_whose_groups_do_not_split_are_dequantized(moe_models,
+                                                                         tmp_path, caplog):
+    """tp=4 without expert parallelism splits down's K (2 groups of 16) four ways: those
+    experts load dequantized, with a warning saying why; gate/up's stay fp8."""
+    folder = tmp_path / "qwen3_moe-fp8-block16"
+    oracle_dir = checkpoints.folder(moe_models["qwen3_moe"], folder, "fp8_block16")
+    with caplog.at_level("WARNING", logger="pjinfer"):
+        llm = LLM(str(folder), tensor_parallel_size=4, **ENGINE)
+    assert "split whole over tensor_parallel_size" in caplog.text
+    layer = llm.engine.runner.params["layers"][0]
+    assert isinstance(layer["experts_gate_up"], QuantizedExperts)
+    assert not isinstance(layer["experts_down"], QuantizedExperts)
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(oracle_dir,
+                                                               dtype=torch.float32).eval()
+    _check(llm, oracle)
+
+
+def test_k_grouped_experts_dequantize_and_count_their_scales(moe_models):
+    """Each K group's values times its own scale; memory planning counts G scales a channel."""
+    rng = np.random.default_rng(3)
+    values = jnp.asarray(rng.normal(size=(3, 5, 2, 8)) * 50, jnp.float8_e4m3fn)  # [E, *out, K]
+    scales = jnp.asarray(rng.uniform(0.5, 2, size=(3, 4, 5, 2)), jnp.float32)  # [E, G, *out]
+    q = QuantizedExperts(values, scales)  # K 8 in 4 groups of 2
+    assert q.shape == (3, 8, 5, 2) and q.k_groups == 4
+    w = np.asarray(dequantize_experts(q))  # [E, K, *out]
+    for k in range(8):
+        want = np.asarray(values[..., k], np.float32) * np.asarray(scales[:, k // 2])
+        np.testing.assert_array_equal(w[:, k], want)
+    assert q.with_out_shape(10).scales.shape == (3, 4, 10)
+    cfg = ModelConfig.from_pretrained(moe_models["qwen3_moe"])
+    stack = next(p for p in cfg.param_specs() if p.path[-1] == "experts_gate_up")
+    block = QuantConfig.from_hf({"quant_method": "fp8", "weight_block_size": [16, 16]})
+    values = int(np.prod(stack.shape))  # K 64: 4 groups
+    assert device_bytes(stack, block, 2) == values + 4 * values // 64 * 4
