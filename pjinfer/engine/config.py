@@ -19,11 +19,11 @@ from typing import Any
 from pjinfer.config import DTYPES
 from pjinfer.engine.scheduling_policy import scheduling_policies
 from pjinfer.kernels.backends import BACKENDS
-from pjinfer.quantization.config import QUANTIZATION_METHODS
+from pjinfer.quantization.config import QUANTIZATION_NAMES
 
 # auto = orbax when the folder holds a `pjinfer convert` checkpoint, else safetensors
 LOAD_FORMATS = ("auto", "safetensors", "dummy", "orbax")
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 SECTIONS = ("model", "parallel", "cache", "scheduler", "compilation")  # TOML tables
 INT_LIST = tuple[int, ...]  # the type of a list-valued argument (a flag of several integers)
 
@@ -57,7 +57,7 @@ class EngineConfig:
     quantization: str | None = arg(None, "weight quantization: default = the checkpoint's "
                                    "(config.json quantization_config); fp8 or int8 quantize a "
                                    "float checkpoint at load", "model",
-                                   choices=QUANTIZATION_METHODS)
+                                   choices=QUANTIZATION_NAMES)
     seed: int = arg(0, "seed of the engine's random state", "model")
     max_model_len: int | None = arg(None, "longest prompt + completion, in tokens (default: the "
                                     "model's max_position_embeddings)", "model")
@@ -71,7 +71,8 @@ class EngineConfig:
     kv_cache_memory: int | None = arg(None, "bytes for the KV cache (default: what "
                                       "--gpu-memory-utilization leaves; 256 MiB on CPU)", "cache")
     kv_cache_dtype: str = arg("auto", "KV cache dtype: auto = the model dtype; fp8 (e4m3) "
-                              "holds twice the tokens", "cache", choices=KV_CACHE_DTYPES)
+                              "holds twice the tokens; fp8_e5m2 too, float16's range, "
+                              "coarser", "cache", choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = arg(False, "reuse KV blocks of shared prompt prefixes",
                                       "cache")
     enable_chunked_prefill: bool = arg(True, "split long prompts over steps", "scheduler")

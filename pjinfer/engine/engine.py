@@ -97,7 +97,7 @@ class LLMEngine:
             DEMO_MODEL_NAME if config.model is None else model_dir.rstrip("/").split("/")[-1])
         self.max_model_len = self._max_model_len()
         kv_scales = kv_cache_scales(model_dir, self.model_config.num_hidden_layers,
-                                    config.load_format) if config.kv_cache_dtype != "auto" else ()
+                                    config.load_format, config.kv_cache_dtype)
         with timed(self.startup_phases, "kv_cache"):
             self.runner = ModelRunner(self.model_config, config, loaded, kv_scales=kv_scales,
                                       max_model_len=self.max_model_len, mesh=mesh)

@@ -1,6 +1,6 @@
 """Which quantization a model uses: config.json's `quantization_config`, or the engine argument.
 
-Kept free of JAX (the engine-argument table imports `QUANTIZATION_METHODS`). Field meanings
+Kept free of JAX (the engine-argument table imports `QUANTIZATION_NAMES`). Field meanings
 follow the producers: GPTQ (AutoGPTQ / GPTQModel: bits, group_size, desc_act, sym,
 checkpoint_format), AWQ (AutoAWQ: bits, group_size, zero_point, version), compressed-tensors
 (llm-compressor: format, config_groups[*].weights / format, ignore) and fp8 (vLLM / transformers:
@@ -25,6 +25,8 @@ QUANTIZATION_METHODS = ("awq", "compressed-tensors", "fp8", "gguf", "gptq", "int
 CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
 _ALIASES = {"compressed_tensors": "compressed-tensors", "gptq_marlin": "gptq",
             "awq_marlin": "awq"}
+# what `quantization=` accepts: the methods and vLLM's names for their kernels' variants
+QUANTIZATION_NAMES = QUANTIZATION_METHODS + tuple(sorted(_ALIASES))
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +156,7 @@ def resolve(model_dir: str | Path | None, quantization: str | None,
     checkpoint's is a GGUF file's own, else config.json's (`hf_config_path`'s when given)."""
     from pjinfer.quantization.gguf_file import gguf_path
 
+    quantization = _ALIASES.get(quantization, quantization)  # gptq_marlin is gptq here
     if gguf_path(model_dir) is not None:  # per-tensor types; Q8_0 / Q4_0 stay packed
         if quantization not in (None, "gguf"):
             raise ValueError(f"quantization={quantization!r} does not match the checkpoint, "

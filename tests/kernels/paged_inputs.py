@@ -117,13 +117,15 @@ def rel_err(out, ref) -> float:
 TOL = {jnp.float32: 1e-5 if jax.default_backend() == "cpu" else 5e-4, jnp.bfloat16: 1e-2}
 
 
-def to_fp8(batch: PagedBatch, k_scale: float, v_scale: float) -> tuple[PagedBatch, PagedBatch]:
-    """(the batch with fp8 e4m3 caches storing K / k_scale and V / v_scale, the same batch with
-    float32 caches holding exactly what those fp8 caches mean) for kernels reading fp8."""
+def to_fp8(batch: PagedBatch, k_scale: float, v_scale: float,
+           dtype=jnp.float8_e4m3fn) -> tuple[PagedBatch, PagedBatch]:
+    """(the batch with fp8 (e4m3, or `dtype`) caches storing K / k_scale and V / v_scale, the
+    same batch with float32 caches holding exactly what those fp8 caches mean) for kernels
+    reading fp8."""
     from pjinfer.kernels.rotary_write import to_cache
 
-    k8 = to_cache(batch.k_cache, jnp.float8_e4m3fn, k_scale)
-    v8 = to_cache(batch.v_cache, jnp.float8_e4m3fn, v_scale)
+    k8 = to_cache(batch.k_cache, dtype, k_scale)
+    v8 = to_cache(batch.v_cache, dtype, v_scale)
     meant = dataclasses.replace(batch, k_cache=k8.astype(jnp.float32) * k_scale,
                                 v_cache=v8.astype(jnp.float32) * v_scale)
     return dataclasses.replace(batch, k_cache=k8, v_cache=v8), meant

@@ -72,13 +72,16 @@ def test_ragged_reads_fp8_caches(k_scale, v_scale):
     assert rel_err(ref8[:n], ref[:n]) < 1e-5
 
 
-@pytest.mark.parametrize("k_scale, v_scale", [(1.0, 1.0), (0.05, 2.0)])
-def test_ragged_bf16_query_over_fp8_caches(k_scale, v_scale):
-    """The engine's case (bf16 activations, fp8 cache): the dots run in float16."""
+@pytest.mark.parametrize("k_scale, v_scale, fp8", [(1.0, 1.0, jnp.float8_e4m3fn),
+                                                   (0.05, 2.0, jnp.float8_e4m3fn),
+                                                   (1.0, 1.0, jnp.float8_e5m2)])
+def test_ragged_bf16_query_over_fp8_caches(k_scale, v_scale, fp8):
+    """The engine's case (bf16 activations, fp8 cache, e4m3 or e5m2): the dots run in
+    float16."""
     rng = np.random.default_rng(24)
     b = make_batch(rng, *MIXED, num_kv_heads=2, group=4, head_dim=64, block_size=16,
                    pad_tokens=2, dtype=jnp.bfloat16)
-    b8, _ = to_fp8(b, k_scale, v_scale)
+    b8, _ = to_fp8(b, k_scale, v_scale, fp8)
     attn = AttentionParams(scale=0.125, k_scale=k_scale, v_scale=v_scale)
     _check(b8, jnp.bfloat16, RaggedBlockSizes(block_q=8, pages_per_compute_block=2), attn)
 

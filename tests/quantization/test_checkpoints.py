@@ -141,6 +141,9 @@ def test_quantization_argument_must_match_the_checkpoint(quantized):
     folder, _ = quantized("llama", "awq_g64")
     with pytest.raises(ValueError, match="does not match the checkpoint"):
         LLM(str(folder), quantization="gptq", **ENGINE)
+    # vLLM's names for its kernels' variants confirm the method they run
+    assert LLM(str(folder), quantization="awq_marlin", **ENGINE).engine.quantization_method \
+        == "awq"
 
 
 @pytest.mark.parametrize("name", ["fp8_channel", "fp8_block", "ct_fp8_block"])

@@ -27,6 +27,25 @@ def test_fp8_cache_holds_twice_the_tokens_and_keeps_the_zen(bf16_zen):
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
+def test_e5m2_cache_holds_twice_the_tokens_keeps_the_zen_and_takes_no_scales(bf16_zen,
+                                                                             tmp_path):
+    """vLLM's `fp8_e5m2`: float16's range in one byte, no per-layer scales (a checkpoint's
+    are left unread, as vLLM does)."""
+    bf16 = LLM(dtype="bfloat16", kv_cache_memory=MEMORY, warmup=False).engine.runner
+    llm = LLM(dtype="bfloat16", kv_cache_dtype="fp8_e5m2", kv_cache_memory=MEMORY,
+              warmup=False)
+    runner = llm.engine.runner
+    assert runner.kv_dtype.name == "float8_e5m2" and runner.num_blocks == 2 * bf16.num_blocks
+    assert first_lines(llm.generate(ZEN_PROMPTS, ZEN_GREEDY)) == bf16_zen
+    folder = tmp_path / "calibrated"
+    shutil.copytree(DEMO_MODEL_DIR, folder)
+    save_file({"model.layers.0.self_attn.k_scale": np.array(0.5, np.float32)},
+              folder / "kv_scales.safetensors")
+    assert kv_cache_scales(folder, 2, "auto", "fp8_e5m2") == ((1.0, 1.0),) * 2
+    assert kv_cache_scales(folder, 2, "auto", "fp8") == ((0.5, 1.0), (1.0, 1.0))
+    assert kv_cache_scales(folder, 2, "auto", "auto") == ()
+
+
 def test_per_layer_scales_come_from_the_checkpoint(tmp_path):
     folder = tmp_path / "calibrated"
     shutil.copytree(DEMO_MODEL_DIR, folder)
