@@ -13,7 +13,9 @@ experts, top-2), with fewer layers than the models (the weights must be read fro
 and fit beside each other). `--expert-dtype fp8|int8` streams quantized experts
 (`pjinfer.quantization.experts`: a byte a value, float32 scales counted in the bytes);
 `fp8-block` as block-wise fp8 checkpoints hold them (Qwen3-30B-A3B-FP8: a scale per output
-channel and 128-row K group, each K step scaling its sums; block_k must divide 128).
+channel and 128-row K group, each K step scaling its sums; block_k must divide 128);
+`int4` as 4-bit GPTQ / AWQ checkpoints' experts load (nibbles, scales per 128-row group,
+block_k 128: one nibble block a step).
 """
 
 from __future__ import annotations
@@ -125,11 +127,12 @@ def run_model(name: str, s: dict, tokens: list[int], tilings: list[dict], timing
     per_expert = 2 * 3 * d * inter  # bf16 gate, up and down
     if expert_dtype != "bfloat16":  # a byte a value, float32 scales per output channel
         kind = "fp8" if expert_dtype == "fp8-block" else expert_dtype
-        blocks = expert_dtype == "fp8-block"  # K groups (the smoke shapes' K: one group)
-        g_gu, g_dn = (min(BLOCK_K_GROUP, d), min(BLOCK_K_GROUP, inter)) if blocks else (d, inter)
+        blocks = expert_dtype in ("fp8-block", "int4")  # K groups (smoke shapes: one)
+        group = min(BLOCK_K_GROUP, d, inter)  # both stacks alike: one block_k (int4: 2 S)
+        g_gu, g_dn = (group, group) if blocks else (d, inter)
         gate_up = [quantize_experts(w, kind, g_gu) for w in gate_up]
         down = [quantize_experts(w, kind, g_dn) for w in down]
-        per_expert = 3 * d * inter + 4 * (2 * inter * d // g_gu + d * inter // g_dn)
+        per_expert = sum(s.nbytes for s in (gate_up[0], down[0])) // e  # as stored
     interpret = jax.default_backend() != "gpu"
     rows = []
     for t in tokens:
@@ -220,9 +223,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="1: `routed_ffn` (the activation in the down kernel's loads); 0: "
                         "two routed_matmul calls with XLA's activation kernel between")
     parser.add_argument("--expert-dtype", default="bfloat16",
-                        choices=("bfloat16", "fp8", "int8", "fp8-block"),
+                        choices=("bfloat16", "fp8", "int8", "fp8-block", "int4"),
                         help="experts as stored: bf16, or quantized (fp8 / int8 values; "
-                        f"fp8-block: scales per {BLOCK_K_GROUP}-row K group too)")
+                        f"fp8-block: scales per {BLOCK_K_GROUP}-row K group too; int4: "
+                        f"GPTQ-style nibbles, scales per {BLOCK_K_GROUP}-row group)")
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--samples", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)

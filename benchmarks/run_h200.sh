@@ -34,7 +34,7 @@
 #   bash benchmarks/run_h200.sh moemid    # Qwen3's grouped GEMMs at a mixed step's 2,048
 #                                         # tokens (~128 rows an expert): row tiles 64-256
 #                                         # (MOEMID_TOKENS, MOEMID_TILES: the sweep's flags)
-#   bash benchmarks/run_h200.sh moefp8    # fp8 / int8 experts: the quantized kernel tests
+#   bash benchmarks/run_h200.sh moefp8    # fp8 / int8 / fp8-block / int4 experts: kernel tests
 #                                         # compiled, routed GEMMs bf16 vs fp8 vs int8 at 1-16
 #                                         # tokens, Qwen3 W1 bf16 vs --quantization fp8 (~8 min)
 #   bash benchmarks/run_h200.sh loramulti # the lora stage's engine passes (200 prompts) with
@@ -374,6 +374,10 @@ stage_moefp8() {
   step moe_decode_stack_fp8_block 300 $PY -m pjinfer.benchmarks.moe_decode_stack \
       "${stack[@]}" "${blocks[@]}" --expert-dtype fp8-block \
       --out "$JSON/moe_decode_stack_fp8_block.json"
+  # int4 experts (GPTQ-style nibbles, 128-row groups: block_k 128, one nibble block a step)
+  local nibbles=(--block-k 128); [ $SMOKE = 1 ] && nibbles=(--block-k 32)
+  step moe_decode_stack_int4 300 $PY -m pjinfer.benchmarks.moe_decode_stack "${stack[@]}" \
+      "${nibbles[@]}" --expert-dtype int4 --out "$JSON/moe_decode_stack_int4.json"
   for q in none fp8; do
     local quant=(); [ $q = fp8 ] && quant=(--quantization fp8)
     step moe_qwen3_b1_$q 300 "${BENCH[@]}" latency "${qwen[@]}" "${quant[@]}" --batch-size 1 \

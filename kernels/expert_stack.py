@@ -1,8 +1,10 @@
 """An expert stack as the MoE kernels take it: float weights [G, K, N], or quantized values
 [G, N, K] (fp8 / int8, each output column's K contiguous, as checkpoints store an expert)
 with float32 scales [G, N], or [G, KG, N] for KG groups of K / KG rows along K (group-major:
-a K step loads its group's scales for a column block contiguously;
-`pjinfer.quantization.experts`). Shared by the grouped (prefill) and routed (decode)
+a K step loads its group's scales for a column block contiguously), or int4 values uint8
+[G, N, K / 2] (`pjinfer.quantization.weight`'s nibble blocks of 2 S rows, S =
+`int4_span(K, K / KG)`) with grouped scales and float32 zeros [G, KG, N] (None: 8, symmetric)
+(`pjinfer.quantization.experts`). Shared by the grouped (prefill) and routed (decode)
 kernels and their references."""
 
 from __future__ import annotations
@@ -10,33 +12,52 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pjinfer.quantization.weight import int4_span, unpack_int4
 
-def check_scales(rhs: jax.Array, rhs_scales: jax.Array | None) -> None:
+INT4_ZERO = 8.0  # a symmetric int4 value's zero point (values 0..15)
+
+
+def is_int4(rhs: jax.Array) -> bool:
+    return rhs.dtype == jnp.uint8
+
+
+def check_scales(rhs: jax.Array, rhs_scales: jax.Array | None,
+                 rhs_zeros: jax.Array | None = None) -> None:
     """Quantized rhs values [G, N, K] need their float32 scales [G, N] (or [G, KG, N], KG
-    dividing K); float rhs none."""
+    dividing K); int4 ones grouped scales and, if asymmetric, zeros of their shape; float
+    rhs none."""
     quantized = rhs.dtype.itemsize == 1
+    g, k, n = stack_dims(rhs, rhs_scales)
     if rhs_scales is None or rhs_scales.ndim != 3:
-        ok = rhs_scales is None or rhs_scales.shape == rhs.shape[:2]
+        ok = rhs_scales is None or (rhs_scales.shape == (g, n) and not is_int4(rhs))
     else:
-        g, groups, n = rhs_scales.shape
-        ok = (g, n) == rhs.shape[:2] and rhs.shape[2] % groups == 0
+        ok = rhs_scales.shape[::2] == (g, n) and k % rhs_scales.shape[1] == 0
+    ok = ok and (rhs_zeros is None or (is_int4(rhs) and rhs_zeros.shape == rhs_scales.shape))
     if quantized != (rhs_scales is not None) or not ok:
         raise ValueError(f"rhs of dtype {rhs.dtype} needs rhs_scales "
-                         f"{'[G, N] or [G, KG, N]' if quantized else 'None'}, got "
-                         f"{None if rhs_scales is None else rhs_scales.shape}")
+                         f"{'[G, N] or [G, KG, N]' if quantized else 'None'} (int4: [G, KG, "
+                         f"N] and zeros None or alike), got "
+                         f"{None if rhs_scales is None else rhs_scales.shape}, zeros "
+                         f"{None if rhs_zeros is None else rhs_zeros.shape}")
 
 
 def k_group(rhs: jax.Array, rhs_scales: jax.Array | None) -> int | None:
     """Rows of K a scale covers when the scales have K groups ([G, KG, N]), else None."""
     if rhs_scales is None or rhs_scales.ndim != 3:
         return None
-    return rhs.shape[2] // rhs_scales.shape[1]
+    return stack_dims(rhs, rhs_scales)[1] // rhs_scales.shape[1]
 
 
-def check_k_group(group: int | None, block_k: int) -> None:
-    """A K step of the kernels must lie inside one scale group."""
+def check_k_group(group: int | None, block_k: int, rhs: jax.Array | None = None) -> None:
+    """A K step of the kernels must lie inside one scale group; over int4 values it must be
+    one nibble block (2 S rows: its low nibbles the first S, its high ones the next S)."""
     if group is not None and group % block_k:
         raise ValueError(f"block_k {block_k} must divide the scales' K group of {group} rows")
+    if rhs is not None and is_int4(rhs):
+        span = int4_span(2 * rhs.shape[2], group)
+        if block_k != 2 * span:
+            raise ValueError(f"int4 experts take block_k = 2 x their nibble span ({2 * span}), "
+                             f"got {block_k}")
 
 
 def step_group(scale_ref, k_start, group: int):
@@ -53,10 +74,17 @@ def value_scales(values: jax.Array, scales: jax.Array) -> jax.Array:
     return jnp.repeat(per_channel, values.shape[-1] // scales.shape[1], axis=-1)
 
 
+def int4_values(packed: jax.Array, k_groups: int) -> jax.Array:
+    """uint8 [E, *out, K / 2] in nibble blocks -> float32 values 0..15 [E, *out, K]."""
+    k = 2 * packed.shape[-1]
+    flat = unpack_int4(packed.reshape(-1, k // 2), int4_span(k, k // k_groups))
+    return flat.reshape(*packed.shape[:-1], k).astype(jnp.float32)
+
+
 def stack_dims(rhs: jax.Array, rhs_scales: jax.Array | None) -> tuple[int, int, int]:
-    """(G, K, N) of a float rhs [G, K, N] or of quantized values [G, N, K]."""
+    """(G, K, N) of a float rhs [G, K, N] or of quantized values [G, N, K (/ 2: int4)]."""
     g, a, b = rhs.shape
-    return (g, a, b) if rhs_scales is None else (g, b, a)
+    return (g, a, b) if rhs_scales is None else (g, b * (2 if is_int4(rhs) else 1), a)
 
 
 def pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
@@ -69,14 +97,18 @@ def pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
     return jnp.pad(x, widths)
 
 
-def pad_stack(rhs: jax.Array, rhs_scales: jax.Array | None, k_multiple: int, n_multiple: int):
-    """rhs [G, K', N'] (quantized: [G, N', K'], scales [G, N'] or [G, KG, N']) padded to
-    whole blocks; the scales as a list of zero or one arrays (the kernels' trailing inputs).
-    K groups are not padded (a K step past the last reads it: `step_group`)."""
+def pad_stack(rhs: jax.Array, rhs_scales: jax.Array | None, k_multiple: int, n_multiple: int,
+              rhs_zeros: jax.Array | None = None):
+    """rhs [G, K', N'] (quantized: [G, N', K'], scales [G, N'] or [G, KG, N'], int4 zeros)
+    padded to whole blocks; the scales (and zeros) as a list of zero to two arrays (the
+    kernels' trailing inputs). K groups are not padded (a K step past the last reads it:
+    `step_group`); int4 values pad K's bytes (zero rows, times x's zero padding)."""
     if rhs_scales is None:
         return pad_to(pad_to(rhs, 1, k_multiple), 2, n_multiple), []
-    return (pad_to(pad_to(rhs, 2, k_multiple), 1, n_multiple),
-            [pad_to(rhs_scales, rhs_scales.ndim - 1, n_multiple)])
+    k_bytes = k_multiple // 2 if is_int4(rhs) else k_multiple
+    extra = [pad_to(a, a.ndim - 1, n_multiple) for a in (rhs_scales, rhs_zeros)
+             if a is not None]
+    return pad_to(pad_to(rhs, 2, k_bytes), 1, n_multiple), extra
 
 
 def weight_dot(x: jax.Array, w: jax.Array, k_minor: bool) -> jax.Array:
@@ -88,12 +120,33 @@ def weight_dot(x: jax.Array, w: jax.Array, k_minor: bool) -> jax.Array:
                                preferred_element_type=jnp.float32)
 
 
-def dequantized(lhs: jax.Array, rhs: jax.Array, rhs_scales: jax.Array | None):
+def int4_dot(x_lo: jax.Array, x_hi: jax.Array, packed: jax.Array, scale: jax.Array,
+             zero) -> jax.Array:
+    """One K step over int4 values: x's rows [rows, S] of the step's first and second S
+    rows times a packed tile [bn, S] (low nibbles, high nibbles) -> float32 [rows, bn] sums
+    of x (u - zero) scale. The nibbles go through the dot as they are (0..15, exact in any
+    float); the zero is taken off once, from x's row sums."""
+    p = packed.astype(jnp.int32)
+    y = weight_dot(x_lo, p & 0xF, True) + weight_dot(x_hi, p >> 4, True)
+    sums = (jnp.sum(x_lo.astype(jnp.float32), axis=1)
+            + jnp.sum(x_hi.astype(jnp.float32), axis=1))[:, None]
+    zero = zero[None, :] if hasattr(zero, "shape") else zero
+    return (y - sums * zero) * scale[None, :]
+
+
+def dequantized(lhs: jax.Array, rhs: jax.Array, rhs_scales: jax.Array | None,
+                rhs_zeros: jax.Array | None = None):
     """(rhs [G, K, N], lhs) as the references multiply them: quantized values [G, N, K]
-    times their scales, and lhs, both in float32; float operands as they are."""
+    (int4: unpacked, less their zeros) times their scales, and lhs, both in float32; float
+    operands as they are."""
     if rhs_scales is None:
         return rhs, lhs
-    w = rhs.astype(jnp.float32) * value_scales(rhs, rhs_scales)  # [G, N, K]
+    if is_int4(rhs):
+        v = int4_values(rhs, rhs_scales.shape[1])  # [G, N, K]
+        zero = INT4_ZERO if rhs_zeros is None else value_scales(v, rhs_zeros)
+        w = (v - zero) * value_scales(v, rhs_scales)
+    else:
+        w = rhs.astype(jnp.float32) * value_scales(rhs, rhs_scales)  # [G, N, K]
     return w.transpose(0, 2, 1), lhs.astype(jnp.float32)
 
 

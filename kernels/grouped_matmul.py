@@ -31,9 +31,12 @@ from jax.experimental.pallas import triton as pltriton
 
 from pjinfer.kernels import common
 from pjinfer.kernels.expert_stack import (
+    INT4_ZERO,
     check_k_group,
     check_scales,
     dequantized,
+    int4_dot,
+    is_int4,
     k_group,
     pad_stack,
     pad_to,
@@ -47,9 +50,10 @@ _SEARCH = "compare_all"
 
 
 def _check(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
-           rhs_scales: jax.Array | None = None, lhs_rows: jax.Array | None = None) -> None:
+           rhs_scales: jax.Array | None = None, lhs_rows: jax.Array | None = None,
+           rhs_zeros: jax.Array | None = None) -> None:
     """Shapes are static: a mismatch fails while tracing, with the shapes in the message."""
-    check_scales(rhs, rhs_scales)
+    check_scales(rhs, rhs_scales, rhs_zeros)
     if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.shape != (rhs.shape[0],) \
             or lhs.shape[1] != stack_dims(rhs, rhs_scales)[1] \
             or (lhs_rows is not None and lhs_rows.ndim != 1):
@@ -98,20 +102,22 @@ def band_order(program, num_tiles: int, num_cols: int, band: int):
 
 
 def _kernel(group_ref, first_ref, valid_ref, *refs, block_m: int, block_n: int,
-            block_k: int, k_steps: int, band: int, gather: bool, quantized: bool, glu: bool,
-            k_group: int | None):
+            block_k: int, k_steps: int, band: int, gather: bool, extra: int, glu: bool,
+            k_group: int | None, int4: bool):
     """One tile of `block_m` rows of one group times one [K / splits, block_n] slice of its
     expert (split `pl.program_id(1)` of K), stored to its rows of split s's partial (o_ref
     [splits * M, N]); a spare tile stores zeros. Program `pl.program_id(0)` picks the
     (tile, column block) in `band_order`. `gather`: a rows ref [M] comes first and the tile
-    loads lhs[rows[r]] for its rows r. `quantized`: a scale ref ([G, N] float32, before
-    o_ref) follows rhs, which holds quantized values: each tile is widened to lhs's dtype for
-    the dot and the sums are scaled once, after the K loop (`k_group` rows a scale: scales
-    [G, KG, N], each K step's sums by its group's). `glu`: rhs's columns are gate
+    loads lhs[rows[r]] for its rows r. `extra` refs (1: a scale ref, [G, N] float32; 2: and
+    int4 zeros) follow rhs, which holds quantized values: each tile is widened to lhs's dtype
+    for the dot and the sums are scaled once, after the K loop (`k_group` rows a scale:
+    scales [G, KG, N], each K step's sums by its group's; `int4`: a K step is one nibble
+    block, `expert_stack.int4_dot`). `glu`: rhs's columns are gate
     then up halves; the program multiplies the same x tiles by both halves' column block and
     stores silu(gate) * up (o_ref half as wide)."""
     rows_ref, refs = (refs[0], refs[1:]) if gather else (None, refs)
-    lhs_ref, rhs_ref, scale_ref, o_ref = refs if quantized else (*refs[:2], None, refs[2])
+    lhs_ref, rhs_ref, *extra_refs, o_ref = refs
+    scale_ref, zero_ref = (*extra_refs, None, None)[:2]
     num_tiles, num_cols = group_ref.shape[0], o_ref.shape[1] // block_n
     parts = (0, o_ref.shape[1]) if glu else (0,)  # column offsets of the halves in rhs
     tile, col = band_order(pl.program_id(0), num_tiles, num_cols, band)
@@ -131,14 +137,22 @@ def _kernel(group_ref, first_ref, valid_ref, *refs, block_m: int, block_n: int,
                        value.astype(o_ref.dtype), mask=row_ok[:, None])
 
     def body(kb, accs):
-        ks = pl.ds((split * k_steps + kb) * block_k, block_k)
+        k0 = (split * k_steps + kb) * block_k
+        if int4:  # the step's two runs of S rows: low nibbles, high nibbles
+            kg, half = step_group(scale_ref, k0, k_group), block_k // 2
+            x_lo, x_hi = (lhs_ref[rows, pl.ds(k0 + h, half)] for h in (0, half))
+            return tuple(a + int4_dot(x_lo, x_hi, rhs_ref[group, c, pl.ds(k0 // 2, half)],
+                                      scale_ref[group, kg, c],
+                                      INT4_ZERO if zero_ref is None else zero_ref[group, kg, c])
+                         for a, c in zip(accs, cols, strict=True))
+        ks = pl.ds(k0, block_k)
         x = lhs_ref[rows, ks]  # [bm, bk] (gathered: bm rows of bk contiguous values)
         if scale_ref is None:  # [bk, bn] tiles
             return tuple(a + weight_dot(x, rhs_ref[group, ks, c], False)
                          for a, c in zip(accs, cols, strict=True))
         sums = [weight_dot(x, rhs_ref[group, c, ks], True) for c in cols]  # [bn, bk] stored
         if k_group is not None:
-            kg = step_group(scale_ref, (split * k_steps + kb) * block_k, k_group)
+            kg = step_group(scale_ref, k0, k_group)
             sums = [y * scale_ref[group, kg, c][None, :] for y, c in zip(sums, cols, strict=True)]
         return tuple(a + y for a, y in zip(accs, sums, strict=True))
 
@@ -161,7 +175,8 @@ def _kernel(group_ref, first_ref, valid_ref, *refs, block_m: int, block_n: int,
                                              "num_warps", "num_stages", "band", "out_dtype",
                                              "glu", "interpret"))
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
-                   rhs_scales: jax.Array | None = None, block_m: int = 64, block_n: int = 128,
+                   rhs_scales: jax.Array | None = None, rhs_zeros: jax.Array | None = None,
+                   block_m: int = 64, block_n: int = 128,
                    block_k: int = 64, k_splits: int = 1, num_warps: int = 4,
                    num_stages: int = 3, band: int | None = None, out_dtype=None,
                    lhs_rows: jax.Array | None = None, glu: bool = False,
@@ -171,21 +186,23 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     (>= 16 on a GPU: Triton's dot); K and N are padded to them when they do not divide.
     `rhs_scales` [G, N] float32: rhs holds quantized values (fp8, int8), the weight being
     rhs[g] * rhs_scales[g] per column (`pjinfer.quantization.experts`); [G, KG, N]: and per
-    group of K / KG rows (block_k must divide it). `lhs_rows` [M] int
-    (each in [0, T)): row r of the product reads lhs[lhs_rows[r]] of lhs [T, K]. `glu`: rhs's
-    N columns are gate then up halves, and the result is silu(lhs @ gate) * (lhs @ up) [M,
-    N / 2], computed from the float32 sums (the MoE layer's gate/up GEMM and activation in
-    one kernel: no [M, N] product written and read back); needs k_splits 1.
+    group of K / KG rows (block_k must divide it); uint8 rhs [G, N, K / 2]: int4 values in
+    nibble blocks (block_k one block), `rhs_zeros` [G, KG, N] their zeros (None: 8).
+    `lhs_rows` [M] int (each in [0, T)): row r of the product reads lhs[lhs_rows[r]] of lhs
+    [T, K]. `glu`: rhs's N columns are gate then up halves, and the result is silu(lhs @
+    gate) * (lhs @ up) [M, N / 2], computed from the float32 sums (the MoE layer's gate/up
+    GEMM and activation in one kernel: no [M, N] product written and read back); needs
+    k_splits 1.
 
     `k_splits` > 1 cuts K into that many ranges, each its own program writing a float32
     partial sum, added afterwards: a decode step has few (tile, column) programs, too few to
     keep every SM streaming weights, and splitting K multiplies them. `band`: the programs'
     order (`band_order`; None: all tiles, then the next column block).
     """
-    _check(lhs, rhs, group_sizes, rhs_scales, lhs_rows)
+    _check(lhs, rhs, group_sizes, rhs_scales, lhs_rows, rhs_zeros)
     common.check_pow2(block_m=block_m, block_n=block_n, block_k=block_k, k_splits=k_splits)
     group_k = k_group(rhs, rhs_scales)
-    check_k_group(group_k, block_k)
+    check_k_group(group_k, block_k, rhs)
     gather = lhs_rows is not None
     num_rows = lhs_rows.shape[0] if gather else lhs.shape[0]
     n = stack_dims(rhs, rhs_scales)[2]
@@ -200,7 +217,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         rows = []
         lhs_p = pad_to(lhs_p, 0, rows_p)
     rhs_p, scales = (_pad_halves if glu else pad_stack)(rhs, rhs_scales, block_k * k_splits,
-                                                        block_n)
+                                                        block_n, rhs_zeros)
     group, first, valid = group_tiles(group_sizes, num_rows, block_m)
     n = n // 2 if glu else n  # the result's columns
     num_tiles, width = group.shape[0], -(-n // block_n) * block_n
@@ -212,7 +229,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
                           k_steps=lhs_p.shape[1] // (block_k * k_splits),
                           band=min(band or num_tiles, num_tiles), gather=gather,
-                          quantized=bool(scales), glu=glu, k_group=group_k),
+                          extra=len(scales), glu=glu, k_group=group_k,
+                          int4=is_int4(rhs)),
         grid=(num_tiles * (width // block_n), k_splits),
         in_specs=[whole((num_tiles,)), whole((num_tiles,)), whole((num_tiles,)),
                   *(whole((rows_p,)) for _ in rows), whole(lhs_p.shape), whole(rhs_p.shape),
@@ -230,32 +248,37 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
 
 
 def _pad_halves(rhs: jax.Array, rhs_scales: jax.Array | None, k_multiple: int,
-                n_multiple: int):
+                n_multiple: int, rhs_zeros: jax.Array | None = None):
     """`pad_stack` for a gate/up rhs: each half's columns padded to whole blocks, so the up
     half starts at the padded width."""
     if rhs_scales is None:
         g, k, n = rhs.shape
         halves = pad_stack(rhs.reshape(g, k * 2, n // 2), None, 1, n_multiple)[0]
         return pad_to(halves.reshape(g, k, -1), 1, k_multiple), []
-    g, n, k = rhs.shape  # values [G, N, K]: N the gate then up halves
+    g, n, k = rhs.shape  # values [G, N, K (/ 2)]: N the gate then up halves
+    k_multiple = k_multiple // 2 if is_int4(rhs) else k_multiple
     values = pad_to(pad_to(rhs.reshape(g * 2, n // 2, k), 2, k_multiple), 1, n_multiple)
-    scales = rhs_scales.reshape(*rhs_scales.shape[:-1], 2, n // 2)  # [G, (KG,) 2, N / 2]
-    scales = pad_to(scales, scales.ndim - 1, n_multiple)
-    return values.reshape(g, -1, values.shape[2]), [scales.reshape(*scales.shape[:-2], -1)]
+    extra = []
+    for a in (rhs_scales, rhs_zeros):  # [G, (KG,) N] -> [G, (KG,) 2, N / 2], halves padded
+        if a is not None:
+            a = pad_to(a.reshape(*a.shape[:-1], 2, n // 2), a.ndim, n_multiple)
+            extra.append(a.reshape(*a.shape[:-2], -1))
+    return values.reshape(g, -1, values.shape[2]), extra
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "glu"))
 def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
-                             rhs_scales: jax.Array | None = None, out_dtype=None,
+                             rhs_scales: jax.Array | None = None,
+                             rhs_zeros: jax.Array | None = None, out_dtype=None,
                              lhs_rows: jax.Array | None = None, glu: bool = False) -> jax.Array:
     """Pure JAX, obviously right: each row times its group's matrix, gathered per row
     ([M, K, N] memory: for tests); `glu` as `grouped_matmul`'s."""
-    _check(lhs, rhs, group_sizes, rhs_scales, lhs_rows)
+    _check(lhs, rhs, group_sizes, rhs_scales, lhs_rows, rhs_zeros)
     lhs = lhs if lhs_rows is None else lhs[lhs_rows]
     ends = jnp.cumsum(group_sizes)
     row = jnp.arange(lhs.shape[0])
     group = jnp.minimum(jnp.searchsorted(ends, row, side="right"), rhs.shape[0] - 1)
-    rhs, x = dequantized(lhs, rhs, rhs_scales)
+    rhs, x = dequantized(lhs, rhs, rhs_scales, rhs_zeros)
     out = jnp.einsum("mk,mkn->mn", x, rhs[group], preferred_element_type=jnp.float32)
     if glu:
         out = jax.nn.silu(out[:, :out.shape[1] // 2]) * out[:, out.shape[1] // 2:]

@@ -43,7 +43,7 @@ from pjinfer.kernels.routed_matmul import (
 from pjinfer.kernels.routed_matmul import routed_ffn as pallas_routed_ffn
 from pjinfer.kernels.routed_matmul import routed_matmul as pallas_routed_matmul
 from pjinfer.quantization.experts import QuantizedExperts, dequantize_experts
-from pjinfer.quantization.weight import QuantizedWeight
+from pjinfer.quantization.weight import QuantizedWeight, int4_span
 from pjinfer.sharding.mesh import traced_tp_mesh
 
 
@@ -150,17 +150,17 @@ def _mixed_attention(q, k_cache, v_cache, md: AttentionMetadata, attn: Attention
 Experts = jax.Array | QuantizedExperts  # a stack [G, K, N], float or quantized
 
 
-def _stored(rhs: Experts) -> tuple[jax.Array, jax.Array | None]:
-    """What the kernels take: (a float stack [G, K, N], None) or (quantized values [G, N, K],
-    their scales [G, N] or [G, KG, N])."""
+def _stored(rhs: Experts) -> tuple[jax.Array, dict]:
+    """What the kernels take: a float stack [G, K, N] and no keywords, or quantized values
+    [G, N, K] (int4: K / 2) and their scales [G, N] or [G, KG, N] (and zeros) as keywords."""
     if isinstance(rhs, QuantizedExperts):
-        return rhs.values, rhs.scales
-    return rhs, None
+        return rhs.values, dict(rhs_scales=rhs.scales, rhs_zeros=rhs.zeros)
+    return rhs, {}
 
 
 def _k_group(rhs: Experts) -> int | None:
     """Rows of K one scale covers in a K-grouped quantized stack, else None."""
-    if isinstance(rhs, QuantizedExperts) and rhs.k_groups > 1:
+    if isinstance(rhs, QuantizedExperts) and rhs.scales.ndim == rhs.values.ndim:
         return rhs.shape[1] // rhs.k_groups
     return None
 
@@ -187,12 +187,14 @@ def grouped_matmul(lhs: jax.Array, rhs: Experts, group_sizes: jax.Array, *,
         out = jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),
                                  preferred_element_type=jnp.float32)
         return (silu_and_mul(out) if glu else out).astype(out_dtype)
-    values, scales = _stored(rhs)
+    values, stored = _stored(rhs)
     rows = lhs.shape[0] if lhs_rows is None else lhs_rows.shape[0]
-    tiling = grouped_tiling(rows, *rhs.shape, glu=glu, k_group=_k_group(rhs))
-    out = pallas_grouped_matmul(lhs, values, group_sizes, rhs_scales=scales,
-                                out_dtype=out_dtype, lhs_rows=lhs_rows, interpret=_interpret(),
-                                **tiling)
+    k_group = _k_group(rhs)
+    tiling = grouped_tiling(rows, *rhs.shape, glu=glu, k_group=k_group)
+    if isinstance(rhs, QuantizedExperts) and rhs.kind == "int4":  # a K step: a nibble block
+        tiling["block_k"] = 2 * int4_span(rhs.shape[1], k_group)
+    out = pallas_grouped_matmul(lhs, values, group_sizes, **stored, out_dtype=out_dtype,
+                                lhs_rows=lhs_rows, interpret=_interpret(), **tiling)
     return silu_and_mul(out) if glu and not tiling["glu"] else out
 
 
@@ -233,13 +235,13 @@ def routed_matmul(lhs: jax.Array, rhs: Experts, ids: jax.Array, *, per_assignmen
     """ids [T, k] -> [T*k, N]: row t*k+j = lhs[t] (or lhs[t*k+j] when `per_assignment`) @
     rhs[ids[t, j]], 0 where ids[t, j] < 0; each chosen expert read once (Pallas)."""
     rhs_shape, k_group = rhs.shape, _k_group(rhs)  # of the float stack, quantized or not
-    rhs, scales = _stored(rhs)
+    rhs, stored = _stored(rhs)
     if not _use_pallas(backend):
         return routed_matmul_reference(lhs, rhs, ids, per_assignment=per_assignment,
-                                       rhs_scales=scales, out_dtype=out_dtype)
+                                       **stored, out_dtype=out_dtype)
     (bn, bk), k_splits = default_routed_tiling(rhs_shape, ids.shape[1], k_group)
-    return pallas_routed_matmul(lhs, rhs, ids, per_assignment=per_assignment,
-                                rhs_scales=scales, out_dtype=out_dtype, interpret=_interpret(),
+    return pallas_routed_matmul(lhs, rhs, ids, per_assignment=per_assignment, **stored,
+                                out_dtype=out_dtype, interpret=_interpret(),
                                 block_n=bn, block_k=bk, k_splits=k_splits)
 
 
@@ -255,8 +257,10 @@ def routed_ffn(x: jax.Array, gate_up: Experts, down: Experts, ids: jax.Array, *,
     if _use_pallas(backend) and (rest or k_blocks < ROUTED_FFN_MIN_K_BLOCKS):
         h = routed_matmul(x, gate_up, ids, per_assignment=False, backend=backend)
         return routed_matmul(silu_and_mul(h), down, ids, per_assignment=True, backend=backend)
-    (gate_up, gate_up_scales), (down, down_scales) = _stored(gate_up), _stored(down)
-    stored = dict(gate_up_scales=gate_up_scales, down_scales=down_scales)
+    (gate_up, gu_stored), (down, dn_stored) = _stored(gate_up), _stored(down)
+    stored = {f"{name}_{part.removeprefix('rhs_')}": a
+              for name, parts in (("gate_up", gu_stored), ("down", dn_stored))
+              for part, a in parts.items()}  # gate_up_scales=..., down_zeros=...
     if not _use_pallas(backend):
         return routed_ffn_reference(x, gate_up, down, ids, **stored)
     return pallas_routed_ffn(x, gate_up, down, ids, **stored, interpret=_interpret(),

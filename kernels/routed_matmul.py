@@ -30,9 +30,9 @@ ROUTED_MAX_TOKENS = 64  # one [T, block_k] x tile and [T, block_n] sums per prog
 
 
 def _check_routed(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, per_assignment: bool,
-                  rhs_scales: jax.Array | None) -> None:
+                  rhs_scales: jax.Array | None, rhs_zeros: jax.Array | None = None) -> None:
     t, k = ids.shape
-    expert_stack.check_scales(rhs, rhs_scales)
+    expert_stack.check_scales(rhs, rhs_scales, rhs_zeros)
     k_dim = expert_stack.stack_dims(rhs, rhs_scales)[1]
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != k_dim \
             or lhs.shape[0] != (t * k if per_assignment else t):
@@ -79,7 +79,7 @@ ROUTED_BUSY_PROGRAMS = 256  # ~2 per SM of an H100/H200
 
 def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
                    k_steps: int, per_assignment: bool, splits: int, padded: tuple[int, int],
-                   glu: tuple[int, int] | None, dtype, k_group: int | None):
+                   glu: tuple[int, int] | None, dtype, k_group: int | None, int4: bool):
     """Program (column block, K range q, split s): assignments s, s + splits, ... of the flat
     [T*k] ids. Each one that is its expert's first (and not inactive) multiplies every token
     that chose that expert over K range q (`k_steps` blocks), as one dense [T, bk] x [bk, bn]
@@ -90,11 +90,13 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
     `padded` [Tp, kp] (Tp >= 16 for the dot) with the extra entries inactive (-1), and a
     padding token's lhs row clamped to lhs's last, masked out like any token that did not
     choose the expert. A scale ref (before o_ref) scales quantized rhs values' sums, as in
-    `grouped_matmul`'s kernel (`k_group`: per K step, by its group's). `glu` (up column
+    `grouped_matmul`'s kernel (`k_group`: per K step, by its group's; `int4`: zeros may
+    follow the scales, and a K step is one nibble block). `glu` (up column
     offset, partials): lhs is a gate/up routed
     GEMM's raw output (`partials` K ranges of [Tp*kp, >= 2K] rows in this padded layout),
     summed and taken to silu(gate) * up in `dtype` as each [T, bk] tile loads."""
-    scale_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
+    *extra_refs, o_ref = refs
+    scale_ref, zero_ref = (*extra_refs, None, None)[:2]
     col, k_range, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     (real_t, choices), (num_tokens, top_k) = ids_ref.shape, padded
     token = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -121,12 +123,22 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
             rows = token * choices + slot if per_assignment else token  # lhs rows
             rows = jnp.minimum(rows, lhs_ref.shape[0] - 1)
 
+            def load_x(start, width):  # [T, width], tokens that did not choose e zeroed
+                x = (lhs_ref[rows, pl.ds(start, width)] if glu is None
+                     else _glu_tile(lhs_ref, out_rows, start, width, glu, dtype))
+                return jnp.where(hit[:, None], x, 0)
+
             def body(kb, acc):
                 start = (k_range * k_steps + kb) * block_k
+                if int4:  # one nibble block: low nibbles the first half's rows, high the rest
+                    half, kg = block_k // 2, expert_stack.step_group(scale_ref, start, k_group)
+                    zero = (expert_stack.INT4_ZERO if zero_ref is None
+                            else zero_ref[e, kg, cols])
+                    return acc + expert_stack.int4_dot(
+                        load_x(start, half), load_x(start + half, half),
+                        rhs_ref[e, cols, pl.ds(start // 2, half)], scale_ref[e, kg, cols], zero)
                 ks = pl.ds(start, block_k)
-                x = (lhs_ref[rows, ks] if glu is None
-                     else _glu_tile(lhs_ref, out_rows, start, block_k, glu, dtype))
-                x = jnp.where(hit[:, None], x, 0)  # [T, bk]
+                x = load_x(start, block_k)  # [T, bk]
                 if scale_ref is None:
                     return acc + expert_stack.weight_dot(x, rhs_ref[e, ks, cols], False)
                 y = expert_stack.weight_dot(x, rhs_ref[e, cols, ks], True)
@@ -173,10 +185,10 @@ def _routed_call(lhs: jax.Array, rhs: jax.Array, scales: list, ids: jax.Array, *
     """The kernel over padded rhs (`pad_stack`) and lhs: its raw output [q * Tp*kp, width]
     (q K ranges, rows of inactive choices unwritten) and q. `k_group`: the unpadded
     stack's rows of K a scale covers (scales [G, KG, N]), else None."""
-    expert_stack.check_k_group(k_group, block_k)
+    expert_stack.check_k_group(k_group, block_k, rhs)
     tp, kp = max(16, common.next_pow2(ids.shape[0])), common.next_pow2(ids.shape[1])
-    # padded rhs: [G, K, width] floats, or [G, width, K] quantized values
-    width, k_blocks = (rhs.shape[1], rhs.shape[2]) if scales else (rhs.shape[2], rhs.shape[1])
+    # padded rhs: [G, K, width] floats, or [G, width, K (/ 2: int4)] quantized values
+    width, k_blocks = expert_stack.stack_dims(rhs, scales[0] if scales else None)[::-1][:2]
     k_blocks //= block_k
     k_splits = max(d for d in range(1, min(k_splits, k_blocks) + 1) if k_blocks % d == 0)
     # a program a real token's choice at most: at one token 8 of Qwen3's column block's
@@ -187,7 +199,7 @@ def _routed_call(lhs: jax.Array, rhs: jax.Array, scales: list, ids: jax.Array, *
         functools.partial(_routed_kernel, block_n=block_n, block_k=block_k,
                           k_steps=k_blocks // k_splits, per_assignment=per_assignment,
                           splits=splits, padded=(tp, kp), glu=glu, dtype=dtype,
-                          k_group=k_group),
+                          k_group=k_group, int4=expert_stack.is_int4(rhs)),
         # splits slowest: the programs of the first (real) assignments run first, every K
         # range of them, and the padding's programs (which only find nothing to do) after
         grid=(width // block_n, k_splits, splits),
@@ -217,8 +229,8 @@ def _assignment_rows(out: jax.Array, k_splits: int, ids: jax.Array, n: int,
                                              "num_warps", "num_stages", "splits", "k_splits",
                                              "out_dtype", "interpret"))
 def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignment: bool,
-                  rhs_scales: jax.Array | None = None, block_n: int = 128,
-                  block_k: int = 128, num_warps: int = 4,
+                  rhs_scales: jax.Array | None = None, rhs_zeros: jax.Array | None = None,
+                  block_n: int = 128, block_k: int = 128, num_warps: int = 4,
                   num_stages: int = 3, splits: int = ROUTED_SPLITS, k_splits: int = 1,
                   out_dtype=None, interpret: bool = False) -> jax.Array:
     """ids [T, k] (expert per token and choice, < 0: none) -> [T*k, N]: row t*k+j is
@@ -229,12 +241,13 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
     two (>= 16 tokens: Triton's dot) inside the kernel. `k_splits` > 1 cuts K into that many
     ranges (the largest count <= it that divides K's blocks), each program's float32 partial
     summed after: more programs for a step whose chosen experts x column blocks leave SMs
-    idle. `rhs_scales` [G, N] (or [G, KG, N]): quantized rhs, as in `grouped_matmul`."""
-    _check_routed(lhs, rhs, ids, per_assignment, rhs_scales)
+    idle. `rhs_scales` [G, N] (or [G, KG, N]; int4 with `rhs_zeros`): quantized rhs, as in
+    `grouped_matmul`."""
+    _check_routed(lhs, rhs, ids, per_assignment, rhs_scales, rhs_zeros)
     _check_tiling(ids, block_n, block_k)
     n = expert_stack.stack_dims(rhs, rhs_scales)[2]
     lhs_p = expert_stack.pad_to(lhs, 1, block_k)  # rows as they are: no pad kernel a decode step
-    rhs_p, scales = expert_stack.pad_stack(rhs, rhs_scales, block_k, block_n)
+    rhs_p, scales = expert_stack.pad_stack(rhs, rhs_scales, block_k, block_n, rhs_zeros)
     dtype = out_dtype or lhs.dtype
     out, q = _routed_call(lhs_p, rhs_p, scales, ids, per_assignment=per_assignment, glu=None,
                           block_n=block_n, block_k=block_k, num_warps=num_warps,
@@ -251,6 +264,7 @@ _FFN_STATIC = ("blocks", "k_splits", "num_warps", "num_stages", "splits", "out_d
 @functools.partial(jax.jit, static_argnames=_FFN_STATIC)
 def routed_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax.Array, *,
                gate_up_scales: jax.Array | None = None, down_scales: jax.Array | None = None,
+               gate_up_zeros: jax.Array | None = None, down_zeros: jax.Array | None = None,
                blocks: tuple[tuple[int, int], tuple[int, int]] = ((128, 128), (128, 128)),
                k_splits: tuple[int, int] = (1, 1), num_warps: int = 4, num_stages: int = 3,
                splits: int = ROUTED_SPLITS, out_dtype=None,
@@ -264,11 +278,12 @@ def routed_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax.Array
     ranges are stored in x's dtype: the down kernel's pipeline stages its activation loads
     too, and float32 ones took it from 78 to 135 KB of shared memory (one program an SM)
     where bf16 ones take 100 KB (two; sm_90a, Qwen3's shapes, 3 stages). I must be a
-    multiple of down's block_k. Quantized stacks ([G, N, K] values) take their scales."""
+    multiple of down's block_k. Quantized stacks ([G, N, K] values) take their scales (and
+    int4 ones their zeros)."""
     inter, n = expert_stack.stack_dims(down, down_scales)[1:]
-    _check_routed(x, gate_up, ids, False, gate_up_scales)
+    _check_routed(x, gate_up, ids, False, gate_up_scales, gate_up_zeros)
     _check_routed(jax.ShapeDtypeStruct((ids.size, inter), x.dtype), down, ids, True,
-                  down_scales)  # down's lhs: the activation [T*k, I]
+                  down_scales, down_zeros)  # down's lhs: the activation [T*k, I]
     for block_n, block_k in blocks:
         _check_tiling(ids, block_n, block_k)
     if 2 * inter != expert_stack.stack_dims(gate_up, gate_up_scales)[2] \
@@ -279,12 +294,12 @@ def routed_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax.Array
     launch = dict(num_warps=num_warps, num_stages=num_stages, splits=splits, dtype=x.dtype,
                   interpret=interpret)
     (bn, bk), (down_bn, down_bk) = blocks
-    rhs, scales = expert_stack.pad_stack(gate_up, gate_up_scales, bk, bn)
+    rhs, scales = expert_stack.pad_stack(gate_up, gate_up_scales, bk, bn, gate_up_zeros)
     h, q = _routed_call(expert_stack.pad_to(x, 1, bk), rhs, scales, ids, per_assignment=False,
                         glu=None, block_n=bn, block_k=bk, k_splits=k_splits[0],
                         k_group=expert_stack.k_group(gate_up, gate_up_scales),
                         partial_dtype=x.dtype, **launch)  # [q * Tp*kp, >= 2I]
-    rhs, scales = expert_stack.pad_stack(down, down_scales, down_bk, down_bn)
+    rhs, scales = expert_stack.pad_stack(down, down_scales, down_bk, down_bn, down_zeros)
     out, q = _routed_call(h, rhs, scales, ids, per_assignment=True, glu=(inter, q),
                           block_n=down_bn, block_k=down_bk, k_splits=k_splits[1],
                           k_group=expert_stack.k_group(down, down_scales), **launch)
@@ -301,14 +316,14 @@ def _check_tiling(ids: jax.Array, block_n: int, block_k: int) -> None:
 @functools.partial(jax.jit, static_argnames=("per_assignment", "out_dtype"))
 def routed_matmul_reference(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *,
                             per_assignment: bool, rhs_scales: jax.Array | None = None,
-                            out_dtype=None) -> jax.Array:
+                            rhs_zeros: jax.Array | None = None, out_dtype=None) -> jax.Array:
     """Pure JAX, obviously right: each assignment's row times its expert's matrix, gathered
     per assignment ([T*k, K, N] memory: for tests and the CPU)."""
     t, k = ids.shape
-    _check_routed(lhs, rhs, ids, per_assignment, rhs_scales)
+    _check_routed(lhs, rhs, ids, per_assignment, rhs_scales, rhs_zeros)
     expert = ids.reshape(-1)
     rows = jnp.arange(t * k) if per_assignment else jnp.arange(t * k) // k
-    rhs, x = expert_stack.dequantized(lhs, rhs, rhs_scales)
+    rhs, x = expert_stack.dequantized(lhs, rhs, rhs_scales, rhs_zeros)
     w = rhs[jnp.clip(expert, 0, rhs.shape[0] - 1)]  # [T*k, K, N]
     out = jnp.einsum("ak,akn->an", x[rows], w, preferred_element_type=jnp.float32)
     return jnp.where((expert >= 0)[:, None], out, 0).astype(out_dtype or lhs.dtype)
@@ -317,11 +332,14 @@ def routed_matmul_reference(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *,
 @functools.partial(jax.jit, static_argnames=("out_dtype",))
 def routed_ffn_reference(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax.Array, *,
                          gate_up_scales: jax.Array | None = None,
-                         down_scales: jax.Array | None = None, out_dtype=None) -> jax.Array:
+                         down_scales: jax.Array | None = None,
+                         gate_up_zeros: jax.Array | None = None,
+                         down_zeros: jax.Array | None = None, out_dtype=None) -> jax.Array:
     """`routed_ffn` from `routed_matmul_reference`: gate/up's sums in float32, the activation
     over them, then down over the activation in x's dtype (as the kernel's load casts it)."""
     h = routed_matmul_reference(x, gate_up, ids, per_assignment=False,
-                                rhs_scales=gate_up_scales, out_dtype=jnp.float32)
+                                rhs_scales=gate_up_scales, rhs_zeros=gate_up_zeros,
+                                out_dtype=jnp.float32)
     act = expert_stack.silu_and_mul(h).astype(x.dtype)  # [T*k, I]
     return routed_matmul_reference(act, down, ids, per_assignment=True, rhs_scales=down_scales,
-                                   out_dtype=out_dtype or x.dtype)
+                                   rhs_zeros=down_zeros, out_dtype=out_dtype or x.dtype)

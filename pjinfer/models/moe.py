@@ -143,8 +143,10 @@ def _stack_spec(stack: ops.Experts, spec: P) -> P | QuantizedExperts:
     scales split along the same axes (K groups with K)."""
     if not isinstance(stack, QuantizedExperts):
         return spec
-    return QuantizedExperts(P(*value_axes(tuple(spec))),
-                            P(*scale_axes(tuple(spec), stack.k_groups > 1)))
+    grouped = stack.scales.ndim == stack.values.ndim
+    scales = P(*scale_axes(tuple(spec), grouped))
+    return QuantizedExperts(P(*value_axes(tuple(spec))), scales,
+                            None if stack.zeros is None else scales)
 
 
 def moe_block(lp: dict, x: jax.Array, *, moe: MoeConfig, valid: jax.Array | None = None,

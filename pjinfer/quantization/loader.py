@@ -43,6 +43,7 @@ from pjinfer.quantization.weight import (
     QuantizedWeight,
     component_axes,
     dequantize,
+    int4_span,
     quantize_int4,
     quantize_per_channel,
 )
@@ -70,19 +71,24 @@ def loads_quantized(p: ParamSpec, q: QuantConfig | None) -> bool:
 
 def quantizable_experts(p: ParamSpec, q: QuantConfig | None) -> bool:
     """An expert stack that `q` turns into `QuantizedExperts`: fp8 / int8 quantization on the
-    fly (or of dummy weights), an fp8 checkpoint's, per tensor, channel or block, and a
-    symmetric 8-bit int checkpoint's without act-order, per channel or group (either may
-    also store its experts float); other int-packed experts load dequantized."""
+    fly (or of dummy weights), an fp8 checkpoint's, per tensor, channel or block, a
+    symmetric 8-bit int checkpoint's and a 4-bit one's (GPTQ, AWQ, compressed-tensors),
+    without act-order (either may also store its experts float); other int-packed experts
+    load dequantized."""
     if q is None or p.path[0] != "layers" or p.path[-1] not in ROUTED_EXPERT_PARAMS:
         return False
     if q.from_checkpoint:
-        return q.method != "gguf" and (q.weight_kind == "fp8" or _int8_experts(q))
+        return q.method != "gguf" and _stored_experts(q)
     return q.weight_kind in EXPERT_KINDS
 
 
-def _int8_experts(q: QuantConfig) -> bool:
-    """int8 values times a scale per channel (and K group): what the expert kernels read."""
-    return q.weight_kind == "int8" and q.sym and not q.desc_act
+def _stored_experts(q: QuantConfig) -> bool:
+    """A checkpoint's experts as the expert kernels read them: fp8; int8 values times a
+    scale per channel and K group (symmetric); int4 nibbles with their groups' scales and
+    zeros. Act-order's per-expert row orders they do not follow."""
+    if q.weight_kind == "fp8":
+        return True
+    return not q.desc_act and (q.weight_kind == "int4" or (q.weight_kind == "int8" and q.sym))
 
 
 def _k_groups(p: ParamSpec, q: QuantConfig) -> int:
@@ -99,7 +105,8 @@ def device_bytes(p: ParamSpec, q: QuantConfig | None, itemsize: int) -> int:
     zeros, and an act-order permutation) per group; anything else at `itemsize` (the model
     dtype's). GGUF tensors, whose types only the file knows, count as float."""
     if quantizable_experts(p, q):
-        return expert_bytes(p.shape, _k_groups(p, q))
+        return expert_bytes(p.shape, _k_groups(p, q), q.weight_kind if q.from_checkpoint
+                            else "int8")
     if q is None or q.method == "gguf" or not quantizable(p) or (
             q.from_checkpoint and not _stored_as_linear(p)):
         return math.prod(p.shape) * itemsize
@@ -166,7 +173,7 @@ def _checkpoint_experts(get: Callable[[str], Any], has: Callable[[str], bool], p
     if not has(f"{first}.{_marker(q)}"):
         return load_float(p)
     where = "/".join(map(str, p.path))
-    as_stored = q.weight_kind == "fp8" or _int8_experts(q)
+    as_stored = _stored_experts(q)
     if as_stored and not _kernel_groups(p, q, placer):
         log.warning("%s: %s experts with K groups of %d rows are dequantized to the model "
                     "dtype at load (taking its bytes): the expert kernels need K groups of a "
@@ -191,31 +198,42 @@ def _checkpoint_experts(get: Callable[[str], Any], has: Callable[[str], bool], p
     if any(h.perm is not None for h in hosts):  # a g_idx that reorders rows after all
         log.warning("%s: act-order experts are dequantized to the model dtype at load", where)
         return load_float(p, _dequantized_experts(get, p, q))
-    # fp8 values are [out, in] as stored, int8 ones [in, out] (`weight.OUT_MAJOR`)
+    # fp8 / int4 values are [out, in (/ 2)] as stored, int8 ones [in, out] (`OUT_MAJOR`)
     values = np.stack([h.packed if h.kind in OUT_MAJOR else h.packed.T for h in hosts])
-    values = values.reshape(e, *out, rows)
-    scales = np.stack([h.scales for h in hosts])  # [E * names, G, out]: G 1 unless groups
-    groups = scales.shape[1]
-    scales = scales.reshape(e, -1, groups, out[-1])  # [E, names an expert, G, out]
-    scales = np.moveaxis(scales, 2, 1).reshape(e, groups, *out)  # [E, G, *out]
-    if groups == 1:
-        scales = scales[:, 0]  # per channel [E, *out]
-    value_spec, scale_spec = _part_specs(p, placer, groups if groups > 1 else None)
-    return QuantizedExperts(placer.from_host(value_spec, values),
-                            placer.from_host(scale_spec, scales))
+    values = values.reshape(e, *out, values.shape[-1])
+    groups = hosts[0].scales.shape[0]
+    grouped = groups > 1 or hosts[0].kind == "int4"  # int4's scales are always grouped
+    value_spec, scale_spec = _part_specs(p, placer, groups if grouped else None, values.shape)
+    parts = [np.stack([getattr(h, name) for h in hosts]) for name in ("scales", "zeros")
+             if getattr(hosts[0], name) is not None]  # each [E * names, G, out]
+    placed = [placer.from_host(scale_spec, _expert_groups(a, e, out, grouped)) for a in parts]
+    return QuantizedExperts(placer.from_host(value_spec, values), *placed)
+
+
+def _expert_groups(a: np.ndarray, e: int, out: list[int], grouped: bool) -> np.ndarray:
+    """Per-expert [G, out] scales (or zeros), stacked [E * names an expert, G, out], ->
+    [E, G, *out] (`grouped`) or per channel [E, *out]."""
+    groups = a.shape[1]
+    a = np.moveaxis(a.reshape(e, -1, groups, out[-1]), 2, 1).reshape(e, groups, *out)
+    return a if grouped else a[:, 0]
 
 
 def _kernel_groups(p: ParamSpec, q: QuantConfig, placer: Placer) -> bool:
-    """Whether an expert stack's K groups (block-wise fp8, grouped int8) suit the expert
-    kernels: a multiple of 16 rows (their smallest K step) and, where tensor parallelism
-    splits K (a down stack without expert parallelism), whole on every shard."""
-    groups = _k_groups(p, q)
-    if groups == 1:
+    """Whether an expert stack's K groups (block-wise fp8, grouped int) suit the expert
+    kernels: a multiple of 16 rows (their smallest K step; int4: nibble blocks of >= 16 + 16
+    rows, a K step each) and, where tensor parallelism splits K (a down stack without
+    expert parallelism), whole on every shard (int4's one group too: its scales are
+    grouped)."""
+    groups, k = _k_groups(p, q), p.shape[1]
+    int4 = q.weight_kind == "int4"
+    if groups == 1 and not int4:
         return True
     sharding = placer.sharding(p)  # of the float stack [E, K, *out]
     spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
     shards = placer.mesh.shape[spec[1]] if len(spec) > 1 and spec[1] is not None else 1
-    return q.group_size % 16 == 0 and groups % shards == 0
+    rows = k // groups
+    return (rows % 16 == 0 and groups % shards == 0
+            and (not int4 or int4_span(k, rows) >= 16))
 
 
 def _dequantized_experts(get: Callable[[str], Any], p: ParamSpec, q: QuantConfig) -> np.ndarray:
@@ -238,14 +256,16 @@ def _dequantized_experts(get: Callable[[str], Any], p: ParamSpec, q: QuantConfig
     return np.moveaxis(stack, 2, 1).reshape(p.shape)  # [E, K, *out]
 
 
-def _part_specs(p: ParamSpec, placer: Placer,
-                groups: int | None = None) -> tuple[ParamSpec, ParamSpec]:
-    """ParamSpecs of an expert stack's values [E, *out, K] and scales [E, *out] (`groups`
-    G: [E, G, *out]), placed along the float stack's axes."""
+def _part_specs(p: ParamSpec, placer: Placer, groups: int | None = None,
+                values: tuple[int, ...] | None = None) -> tuple[ParamSpec, ParamSpec]:
+    """ParamSpecs of an expert stack's values [E, *out, K] (or `values`' shape: int4's
+    [E, *out, K / 2]) and scales [E, *out] (`groups` G: [E, G, *out]), placed along the
+    float stack's axes."""
     axes = placer.axes(p)
     e, rows, *out = p.shape
     scales = (e, *out) if groups is None else (e, groups, *out)
-    return (ParamSpec((*p.path, "values"), (e, *out, rows), axes=value_axes(axes)),
+    values = values or (e, *out, rows)
+    return (ParamSpec((*p.path, "values"), values, axes=value_axes(axes)),
             ParamSpec((*p.path, "scales"), scales, dtype="float32",
                       axes=scale_axes(axes, groups is not None)))
 

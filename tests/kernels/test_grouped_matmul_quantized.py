@@ -22,7 +22,8 @@ from pjinfer.kernels.routed_matmul import (
     routed_matmul,
     routed_matmul_reference,
 )
-from pjinfer.quantization.experts import dequantize_experts, quantize_experts
+from pjinfer.quantization.experts import QuantizedExperts, dequantize_experts, quantize_experts
+from pjinfer.quantization.weight import int4_span
 from tests.kernels.lowering import cuda_module
 from tests.kernels.test_grouped_matmul import F32_TOL, INTERPRET, _inputs
 
@@ -230,3 +231,91 @@ def test_routed_kernels_on_k_grouped_experts(kind):
         np.testing.assert_allclose(
             ops.routed_matmul(x, gu, ids, per_assignment=False, backend=backend),
             routed_matmul_reference(x, gu_w, ids, per_assignment=False), **F32_TOL)
+
+
+def _int4(rhs: jax.Array, k_groups: int, asym: bool, seed: int):
+    """rhs [G, K, N] -> (int4 QuantizedExperts, the float weights it stands for): symmetric
+    (GPTQ's zero 8), or with random zeros 1..15 per channel and group (GPTQ / AWQ's
+    asymmetric form)."""
+    q = quantize_experts(rhs, "int4", rhs.shape[1] // k_groups)
+    if asym:
+        zeros = np.random.default_rng(seed).integers(1, 16, size=q.scales.shape)
+        q = QuantizedExperts(q.values, q.scales, jnp.asarray(zeros, jnp.float32))
+    assert q.kind == "int4" and q.shape == rhs.shape and q.k_groups == k_groups
+    return q, dequantize_experts(q)
+
+
+@pytest.mark.parametrize("asym", [False, True])
+@pytest.mark.parametrize("m, k, n, g, k_groups, bn, splits", [
+    (37, 64, 40, 6, 2, 16, 1),  # N padded; groups of 32 rows: one nibble block (S 16) a step
+    (5, 128, 16, 9, 1, 16, 2),  # decode-like, one group of 128 (S 64), K split 2 ways
+    (29, 96, 32, 4, 3, 32, 2),  # K padded to 128 for 2 ranges (zero bytes, last group's scale)
+])
+def test_grouped_kernel_on_int4_experts(asym, m, k, n, g, k_groups, bn, splits):
+    lhs, rhs, sizes = _inputs(m + k + g, m, k, n, g)
+    q, w = _int4(rhs, k_groups, asym, m)
+    block_k = 2 * int4_span(k, k // k_groups)
+    want = grouped_matmul_reference(lhs, w, sizes)
+    stored = dict(rhs_scales=q.scales, rhs_zeros=q.zeros)
+    np.testing.assert_allclose(grouped_matmul_reference(lhs, q.values, sizes, **stored), want,
+                               **F32_TOL)
+    out = grouped_matmul(lhs, q.values, sizes, **stored, block_m=16, block_n=bn,
+                         block_k=block_k, k_splits=splits, interpret=INTERPRET)
+    np.testing.assert_allclose(out, want, **F32_TOL)
+    rows = jnp.asarray(np.random.default_rng(k).permutation(m), jnp.int32)
+    glu = grouped_matmul(lhs, q.values, sizes, **stored, block_m=16, block_n=16,
+                         block_k=block_k, lhs_rows=rows, glu=True, interpret=INTERPRET)
+    np.testing.assert_allclose(glu, grouped_matmul_reference(lhs, w, sizes, lhs_rows=rows,
+                                                             glu=True), **F32_TOL)
+    for backend in ("reference", "pallas"):
+        np.testing.assert_allclose(ops.grouped_matmul(lhs, q, sizes, backend=backend), want,
+                                   **F32_TOL, err_msg=backend)
+    with pytest.raises(ValueError, match="int4 experts take block_k"):
+        grouped_matmul(lhs, q.values, sizes, **stored, block_k=block_k // 2,
+                       interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("asym", [False, True])
+def test_routed_kernels_on_int4_experts(asym):
+    """The routed GEMM (2 K ranges) and the fused SwiGLU pair over int4 stacks (gate/up's K
+    64 in 2 groups, down's 32 in 1), against the reference and through ops."""
+    rng = np.random.default_rng(13)
+    ids = np.argsort(rng.random((6, 9)), axis=1)[:, :3].astype(np.int32)
+    ids[2, 0] = -1
+    ids, x = jnp.asarray(ids), jnp.asarray(rng.normal(size=(6, 64)), jnp.float32)
+    gu, gu_w = _int4(jnp.asarray(rng.normal(size=(9, 64, 64)) / 8, jnp.float32), 2, asym, 1)
+    dn, dn_w = _int4(jnp.asarray(rng.normal(size=(9, 32, 64)) / 6, jnp.float32), 1, asym, 2)
+    out = routed_matmul(x, gu.values, ids, per_assignment=False, rhs_scales=gu.scales,
+                        rhs_zeros=gu.zeros, block_n=16, block_k=32, k_splits=2,
+                        interpret=INTERPRET)
+    want = routed_matmul_reference(x, gu_w, ids, per_assignment=False)
+    np.testing.assert_allclose(out, want, **F32_TOL)
+    want = routed_ffn_reference(x, gu_w, dn_w, ids)
+    out = routed_ffn(x, gu.values, dn.values, ids, gate_up_scales=gu.scales,
+                     down_scales=dn.scales, gate_up_zeros=gu.zeros, down_zeros=dn.zeros,
+                     blocks=((16, 32), (32, 32)), k_splits=(2, 1), interpret=INTERPRET)
+    np.testing.assert_allclose(out, want, **F32_TOL)
+    for backend in ("reference", "pallas"):
+        np.testing.assert_allclose(ops.routed_ffn(x, gu, dn, ids, backend=backend), want,
+                                   **F32_TOL, err_msg=backend)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="on a GPU the compiled kernel tests run the lowering")
+def test_kernels_lower_to_triton_ir_over_int4_qwen3_experts():
+    """Qwen3-30B-A3B-GPTQ-Int4's gate/up experts (group 128: one 128-row nibble block a K
+    step), asymmetric zeros, bf16 rows: both expert GEMMs lower to Triton IR."""
+    values = jax.ShapeDtypeStruct((128, 1536, 1024), jnp.uint8)
+    scales = jax.ShapeDtypeStruct((128, 16, 1536), jnp.float32)
+    tiling = default_grouped_block_sizes(8192, 128, 2048, 1536, 128) | dict(block_k=128)
+    grouped = jax.jit(lambda a, b, s, z, g: grouped_matmul(a, b, g, rhs_scales=s, rhs_zeros=z,
+                                                           **tiling))
+    text = cuda_module(grouped, jax.ShapeDtypeStruct((8192, 2048), jnp.bfloat16), values,
+                       scales, scales, jax.ShapeDtypeStruct((128,), jnp.int32))
+    assert "xla.gpu.triton" in text
+    (bn, bk), splits = default_routed_tiling((128, 2048, 1536), 8, 128)
+    routed = jax.jit(lambda a, b, s, z, i: routed_matmul(
+        a, b, i, per_assignment=False, rhs_scales=s, rhs_zeros=z, block_n=bn, block_k=bk,
+        k_splits=splits))
+    text = cuda_module(routed, jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16), values, scales,
+                       scales, jax.ShapeDtypeStruct((8, 8), jnp.int32))
+    assert "xla.gpu.triton" in text

@@ -130,20 +130,21 @@ def test_routed_decode_path_equals_sorted_one():
     np.testing.assert_allclose(halves[0] + halves[1], want[:1], **F32_TOL)
 
 
-def test_k_grouped_fp8_experts_on_both_paths():
-    """Block-wise fp8 experts (scales per channel and K group of 8 rows): the sorted grouped
-    kernels and the routed ones (interpret mode) equal the reference over the weights the
-    stacks stand for."""
+def test_k_grouped_fp8_and_int4_experts_on_both_paths():
+    """Block-wise fp8 and int4 gate/up experts (scales per channel and K group of 16 rows):
+    the sorted grouped kernels and the routed ones (interpret mode) equal the reference over
+    the weights the stacks stand for."""
     lp = _block_params(2, d=32)  # gate/up's K 32 in 2 groups of 16, down's in 1 (per channel)
-    gu = quantize_experts(lp["experts_gate_up"], "fp8", 16)
-    down = quantize_experts(lp["experts_down"], "fp8", 8)
-    assert (gu.k_groups, down.k_groups) == (2, 1)
     x = jnp.asarray(np.random.default_rng(4).normal(size=(5, 32)), jnp.float32)
     weights, ids = route(x @ lp["router"], 2, renormalize=True)
-    want = expert_ffn(x, weights, ids, dequantize_experts(gu), dequantize_experts(down))
-    for path in ("sorted", "routed"):
-        got = expert_ffn(x, weights, ids, gu, down, backend="pallas", path=path)
-        np.testing.assert_allclose(got, want, **F32_TOL, err_msg=path)
+    for kind in ("fp8", "int4"):  # int4: gate/up's 2 nibble blocks of 16 + 16 rows
+        gu = quantize_experts(lp["experts_gate_up"], kind, 16)
+        down = quantize_experts(lp["experts_down"], "fp8", 8)
+        assert (gu.k_groups, down.k_groups) == (2, 1)
+        want = expert_ffn(x, weights, ids, dequantize_experts(gu), dequantize_experts(down))
+        for path in ("sorted", "routed"):
+            got = expert_ffn(x, weights, ids, gu, down, backend="pallas", path=path)
+            np.testing.assert_allclose(got, want, **F32_TOL, err_msg=f"{kind} {path}")
 
 
 def test_padding_tokens_do_not_change_real_ones():

@@ -19,10 +19,11 @@ from pjinfer.quantization.config import QuantConfig
 from pjinfer.quantization.experts import (
     QuantizedExperts,
     dequantize_experts,
+    pack_int4_experts,
     quantize_experts,
 )
 from pjinfer.quantization.loader import device_bytes
-from pjinfer.quantization.weight import QuantizedWeight, dequantize
+from pjinfer.quantization.weight import QuantizedWeight, dequantize, pack_int4_rows
 from pjinfer.weights import SafetensorsIndex
 from tests.quantization import checkpoints
 from tests.quantization.test_checkpoints import ENGINE, _check
@@ -137,18 +138,42 @@ def test_int8_checkpoint_experts_load_as_stored(moe_models, tmp_path, name, extr
     _check(llm, oracle)
 
 
-@pytest.mark.parametrize("name", ["gptq4_g32_asym_act", "awq_g32"])
-def test_int_packed_experts_are_dequantized_at_load(moe_models, tmp_path, caplog, name):
-    """4-bit GPTQ (act-order, asymmetric) and AWQ experts, which the expert kernels do not
-    read: dequantized to the model dtype at load, with a warning; the projections stay
-    packed."""
+@pytest.mark.parametrize("name, extra, zeros", [
+    ("gptq4_g32_asym", {}, True),
+    ("awq_g32", dict(tensor_parallel_size=2, enable_expert_parallel=True), True),
+    ("ct_w4a16_g32", {}, False),  # symmetric: zero 8, no zeros stored
+])
+def test_int4_checkpoint_experts_load_as_stored(moe_models, tmp_path, name, extra, zeros):
+    """4-bit GPTQ, AWQ and compressed-tensors experts keep their nibbles (a quarter of bf16's
+    bytes, plus scales and zeros per 32-row group)."""
     folder = tmp_path / f"qwen3_moe-{name}"
     oracle_dir = checkpoints.folder(moe_models["qwen3_moe"], folder, name)
+    llm = LLM(str(folder), **ENGINE, **extra)
+    _stacks(llm, "int4")
+    layer = llm.engine.runner.params["layers"][0]
+    gate_up = layer["experts_gate_up"]
+    assert gate_up.values.shape[-1] == 32 and gate_up.k_groups == 2  # K 64: bytes, groups
+    assert (gate_up.zeros is not None) == zeros
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(oracle_dir,
+                                                               dtype=torch.float32).eval()
+    _check(llm, oracle)
+
+
+@pytest.mark.parametrize("name", ["gptq4_g32_asym_act", "awq_g32"])
+def test_int_packed_experts_are_dequantized_at_load(moe_models, tmp_path, caplog, name):
+    """Experts the expert kernels cannot read as stored: act-order GPTQ (each expert its own
+    row order), and int4 down stacks whose one group tensor parallelism would cut (tp=2
+    without expert parallelism): dequantized to the model dtype at load, with a warning;
+    the projections stay packed."""
+    folder = tmp_path / f"qwen3_moe-{name}"
+    oracle_dir = checkpoints.folder(moe_models["qwen3_moe"], folder, name)
+    extra = {} if name.endswith("act") else dict(tensor_parallel_size=2)
     with caplog.at_level("WARNING", logger="pjinfer"):
-        llm = LLM(str(folder), **ENGINE)
+        llm = LLM(str(folder), **ENGINE, **extra)
     assert "dequantized to the model dtype" in caplog.text
     layer = llm.engine.runner.params["layers"][0]
-    assert not isinstance(layer["experts_gate_up"], QuantizedExperts)
+    assert not isinstance(layer["experts_down"], QuantizedExperts)
+    assert isinstance(layer["experts_gate_up"], QuantizedExperts) == bool(extra)
     oracle = transformers.AutoModelForCausalLM.from_pretrained(oracle_dir,
                                                                dtype=torch.float32).eval()
     _check(llm, oracle)
@@ -233,3 +258,23 @@ def test_k_grouped_experts_dequantize_and_count_their_scales(moe_models):
     block = QuantConfig.from_hf({"quant_method": "fp8", "weight_block_size": [16, 16]})
     values = int(np.prod(stack.shape))  # K 64: 4 groups
     assert device_bytes(stack, block, 2) == values + 4 * values // 64 * 4
+
+
+@pytest.mark.parametrize("k, group", [(64, 32), (128, 128), (96, 32)])
+def test_int4_stacks_are_linear_weights_nibble_layout(k, group):
+    """An int4 stack's values [E, *out, K / 2] are each expert's Linear weight as
+    `weight.pack_int4_rows` packs it (what the checkpoint readers give), and dequantize to
+    (u - zero) x scale of each K group."""
+    rng = np.random.default_rng(k)
+    u = rng.integers(0, 16, size=(3, k, 2, 5))  # [E, K, *out]
+    packed = np.asarray(pack_int4_experts(jnp.asarray(u, jnp.int32), group))
+    for e in range(3):
+        want = pack_int4_rows(u[e].reshape(k, 10), k // group)  # [out, K / 2]
+        np.testing.assert_array_equal(packed[e].reshape(10, -1), want)
+    scales = rng.uniform(0.5, 2, size=(3, k // group, 2, 5)).astype(np.float32)
+    zeros = rng.integers(1, 16, size=scales.shape).astype(np.float32)
+    q = QuantizedExperts(jnp.asarray(packed), jnp.asarray(scales), jnp.asarray(zeros))
+    groups = np.arange(k) // group
+    want = (u - zeros[:, groups]) * scales[:, groups]
+    np.testing.assert_allclose(np.asarray(dequantize_experts(q)), want, rtol=1e-6)
+    assert q.kind == "int4" and q.shape == (3, k, 2, 5)
