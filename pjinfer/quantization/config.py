@@ -24,7 +24,10 @@ QUANTIZATION_METHODS = ("awq", "compressed-tensors", "fp8", "gguf", "gptq", "int
 # naive- and int-quantized store the same tensors (int-quantized: llm-compressor's W8A8 int8)
 CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
 _ALIASES = {"compressed_tensors": "compressed-tensors", "gptq_marlin": "gptq",
-            "awq_marlin": "awq"}
+            "awq_marlin": "awq", "modelopt": "fp8", "fbgemm_fp8": "fp8"}
+# NVIDIA ModelOpt's quant_algo values that are fp8 weights with a per-tensor or per-channel
+# weight_scale (their static / per-token activation scales are not applied)
+MODELOPT_FP8 = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN")
 # what `quantization=` accepts: the methods and vLLM's names for their kernels' variants
 QUANTIZATION_NAMES = QUANTIZATION_METHODS + tuple(sorted(_ALIASES))
 
@@ -65,7 +68,10 @@ class QuantConfig:
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> QuantConfig:
-        """Parse a config.json `quantization_config`."""
+        """Parse a config.json `quantization_config` (or ModelOpt's hf_quant_config.json,
+        as `{"quant_method": "modelopt", **its "quantization"}`)."""
+        if raw.get("quant_method") == "modelopt":
+            _check_modelopt(raw)
         method = _ALIASES.get(raw.get("quant_method", ""), raw.get("quant_method", ""))
         if method == "gptq":
             fmt = raw.get("checkpoint_format", "gptq")
@@ -91,6 +97,13 @@ class QuantConfig:
     def on_the_fly(cls, method: str) -> QuantConfig:
         return cls(method, 8, kind="float" if method == "fp8" else "int",
                    from_checkpoint=False)
+
+
+def _check_modelopt(raw: dict[str, Any]) -> None:
+    algo = raw.get("quant_algo") or (raw.get("quantization") or {}).get("quant_algo")
+    if algo not in MODELOPT_FP8:
+        raise ValueError(f"ModelOpt quant_algo {algo!r} is not supported; pjinfer reads "
+                         f"ModelOpt checkpoints quantized with {' or '.join(MODELOPT_FP8)}")
 
 
 def _fp8_block(raw: Any) -> tuple[int, int] | None:
@@ -167,6 +180,10 @@ def resolve(model_dir: str | Path | None, quantization: str | None,
     path = Path(folder) / "config.json" if folder is not None else None
     if path is not None and path.is_file():
         raw = json.loads(path.read_text()).get("quantization_config")
+    modelopt = Path(folder) / "hf_quant_config.json" if folder is not None else None
+    if not raw and modelopt is not None and modelopt.is_file():  # NVIDIA ModelOpt's export
+        raw = {"quant_method": "modelopt",
+               **json.loads(modelopt.read_text()).get("quantization", {})}
     if raw:
         qcfg = QuantConfig.from_hf(raw)
         if quantization not in (None, qcfg.method):

@@ -2,7 +2,8 @@
 
 An fp8 (e4m3) cache stores K / k_scale and V / v_scale; checkpoints calibrated for it carry
 the scales per layer (`self_attn.k_scale` / `self_attn.v_scale`, or one `self_attn.kv_scale`
-for both, as vLLM and llm-compressor write them). Without them the scales are 1.0. An e5m2
+for both, as vLLM and llm-compressor write them; `self_attn.k_proj.k_scale` /
+`self_attn.v_proj.v_scale` as NVIDIA ModelOpt does). Without them the scales are 1.0. An e5m2
 cache (`fp8_e5m2`: float16's range, 2 mantissa bits) takes no scales, as in vLLM.
 """
 
@@ -49,6 +50,8 @@ def kv_cache_scales(model_dir: str | Path, num_layers: int, load_format: str,
     scales = []
     for i in range(num_layers):
         attn = f"model.layers.{i}.self_attn"
-        scales.append((_scale(index, (f"{attn}.k_scale", f"{attn}.kv_scale")),
-                       _scale(index, (f"{attn}.v_scale", f"{attn}.kv_scale"))))
+        scales.append((_scale(index, (f"{attn}.k_scale", f"{attn}.kv_scale",
+                                      f"{attn}.k_proj.k_scale")),
+                       _scale(index, (f"{attn}.v_scale", f"{attn}.kv_scale",
+                                      f"{attn}.v_proj.v_scale"))))
     return tuple(scales)

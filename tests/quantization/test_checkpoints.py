@@ -185,3 +185,57 @@ def test_fused_int_packed_tensors_are_refused_by_name(hf_models, tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=f"{name}.qweight' is stored int-packed"):
         LLM(str(folder), **ENGINE)
+
+
+@pytest.mark.parametrize("flavour", ["modelopt", "fbgemm_fp8"])
+def test_modelopt_and_fbgemm_fp8_checkpoints(quantized, tmp_path, flavour):
+    """NVIDIA ModelOpt's FP8 export (hf_quant_config.json, per-tensor weight_scale, static
+    input_scale left unused, KV scales as k_proj.k_scale / v_proj.v_scale) and fbgemm's
+    (per-channel weight_scale): read as the fp8 checkpoints they are."""
+    import json
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from pjinfer.quantization.kv_cache import kv_cache_scales
+
+    folder, oracle = quantized("llama", "fp8_tensor" if flavour == "modelopt" else "fp8_channel")
+    copy = tmp_path / flavour
+    shutil.copytree(folder, copy)
+    config = json.loads((copy / "config.json").read_text())
+    if flavour == "modelopt":
+        del config["quantization_config"]
+        (copy / "hf_quant_config.json").write_text(json.dumps({
+            "producer": {"name": "modelopt"},
+            "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8",
+                             "exclude_modules": ["lm_head"]}}))
+        attn = "model.layers.0.self_attn"
+        save_file({f"{attn}.q_proj.input_scale": np.array(0.02, np.float32),
+                   f"{attn}.k_proj.k_scale": np.array(0.5, np.float32),
+                   f"{attn}.v_proj.v_scale": np.array(0.25, np.float32)},
+                  copy / "extra.safetensors")
+        assert kv_cache_scales(copy, 2, "auto") == ((0.5, 0.25), (1.0, 1.0))
+    else:
+        config["quantization_config"] = {"quant_method": "fbgemm_fp8",
+                                         "activation_scale_ub": 1200.0,
+                                         "modules_to_not_convert": ["lm_head"]}
+    (copy / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(copy), quantization=flavour, **ENGINE)  # vLLM's name confirms the method
+    assert llm.engine.quantization_method == "fp8"
+    _check(llm, oracle)
+
+
+def test_unsupported_modelopt_algorithm_is_named(quantized, tmp_path):
+    import json
+    import shutil
+
+    folder, _ = quantized("llama", "fp8_tensor")
+    copy = tmp_path / "nvfp4"
+    shutil.copytree(folder, copy)
+    config = json.loads((copy / "config.json").read_text())
+    del config["quantization_config"]
+    (copy / "config.json").write_text(json.dumps(config))
+    (copy / "hf_quant_config.json").write_text(json.dumps({"quantization": {
+        "quant_algo": "NVFP4", "group_size": 16}}))
+    with pytest.raises(ValueError, match="ModelOpt quant_algo 'NVFP4' is not supported"):
+        LLM(str(copy), **ENGINE)
