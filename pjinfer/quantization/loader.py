@@ -271,12 +271,16 @@ def _part_specs(p: ParamSpec, placer: Placer, groups: int | None = None,
 
 
 def _place_experts(qe: QuantizedExperts, p: ParamSpec, placer: Placer) -> QuantizedExperts:
-    """Values and scales split along the float stack's axes."""
+    """Values, scales (and int4 zeros) split along the float stack's axes."""
     if placer.mesh is None:
         return qe
-    value_spec, scale_spec = _part_specs(p, placer)
+    grouped = qe.scales.ndim == qe.values.ndim
+    value_spec, scale_spec = _part_specs(p, placer, qe.k_groups if grouped else None,
+                                         qe.values.shape)
+    scales = placer.sharding(scale_spec)
     return QuantizedExperts(jax.device_put(qe.values, placer.sharding(value_spec)),
-                            jax.device_put(qe.scales, placer.sharding(scale_spec)))
+                            jax.device_put(qe.scales, scales),
+                            None if qe.zeros is None else jax.device_put(qe.zeros, scales))
 
 
 def _check_whole_groups(p: ParamSpec, placer: Placer, groups: int) -> None:
@@ -329,9 +333,14 @@ def quantize_on_device(w: jax.Array, p: ParamSpec, q: QuantConfig,
                        placer: Placer) -> QuantizedWeight | QuantizedExperts:
     """A float weight already placed -> the method's quantized form, parts placed like it
     (per output channel for int8 / fp8; symmetric int4 in groups for dummy 4-bit weights;
-    an expert stack per expert and output channel)."""
+    an expert stack per expert and output channel, and K group as a checkpoint's would
+    load: dummy block-wise fp8 or GPTQ-int4 experts, unless its groups would not suit the
+    kernels, whose experts then stay float as the checkpoint's would load dequantized)."""
     if p.path[-1] in ROUTED_EXPERT_PARAMS:
-        return _place_experts(quantize_experts(w, q.weight_kind), p, placer)
+        if q.from_checkpoint and not _kernel_groups(p, q, placer):
+            return w
+        group = p.shape[1] // _k_groups(p, q) if q.from_checkpoint else None
+        return _place_experts(quantize_experts(w, q.weight_kind, group), p, placer)
     rows = w.shape[0]
     if q.weight_kind == "int4":
         group = rows if q.group_size == -1 else q.group_size

@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pjinfer import LLM
+from pjinfer import LLM, SamplingParams
 from pjinfer.config import ModelConfig
 from pjinfer.errors import ModelLoadError
 from pjinfer.models.spec import get_path
@@ -278,3 +278,29 @@ def test_int4_stacks_are_linear_weights_nibble_layout(k, group):
     want = (u - zeros[:, groups]) * scales[:, groups]
     np.testing.assert_allclose(np.asarray(dequantize_experts(q)), want, rtol=1e-6)
     assert q.kind == "int4" and q.shape == (3, k, 2, 5)
+
+
+@pytest.mark.parametrize("qconfig, kind, groups, extra", [
+    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True},
+     "int4", (2, 1), {}),
+    ({"quant_method": "fp8", "weight_block_size": [16, 16]}, "fp8", (4, 2),
+     dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+])
+def test_dummy_weights_take_a_checkpoint_configs_expert_layout(moe_models, tmp_path, qconfig,
+                                                               kind, groups, extra):
+    """`load_format="dummy"` under a quantized config.json (the benchmarks' way to run a
+    GPTQ-Int4 or block-wise FP8 MoE model without its weights): the experts take the layout
+    that checkpoint's would load into, and the engine serves them."""
+    import json
+    import shutil
+
+    folder = tmp_path / "dummy"
+    shutil.copytree(moe_models["qwen3_moe"], folder)
+    config = json.loads((folder / "config.json").read_text()) | {"quantization_config": qconfig}
+    (folder / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(folder), load_format="dummy", **ENGINE, **extra)
+    _stacks(llm, kind)
+    layer = llm.engine.runner.params["layers"][0]
+    assert (layer["experts_gate_up"].k_groups, layer["experts_down"].k_groups) == groups
+    out = llm.generate([[1, 5, 9, 4]], SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) == 4
