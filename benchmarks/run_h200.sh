@@ -378,9 +378,14 @@ stage_moefp8() {
   local nibbles=(--block-k 128); [ $SMOKE = 1 ] && nibbles=(--block-k 32)
   step moe_decode_stack_int4 300 $PY -m pjinfer.benchmarks.moe_decode_stack "${stack[@]}" \
       "${nibbles[@]}" --expert-dtype int4 --out "$JSON/moe_decode_stack_int4.json"
-  for q in none fp8; do
-    local quant=(); [ $q = fp8 ] && quant=(--quantization fp8)
-    step moe_qwen3_b1_$q 300 "${BENCH[@]}" latency "${qwen[@]}" "${quant[@]}" --batch-size 1 \
+  for q in none fp8 ${MOEFP8_CHECKPOINTS:-gptq-int4 fp8-block}; do
+    local quant=() model=("${qwen[@]}")
+    [ $q = fp8 ] && quant=(--quantization fp8)
+    # dummy weights in the layouts Qwen3-30B-A3B-GPTQ-Int4 / -FP8 (128 x 128 blocks) load into
+    if [ $SMOKE = 0 ] && [ $q = gptq-int4 ]; then model[1]=configs/models/qwen3-30b-a3b-gptq-int4; fi
+    if [ $SMOKE = 0 ] && [ $q = fp8-block ]; then model[1]=configs/models/qwen3-30b-a3b-fp8; fi
+    [ $SMOKE = 1 ] && [ $q != none ] && [ $q != fp8 ] && continue
+    step moe_qwen3_b1_$q 300 "${BENCH[@]}" latency "${model[@]}" "${quant[@]}" --batch-size 1 \
         "${b1[@]}" --num-iters-warmup 1 --output-json "$JSON/moe_qwen3_b1_$q.json"
   done
 }

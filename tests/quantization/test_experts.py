@@ -304,3 +304,18 @@ def test_dummy_weights_take_a_checkpoint_configs_expert_layout(moe_models, tmp_p
     assert (layer["experts_gate_up"].k_groups, layer["experts_down"].k_groups) == groups
     out = llm.generate([[1, 5, 9, 4]], SamplingParams(max_tokens=4, temperature=0.0))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("name, share", [("qwen3-30b-a3b-gptq-int4", 0.29),
+                                         ("qwen3-30b-a3b-fp8", 0.52)])
+def test_quantized_qwen3_benchmark_configs_plan_their_expert_bytes(name, share):
+    """The benchmarks' dummy Qwen3-30B-A3B-GPTQ-Int4 and -FP8 configs: memory planning counts
+    their experts at a quarter (plus scales and zeros) and half (plus block scales) of bf16."""
+    from pjinfer.quantization.config import resolve
+
+    folder = f"configs/models/{name}"
+    q = resolve(folder, None)
+    stacks = [p for p in ModelConfig.from_pretrained(folder).param_specs()
+              if p.path[-1] in ("experts_gate_up", "experts_down")]
+    quantized = sum(device_bytes(p, q, 2) for p in stacks)
+    assert quantized < share * sum(device_bytes(p, None, 2) for p in stacks)
