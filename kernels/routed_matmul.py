@@ -91,10 +91,10 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
     padding token's lhs row clamped to lhs's last, masked out like any token that did not
     choose the expert. A scale ref (before o_ref) scales quantized rhs values' sums, as in
     `grouped_matmul`'s kernel (`k_group`: per K step, by its group's; `int4`: zeros may
-    follow the scales, and a K step is one nibble block). `glu` (up column
-    offset, partials): lhs is a gate/up routed
-    GEMM's raw output (`partials` K ranges of [Tp*kp, >= 2K] rows in this padded layout),
-    summed and taken to silu(gate) * up in `dtype` as each [T, bk] tile loads."""
+    follow the scales, and a K step is one nibble block). `glu` (up column offset,
+    partials): lhs is a gate/up routed GEMM's raw output (`partials` K ranges of [Tp*kp,
+    >= 2K] rows in this padded layout), summed and taken to silu(gate) * up in `dtype` as
+    each [T, bk] tile loads."""
     *extra_refs, o_ref = refs
     scale_ref, zero_ref = (*extra_refs, None, None)[:2]
     col, k_range, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)

@@ -164,11 +164,11 @@ def _checkpoint_experts(get: Callable[[str], Any], has: Callable[[str], bool], p
                         load_float: Callable[..., jax.Array]) -> Any:
     """An expert stack from a quantized checkpoint: float experts as they are; fp8 experts
     (each a float8_e4m3fn [out, in] `.weight` with a per-tensor or per-channel
-    `.weight_scale`, as for a Linear, or block-wise `.weight_scale_inv`) and symmetric int8
-    ones (GPTQ, compressed-tensors; per channel or group, no act-order) stacked into
-    `QuantizedExperts`, scales per output channel and K group; other int-packed experts
-    (4-bit, asymmetric, act-order) dequantized to the model dtype, with a warning: the expert
-    kernels read one-byte values and one scale a K group."""
+    `.weight_scale`, as for a Linear, or block-wise `.weight_scale_inv`), symmetric int8 ones
+    and int4 ones (GPTQ, AWQ, compressed-tensors; per channel or group, no act-order)
+    stacked into `QuantizedExperts`, scales (and int4 zeros) per output channel and K group;
+    act-order and asymmetric 8-bit experts, or groups the kernels cannot step through,
+    dequantized to the model dtype, with a warning."""
     first = p.hf_names[0].removesuffix(".weight")
     if not has(f"{first}.{_marker(q)}"):
         return load_float(p)
@@ -184,8 +184,8 @@ def _checkpoint_experts(get: Callable[[str], Any], has: Callable[[str], bool], p
         if q.weight_kind == "fp8":
             return load_float(p)  # `weights.read_param` applies each block's scale
         log.warning("%s: %s %d-bit experts are dequantized to the model dtype at load (the "
-                    "expert kernels read symmetric one-byte values without act-order), "
-                    "taking that dtype's bytes", where, q.method, q.bits)
+                    "expert kernels read fp8, symmetric int8 and int4 experts without "
+                    "act-order), taking that dtype's bytes", where, q.method, q.bits)
         return load_float(p, _dequantized_experts(get, p, q))
     e, rows, *out = p.shape
     try:  # each expert's HF [out, in] tensors, in the stack's order (gate/up: g0, u0, g1, ...)
