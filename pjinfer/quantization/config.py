@@ -99,6 +99,16 @@ class QuantConfig:
                    from_checkpoint=False)
 
 
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    return raw
+
+
 def _check_modelopt(raw: dict[str, Any]) -> None:
     algo = raw.get("quant_algo") or (raw.get("quantization") or {}).get("quant_algo")
     if algo not in MODELOPT_FP8:
@@ -179,11 +189,10 @@ def resolve(model_dir: str | Path | None, quantization: str | None,
     folder = hf_config_path if hf_config_path is not None else model_dir
     path = Path(folder) / "config.json" if folder is not None else None
     if path is not None and path.is_file():
-        raw = json.loads(path.read_text()).get("quantization_config")
+        raw = _json(path).get("quantization_config")
     modelopt = Path(folder) / "hf_quant_config.json" if folder is not None else None
     if not raw and modelopt is not None and modelopt.is_file():  # NVIDIA ModelOpt's export
-        raw = {"quant_method": "modelopt",
-               **json.loads(modelopt.read_text()).get("quantization", {})}
+        raw = {"quant_method": "modelopt", **(_json(modelopt).get("quantization") or {})}
     if raw:
         qcfg = QuantConfig.from_hf(raw)
         if quantization not in (None, qcfg.method):

@@ -225,7 +225,7 @@ def test_modelopt_and_fbgemm_fp8_checkpoints(quantized, tmp_path, flavour):
     _check(llm, oracle)
 
 
-def test_unsupported_modelopt_algorithm_is_named(quantized, tmp_path):
+def test_unsupported_modelopt_algorithm_and_bad_json_are_named(quantized, tmp_path):
     import json
     import shutil
 
@@ -238,4 +238,7 @@ def test_unsupported_modelopt_algorithm_is_named(quantized, tmp_path):
     (copy / "hf_quant_config.json").write_text(json.dumps({"quantization": {
         "quant_algo": "NVFP4", "group_size": 16}}))
     with pytest.raises(ValueError, match="ModelOpt quant_algo 'NVFP4' is not supported"):
+        LLM(str(copy), **ENGINE)
+    (copy / "hf_quant_config.json").write_text("{quantization: FP8")
+    with pytest.raises(ValueError, match="hf_quant_config.json is not valid JSON"):
         LLM(str(copy), **ENGINE)
