@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pjinfer.kernels import ops
+from pjinfer.kernels.expert_stack import silu_and_mul
 from pjinfer.models.layers import gated_mlp, linear
 from pjinfer.quantization.experts import QuantizedExperts, scale_axes, value_axes
 from pjinfer.sharding.attention import shard_map
@@ -94,7 +95,15 @@ def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: ops.Ex
     gate_up = (gate_up.with_out_shape(2 * inter) if isinstance(gate_up, QuantizedExperts)
                else gate_up.reshape(num_local, d, 2 * inter))
     if path == "routed" or (path == "auto" and ops.prefers_routed_matmul(backend, t)):
-        y = ops.routed_ffn(x, gate_up, down, local, backend=backend)  # [T*k, D]
+        if _act_order(gate_up, down):  # x per assignment, in its expert's row order
+            lhs = _permuted(x[jnp.arange(t * k) // k], local.reshape(-1), gate_up)
+            h = ops.routed_matmul(lhs, _stored(gate_up), local, per_assignment=True,
+                                  backend=backend)
+            act = _permuted(silu_and_mul(h), local.reshape(-1), down)
+            y = ops.routed_matmul(act, _stored(down), local, per_assignment=True,
+                                  backend=backend)
+        else:
+            y = ops.routed_ffn(x, gate_up, down, local, backend=backend)  # [T*k, D]
     else:
         y = _sorted_experts(x, jnp.where(mine, local, num_local).reshape(-1), gate_up, down,
                             k, backend)
@@ -109,12 +118,36 @@ def _sorted_experts(x, key, gate_up, down, k: int, backend: str) -> jax.Array:
     num_local = gate_up.shape[0]
     order = jnp.argsort(key, stable=True)  # [T*k] sorted position -> assignment
     group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
-    # [T*k, I']: silu(gate) * up, x's rows read in sort order
-    act = ops.grouped_matmul(x, gate_up, group_sizes, backend=backend, lhs_rows=order // k,
-                             glu=True)
-    y = ops.grouped_matmul(act, down, group_sizes, backend=backend)  # [T*k, D]
+    expert = key[order]  # [T*k] each sorted row's expert (E': none)
+    lhs, rows = x, order // k  # x's rows read in sort order, by the kernel
+    if _act_order(gate_up, down):  # each row in its expert's stored row order
+        lhs, rows = _permuted(x[order // k], expert, gate_up), None
+    # [T*k, I']: silu(gate) * up
+    act = ops.grouped_matmul(lhs, _stored(gate_up), group_sizes, backend=backend,
+                             lhs_rows=rows, glu=True)
+    y = ops.grouped_matmul(_permuted(act, expert, down), _stored(down), group_sizes,
+                           backend=backend)  # [T*k, D]
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     return y[inverse]
+
+
+def _act_order(*stacks: ops.Experts) -> bool:
+    return any(isinstance(s, QuantizedExperts) and s.perm is not None for s in stacks)
+
+
+def _stored(stack: ops.Experts) -> ops.Experts:
+    """An act-order stack as the kernels multiply it (rows in stored order, no perm)."""
+    return stack.stored_order() if _act_order(stack) else stack
+
+
+def _permuted(rows: jax.Array, experts: jax.Array, stack: ops.Experts) -> jax.Array:
+    """rows [R, K], each in the stored row order of its expert (experts [R]; out of range:
+    any, those rows are not multiplied) when `stack` is act-order; else as they are. An XLA
+    gather of the step's rows (GPTQ act-order: x[:, perm] @ w_stored, per expert)."""
+    if not _act_order(stack):
+        return rows
+    perm = stack.perm[jnp.clip(experts, 0, stack.perm.shape[0] - 1)]  # [R, K]
+    return jnp.take_along_axis(rows, perm, axis=1)
 
 
 def _sharded_expert_ffn(x, weights, ids, gate_up, down, *, expert_parallel: bool,
@@ -146,7 +179,8 @@ def _stack_spec(stack: ops.Experts, spec: P) -> P | QuantizedExperts:
     grouped = stack.scales.ndim == stack.values.ndim
     scales = P(*scale_axes(tuple(spec), grouped))
     return QuantizedExperts(P(*value_axes(tuple(spec))), scales,
-                            None if stack.zeros is None else scales)
+                            None if stack.zeros is None else scales,
+                            None if stack.perm is None else P(spec[0], None))  # [E, K]
 
 
 def moe_block(lp: dict, x: jax.Array, *, moe: MoeConfig, valid: jax.Array | None = None,

@@ -15,9 +15,12 @@ them as well as the Linear weights. A stack standing for the float [E, K, *out] 
           Qwen3-30B-A3B-FP8's 128 x 128 blocks, each output channel taking its block's),
           group-major, so that a kernel's K step loads its group's scales for a block of
           columns contiguously.
-  int4 checkpoints' experts (GPTQ, AWQ, compressed-tensors W4A16, no act-order) keep their
-  nibbles: values uint8 [E, *out, K / 2] in `weight.py`'s nibble blocks (S = `int4_span(K,
-  K / G)`), always grouped scales [E, G, *out] and float32 zeros of that shape (None: 8).
+  int4 checkpoints' experts (GPTQ, AWQ, compressed-tensors W4A16) keep their nibbles:
+  values uint8 [E, *out, K / 2] in `weight.py`'s nibble blocks (S = `int4_span(K, K / G)`),
+  always grouped scales [E, G, *out] and float32 zeros of that shape (None: 8).
+  Act-order (GPTQ `desc_act`) stacks keep each expert's rows sorted by group, as a Linear's
+  are: `perm` [E, K] int32 is the input row each stored row is (gate and up share theirs:
+  one input, one Hessian); the MoE layer permutes x per expert before the kernels.
 With no K axis in the scale the grouped kernels multiply a tile's float32 sums by it once,
 after their K loop (`kernels.grouped_matmul`); with K groups, each K step's sums by its
 group's (a step never straddles two). Either way they stream the values as stored. Tensor and
@@ -42,7 +45,7 @@ _STORED = {"fp8": FP8, "int8": jnp.int8}
 _TOP = {"fp8": FP8_MAX, "int8": 127.0, "int4": 7.0}
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["values", "scales", "zeros"],
+@partial(jax.tree_util.register_dataclass, data_fields=["values", "scales", "zeros", "perm"],
          meta_fields=[])
 @dataclass(frozen=True)
 class QuantizedExperts:
@@ -52,6 +55,7 @@ class QuantizedExperts:
     values: jax.Array  # [E, *out, K] float8_e4m3fn or int8; uint8 [E, *out, K / 2] int4
     scales: jax.Array  # [E, *out] or [E, G, *out] float32
     zeros: jax.Array | None = None  # int4: [E, G, *out] float32 (None: 8)
+    perm: jax.Array | None = None  # act-order: [E, K] int32, stored row -> input row
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -72,8 +76,8 @@ class QuantizedExperts:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.size * a.dtype.itemsize for a in (self.values, self.scales, self.zeros)
-                   if a is not None)
+        return sum(a.size * a.dtype.itemsize
+                   for a in (self.values, self.scales, self.zeros, self.perm) if a is not None)
 
     def with_out_shape(self, *out: int) -> QuantizedExperts:
         """The same stack with its output dims reshaped (gate/up's [2, I] -> [2I]: free)."""
@@ -81,7 +85,12 @@ class QuantizedExperts:
         groups = self.scales.shape[1:2] if self.scales.ndim == self.values.ndim else ()
         zeros = None if self.zeros is None else self.zeros.reshape(e, *groups, *out)
         return QuantizedExperts(self.values.reshape(e, *out, self.values.shape[-1]),
-                                self.scales.reshape(e, *groups, *out), zeros)
+                                self.scales.reshape(e, *groups, *out), zeros, self.perm)
+
+    def stored_order(self) -> QuantizedExperts:
+        """The stack without `perm`: what the kernels multiply, K in stored order (the
+        caller permutes x)."""
+        return QuantizedExperts(self.values, self.scales, self.zeros)
 
 
 @partial(jax.jit, static_argnames=("kind", "k_group"))
@@ -126,6 +135,10 @@ def dequantize_experts(q: QuantizedExperts, dtype=jnp.float32) -> jax.Array:
         w = (v - zero) * value_scales(v, q.scales)
     else:
         w = q.values.astype(jnp.float32) * value_scales(q.values, q.scales)  # [E, *out, K]
+    if q.perm is not None:  # stored row i is input row perm[i]: back to input order
+        inverse = jnp.argsort(q.perm, axis=1)  # [E, K]
+        w = jnp.take_along_axis(w, inverse.reshape(inverse.shape[0], *[1] * (w.ndim - 2),
+                                                   -1), axis=-1)
     return jnp.moveaxis(w, -1, 1).astype(dtype)
 
 

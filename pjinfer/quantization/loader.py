@@ -85,10 +85,8 @@ def quantizable_experts(p: ParamSpec, q: QuantConfig | None) -> bool:
 def _stored_experts(q: QuantConfig) -> bool:
     """A checkpoint's experts as the expert kernels read them: fp8; int8 values times a
     scale per channel and K group (symmetric); int4 nibbles with their groups' scales and
-    zeros. Act-order's per-expert row orders they do not follow."""
-    if q.weight_kind == "fp8":
-        return True
-    return not q.desc_act and (q.weight_kind == "int4" or (q.weight_kind == "int8" and q.sym))
+    zeros (act-order: rows sorted by group, x permuted per expert by the MoE layer)."""
+    return q.weight_kind in ("fp8", "int4") or (q.weight_kind == "int8" and q.sym)
 
 
 def _k_groups(p: ParamSpec, q: QuantConfig) -> int:
@@ -165,10 +163,11 @@ def _checkpoint_experts(get: Callable[[str], Any], has: Callable[[str], bool], p
     """An expert stack from a quantized checkpoint: float experts as they are; fp8 experts
     (each a float8_e4m3fn [out, in] `.weight` with a per-tensor or per-channel
     `.weight_scale`, as for a Linear, or block-wise `.weight_scale_inv`), symmetric int8 ones
-    and int4 ones (GPTQ, AWQ, compressed-tensors; per channel or group, no act-order)
-    stacked into `QuantizedExperts`, scales (and int4 zeros) per output channel and K group;
-    act-order and asymmetric 8-bit experts, or groups the kernels cannot step through,
-    dequantized to the model dtype, with a warning."""
+    and int4 ones (GPTQ, AWQ, compressed-tensors; per channel or group; act-order with each
+    expert's row order) stacked into `QuantizedExperts`, scales (and int4 zeros) per output
+    channel and K group; asymmetric 8-bit experts, groups the kernels cannot step through
+    and act-order rows a tp split would cut dequantized to the model dtype, with a
+    warning."""
     first = p.hf_names[0].removesuffix(".weight")
     if not has(f"{first}.{_marker(q)}"):
         return load_float(p)
@@ -177,7 +176,8 @@ def _checkpoint_experts(get: Callable[[str], Any], has: Callable[[str], bool], p
     if as_stored and not _kernel_groups(p, q, placer):
         log.warning("%s: %s experts with K groups of %d rows are dequantized to the model "
                     "dtype at load (taking its bytes): the expert kernels need K groups of a "
-                    "multiple of 16 rows that split whole over tensor_parallel_size (or use "
+                    "multiple of 16 rows that split whole over tensor_parallel_size, and "
+                    "act-order experts a K that it does not split (or use "
                     "enable_expert_parallel)", where, q.method, q.group_size)
         as_stored = False
     if not as_stored:
@@ -195,8 +195,10 @@ def _checkpoint_experts(get: Callable[[str], Any], has: Callable[[str], bool], p
         raise ModelLoadError(f"checkpoint is missing tensor {missing.args[0]!r}: {q.method} "
                              f"experts need {', '.join(_parts(q))} for each of {first} ..."
                              ) from None
-    if any(h.perm is not None for h in hosts):  # a g_idx that reorders rows after all
-        log.warning("%s: act-order experts are dequantized to the model dtype at load", where)
+    perm = _expert_perms(hosts, e, rows)
+    if isinstance(perm, str):
+        log.warning("%s: act-order experts are dequantized to the model dtype at load: %s",
+                    where, perm)
         return load_float(p, _dequantized_experts(get, p, q))
     # fp8 / int4 values are [out, in (/ 2)] as stored, int8 ones [in, out] (`OUT_MAJOR`)
     values = np.stack([h.packed if h.kind in OUT_MAJOR else h.packed.T for h in hosts])
@@ -207,7 +209,24 @@ def _checkpoint_experts(get: Callable[[str], Any], has: Callable[[str], bool], p
     parts = [np.stack([getattr(h, name) for h in hosts]) for name in ("scales", "zeros")
              if getattr(hosts[0], name) is not None]  # each [E * names, G, out]
     placed = [placer.from_host(scale_spec, _expert_groups(a, e, out, grouped)) for a in parts]
-    return QuantizedExperts(placer.from_host(value_spec, values), *placed)
+    if perm is not None:
+        perm = placer.from_host(ParamSpec((*p.path, "perm"), perm.shape,
+                                          axes=(placer.axes(p)[0], None)), perm)
+    scales, zeros = (*placed, None)[:2]
+    return QuantizedExperts(placer.from_host(value_spec, values), scales, zeros, perm)
+
+
+def _expert_perms(hosts: list[HostQuant], e: int, rows: int) -> np.ndarray | str | None:
+    """Each expert's act-order row order [E, K] (None: none reorders), or why not: the
+    projections of one expert (gate and up) must share theirs, which the layer applies to
+    their one input."""
+    if all(h.perm is None for h in hosts):
+        return None
+    plain = np.arange(rows, dtype=np.int32)
+    perms = np.stack([plain if h.perm is None else h.perm for h in hosts]).reshape(e, -1, rows)
+    if np.any(perms != perms[:, :1]):
+        return "an expert's gate and up projections have different row orders (g_idx)"
+    return np.ascontiguousarray(perms[:, 0])
 
 
 def _expert_groups(a: np.ndarray, e: int, out: list[int], grouped: bool) -> np.ndarray:
@@ -226,11 +245,13 @@ def _kernel_groups(p: ParamSpec, q: QuantConfig, placer: Placer) -> bool:
     grouped)."""
     groups, k = _k_groups(p, q), p.shape[1]
     int4 = q.weight_kind == "int4"
-    if groups == 1 and not int4:
-        return True
     sharding = placer.sharding(p)  # of the float stack [E, K, *out]
     spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
     shards = placer.mesh.shape[spec[1]] if len(spec) > 1 and spec[1] is not None else 1
+    if q.desc_act and shards > 1:  # a shard would need x's rows from the others
+        return False
+    if groups == 1 and not int4:
+        return True
     rows = k // groups
     return (rows % 16 == 0 and groups % shards == 0
             and (not int4 or int4_span(k, rows) >= 16))

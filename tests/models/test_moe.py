@@ -18,7 +18,11 @@ from pjinfer.kernels import ops
 from pjinfer.kernels.moe_route import route_reference as route
 from pjinfer.models.dense import dense_logits
 from pjinfer.models.moe import MoeConfig, expert_ffn, moe_block
-from pjinfer.quantization.experts import dequantize_experts, quantize_experts
+from pjinfer.quantization.experts import (
+    QuantizedExperts,
+    dequantize_experts,
+    quantize_experts,
+)
 from pjinfer.weights import load_model
 from tests.kernels.lowering import cuda_module
 from tests.kernels.test_grouped_matmul import F32_TOL
@@ -145,6 +149,29 @@ def test_k_grouped_fp8_and_int4_experts_on_both_paths():
         for path in ("sorted", "routed"):
             got = expert_ffn(x, weights, ids, gu, down, backend="pallas", path=path)
             np.testing.assert_allclose(got, want, **F32_TOL, err_msg=f"{kind} {path}")
+
+
+def test_act_order_int4_experts_permute_x_per_expert():
+    """Act-order stacks (rows stored in each expert's own order, `perm`): the layer gathers
+    x (and the activation) per assignment into that order, on both paths (kernels in
+    interpret mode, and the XLA reference), equal to the stacks' input-order weights."""
+    lp = _block_params(5, d=32, i=16)
+    rng = np.random.default_rng(6)
+
+    def act_order(w, group):  # 6 experts, each its own row order
+        q = quantize_experts(w, "int4", group)
+        perm = np.stack([rng.permutation(w.shape[1]) for _ in range(6)])
+        return QuantizedExperts(q.values, q.scales, None, jnp.asarray(perm, jnp.int32))
+    gu, down = act_order(lp["experts_gate_up"], 16), act_order(lp["experts_down"], 16)
+    x = jnp.asarray(rng.normal(size=(5, 32)), jnp.float32)
+    weights, ids = route(x @ lp["router"], 2, renormalize=True)
+    want = expert_ffn(x, weights, ids, dequantize_experts(gu), dequantize_experts(down))
+    plain = expert_ffn(x, weights, ids, dequantize_experts(gu.stored_order()),
+                       dequantize_experts(down.stored_order()))
+    assert not np.allclose(plain, want)  # the order matters
+    for backend, path in (("reference", "sorted"), ("pallas", "sorted"), ("pallas", "routed")):
+        got = expert_ffn(x, weights, ids, gu, down, backend=backend, path=path)
+        np.testing.assert_allclose(got, want, **F32_TOL, err_msg=f"{backend} {path}")
 
 
 def test_padding_tokens_do_not_change_real_ones():

@@ -68,6 +68,12 @@ def scheme(name: str) -> tuple[Callable, dict]:
         "gptq4_g64_asym_act": (lambda w: packers.gptq(w, 4, 64, False, True, rng),
                                {"quant_method": "gptq", "bits": 4, "group_size": 64,
                                 "desc_act": True, "sym": False}),
+        # act-order with one row order per input width: a MoE expert's gate and up share
+        # theirs, as GPTQ gives them (one input, one Hessian)
+        "gptq4_g32_asym_act_shared": (
+            lambda w: packers.gptq(w, 4, 32, False, True, np.random.default_rng(w.shape[1])),
+            {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True,
+             "sym": False}),
         "gptq4_g32_asym": (lambda w: packers.gptq(w, 4, 32, False, False, rng),
                            {"quant_method": "gptq", "bits": 4, "group_size": 32,
                             "desc_act": False, "sym": False}),

@@ -159,20 +159,40 @@ def test_int4_checkpoint_experts_load_as_stored(moe_models, tmp_path, name, extr
     _check(llm, oracle)
 
 
-@pytest.mark.parametrize("name", ["gptq4_g32_asym_act", "awq_g32"])
+@pytest.mark.parametrize("extra", [{}, dict(tensor_parallel_size=2,
+                                           enable_expert_parallel=True)])
+def test_act_order_int4_experts_load_as_stored(moe_models, tmp_path, extra):
+    """GPTQ act-order experts keep their rows sorted by group with each expert's row order
+    (`perm` [E, K], gate and up sharing theirs); the MoE layer permutes x per expert."""
+    folder = tmp_path / "qwen3_moe-act"
+    oracle_dir = checkpoints.folder(moe_models["qwen3_moe"], folder,
+                                    "gptq4_g32_asym_act_shared")
+    llm = LLM(str(folder), **ENGINE, **extra)
+    _stacks(llm, "int4")
+    layer = llm.engine.runner.params["layers"][0]
+    perm = np.asarray(layer["experts_gate_up"].perm)  # K 64: 2 groups reordered
+    assert perm.shape == (16, 64) and not np.array_equal(perm[0], np.arange(64))
+    assert layer["experts_down"].perm is None  # K 32: one group, whose order is no matter
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(oracle_dir,
+                                                               dtype=torch.float32).eval()
+    _check(llm, oracle)
+
+
+@pytest.mark.parametrize("name", ["gptq4_g32_asym_act", "awq_g32",
+                                  "gptq4_g32_asym_act_shared"])
 def test_int_packed_experts_are_dequantized_at_load(moe_models, tmp_path, caplog, name):
-    """Experts the expert kernels cannot read as stored: act-order GPTQ (each expert its own
-    row order), and int4 down stacks whose one group tensor parallelism would cut (tp=2
-    without expert parallelism): dequantized to the model dtype at load, with a warning;
-    the projections stay packed."""
+    """Experts the expert kernels cannot read as stored, dequantized to the model dtype at
+    load with a warning (the projections stay packed): gate and up stored with different
+    act-order row orders (gate/up dequantized, down kept), and down stacks that tp=2 without
+    expert parallelism would split along K: int4's one group, act-order's rows."""
     folder = tmp_path / f"qwen3_moe-{name}"
     oracle_dir = checkpoints.folder(moe_models["qwen3_moe"], folder, name)
-    extra = {} if name.endswith("act") else dict(tensor_parallel_size=2)
+    extra = {} if name == "gptq4_g32_asym_act" else dict(tensor_parallel_size=2)
     with caplog.at_level("WARNING", logger="pjinfer"):
         llm = LLM(str(folder), **ENGINE, **extra)
     assert "dequantized to the model dtype" in caplog.text
     layer = llm.engine.runner.params["layers"][0]
-    assert not isinstance(layer["experts_down"], QuantizedExperts)
+    assert isinstance(layer["experts_down"], QuantizedExperts) == (not extra)
     assert isinstance(layer["experts_gate_up"], QuantizedExperts) == bool(extra)
     oracle = transformers.AutoModelForCausalLM.from_pretrained(oracle_dir,
                                                                dtype=torch.float32).eval()
