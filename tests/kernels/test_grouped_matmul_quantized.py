@@ -95,15 +95,23 @@ def test_routed_kernel_on_quantized_experts(kind, t, k, g, kk, n, per_assignment
 
 
 @pytest.mark.parametrize("kind", ["fp8", "int8"])
-def test_routed_ffn_on_quantized_experts(kind):
-    """Both stacks quantized: the fused pair (gate/up in 2 K ranges) against the reference
-    over the float weights they stand for, and through ops."""
+@pytest.mark.parametrize("k_groups", [1, 2])
+def test_routed_ffn_on_quantized_experts(kind, k_groups):
+    """Both stacks quantized (per channel, or per channel and K group: gate/up's K 64 and
+    down's 32 in 2 groups each): the routed GEMM (2 K ranges) and the fused pair against the
+    reference over the float weights they stand for, and through ops."""
     rng = np.random.default_rng(7)
     ids = np.argsort(rng.random((5, 9)), axis=1)[:, :3].astype(np.int32)
     ids[0, 1] = -1
     ids, x = jnp.asarray(ids), jnp.asarray(rng.normal(size=(5, 64)), jnp.float32)
-    gu, gu_w = _quantized(jnp.asarray(rng.normal(size=(9, 64, 64)) / 8, jnp.float32), kind)
-    dn, dn_w = _quantized(jnp.asarray(rng.normal(size=(9, 32, 64)) / 6, jnp.float32), kind)
+    gu, gu_w = _quantized(jnp.asarray(rng.normal(size=(9, 64, 64)) / 8, jnp.float32), kind,
+                          k_groups)
+    dn, dn_w = _quantized(jnp.asarray(rng.normal(size=(9, 32, 64)) / 6, jnp.float32), kind,
+                          k_groups)
+    out = routed_matmul(x, gu.values, ids, per_assignment=False, rhs_scales=gu.scales,
+                        block_n=16, block_k=16, k_splits=2, interpret=INTERPRET)
+    np.testing.assert_allclose(out, routed_matmul_reference(x, gu_w, ids, per_assignment=False),
+                               **F32_TOL)
     want = routed_ffn_reference(x, gu_w, dn_w, ids)
     out = routed_ffn(x, gu.values, dn.values, ids, gate_up_scales=gu.scales,
                      down_scales=dn.scales, blocks=((16, 16), (32, 16)), k_splits=(2, 1),
@@ -204,33 +212,6 @@ def test_grouped_kernel_on_k_grouped_experts(kind, m, k, n, g, bm, bn, bk, split
     with pytest.raises(ValueError, match="must divide the scales' K group"):
         grouped_matmul(lhs, q.values, sizes, rhs_scales=q.scales, block_k=64,
                        interpret=INTERPRET)
-
-
-@pytest.mark.parametrize("kind", ["fp8", "int8"])
-def test_routed_kernels_on_k_grouped_experts(kind):
-    """Routed GEMM (2 K ranges) and the fused SwiGLU pair, both stacks K-grouped (gate/up's
-    K 64 in 2 groups, down's 32 in 2), against the reference and through ops."""
-    rng = np.random.default_rng(11)
-    ids = np.argsort(rng.random((5, 9)), axis=1)[:, :3].astype(np.int32)
-    ids[1, 2] = -1
-    ids, x = jnp.asarray(ids), jnp.asarray(rng.normal(size=(5, 64)), jnp.float32)
-    gu, gu_w = _quantized(jnp.asarray(rng.normal(size=(9, 64, 64)) / 8, jnp.float32), kind, 2)
-    dn, dn_w = _quantized(jnp.asarray(rng.normal(size=(9, 32, 64)) / 6, jnp.float32), kind, 2)
-    want = routed_matmul_reference(x, gu_w, ids, per_assignment=False)
-    out = routed_matmul(x, gu.values, ids, per_assignment=False, rhs_scales=gu.scales,
-                        block_n=16, block_k=16, k_splits=2, interpret=INTERPRET)
-    np.testing.assert_allclose(out, want, **F32_TOL)
-    want = routed_ffn_reference(x, gu_w, dn_w, ids)
-    out = routed_ffn(x, gu.values, dn.values, ids, gate_up_scales=gu.scales,
-                     down_scales=dn.scales, blocks=((16, 16), (32, 16)), k_splits=(2, 1),
-                     interpret=INTERPRET)
-    np.testing.assert_allclose(out, want, **F32_TOL)
-    for backend in ("reference", "pallas"):
-        np.testing.assert_allclose(ops.routed_ffn(x, gu, dn, ids, backend=backend), want,
-                                   **F32_TOL, err_msg=backend)
-        np.testing.assert_allclose(
-            ops.routed_matmul(x, gu, ids, per_assignment=False, backend=backend),
-            routed_matmul_reference(x, gu_w, ids, per_assignment=False), **F32_TOL)
 
 
 def _int4(rhs: jax.Array, k_groups: int, asym: bool, seed: int):

@@ -120,24 +120,6 @@ def test_fp8_checkpoint_experts_load_as_stored(moe_models, tmp_path, name, extra
     _check(llm, oracle)
 
 
-@pytest.mark.parametrize("name, extra, groups", [
-    ("gptq8_gall_sym", {}, (1, 1)),  # per channel
-    ("ct_w8a16_g16", dict(tensor_parallel_size=2), (4, 2)),  # down's 2 groups split over tp
-])
-def test_int8_checkpoint_experts_load_as_stored(moe_models, tmp_path, name, extra, groups):
-    """Symmetric 8-bit int experts (GPTQ, compressed-tensors) become int8 stacks with their
-    scales per channel and K group, as the expert kernels read them."""
-    folder = tmp_path / f"qwen3_moe-{name}"
-    oracle_dir = checkpoints.folder(moe_models["qwen3_moe"], folder, name)
-    llm = LLM(str(folder), **ENGINE, **extra)
-    _stacks(llm, "int8")
-    layer = llm.engine.runner.params["layers"][0]
-    assert (layer["experts_gate_up"].k_groups, layer["experts_down"].k_groups) == groups
-    oracle = transformers.AutoModelForCausalLM.from_pretrained(oracle_dir,
-                                                               dtype=torch.float32).eval()
-    _check(llm, oracle)
-
-
 @pytest.mark.parametrize("name, extra, zeros", [
     ("gptq4_g32_asym", {}, True),
     ("awq_g32", dict(tensor_parallel_size=2, enable_expert_parallel=True), True),
@@ -222,23 +204,24 @@ def test_fp8_values_are_kept_as_stored(moe_models, tmp_path):
     np.testing.assert_array_equal(np.asarray(down.values[2]).view(np.uint8), stored.view(np.uint8))
 
 
-@pytest.mark.parametrize("name, extra, groups", [
-    ("fp8_block", {}, (2, 1)),  # blocks [16, 32]: gate/up's K 64 in 2 groups, down's 32 in 1
-    ("fp8_block16", dict(tensor_parallel_size=2), (4, 2)),  # down's 2 groups split over tp
-    ("fp8_block16", dict(tensor_parallel_size=2, enable_expert_parallel=True), (4, 2)),
+@pytest.mark.parametrize("name, kind, extra, groups", [
+    ("fp8_block", "fp8", {}, (2, 1)),  # blocks [16, 32]: gate/up's K 64 in 2, down's 32 in 1
+    ("fp8_block16", "fp8", dict(tensor_parallel_size=2), (4, 2)),  # down's 2 split over tp
+    ("fp8_block16", "fp8", dict(tensor_parallel_size=2, enable_expert_parallel=True), (4, 2)),
+    ("gptq8_gall_sym", "int8", {}, (1, 1)),  # per channel
+    ("ct_w8a16_g16", "int8", dict(tensor_parallel_size=2), (4, 2)),
 ])
-def test_block_wise_fp8_experts_load_as_stored(moe_models, tmp_path, name, extra, groups):
-    """Block scales become per output channel and K group scales [E, *out, G] (one group:
-    per channel [E, *out]); the projections keep their block scales as groups too."""
+def test_grouped_checkpoint_experts_load_as_stored(moe_models, tmp_path, name, kind, extra,
+                                                   groups):
+    """Block-wise fp8 and symmetric 8-bit int experts (GPTQ, compressed-tensors) become
+    one-byte stacks with scales per output channel and K group [E, G, *out] (one group: per
+    channel [E, *out]), as the expert kernels read them."""
     folder = tmp_path / f"qwen3_moe-{name}"
     oracle_dir = checkpoints.folder(moe_models["qwen3_moe"], folder, name)
     llm = LLM(str(folder), **ENGINE, **extra)
-    _stacks(llm, "fp8")
+    _stacks(llm, kind)
     layer = llm.engine.runner.params["layers"][0]
     assert (layer["experts_gate_up"].k_groups, layer["experts_down"].k_groups) == groups
-    q = layer["q_proj"]
-    assert q.kind == "fp8" and q.scales.shape[0] == 64 // checkpoints.scheme(name)[1][
-        "weight_block_size"][1]
     oracle = transformers.AutoModelForCausalLM.from_pretrained(oracle_dir,
                                                                dtype=torch.float32).eval()
     _check(llm, oracle)
