@@ -179,7 +179,7 @@ def resolve(model_dir: str | Path | None, quantization: str | None,
     checkpoint's is a GGUF file's own, else config.json's (`hf_config_path`'s when given)."""
     from pjinfer.quantization.gguf_file import gguf_path
 
-    quantization = _ALIASES.get(quantization, quantization)  # gptq_marlin is gptq here
+    named, quantization = quantization, _ALIASES.get(quantization, quantization)
     if gguf_path(model_dir) is not None:  # per-tensor types; Q8_0 / Q4_0 stay packed
         if quantization not in (None, "gguf"):
             raise ValueError(f"quantization={quantization!r} does not match the checkpoint, "
@@ -202,8 +202,8 @@ def resolve(model_dir: str | Path | None, quantization: str | None,
         return qcfg
     if quantization is None:
         return None
-    if quantization not in ON_THE_FLY:
-        raise ValueError(f"quantization={quantization!r} needs a checkpoint quantized with it "
+    if named not in ON_THE_FLY:  # modelopt / fbgemm_fp8 name checkpoints, not a method
+        raise ValueError(f"quantization={named!r} needs a checkpoint quantized with it "
                          f"(config.json has no quantization_config); a float checkpoint can be "
                          f"quantized at load with {' or '.join(ON_THE_FLY)}")
     return QuantConfig.on_the_fly(quantization)

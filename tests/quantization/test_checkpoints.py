@@ -141,9 +141,12 @@ def test_quantization_argument_must_match_the_checkpoint(quantized):
     folder, _ = quantized("llama", "awq_g64")
     with pytest.raises(ValueError, match="does not match the checkpoint"):
         LLM(str(folder), quantization="gptq", **ENGINE)
-    # vLLM's names for its kernels' variants confirm the method they run
+    # vLLM's names for its kernels' variants confirm the method they run; on a float
+    # checkpoint, a checkpoint format's name (modelopt: fp8) is one error, not fp8 at load
     assert LLM(str(folder), quantization="awq_marlin", **ENGINE).engine.quantization_method \
         == "awq"
+    with pytest.raises(ValueError, match="'modelopt' needs a checkpoint quantized with it"):
+        LLM(quantization="modelopt", **ENGINE)  # the float demo model
 
 
 @pytest.mark.parametrize("name", ["fp8_channel", "fp8_block", "ct_fp8_block"])
