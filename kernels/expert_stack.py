@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pjinfer.kernels.tile_dequant import int4_bf16_native
 from pjinfer.quantization.weight import int4_span, unpack_int4
 
 INT4_ZERO = 8.0  # a symmetric int4 value's zero point (values 0..15)
@@ -121,11 +122,17 @@ def weight_dot(x: jax.Array, w: jax.Array, k_minor: bool) -> jax.Array:
 
 
 def int4_dot(x_lo: jax.Array, x_hi: jax.Array, packed: jax.Array, scale: jax.Array,
-             zero) -> jax.Array:
+             zero, native: bool = False) -> jax.Array:
     """One K step over int4 values: x's rows [rows, S] of the step's first and second S
     rows times a packed tile [bn, S] (low nibbles, high nibbles) -> float32 [rows, bn] sums
     of x (u - zero) scale. The nibbles go through the dot as they are (0..15, exact in any
-    float); the zero is taken off once, from x's row sums."""
+    float); the zero is taken off once, from x's row sums. `native` (compiled for a GPU,
+    bf16 x): the tiles become bf16 weights (u - zero) scale in packed pairs by inline PTX
+    (`tile_dequant.int4_bf16_native`, the dense int4 kernel's form: 3.4 instructions a
+    weight there, against 6 for its float32 form; RESULTS.md round 17)."""
+    if native:
+        lo, hi = int4_bf16_native(packed, scale, zero, out_major=True)
+        return weight_dot(x_lo, lo, True) + weight_dot(x_hi, hi, True)
     p = packed.astype(jnp.int32)
     y = weight_dot(x_lo, p & 0xF, True) + weight_dot(x_hi, p >> 4, True)
     sums = (jnp.sum(x_lo.astype(jnp.float32), axis=1)

@@ -103,7 +103,7 @@ def band_order(program, num_tiles: int, num_cols: int, band: int):
 
 def _kernel(group_ref, first_ref, valid_ref, *refs, block_m: int, block_n: int,
             block_k: int, k_steps: int, band: int, gather: bool, extra: int, glu: bool,
-            k_group: int | None, int4: bool):
+            k_group: int | None, int4: bool, native: bool):
     """One tile of `block_m` rows of one group times one [K / splits, block_n] slice of its
     expert (split `pl.program_id(1)` of K), stored to its rows of split s's partial (o_ref
     [splits * M, N]); a spare tile stores zeros. Program `pl.program_id(0)` picks the
@@ -143,7 +143,8 @@ def _kernel(group_ref, first_ref, valid_ref, *refs, block_m: int, block_n: int,
             x_lo, x_hi = (lhs_ref[rows, pl.ds(k0 + h, half)] for h in (0, half))
             return tuple(a + int4_dot(x_lo, x_hi, rhs_ref[group, c, pl.ds(k0 // 2, half)],
                                       scale_ref[group, kg, c],
-                                      INT4_ZERO if zero_ref is None else zero_ref[group, kg, c])
+                                      INT4_ZERO if zero_ref is None else zero_ref[group, kg, c],
+                                      native)
                          for a, c in zip(accs, cols, strict=True))
         ks = pl.ds(k0, block_k)
         x = lhs_ref[rows, ks]  # [bm, bk] (gathered: bm rows of bk contiguous values)
@@ -230,7 +231,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                           k_steps=lhs_p.shape[1] // (block_k * k_splits),
                           band=min(band or num_tiles, num_tiles), gather=gather,
                           extra=len(scales), glu=glu, k_group=group_k,
-                          int4=is_int4(rhs)),
+                          int4=is_int4(rhs), native=is_int4(rhs) and not interpret
+                          and lhs.dtype == jnp.bfloat16),
         grid=(num_tiles * (width // block_n), k_splits),
         in_specs=[whole((num_tiles,)), whole((num_tiles,)), whole((num_tiles,)),
                   *(whole((rows_p,)) for _ in rows), whole(lhs_p.shape), whole(rhs_p.shape),

@@ -79,7 +79,8 @@ ROUTED_BUSY_PROGRAMS = 256  # ~2 per SM of an H100/H200
 
 def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
                    k_steps: int, per_assignment: bool, splits: int, padded: tuple[int, int],
-                   glu: tuple[int, int] | None, dtype, k_group: int | None, int4: bool):
+                   glu: tuple[int, int] | None, dtype, k_group: int | None, int4: bool,
+                   native: bool):
     """Program (column block, K range q, split s): assignments s, s + splits, ... of the flat
     [T*k] ids. Each one that is its expert's first (and not inactive) multiplies every token
     that chose that expert over K range q (`k_steps` blocks), as one dense [T, bk] x [bk, bn]
@@ -136,7 +137,8 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
                             else zero_ref[e, kg, cols])
                     return acc + expert_stack.int4_dot(
                         load_x(start, half), load_x(start + half, half),
-                        rhs_ref[e, cols, pl.ds(start // 2, half)], scale_ref[e, kg, cols], zero)
+                        rhs_ref[e, cols, pl.ds(start // 2, half)], scale_ref[e, kg, cols], zero,
+                        native)
                 ks = pl.ds(start, block_k)
                 x = load_x(start, block_k)  # [T, bk]
                 if scale_ref is None:
@@ -199,7 +201,9 @@ def _routed_call(lhs: jax.Array, rhs: jax.Array, scales: list, ids: jax.Array, *
         functools.partial(_routed_kernel, block_n=block_n, block_k=block_k,
                           k_steps=k_blocks // k_splits, per_assignment=per_assignment,
                           splits=splits, padded=(tp, kp), glu=glu, dtype=dtype,
-                          k_group=k_group, int4=expert_stack.is_int4(rhs)),
+                          k_group=k_group, int4=expert_stack.is_int4(rhs),
+                          native=expert_stack.is_int4(rhs) and not interpret
+                          and (dtype if glu else lhs.dtype) == jnp.bfloat16),
         # splits slowest: the programs of the first (real) assignments run first, every K
         # range of them, and the padding's programs (which only find nothing to do) after
         grid=(width // block_n, k_splits, splits),

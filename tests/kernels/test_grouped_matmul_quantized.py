@@ -281,10 +281,31 @@ def test_routed_kernels_on_int4_experts(asym):
                                    **F32_TOL, err_msg=backend)
 
 
+def test_bfloat16_rows_over_int4_experts():
+    """What the GPU runs: bf16 rows over int4 stacks, where a compiled kernel turns the
+    nibbles into bf16 weights by inline PTX (interpret mode: the float form), against the
+    float32 reference over the weights the stacks stand for."""
+    lhs, rhs, sizes = _inputs(17, 40, 64, 32, 5, jnp.bfloat16)
+    q, w = _int4(rhs.astype(jnp.float32), 2, True, 3)
+    want = grouped_matmul_reference(lhs.astype(jnp.float32), w, sizes)
+    out = grouped_matmul(lhs, q.values, sizes, rhs_scales=q.scales, rhs_zeros=q.zeros,
+                         block_m=16, block_n=16, block_k=32, out_dtype=jnp.float32,
+                         interpret=INTERPRET)
+    np.testing.assert_allclose(out, want, rtol=2e-2, atol=2e-2)
+    ids = jnp.asarray(np.argsort(np.random.default_rng(4).random((6, 5)), axis=1)[:, :2],
+                      jnp.int32)
+    out = routed_matmul(lhs[:6], q.values, ids, per_assignment=False, rhs_scales=q.scales,
+                        rhs_zeros=q.zeros, block_n=16, block_k=32, out_dtype=jnp.float32,
+                        interpret=INTERPRET)
+    want = routed_matmul_reference(lhs[:6].astype(jnp.float32), w, ids, per_assignment=False)
+    np.testing.assert_allclose(out, want, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.skipif(not INTERPRET, reason="on a GPU the compiled kernel tests run the lowering")
 def test_kernels_lower_to_triton_ir_over_int4_qwen3_experts():
     """Qwen3-30B-A3B-GPTQ-Int4's gate/up experts (group 128: one 128-row nibble block a K
-    step), asymmetric zeros, bf16 rows: both expert GEMMs lower to Triton IR."""
+    step), asymmetric zeros, bf16 rows: both expert GEMMs lower to Triton IR, the nibbles
+    through the inline-PTX bf16 pairs."""
     values = jax.ShapeDtypeStruct((128, 1536, 1024), jnp.uint8)
     scales = jax.ShapeDtypeStruct((128, 16, 1536), jnp.float32)
     tiling = default_grouped_block_sizes(8192, 128, 2048, 1536, 128) | dict(block_k=128)
