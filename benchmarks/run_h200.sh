@@ -36,7 +36,10 @@
 #                                         # (MOEMID_TOKENS, MOEMID_TILES: the sweep's flags)
 #   bash benchmarks/run_h200.sh moefp8    # fp8 / int8 / fp8-block / int4 experts: kernel tests
 #                                         # compiled, routed GEMMs bf16 vs fp8 vs int8 at 1-16
-#                                         # tokens, Qwen3 W1 bf16 vs --quantization fp8 (~8 min)
+#                                         # tokens, Qwen3 W1 bf16 vs --quantization fp8 (~8 min;
+#                                         # MOEFP8_SWEPT picks the swept stacks from fp8 int8,
+#                                         # MOEFP8_MODELS the W1 runs from none fp8 gptq-int4
+#                                         # fp8-block)
 #   bash benchmarks/run_h200.sh loramulti # the lora stage's engine passes (200 prompts) with
 #                                         # --num-scheduler-steps 8 (~6 min)
 #   bash benchmarks/run_h200.sh moeprofile  # Qwen3-30B-A3B (batch 1, 10 x 2,560) and
@@ -365,7 +368,7 @@ stage_moefp8() {
   [ $SMOKE = 1 ] && sweep=()
   step moe_decode_stack_bfloat16 200 $PY -m pjinfer.benchmarks.moe_decode_stack "${stack[@]}" \
       --expert-dtype bfloat16 --out "$JSON/moe_decode_stack_bfloat16.json"
-  for dtype in fp8 int8; do
+  for dtype in ${MOEFP8_SWEPT:-fp8 int8}; do
     step moe_decode_stack_$dtype 300 $PY -m pjinfer.benchmarks.moe_decode_stack "${stack[@]}" \
         "${sweep[@]}" --expert-dtype $dtype --out "$JSON/moe_decode_stack_$dtype.json"
   done
@@ -378,7 +381,7 @@ stage_moefp8() {
   local nibbles=(--block-k 128); [ $SMOKE = 1 ] && nibbles=(--block-k 32)
   step moe_decode_stack_int4 300 $PY -m pjinfer.benchmarks.moe_decode_stack "${stack[@]}" \
       "${nibbles[@]}" --expert-dtype int4 --out "$JSON/moe_decode_stack_int4.json"
-  for q in none fp8 ${MOEFP8_CHECKPOINTS:-gptq-int4 fp8-block}; do
+  for q in ${MOEFP8_MODELS:-none fp8 gptq-int4 fp8-block}; do
     local quant=() model=("${qwen[@]}")
     [ $q = fp8 ] && quant=(--quantization fp8)
     # dummy weights in the layouts Qwen3-30B-A3B-GPTQ-Int4 / -FP8 (128 x 128 blocks) load into
