@@ -19,8 +19,9 @@ Needs the `triton` package (not a pjinfer dependency), e.g.
     python -m pjinfer.benchmarks.kernel_ptx --triton-path /tmp/triton --kind routed \
         --expert-dtype float8_e4m3fn --tokens 8 --out routed_fp8.json
     (--kind grouped / routed: the MoE expert GEMMs over Qwen3-30B-A3B's gate/up experts, 128
-    x 2048 -> 1536, float or quantized (`--expert-dtype`); grouped at --tokens x 8 rows; Qwen3's
-    rotary_write (q/k norm, RoPE, KV write to a --kv-dtype cache) and moe_route (top-8 of 128))
+    x 2048 -> 1536, float or quantized (`--expert-dtype`; int4 and -block: 128-row K groups);
+    grouped at --tokens x 8 rows; Qwen3's rotary_write (q/k norm, RoPE, KV write to a
+    --kv-dtype cache) and moe_route (top-8 of 128))
 Without it only the Triton IR's op counts are recorded. Triton writes some instructions
 (conversions) as inline assembly, unindented: the loop mix counts those lines too.
 """
@@ -41,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 ATTENTION = ("decode_attention", "ragged_attention")  # the paged attention kernels
 EXPERTS = ("grouped", "routed")  # the MoE expert GEMMs
 TOKEN_KERNELS = ("rotary_write", "moe_route")  # one program a token, default tiling
+EXPERT_DTYPES = ("bfloat16", "float8_e4m3fn", "int8", "float8_e4m3fn-block", "int8-block",
+                 "int4")
 FIELDS = ("block_t", "block_n", "block_k", "unroll", "k_splits", "num_warps", "num_stages",
           "weight_operand")
 
@@ -50,9 +53,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="JSON record path")
     p.add_argument("--kind", default="int4",
                    choices=("int4", "int8", "fp8") + ATTENTION + EXPERTS + TOKEN_KERNELS)
-    p.add_argument("--expert-dtype", default="bfloat16",
-                   choices=("bfloat16", "float8_e4m3fn", "int8"),
-                   help="grouped / routed: the experts' stored dtype (one byte: quantized)")
+    p.add_argument("--expert-dtype", default="bfloat16", choices=EXPERT_DTYPES,
+                   help="grouped / routed: the experts' stored dtype (one byte: quantized, "
+                        "a scale per channel; -block: per 128-row K group; int4: GPTQ "
+                        "nibbles, g128)")
     p.add_argument("--kv-dtype", default="bfloat16", choices=("bfloat16", "float8_e4m3fn"),
                    help="attention: the cache's dtype (the query is bfloat16)")
     p.add_argument("--pages", type=int, default=None,
@@ -154,14 +158,13 @@ def experts_ttir(kind: str, dtype: str, tokens: int,
 
     from pjinfer.kernels import ops
     from pjinfer.kernels.grouped_matmul import grouped_matmul
-    from pjinfer.kernels.routed_matmul import routed_matmul
+    from pjinfer.kernels.routed_matmul import default_routed_tiling, routed_matmul
 
-    experts, k, n, quantized = 128, 2048, 1536, jnp.dtype(dtype).itemsize == 1
-    values = jax.ShapeDtypeStruct((experts, n, k) if quantized else (experts, k, n), dtype)
-    scales = [jax.ShapeDtypeStruct((experts, n), jnp.float32)] if quantized else []
+    experts, k, n = 128, 2048, 1536
+    values, scales, group = _expert_stack(dtype, experts, k, n)
     if kind == "grouped":
         rows = tokens * 8
-        tiling = ops.grouped_tiling(rows, experts, k, n, glu=glu)
+        tiling = ops.grouped_tiling(rows, experts, k, n, glu=glu, k_group=group)
         gathered = dict(lhs_rows=jnp.zeros((rows,), jnp.int32)) if glu else {}
         captured = triton_ir(lambda x, w, g, *s: grouped_matmul(
             x, w, g, rhs_scales=s[0] if s else None, **gathered, **tiling),
@@ -169,7 +172,8 @@ def experts_ttir(kind: str, dtype: str, tokens: int,
             jax.ShapeDtypeStruct((experts,), jnp.int32), *scales)
         elements = tiling["block_k"] * tiling["block_n"] * (2 if tiling["glu"] else 1)
     else:
-        tiling = dict(block_n=128, block_k=128, num_warps=4, num_stages=3, k_splits=2)
+        (bn, bk), _ = default_routed_tiling((experts, k, n), 8, group)
+        tiling = dict(block_n=bn, block_k=bk, num_warps=4, num_stages=3, k_splits=2)
         captured = triton_ir(lambda x, w, i, *s: routed_matmul(
             x, w, i, per_assignment=False, rhs_scales=s[0] if s else None, **tiling),
             jax.ShapeDtypeStruct((tokens, k), jnp.bfloat16), values,
@@ -178,6 +182,23 @@ def experts_ttir(kind: str, dtype: str, tokens: int,
     sizes = types.SimpleNamespace(num_warps=tiling.get("num_warps", 4),
                                   num_stages=tiling.get("num_stages", 3), tiling=tiling)
     return captured[0], sizes, elements
+
+
+def _expert_stack(dtype: str, experts: int, k: int, n: int) -> tuple[object, list, int | None]:
+    """(values, [scales] or [], K group) shape structs of an expert stack stored as `dtype`
+    (`pjinfer.quantization.experts`' layouts: float [E, K, N]; one-byte [E, N, K] with
+    scales [E, N] or, `-block` and int4, [E, K / 128, N]; int4 nibbles [E, N, K / 2])."""
+    import jax
+    import jax.numpy as jnp
+
+    group = 128 if dtype == "int4" or dtype.endswith("-block") else None
+    stored = {"int4": jnp.uint8}.get(dtype, dtype.removesuffix("-block"))
+    if jnp.dtype(stored).itemsize != 1:
+        return jax.ShapeDtypeStruct((experts, k, n), stored), [], None
+    width = k // 2 if dtype == "int4" else k
+    scales = (experts, n) if group is None else (experts, k // group, n)
+    return (jax.ShapeDtypeStruct((experts, n, width), stored),
+            [jax.ShapeDtypeStruct(scales, jnp.float32)], group)
 
 
 def rotary_ttir(kv_dtype: str, tokens: int) -> tuple[str, object, int]:

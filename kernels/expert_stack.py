@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from pjinfer.kernels.tile_dequant import int4_bf16_native
 from pjinfer.quantization.weight import int4_span, unpack_int4
@@ -119,6 +120,14 @@ def weight_dot(x: jax.Array, w: jax.Array, k_minor: bool) -> jax.Array:
         return jnp.dot(x, w, preferred_element_type=jnp.float32)
     return jax.lax.dot_general(x, w.astype(x.dtype), (((1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32)
+
+
+def nibble_start(step, half: int):
+    """The first packed byte column of K step `step`'s nibble block, declared a multiple of
+    `half`: computed as the step's first K row // 2, Triton's alignment analysis loses it and
+    loads the block a byte at a time, outside cp.async's pipeline (sm_90a SASS, RESULTS.md
+    round 35)."""
+    return pl.multiple_of(step * half, half)
 
 
 def int4_dot(x_lo: jax.Array, x_hi: jax.Array, packed: jax.Array, scale: jax.Array,

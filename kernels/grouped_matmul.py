@@ -38,6 +38,7 @@ from pjinfer.kernels.expert_stack import (
     int4_dot,
     is_int4,
     k_group,
+    nibble_start,
     pad_stack,
     pad_to,
     stack_dims,
@@ -140,8 +141,10 @@ def _kernel(group_ref, first_ref, valid_ref, *refs, block_m: int, block_n: int,
         k0 = (split * k_steps + kb) * block_k
         if int4:  # the step's two runs of S rows: low nibbles, high nibbles
             kg, half = step_group(scale_ref, k0, k_group), block_k // 2
-            x_lo, x_hi = (lhs_ref[rows, pl.ds(k0 + h, half)] for h in (0, half))
-            return tuple(a + int4_dot(x_lo, x_hi, rhs_ref[group, c, pl.ds(k0 // 2, half)],
+            x_lo, x_hi = (lhs_ref[rows, pl.ds(pl.multiple_of(k0 + h, half), half)]
+                          for h in (0, half))
+            packed = pl.ds(nibble_start(split * k_steps + kb, half), half)
+            return tuple(a + int4_dot(x_lo, x_hi, rhs_ref[group, c, packed],
                                       scale_ref[group, kg, c],
                                       INT4_ZERO if zero_ref is None else zero_ref[group, kg, c],
                                       native)
