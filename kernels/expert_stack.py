@@ -130,24 +130,25 @@ def nibble_start(step, half: int):
     return pl.multiple_of(step * half, half)
 
 
-def int4_dot(x_lo: jax.Array, x_hi: jax.Array, packed: jax.Array, scale: jax.Array,
-             zero, native: bool = False) -> jax.Array:
-    """One K step over int4 values: x's rows [rows, S] of the step's first and second S
-    rows times a packed tile [bn, S] (low nibbles, high nibbles) -> float32 [rows, bn] sums
+def int4_dot(acc: jax.Array, x_lo: jax.Array, x_hi: jax.Array, packed: jax.Array,
+             scale: jax.Array, zero, native: bool = False) -> jax.Array:
+    """acc + one K step over int4 values: x's rows [rows, S] of the step's first and second
+    S rows times a packed tile [bn, S] (low nibbles, high nibbles) -> float32 [rows, bn] sums
     of x (u - zero) scale. The nibbles go through the dot as they are (0..15, exact in any
     float); the zero is taken off once, from x's row sums. `native` (compiled for a GPU,
     bf16 x): the tiles become bf16 weights (u - zero) scale in packed pairs by inline PTX
     (`tile_dequant.int4_bf16_native`, the dense int4 kernel's form: 3.4 instructions a
-    weight there, against 6 for its float32 form; RESULTS.md round 17)."""
+    weight there, against 6 for its float32 form; RESULTS.md round 17), each dot adding
+    into acc itself (Triton folds `acc + dot` into the MMA's accumulator)."""
     if native:
         lo, hi = int4_bf16_native(packed, scale, zero, out_major=True)
-        return weight_dot(x_lo, lo, True) + weight_dot(x_hi, hi, True)
+        return acc + weight_dot(x_lo, lo, True) + weight_dot(x_hi, hi, True)
     p = packed.astype(jnp.int32)
     y = weight_dot(x_lo, p & 0xF, True) + weight_dot(x_hi, p >> 4, True)
     sums = (jnp.sum(x_lo.astype(jnp.float32), axis=1)
             + jnp.sum(x_hi.astype(jnp.float32), axis=1))[:, None]
     zero = zero[None, :] if hasattr(zero, "shape") else zero
-    return (y - sums * zero) * scale[None, :]
+    return acc + (y - sums * zero) * scale[None, :]
 
 
 def dequantized(lhs: jax.Array, rhs: jax.Array, rhs_scales: jax.Array | None,

@@ -144,7 +144,7 @@ def _kernel(group_ref, first_ref, valid_ref, *refs, block_m: int, block_n: int,
             x_lo, x_hi = (lhs_ref[rows, pl.ds(pl.multiple_of(k0 + h, half), half)]
                           for h in (0, half))
             packed = pl.ds(nibble_start(split * k_steps + kb, half), half)
-            return tuple(a + int4_dot(x_lo, x_hi, rhs_ref[group, c, packed],
+            return tuple(int4_dot(a, x_lo, x_hi, rhs_ref[group, c, packed],
                                       scale_ref[group, kg, c],
                                       INT4_ZERO if zero_ref is None else zero_ref[group, kg, c],
                                       native)

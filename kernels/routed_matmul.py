@@ -136,8 +136,8 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
                     zero = (expert_stack.INT4_ZERO if zero_ref is None
                             else zero_ref[e, kg, cols])
                     packed = pl.ds(expert_stack.nibble_start(k_range * k_steps + kb, half), half)
-                    return acc + expert_stack.int4_dot(
-                        *(load_x(pl.multiple_of(start + h, half), half) for h in (0, half)),
+                    return expert_stack.int4_dot(
+                        acc, *(load_x(pl.multiple_of(start + h, half), half) for h in (0, half)),
                         rhs_ref[e, cols, packed], scale_ref[e, kg, cols], zero, native)
                 ks = pl.ds(start, block_k)
                 x = load_x(start, block_k)  # [T, bk]
