@@ -145,9 +145,9 @@ def _kernel(group_ref, first_ref, valid_ref, *refs, block_m: int, block_n: int,
                           for h in (0, half))
             packed = pl.ds(nibble_start(split * k_steps + kb, half), half)
             return tuple(int4_dot(a, x_lo, x_hi, rhs_ref[group, c, packed],
-                                      scale_ref[group, kg, c],
-                                      INT4_ZERO if zero_ref is None else zero_ref[group, kg, c],
-                                      native)
+                                  scale_ref[group, kg, c],
+                                  INT4_ZERO if zero_ref is None else zero_ref[group, kg, c],
+                                  native)
                          for a, c in zip(accs, cols, strict=True))
         ks = pl.ds(k0, block_k)
         x = lhs_ref[rows, ks]  # [bm, bk] (gathered: bm rows of bk contiguous values)
