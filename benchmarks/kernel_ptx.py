@@ -40,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 ATTENTION = ("decode_attention", "ragged_attention")  # the paged attention kernels
-EXPERTS = ("grouped", "routed")  # the MoE expert GEMMs
+EXPERTS = ("grouped", "routed", "routed_down")  # the MoE expert GEMMs
 TOKEN_KERNELS = ("rotary_write", "moe_route")  # one program a token, default tiling
 EXPERT_DTYPES = ("bfloat16", "float8_e4m3fn", "int8", "float8_e4m3fn-block", "int8-block",
                  "int4")
@@ -147,10 +147,11 @@ def experts_ttir(kind: str, dtype: str, tokens: int,
                  glu: bool = False) -> tuple[str, object, int]:
     """(Triton IR text, tiling, weight elements a loop step reads) of the grouped (`tokens`
     x top-8 rows, the default tiling for them) or routed (`tokens` rows, 2 K ranges) GEMM
-    over Qwen3-30B-A3B's gate/up experts stored as `dtype` (one byte: values [E, N, K] and
-    scales, `pjinfer.quantization.experts`). `glu`: the grouped GEMM as the MoE layer runs
-    it (x's rows gathered through the sort order, the silu epilogue over half-width
-    blocks)."""
+    over Qwen3-30B-A3B's gate/up experts, or `routed_down`: the routed FFN's down kernel
+    (silu(gate) * up of gate/up's two K ranges as it loads), stored as `dtype` (one byte:
+    values [E, N, K] and scales, `pjinfer.quantization.experts`). `glu`: the grouped GEMM as
+    the MoE layer runs it (x's rows gathered through the sort order, the silu epilogue over
+    half-width blocks)."""
     import types
 
     import jax
@@ -158,7 +159,7 @@ def experts_ttir(kind: str, dtype: str, tokens: int,
 
     from pjinfer.kernels import ops
     from pjinfer.kernels.grouped_matmul import grouped_matmul
-    from pjinfer.kernels.routed_matmul import default_routed_tiling, routed_matmul
+    from pjinfer.kernels.routed_matmul import default_routed_tiling, routed_ffn, routed_matmul
 
     experts, k, n = 128, 2048, 1536
     values, scales, group = _expert_stack(dtype, experts, k, n)
@@ -171,6 +172,15 @@ def experts_ttir(kind: str, dtype: str, tokens: int,
             jax.ShapeDtypeStruct((tokens if glu else rows, k), jnp.bfloat16), values,
             jax.ShapeDtypeStruct((experts,), jnp.int32), *scales)
         elements = tiling["block_k"] * tiling["block_n"] * (2 if tiling["glu"] else 1)
+    elif kind == "routed_down":  # routed_ffn's second kernel: the activation as it loads
+        down, down_scales, _ = _expert_stack(dtype, experts, n // 2, k)
+        tiling = dict(num_warps=4, num_stages=3, k_splits=(2, 1))
+        captured = triton_ir(lambda x, w, d, i, *s: routed_ffn(
+            x, w, d, i, gate_up_scales=s[0] if s else None,
+            down_scales=s[1] if s else None, **tiling),
+            jax.ShapeDtypeStruct((tokens, k), jnp.bfloat16), values, down,
+            jax.ShapeDtypeStruct((tokens, 8), jnp.int32), *scales, *down_scales)[1:]
+        elements = 128 * 128  # routed_ffn's default blocks
     else:
         (bn, bk), _ = default_routed_tiling((experts, k, n), 8, group)
         tiling = dict(block_n=bn, block_k=bk, num_warps=4, num_stages=3, k_splits=2)

@@ -12,11 +12,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from pjinfer.kernels.tile_dequant import int4_bf16_native
 from pjinfer.quantization.weight import int4_span, unpack_int4
 
 INT4_ZERO = 8.0  # a symmetric int4 value's zero point (values 0..15)
+# 1 / (1 + 2^(-x log2 e)) in four PTX instructions (ex2 and rcp approximate: ~2 ulp of
+# float32, far under the bfloat16 the activation is stored in)
+SIGMOID_ASM = ("{ .reg .f32 t; mul.f32 t, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 t, t; "
+               "add.f32 t, t, 0f3F800000; rcp.approx.ftz.f32 $0, t; }")
 
 
 def is_int4(rhs: jax.Array) -> bool:
@@ -165,6 +170,17 @@ def dequantized(lhs: jax.Array, rhs: jax.Array, rhs_scales: jax.Array | None,
     else:
         w = rhs.astype(jnp.float32) * value_scales(rhs, rhs_scales)  # [G, N, K]
     return w.transpose(0, 2, 1), lhs.astype(jnp.float32)
+
+
+def sigmoid(x: jax.Array, compiled: bool) -> jax.Array:
+    """float32 sigmoid inside a kernel: compiled for a GPU, `SIGMOID_ASM` (Triton lowers
+    x / (1 + exp(-x)) to a full-range division, ~10 SASS instructions an element; the routed
+    down kernel evaluates it on every [T, bk] tile it loads); in interpret mode exact."""
+    if not compiled:
+        return 1.0 / (1.0 + jnp.exp(-x))
+    return pltriton.elementwise_inline_asm(
+        SIGMOID_ASM, args=[x], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
 
 
 def silu_and_mul(h: jax.Array) -> jax.Array:

@@ -80,7 +80,7 @@ ROUTED_BUSY_PROGRAMS = 256  # ~2 per SM of an H100/H200
 def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
                    k_steps: int, per_assignment: bool, splits: int, padded: tuple[int, int],
                    glu: tuple[int, int] | None, dtype, k_group: int | None, int4: bool,
-                   native: bool):
+                   native: bool, compiled: bool):
     """Program (column block, K range q, split s): assignments s, s + splits, ... of the flat
     [T*k] ids. Each one that is its expert's first (and not inactive) multiplies every token
     that chose that expert over K range q (`k_steps` blocks), as one dense [T, bk] x [bk, bn]
@@ -126,7 +126,7 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
 
             def load_x(start, width):  # [T, width], tokens that did not choose e zeroed
                 x = (lhs_ref[rows, pl.ds(start, width)] if glu is None
-                     else _glu_tile(lhs_ref, out_rows, start, width, glu, dtype))
+                     else _glu_tile(lhs_ref, out_rows, start, width, glu, dtype, compiled))
                 return jnp.where(hit[:, None], x, 0)
 
             def body(kb, acc):
@@ -163,7 +163,7 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
 
 
 def _glu_tile(lhs_ref, rows, start, block_k: int, glu: tuple[int, int],
-              dtype) -> jax.Array:
+              dtype, compiled: bool) -> jax.Array:
     """silu(gate) * up [T, bk] at K offset `start` from a gate/up GEMM's raw partials: its
     K ranges added here, where XLA ran a kernel. All T rows are read (the caller masks the
     tokens that did not choose the expert): a masked load here failed to compile in Triton
@@ -174,9 +174,9 @@ def _glu_tile(lhs_ref, rows, start, block_k: int, glu: tuple[int, int],
     def fetch(q: int, offset) -> jax.Array:  # range q's [T, bk] at column offset
         return lhs_ref[q * stride + rows, pl.ds(offset, block_k)].astype(jnp.float32)
 
-    gate = sum(fetch(q, start) for q in range(partials))
-    upv = sum(fetch(q, start + up) for q in range(partials))
-    return (gate / (1.0 + jnp.exp(-gate)) * upv).astype(dtype)
+    gate, upv = (functools.reduce(jnp.add, [fetch(q, offset) for q in range(partials)])
+                 for offset in (start, start + up))  # no 0.0 + first: an FADD an element
+    return (gate * expert_stack.sigmoid(gate, compiled) * upv).astype(dtype)
 
 
 def _routed_call(lhs: jax.Array, rhs: jax.Array, scales: list, ids: jax.Array, *,
@@ -203,7 +203,8 @@ def _routed_call(lhs: jax.Array, rhs: jax.Array, scales: list, ids: jax.Array, *
                           splits=splits, padded=(tp, kp), glu=glu, dtype=dtype,
                           k_group=k_group, int4=expert_stack.is_int4(rhs),
                           native=expert_stack.is_int4(rhs) and not interpret
-                          and (dtype if glu else lhs.dtype) == jnp.bfloat16),
+                          and (dtype if glu else lhs.dtype) == jnp.bfloat16,
+                          compiled=not interpret),
         # splits slowest: the programs of the first (real) assignments run first, every K
         # range of them, and the padding's programs (which only find nothing to do) after
         grid=(width // block_n, k_splits, splits),

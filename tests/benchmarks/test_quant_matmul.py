@@ -157,6 +157,17 @@ def test_kernel_ptx_reads_the_routed_kernel_over_grouped_expert_stacks(tmp_path,
     assert record["ttir_ops"].get("tt.elementwise_inline_asm", 0) == (2 if dtype == "int4" else 0)
 
 
+def test_kernel_ptx_reads_the_routed_ffn_down_kernel(tmp_path):
+    """--kind routed_down: the routed FFN's second kernel, its activation's sigmoid the one
+    inline assembly over bf16 experts."""
+    from pjinfer.benchmarks import kernel_ptx
+
+    record = kernel_ptx.run(["--out", str(tmp_path / "d.json"), "--kind", "routed_down",
+                             "--tokens", "1"])
+    assert record["ttir_ops"]["tt.elementwise_inline_asm"] == 1
+    assert record["ttir_ops"]["tt.dot"] >= 1 and "arith.divf" not in record["ttir_ops"]
+
+
 def test_sass_loop_is_the_longest_backward_branch():
     """cuobjdump lines: the loop is what lies between the longest backward branch and its
     target (a branch to itself, the kernel's trailing trap, is no loop)."""

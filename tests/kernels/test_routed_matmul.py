@@ -146,6 +146,22 @@ def test_routed_ffn_lowers_to_two_kernels_and_nothing_between():
     assert calls[0][0] in calls[1][1].split(", "), calls  # gate/up's raw output into down
 
 
+def test_routed_down_kernel_takes_the_sigmoid_in_four_instructions():
+    """Compiled, the down kernel's activation is `SIGMOID_ASM` (ex2, rcp approximate) and no
+    division: x / (1 + exp(-x)) cost it ~10 SASS instructions an element on sm_90a, on every
+    tile it loads (RESULTS.md round 35)."""
+    from pjinfer.benchmarks.kernel_ptx import triton_ir
+
+    gate_up, down = triton_ir(
+        lambda a, gu, dn, i: routed_ffn(a, gu, dn, i, k_splits=(2, 1)),
+        jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16),
+        jax.ShapeDtypeStruct((128, 2048, 1536), jnp.bfloat16),
+        jax.ShapeDtypeStruct((128, 768, 2048), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1, 8), jnp.int32))
+    assert "rcp.approx" not in gate_up
+    assert down.count("rcp.approx.ftz.f32") == 1 and "arith.divf" not in down
+
+
 @pytest.mark.skipif(not INTERPRET, reason="on a GPU the compiled kernel tests run the lowering")
 def test_routed_kernel_lowers_to_triton_ir_for_qwen3_experts():
     """Without a GPU: both Qwen3-30B-A3B expert GEMMs of a 16-token step lower through Pallas
