@@ -361,7 +361,8 @@ stage_moefp8() {
   fi
   local gpu=$([ $SMOKE = 1 ] && echo cpu || echo cuda)
   step moe_fp8_kernel_tests 300 env JAX_PLATFORMS=$gpu $PY -m pytest -q -p no:cacheprovider \
-      --import-mode=append tests/kernels/test_grouped_matmul_quantized.py
+      --import-mode=append tests/kernels/test_grouped_matmul_quantized.py \
+      tests/kernels/test_routed_matmul.py  # the routed FFN's inline-PTX sigmoid too
   # one-byte values: a 128 x 128 tile is half the bytes a stage of bf16's, so longer K blocks
   # (and fewer K ranges) may keep as many bytes in flight
   local sweep=(--block-k 128 256 --k-splits 1 2)
