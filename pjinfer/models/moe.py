@@ -176,8 +176,7 @@ def _stack_spec(stack: ops.Experts, spec: P) -> P | QuantizedExperts:
     scales split along the same axes (K groups with K)."""
     if not isinstance(stack, QuantizedExperts):
         return spec
-    grouped = stack.scales.ndim == stack.values.ndim
-    scales = P(*scale_axes(tuple(spec), grouped))
+    scales = P(*scale_axes(tuple(spec), stack.grouped))
     return QuantizedExperts(P(*value_axes(tuple(spec))), scales,
                             None if stack.zeros is None else scales,
                             None if stack.perm is None else P(spec[0], None))  # [E, K]

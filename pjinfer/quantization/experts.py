@@ -70,9 +70,14 @@ class QuantizedExperts:
         return "fp8" if self.values.dtype == FP8 else "int8"
 
     @property
+    def grouped(self) -> bool:
+        """Whether the scales have a K-group axis ([E, G, *out], int4's always)."""
+        return self.scales.ndim == self.values.ndim
+
+    @property
     def k_groups(self) -> int:
         """Scale groups along K (1: one scale per output channel)."""
-        return self.scales.shape[1] if self.scales.ndim == self.values.ndim else 1
+        return self.scales.shape[1] if self.grouped else 1
 
     @property
     def nbytes(self) -> int:
@@ -82,7 +87,7 @@ class QuantizedExperts:
     def with_out_shape(self, *out: int) -> QuantizedExperts:
         """The same stack with its output dims reshaped (gate/up's [2, I] -> [2I]: free)."""
         e = self.shape[0]
-        groups = self.scales.shape[1:2] if self.scales.ndim == self.values.ndim else ()
+        groups = self.scales.shape[1:2] if self.grouped else ()
         zeros = None if self.zeros is None else self.zeros.reshape(e, *groups, *out)
         return QuantizedExperts(self.values.reshape(e, *out, self.values.shape[-1]),
                                 self.scales.reshape(e, *groups, *out), zeros, self.perm)

@@ -295,8 +295,7 @@ def _place_experts(qe: QuantizedExperts, p: ParamSpec, placer: Placer) -> Quanti
     """Values, scales (and int4 zeros) split along the float stack's axes."""
     if placer.mesh is None:
         return qe
-    grouped = qe.scales.ndim == qe.values.ndim
-    value_spec, scale_spec = _part_specs(p, placer, qe.k_groups if grouped else None,
+    value_spec, scale_spec = _part_specs(p, placer, qe.k_groups if qe.grouped else None,
                                          qe.values.shape)
     scales = placer.sharding(scale_spec)
     return QuantizedExperts(jax.device_put(qe.values, placer.sharding(value_spec)),
