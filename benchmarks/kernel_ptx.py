@@ -165,7 +165,8 @@ def experts_ttir(kind: str, dtype: str, tokens: int,
     values, scales, group = _expert_stack(dtype, experts, k, n)
     if kind == "grouped":
         rows = tokens * 8
-        tiling = ops.grouped_tiling(rows, experts, k, n, glu=glu, k_group=group)
+        tiling = ops.grouped_tiling(rows, experts, k, n, glu=glu, k_group=group,
+                                    int4=dtype == "int4")
         gathered = dict(lhs_rows=jnp.zeros((rows,), jnp.int32)) if glu else {}
         captured = triton_ir(lambda x, w, g, *s: grouped_matmul(
             x, w, g, rhs_scales=s[0] if s else None, **gathered, **tiling),
@@ -195,20 +196,21 @@ def experts_ttir(kind: str, dtype: str, tokens: int,
 
 
 def _expert_stack(dtype: str, experts: int, k: int, n: int) -> tuple[object, list, int | None]:
-    """(values, [scales] or [], K group) shape structs of an expert stack stored as `dtype`
-    (`pjinfer.quantization.experts`' layouts: float [E, K, N]; one-byte [E, N, K] with
-    scales [E, N] or, `-block` and int4, [E, K / 128, N]; int4 nibbles [E, N, K / 2])."""
+    """(values, [scales] or [], K group) shape structs of a [E, K, N] expert stack stored as
+    `dtype`: a float one as it is, else `quantize_experts`' layout (`-block` and int4: a
+    scale per 128-row K group)."""
     import jax
     import jax.numpy as jnp
 
+    from pjinfer.quantization.experts import quantize_experts
+
+    stack = jax.ShapeDtypeStruct((experts, k, n), jnp.bfloat16)
+    if dtype == "bfloat16":
+        return stack, [], None
     group = 128 if dtype == "int4" or dtype.endswith("-block") else None
-    stored = {"int4": jnp.uint8}.get(dtype, dtype.removesuffix("-block"))
-    if jnp.dtype(stored).itemsize != 1:
-        return jax.ShapeDtypeStruct((experts, k, n), stored), [], None
-    width = k // 2 if dtype == "int4" else k
-    scales = (experts, n) if group is None else (experts, k // group, n)
-    return (jax.ShapeDtypeStruct((experts, n, width), stored),
-            [jax.ShapeDtypeStruct(scales, jnp.float32)], group)
+    kind = {"float8_e4m3fn": "fp8", "int8": "int8", "int4": "int4"}[dtype.removesuffix("-block")]
+    q = jax.eval_shape(lambda w: quantize_experts(w, kind, group), stack)
+    return q.values, [q.scales], group
 
 
 def rotary_ttir(kv_dtype: str, tokens: int) -> tuple[str, object, int]:

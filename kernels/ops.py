@@ -160,7 +160,7 @@ def _stored(rhs: Experts) -> tuple[jax.Array, dict]:
 
 def _k_group(rhs: Experts) -> int | None:
     """Rows of K one scale covers in a K-grouped quantized stack, else None."""
-    if isinstance(rhs, QuantizedExperts) and rhs.scales.ndim == rhs.values.ndim:
+    if isinstance(rhs, QuantizedExperts) and rhs.grouped:
         return rhs.shape[1] // rhs.k_groups
     return None
 
@@ -189,21 +189,22 @@ def grouped_matmul(lhs: jax.Array, rhs: Experts, group_sizes: jax.Array, *,
         return (silu_and_mul(out) if glu else out).astype(out_dtype)
     values, stored = _stored(rhs)
     rows = lhs.shape[0] if lhs_rows is None else lhs_rows.shape[0]
-    k_group = _k_group(rhs)
-    tiling = grouped_tiling(rows, *rhs.shape, glu=glu, k_group=k_group)
-    if isinstance(rhs, QuantizedExperts) and rhs.kind == "int4":  # a K step: a nibble block
-        tiling["block_k"] = 2 * int4_span(rhs.shape[1], k_group)
+    tiling = grouped_tiling(rows, *rhs.shape, glu=glu, k_group=_k_group(rhs),
+                            int4=isinstance(rhs, QuantizedExperts) and rhs.kind == "int4")
     out = pallas_grouped_matmul(lhs, values, group_sizes, **stored, out_dtype=out_dtype,
                                 lhs_rows=lhs_rows, interpret=_interpret(), **tiling)
     return silu_and_mul(out) if glu and not tiling["glu"] else out
 
 
 def grouped_tiling(rows: int, groups: int, k: int, n: int, glu: bool = False,
-                   k_group: int | None = None) -> dict:
+                   k_group: int | None = None, int4: bool = False) -> dict:
     """The grouped kernel's keyword arguments for these shapes: `default_grouped_block_sizes`
     and `glu`, whether the kernel applies the activation itself (when asked and its tiling
-    takes K whole; then two [bm, bn / 2] sums, gate and up: the registers of one [bm, bn])."""
+    takes K whole; then two [bm, bn / 2] sums, gate and up: the registers of one [bm, bn]).
+    `int4` experts take one nibble block a K step."""
     tiling = default_grouped_block_sizes(rows, groups, k, n, k_group)
+    if int4:
+        tiling["block_k"] = 2 * int4_span(k, k_group or k)
     tiling["glu"] = glu and tiling.get("k_splits", 1) == 1 and tiling["block_n"] >= 32
     if tiling["glu"]:
         tiling["block_n"] //= 2
