@@ -383,6 +383,10 @@ stage_moefp8() {
   step moe_decode_stack_int4 300 $PY -m pjinfer.benchmarks.moe_decode_stack "${stack[@]}" \
       "${nibbles[@]}" --expert-dtype int4 --out "$JSON/moe_decode_stack_int4.json"
   for q in ${MOEFP8_MODELS:-none fp8 gptq-int4 fp8-block}; do
+    case $q in
+      none|fp8|gptq-int4|fp8-block) ;;
+      *) log "SKIP MOEFP8_MODELS entry '$q': not one of none fp8 gptq-int4 fp8-block"; continue ;;
+    esac
     local quant=() model=("${qwen[@]}")
     [ $q = fp8 ] && quant=(--quantization fp8)
     # dummy weights in the layouts Qwen3-30B-A3B-GPTQ-Int4 / -FP8 (128 x 128 blocks) load into
