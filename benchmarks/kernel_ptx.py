@@ -40,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 ATTENTION = ("decode_attention", "ragged_attention")  # the paged attention kernels
-EXPERTS = ("grouped", "routed", "routed_down")  # the MoE expert GEMMs
+EXPERTS = ("grouped", "routed", "routed_down", "routed_swiglu")  # the MoE expert GEMMs
 TOKEN_KERNELS = ("rotary_write", "moe_route")  # one program a token, default tiling
 EXPERT_DTYPES = ("bfloat16", "float8_e4m3fn", "int8", "float8_e4m3fn-block", "int8-block",
                  "int4")
@@ -147,8 +147,9 @@ def experts_ttir(kind: str, dtype: str, tokens: int,
                  glu: bool = False) -> tuple[str, object, int]:
     """(Triton IR text, tiling, weight elements a loop step reads) of the grouped (`tokens`
     x top-8 rows, the default tiling for them) or routed (`tokens` rows, 2 K ranges) GEMM
-    over Qwen3-30B-A3B's gate/up experts, or `routed_down`: the routed FFN's down kernel
-    (silu(gate) * up of gate/up's two K ranges as it loads), stored as `dtype` (one byte:
+    over Qwen3-30B-A3B's gate/up experts, `routed_swiglu` (the routed gate/up GEMM with
+    silu(gate) * up in its epilogue, one K range) or `routed_down`: the routed FFN's down
+    kernel (silu(gate) * up of gate/up's two K ranges as it loads), stored as `dtype` (one byte:
     values [E, N, K] and scales, `pjinfer.quantization.experts`). `glu`: the grouped GEMM as
     the MoE layer runs it (x's rows gathered through the sort order, the silu epilogue over
     half-width blocks)."""
@@ -159,7 +160,12 @@ def experts_ttir(kind: str, dtype: str, tokens: int,
 
     from pjinfer.kernels import ops
     from pjinfer.kernels.grouped_matmul import grouped_matmul
-    from pjinfer.kernels.routed_matmul import default_routed_tiling, routed_ffn, routed_matmul
+    from pjinfer.kernels.routed_matmul import (
+        default_routed_tiling,
+        routed_ffn,
+        routed_matmul,
+        swiglu_routed_tiling,
+    )
 
     experts, k, n = 128, 2048, 1536
     values, scales, group = _expert_stack(dtype, experts, k, n)
@@ -182,14 +188,17 @@ def experts_ttir(kind: str, dtype: str, tokens: int,
             jax.ShapeDtypeStruct((tokens, k), jnp.bfloat16), values, down,
             jax.ShapeDtypeStruct((tokens, 8), jnp.int32), *scales, *down_scales)[1:]
         elements = 128 * 128  # routed_ffn's default blocks
-    else:
+    else:  # routed_swiglu: silu(gate) * up in the epilogue, the tiling for float stacks
         (bn, bk), _ = default_routed_tiling((experts, k, n), 8, group)
         tiling = dict(block_n=bn, block_k=bk, num_warps=4, num_stages=3, k_splits=2)
+        if kind == "routed_swiglu":
+            tiling.update(k_splits=1, swiglu=True, block_n=swiglu_routed_tiling(
+                (experts, k, n), 8, group)[0])
         captured = triton_ir(lambda x, w, i, *s: routed_matmul(
             x, w, i, per_assignment=False, rhs_scales=s[0] if s else None, **tiling),
             jax.ShapeDtypeStruct((tokens, k), jnp.bfloat16), values,
             jax.ShapeDtypeStruct((tokens, 8), jnp.int32), *scales)
-        elements = tiling["block_k"] * tiling["block_n"]
+        elements = tiling["block_k"] * tiling["block_n"] * (2 if kind == "routed_swiglu" else 1)
     sizes = types.SimpleNamespace(num_warps=tiling.get("num_warps", 4),
                                   num_stages=tiling.get("num_stages", 3), tiling=tiling)
     return captured[0], sizes, elements

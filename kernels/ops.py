@@ -39,6 +39,7 @@ from pjinfer.kernels.routed_matmul import (
     default_routed_tiling,
     routed_ffn_reference,
     routed_matmul_reference,
+    swiglu_routed_tiling,
 )
 from pjinfer.kernels.routed_matmul import routed_ffn as pallas_routed_ffn
 from pjinfer.kernels.routed_matmul import routed_matmul as pallas_routed_matmul
@@ -232,47 +233,75 @@ ROUTE_KERNEL_TOKENS = 1024
 
 
 def routed_matmul(lhs: jax.Array, rhs: Experts, ids: jax.Array, *, per_assignment: bool,
-                  backend: str = "auto", out_dtype=None) -> jax.Array:
+                  backend: str = "auto", out_dtype=None, swiglu: bool = False) -> jax.Array:
     """ids [T, k] -> [T*k, N]: row t*k+j = lhs[t] (or lhs[t*k+j] when `per_assignment`) @
-    rhs[ids[t, j]], 0 where ids[t, j] < 0; each chosen expert read once (Pallas)."""
+    rhs[ids[t, j]], 0 where ids[t, j] < 0; each chosen expert read once (Pallas). `swiglu`:
+    rhs's columns are gate then up halves, the result silu(gate) * up [T*k, N / 2] (in the
+    kernel's epilogue where a tiling of whole column blocks exists, else after it)."""
     rhs_shape, k_group = rhs.shape, _k_group(rhs)  # of the float stack, quantized or not
+    tiling = _swiglu_tiling(rhs, ids.shape[1]) if swiglu and _use_pallas(backend) else None
+    if swiglu and tiling is None:  # the activation after the GEMM
+        return silu_and_mul(routed_matmul(lhs, rhs, ids, per_assignment=per_assignment,
+                                          backend=backend, out_dtype=out_dtype))
     rhs, stored = _stored(rhs)
     if not _use_pallas(backend):
         return routed_matmul_reference(lhs, rhs, ids, per_assignment=per_assignment,
                                        **stored, out_dtype=out_dtype)
-    (bn, bk), k_splits = default_routed_tiling(rhs_shape, ids.shape[1], k_group)
+    k_splits = 1
+    if tiling is None:
+        tiling, k_splits = default_routed_tiling(rhs_shape, ids.shape[1], k_group)
     return pallas_routed_matmul(lhs, rhs, ids, per_assignment=per_assignment, **stored,
                                 out_dtype=out_dtype, interpret=_interpret(),
-                                block_n=bn, block_k=bk, k_splits=k_splits)
+                                block_n=tiling[0], block_k=tiling[1], k_splits=k_splits,
+                                swiglu=swiglu)
+
+
+def _swiglu_tiling(gate_up: Experts, top_k: int) -> tuple[int, int] | None:
+    """The routed gate/up GEMM's tiling with the activation in its epilogue, for float
+    stacks: over quantized ones (whose weights cost more instructions a byte) Qwen3-30B-A3B's
+    32-column blocks compile to 5.1 SASS instructions a weight, against 4.2 (fp8) and 3.9
+    (int4) for 128 columns in 2 K ranges (sm_90a; RESULTS.md round 36)."""
+    if isinstance(gate_up, QuantizedExperts):
+        return None
+    return swiglu_routed_tiling(gate_up.shape, top_k)
 
 
 def routed_ffn(x: jax.Array, gate_up: Experts, down: Experts, ids: jax.Array, *,
                backend: str = "auto") -> jax.Array:
     """Each token-expert assignment's SwiGLU, x [T, D] -> [T*k, D] (ids [T, k], < 0: 0 rows;
-    gate_up [E, D, 2I] gate then up columns, down [E, I, D]). On Pallas two routed kernels:
-    for a long down GEMM (`ROUTED_FFN_MIN_K_BLOCKS`) the second takes the activation from
-    the first's raw output as it loads (`routed_ffn`), else XLA computes it between them."""
-    tilings = [default_routed_tiling(w.shape, ids.shape[1], _k_group(w))
-               for w in (gate_up, down)]
-    k_blocks, rest = divmod(down.shape[1], tilings[1][0][1])
-    if _use_pallas(backend) and (rest or k_blocks < ROUTED_FFN_MIN_K_BLOCKS):
-        h = routed_matmul(x, gate_up, ids, per_assignment=False, backend=backend)
-        return routed_matmul(silu_and_mul(h), down, ids, per_assignment=True, backend=backend)
+    gate_up [E, D, 2I] gate then up columns, down [E, I, D]). On Pallas two routed kernels
+    with nothing between (`routed_ffn`): for a long down GEMM (`ROUTED_FFN_MIN_K_BLOCKS`)
+    the second applies the activation to the first's raw output as it loads, else the first
+    applies it to its sums; shapes that fit neither take two routed GEMMs with the
+    activation after the first."""
+    (gate_tiling, gate_splits), (down_tiling, down_splits) = [
+        default_routed_tiling(w.shape, ids.shape[1], _k_group(w)) for w in (gate_up, down)]
+    k_blocks, rest = divmod(down.shape[1], down_tiling[1])
+    epilogue = _swiglu_tiling(gate_up, ids.shape[1])
+    long_down = not rest and k_blocks >= ROUTED_FFN_MIN_K_BLOCKS
+    if _use_pallas(backend) and not long_down and (rest or epilogue is None):
+        act = routed_matmul(x, gate_up, ids, per_assignment=False, backend=backend,
+                            swiglu=True)  # [T*k, I]
+        return routed_matmul(act, down, ids, per_assignment=True, backend=backend)
     (gate_up, gu_stored), (down, dn_stored) = _stored(gate_up), _stored(down)
     stored = {f"{name}_{part.removeprefix('rhs_')}": a
               for name, parts in (("gate_up", gu_stored), ("down", dn_stored))
               for part, a in parts.items()}  # gate_up_scales=..., down_zeros=...
     if not _use_pallas(backend):
         return routed_ffn_reference(x, gate_up, down, ids, **stored)
-    return pallas_routed_ffn(x, gate_up, down, ids, **stored, interpret=_interpret(),
-                             blocks=tuple(blocks for blocks, _ in tilings),
-                             k_splits=tuple(splits for _, splits in tilings))
+    tiling = (dict(activation="down", blocks=(gate_tiling, down_tiling),
+                   k_splits=(gate_splits, down_splits)) if long_down
+              else dict(activation="gate_up", blocks=(epilogue, down_tiling),
+                        k_splits=(1, down_splits)))
+    return pallas_routed_ffn(x, gate_up, down, ids, **stored, interpret=_interpret(), **tiling)
 
 
-# H200 (RESULTS.md, round 31), routed GEMMs at one token, fused against XLA's activation
-# between: Mixtral-8x7B (I 14,336: 112 K blocks of down) 184.1 -> 179.3 us a layer; Qwen3-30B-A3B
-# (I 768: 6 blocks) 29.8 -> 28.7 alone but, in the engine's 8-row decode step, down 13.9 us
-# against ~10.4 + 2.0 (its per-step activation work outweighs a short K loop)
+# H200 (RESULTS.md, round 31), routed GEMMs at one token, the activation in the down kernel's
+# loads against XLA's between: Mixtral-8x7B (I 14,336: 112 K blocks of down) 184.1 -> 179.3
+# us a layer; Qwen3-30B-A3B (I 768: 6 blocks) 29.8 -> 28.7 alone but, in the engine's 8-row
+# decode step, down 13.9 us against ~10.4 + 2.0 (its per-tile activation work, repeated for
+# each of down's column blocks, outweighs a short K loop): shorter ones take it in gate/up's
+# epilogue
 ROUTED_FFN_MIN_K_BLOCKS = 16
 
 

@@ -60,6 +60,22 @@ def default_routed_tiling(rhs_shape: tuple[int, int, int], top_k: int,
     return (bn, bk), routed_k_splits(busy, -(-kk // bk))
 
 
+def swiglu_routed_tiling(rhs_shape: tuple[int, int, int], top_k: int,
+                         k_group: int | None = None) -> tuple[int, int] | None:
+    """(block_n, block_k) of a gate/up routed GEMM with the activation in its epilogue
+    (`routed_matmul(..., swiglu=True)`; rhs [G, K, 2I]), or None where no block of >= 32
+    columns divides I. K is whole, so the programs come from the column blocks alone: halved
+    from 128 until ~`ROUTED_BUSY_PROGRAMS` stream weights at one token, as the K ranges aim
+    for (Qwen3-30B-A3B: I 768 -> 32 columns, 24 blocks x 8 experts)."""
+    groups, kk, n = rhs_shape
+    bn = common.dividing_block(128, n // 2)
+    while bn > 32 and n // 2 // bn * min(top_k, groups) < ROUTED_BUSY_PROGRAMS:
+        bn //= 2
+    if n % 2 or bn < 32 or (n // 2) % bn:
+        return None
+    return bn, common.dividing_block(128, k_group or kk)
+
+
 def routed_k_splits(busy_programs: int, k_blocks: int) -> int:
     """K ranges for a routed GEMM: split until ~`ROUTED_BUSY_PROGRAMS` programs stream
     weights, at most 4 ranges of >= 8 K blocks each. Round 9's sweep on the H200 (RESULTS.md):
@@ -80,7 +96,8 @@ ROUTED_BUSY_PROGRAMS = 256  # ~2 per SM of an H100/H200
 def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
                    k_steps: int, per_assignment: bool, splits: int, padded: tuple[int, int],
                    glu: tuple[int, int] | None, dtype, k_group: int | None, int4: bool,
-                   native: bool, compiled: bool):
+                   native: bool, compiled: bool, act_up: int | None = None,
+                   raw_lhs: bool = False):
     """Program (column block, K range q, split s): assignments s, s + splits, ... of the flat
     [T*k] ids. Each one that is its expert's first (and not inactive) multiplies every token
     that chose that expert over K range q (`k_steps` blocks), as one dense [T, bk] x [bk, bn]
@@ -95,7 +112,11 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
     follow the scales, and a K step is one nibble block). `glu` (up column offset,
     partials): lhs is a gate/up routed GEMM's raw output (`partials` K ranges of [Tp*kp,
     >= 2K] rows in this padded layout), summed and taken to silu(gate) * up in `dtype` as
-    each [T, bk] tile loads."""
+    each [T, bk] tile loads. `act_up` (the up half's first rhs column): rhs's columns are
+    gate then up, and the program multiplies x by its column block of each half (two [T, bn]
+    sums) and stores silu(gate) * up: the activation in the epilogue, K whole. `raw_lhs`:
+    lhs is such a kernel's output as it stored it ([Tp*kp, K], assignment rows in this
+    padded layout)."""
     *extra_refs, o_ref = refs
     scale_ref, zero_ref = (*extra_refs, None, None)[:2]
     col, k_range, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -109,6 +130,7 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
     position = token[:, None] * top_k + choice[None, :]  # [Tp, kp]
     cols = pl.ds(col * block_n, block_n)
     col_ids = col * block_n + jnp.arange(block_n, dtype=jnp.int32)
+    halves = (cols,) if act_up is None else (cols, pl.ds(act_up + col * block_n, block_n))
 
     def assignment(i, carry):
         a = split + i * splits
@@ -121,7 +143,8 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
             hit = jnp.max(match.astype(jnp.int32), axis=1) > 0  # [T]
             slot = jnp.sum(jnp.where(match, choice[None, :], 0), axis=1)
             out_rows = token * top_k + slot  # [T] assignment rows
-            rows = token * choices + slot if per_assignment else token  # lhs rows
+            rows = (out_rows if raw_lhs else token * choices + slot if per_assignment
+                    else token)  # lhs rows
             rows = jnp.minimum(rows, lhs_ref.shape[0] - 1)
 
             def load_x(start, width):  # [T, width], tokens that did not choose e zeroed
@@ -129,30 +152,41 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
                      else _glu_tile(lhs_ref, out_rows, start, width, glu, dtype, compiled))
                 return jnp.where(hit[:, None], x, 0)
 
-            def body(kb, acc):
+            def times_weights(acc, kb, xs, cols):  # acc + one K step's [T, bn] sums
                 start = (k_range * k_steps + kb) * block_k
                 if int4:  # one nibble block: low nibbles the first half's rows, high the rest
                     half, kg = block_k // 2, expert_stack.step_group(scale_ref, start, k_group)
                     zero = (expert_stack.INT4_ZERO if zero_ref is None
                             else zero_ref[e, kg, cols])
                     packed = pl.ds(expert_stack.nibble_start(k_range * k_steps + kb, half), half)
-                    return expert_stack.int4_dot(
-                        acc, *(load_x(pl.multiple_of(start + h, half), half) for h in (0, half)),
-                        rhs_ref[e, cols, packed], scale_ref[e, kg, cols], zero, native)
+                    return expert_stack.int4_dot(acc, *xs, rhs_ref[e, cols, packed],
+                                                 scale_ref[e, kg, cols], zero, native)
                 ks = pl.ds(start, block_k)
-                x = load_x(start, block_k)  # [T, bk]
                 if scale_ref is None:
-                    return acc + expert_stack.weight_dot(x, rhs_ref[e, ks, cols], False)
-                y = expert_stack.weight_dot(x, rhs_ref[e, cols, ks], True)
+                    return acc + expert_stack.weight_dot(xs[0], rhs_ref[e, ks, cols], False)
+                y = expert_stack.weight_dot(xs[0], rhs_ref[e, cols, ks], True)
                 if k_group is not None:
                     kg = expert_stack.step_group(scale_ref, start, k_group)
                     y = y * scale_ref[e, kg, cols][None, :]
                 return acc + y
 
-            acc = jax.lax.fori_loop(0, k_steps, body,
-                                    jnp.zeros((num_tokens, block_n), jnp.float32))
+            def body(kb, accs):  # x's [T, bk] tile (int4: its two runs) loaded once a step
+                start = (k_range * k_steps + kb) * block_k
+                half = block_k // 2
+                xs = ((load_x(pl.multiple_of(start, half), half),
+                       load_x(pl.multiple_of(start + half, half), half)) if int4
+                      else (load_x(start, block_k),))
+                return tuple(times_weights(acc, kb, xs, c)
+                             for acc, c in zip(accs, halves, strict=True))
+
+            zeros = jnp.zeros((num_tokens, block_n), jnp.float32)
+            accs = jax.lax.fori_loop(0, k_steps, body, tuple(zeros for _ in halves))
             if scale_ref is not None and k_group is None:
-                acc = acc * scale_ref[e, cols][None, :]
+                accs = tuple(acc * scale_ref[e, c][None, :]
+                             for acc, c in zip(accs, halves, strict=True))
+            acc = accs[0]
+            if act_up is not None:  # silu(gate) * up, from the float32 sums
+                acc = acc * expert_stack.sigmoid(acc, compiled) * accs[1]
             partial_rows = k_range * num_tokens * top_k + out_rows  # range q's [T*k] block
             pltriton.store(o_ref.at[partial_rows[:, None], col_ids[None, :]],
                            acc.astype(o_ref.dtype), mask=hit[:, None])
@@ -183,16 +217,20 @@ def _routed_call(lhs: jax.Array, rhs: jax.Array, scales: list, ids: jax.Array, *
                  per_assignment: bool, glu: tuple[int, int] | None, block_n: int,
                  block_k: int, num_warps: int, num_stages: int, splits: int, k_splits: int,
                  dtype, interpret: bool, k_group: int | None = None,
-                 partial_dtype=jnp.float32) -> tuple[jax.Array, int]:
+                 partial_dtype=jnp.float32, act_up: int | None = None,
+                 raw_lhs: bool = False) -> tuple[jax.Array, int]:
     """The kernel over padded rhs (`pad_stack`) and lhs: its raw output [q * Tp*kp, width]
     (q K ranges, rows of inactive choices unwritten) and q. `k_group`: the unpadded
-    stack's rows of K a scale covers (scales [G, KG, N]), else None."""
+    stack's rows of K a scale covers (scales [G, KG, N]), else None. `act_up` (I, rhs's
+    columns gate then up halves of I): the output is silu(gate) * up [Tp*kp, I], q = 1."""
     expert_stack.check_k_group(k_group, block_k, rhs)
     tp, kp = max(16, common.next_pow2(ids.shape[0])), common.next_pow2(ids.shape[1])
     # padded rhs: [G, K, width] floats, or [G, width, K (/ 2: int4)] quantized values
     width, k_blocks = expert_stack.stack_dims(rhs, scales[0] if scales else None)[::-1][:2]
     k_blocks //= block_k
     k_splits = max(d for d in range(1, min(k_splits, k_blocks) + 1) if k_blocks % d == 0)
+    if act_up is not None:  # the activation needs each sum whole: one K range, I columns
+        width, k_splits = act_up, 1
     # a program a real token's choice at most: at one token 8 of Qwen3's column block's
     # programs, not 128 of which 120 would only look and leave
     splits = min(splits, ids.shape[0] * kp)
@@ -204,7 +242,7 @@ def _routed_call(lhs: jax.Array, rhs: jax.Array, scales: list, ids: jax.Array, *
                           k_group=k_group, int4=expert_stack.is_int4(rhs),
                           native=expert_stack.is_int4(rhs) and not interpret
                           and (dtype if glu else lhs.dtype) == jnp.bfloat16,
-                          compiled=not interpret),
+                          compiled=not interpret, act_up=act_up, raw_lhs=raw_lhs),
         # splits slowest: the programs of the first (real) assignments run first, every K
         # range of them, and the padding's programs (which only find nothing to do) after
         grid=(width // block_n, k_splits, splits),
@@ -232,12 +270,12 @@ def _assignment_rows(out: jax.Array, k_splits: int, ids: jax.Array, n: int,
 
 @functools.partial(jax.jit, static_argnames=("per_assignment", "block_n", "block_k",
                                              "num_warps", "num_stages", "splits", "k_splits",
-                                             "out_dtype", "interpret"))
+                                             "out_dtype", "swiglu", "interpret"))
 def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignment: bool,
                   rhs_scales: jax.Array | None = None, rhs_zeros: jax.Array | None = None,
                   block_n: int = 128, block_k: int = 128, num_warps: int = 4,
                   num_stages: int = 3, splits: int = ROUTED_SPLITS, k_splits: int = 1,
-                  out_dtype=None, interpret: bool = False) -> jax.Array:
+                  out_dtype=None, swiglu: bool = False, interpret: bool = False) -> jax.Array:
     """ids [T, k] (expert per token and choice, < 0: none) -> [T*k, N]: row t*k+j is
     lhs[t] (lhs [T, K]) or lhs[t*k+j] (`per_assignment`, lhs [T*k, K]) times rhs[ids[t, j]],
     0 where ids[t, j] < 0. Grid (column block, K range, split): the programs of a column
@@ -247,10 +285,15 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
     ranges (the largest count <= it that divides K's blocks), each program's float32 partial
     summed after: more programs for a step whose chosen experts x column blocks leave SMs
     idle. `rhs_scales` [G, N] (or [G, KG, N]; int4 with `rhs_zeros`): quantized rhs, as in
-    `grouped_matmul`."""
+    `grouped_matmul`. `swiglu`: rhs's columns are gate then up halves of I (a multiple of
+    block_n) and the result is silu(gate) * up [T*k, I], applied by the kernel to its float32
+    sums (K whole: `k_splits` is not used), where XLA would run it as a kernel of its own."""
     _check_routed(lhs, rhs, ids, per_assignment, rhs_scales, rhs_zeros)
     _check_tiling(ids, block_n, block_k)
     n = expert_stack.stack_dims(rhs, rhs_scales)[2]
+    if swiglu and (n % 2 or (n // 2) % block_n):
+        raise ValueError(f"swiglu needs rhs's gate and up halves each a multiple of block_n "
+                         f"{block_n} columns, got {n}")
     lhs_p = expert_stack.pad_to(lhs, 1, block_k)  # rows as they are: no pad kernel a decode step
     rhs_p, scales = expert_stack.pad_stack(rhs, rhs_scales, block_k, block_n, rhs_zeros)
     dtype = out_dtype or lhs.dtype
@@ -258,12 +301,13 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
                           block_n=block_n, block_k=block_k, num_warps=num_warps,
                           num_stages=num_stages, splits=splits, k_splits=k_splits,
                           dtype=dtype, interpret=interpret,
-                          k_group=expert_stack.k_group(rhs, rhs_scales))
-    return _assignment_rows(out, q, ids, n, dtype)
+                          k_group=expert_stack.k_group(rhs, rhs_scales),
+                          act_up=n // 2 if swiglu else None)
+    return _assignment_rows(out, q, ids, n // 2 if swiglu else n, dtype)
 
 
-_FFN_STATIC = ("blocks", "k_splits", "num_warps", "num_stages", "splits", "out_dtype",
-               "interpret")
+_FFN_STATIC = ("blocks", "k_splits", "activation", "num_warps", "num_stages", "splits",
+               "out_dtype", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_FFN_STATIC)
@@ -271,15 +315,18 @@ def routed_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax.Array
                gate_up_scales: jax.Array | None = None, down_scales: jax.Array | None = None,
                gate_up_zeros: jax.Array | None = None, down_zeros: jax.Array | None = None,
                blocks: tuple[tuple[int, int], tuple[int, int]] = ((128, 128), (128, 128)),
-               k_splits: tuple[int, int] = (1, 1), num_warps: int = 4, num_stages: int = 3,
-               splits: int = ROUTED_SPLITS, out_dtype=None,
-               interpret: bool = False) -> jax.Array:
+               k_splits: tuple[int, int] = (1, 1), activation: str = "down",
+               num_warps: int = 4, num_stages: int = 3, splits: int = ROUTED_SPLITS,
+               out_dtype=None, interpret: bool = False) -> jax.Array:
     """Each assignment's expert SwiGLU, x [T, D] -> [T*k, D'] (row t*k+j: down(silu(gate) *
     up) of x[t] through expert ids[t, j], 0 where < 0), as two routed GEMMs, gate/up
     (gate_up [G, D, 2I], gate columns then up) and down [G, I, D'], with `blocks` (block_n,
-    block_k) and `k_splits` each. The down kernel reads gate/up's raw partials, summing
-    them and applying the activation as it loads: XLA ran that as a kernel of its own
-    between the two (2 us a layer of Qwen3-30B-A3B's decode step on the H100). Gate/up's K
+    block_k) and `k_splits` each, the down kernel reading gate/up's output as stored (no XLA
+    kernel between them: slicing, summing K ranges and the activation took 2 us a layer of
+    Qwen3-30B-A3B's decode step on the H100). `activation` says which applies silu(gate) *
+    up: "down", to gate/up's raw partials as it loads them (each tile of them, once per
+    down column block), or "gate_up", to its whole float32 sums in its epilogue (one K range:
+    gate/up's `k_splits` unused; its block_n must divide I). For "down" gate/up's K
     ranges are stored in x's dtype: the down kernel's pipeline stages its activation loads
     too, and float32 ones took it from 78 to 135 KB of shared memory (one program an SM)
     where bf16 ones take 100 KB (two; sm_90a, Qwen3's shapes, 3 stages). I must be a
@@ -291,21 +338,26 @@ def routed_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax.Array
                   down_scales, down_zeros)  # down's lhs: the activation [T*k, I]
     for block_n, block_k in blocks:
         _check_tiling(ids, block_n, block_k)
-    if 2 * inter != expert_stack.stack_dims(gate_up, gate_up_scales)[2] \
-            or inter % blocks[1][1]:
+    (bn, bk), (down_bn, down_bk) = blocks
+    if 2 * inter != expert_stack.stack_dims(gate_up, gate_up_scales)[2] or inter % down_bk:
         raise ValueError(f"routed_ffn needs gate_up [G, D, 2I] and down [G, I, D'] with I a "
-                         f"multiple of down's block_k {blocks[1][1]}; got gate_up "
+                         f"multiple of down's block_k {down_bk}; got gate_up "
                          f"{gate_up.shape}, down {down.shape}")
+    if activation not in ("down", "gate_up") or (activation == "gate_up" and inter % bn):
+        raise ValueError(f"routed_ffn's activation is 'down' or 'gate_up' (then gate/up's "
+                         f"block_n must divide I {inter}), got {activation!r}, block_n {bn}")
+    epilogue = activation == "gate_up"
     launch = dict(num_warps=num_warps, num_stages=num_stages, splits=splits, dtype=x.dtype,
                   interpret=interpret)
-    (bn, bk), (down_bn, down_bk) = blocks
     rhs, scales = expert_stack.pad_stack(gate_up, gate_up_scales, bk, bn, gate_up_zeros)
     h, q = _routed_call(expert_stack.pad_to(x, 1, bk), rhs, scales, ids, per_assignment=False,
                         glu=None, block_n=bn, block_k=bk, k_splits=k_splits[0],
                         k_group=expert_stack.k_group(gate_up, gate_up_scales),
-                        partial_dtype=x.dtype, **launch)  # [q * Tp*kp, >= 2I]
+                        partial_dtype=x.dtype, act_up=inter if epilogue else None,
+                        **launch)  # [q * Tp*kp, >= 2I], or the activation [Tp*kp, I]
     rhs, scales = expert_stack.pad_stack(down, down_scales, down_bk, down_bn, down_zeros)
-    out, q = _routed_call(h, rhs, scales, ids, per_assignment=True, glu=(inter, q),
+    out, q = _routed_call(h, rhs, scales, ids, per_assignment=True,
+                          glu=None if epilogue else (inter, q), raw_lhs=epilogue,
                           block_n=down_bn, block_k=down_bk, k_splits=k_splits[1],
                           k_group=expert_stack.k_group(down, down_scales), **launch)
     return _assignment_rows(out, q, ids, n, out_dtype or x.dtype)

@@ -37,7 +37,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pjinfer.kernels import ops
-from pjinfer.kernels.expert_stack import silu_and_mul
 from pjinfer.models.layers import gated_mlp, linear
 from pjinfer.quantization.experts import QuantizedExperts, scale_axes, value_axes
 from pjinfer.sharding.attention import shard_map
@@ -97,9 +96,9 @@ def expert_ffn(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: ops.Ex
     if path == "routed" or (path == "auto" and ops.prefers_routed_matmul(backend, t)):
         if _act_order(gate_up, down):  # x per assignment, in its expert's row order
             lhs = _permuted(x[jnp.arange(t * k) // k], local.reshape(-1), gate_up)
-            h = ops.routed_matmul(lhs, _stored(gate_up), local, per_assignment=True,
-                                  backend=backend)
-            act = _permuted(silu_and_mul(h), local.reshape(-1), down)
+            act = ops.routed_matmul(lhs, _stored(gate_up), local, per_assignment=True,
+                                    backend=backend, swiglu=True)
+            act = _permuted(act, local.reshape(-1), down)
             y = ops.routed_matmul(act, _stored(down), local, per_assignment=True,
                                   backend=backend)
         else:

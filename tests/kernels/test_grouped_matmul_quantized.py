@@ -98,7 +98,8 @@ def test_routed_kernel_on_quantized_experts(kind, t, k, g, kk, n, per_assignment
 @pytest.mark.parametrize("k_groups", [1, 2])
 def test_routed_ffn_on_quantized_experts(kind, k_groups):
     """Both stacks quantized (per channel, or per channel and K group: gate/up's K 64 and
-    down's 32 in 2 groups each): the routed GEMM (2 K ranges) and the fused pair against the
+    down's 32 in 2 groups each): the routed GEMM (2 K ranges) and the fused pair (the
+    activation in down's loads or gate/up's epilogue: each half's scales) against the
     reference over the float weights they stand for, and through ops."""
     rng = np.random.default_rng(7)
     ids = np.argsort(rng.random((5, 9)), axis=1)[:, :3].astype(np.int32)
@@ -113,10 +114,11 @@ def test_routed_ffn_on_quantized_experts(kind, k_groups):
     np.testing.assert_allclose(out, routed_matmul_reference(x, gu_w, ids, per_assignment=False),
                                **F32_TOL)
     want = routed_ffn_reference(x, gu_w, dn_w, ids)
-    out = routed_ffn(x, gu.values, dn.values, ids, gate_up_scales=gu.scales,
-                     down_scales=dn.scales, blocks=((16, 16), (32, 16)), k_splits=(2, 1),
-                     interpret=INTERPRET)
-    np.testing.assert_allclose(out, want, **F32_TOL)
+    for activation in ("down", "gate_up"):
+        out = routed_ffn(x, gu.values, dn.values, ids, gate_up_scales=gu.scales,
+                         down_scales=dn.scales, blocks=((16, 16), (32, 16)), k_splits=(2, 1),
+                         activation=activation, interpret=INTERPRET)
+        np.testing.assert_allclose(out, want, **F32_TOL, err_msg=activation)
     for backend in ("reference", "pallas"):
         np.testing.assert_allclose(ops.routed_ffn(x, gu, dn, ids, backend=backend), want,
                                    **F32_TOL, err_msg=backend)
@@ -258,8 +260,9 @@ def test_grouped_kernel_on_int4_experts(asym, m, k, n, g, k_groups, bn, splits):
 
 @pytest.mark.parametrize("asym", [False, True])
 def test_routed_kernels_on_int4_experts(asym):
-    """The routed GEMM (2 K ranges) and the fused SwiGLU pair over int4 stacks (gate/up's K
-    64 in 2 groups, down's 32 in 1), against the reference and through ops."""
+    """The routed GEMM (2 K ranges) and the fused SwiGLU pair (either activation) over int4
+    stacks (gate/up's K 64 in 2 groups, down's 32 in 1), against the reference and through
+    ops."""
     rng = np.random.default_rng(13)
     ids = np.argsort(rng.random((6, 9)), axis=1)[:, :3].astype(np.int32)
     ids[2, 0] = -1
@@ -272,10 +275,12 @@ def test_routed_kernels_on_int4_experts(asym):
     want = routed_matmul_reference(x, gu_w, ids, per_assignment=False)
     np.testing.assert_allclose(out, want, **F32_TOL)
     want = routed_ffn_reference(x, gu_w, dn_w, ids)
-    out = routed_ffn(x, gu.values, dn.values, ids, gate_up_scales=gu.scales,
-                     down_scales=dn.scales, gate_up_zeros=gu.zeros, down_zeros=dn.zeros,
-                     blocks=((16, 32), (32, 32)), k_splits=(2, 1), interpret=INTERPRET)
-    np.testing.assert_allclose(out, want, **F32_TOL)
+    for activation in ("down", "gate_up"):
+        out = routed_ffn(x, gu.values, dn.values, ids, gate_up_scales=gu.scales,
+                         down_scales=dn.scales, gate_up_zeros=gu.zeros, down_zeros=dn.zeros,
+                         blocks=((16, 32), (32, 32)), k_splits=(2, 1), activation=activation,
+                         interpret=INTERPRET)
+        np.testing.assert_allclose(out, want, **F32_TOL, err_msg=activation)
     for backend in ("reference", "pallas"):
         np.testing.assert_allclose(ops.routed_ffn(x, gu, dn, ids, backend=backend), want,
                                    **F32_TOL, err_msg=backend)

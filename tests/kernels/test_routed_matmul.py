@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 
 from pjinfer.kernels import ops
+from pjinfer.kernels.expert_stack import silu_and_mul
 from pjinfer.kernels.routed_matmul import (
     routed_ffn,
     routed_ffn_reference,
     routed_k_splits,
     routed_matmul,
     routed_matmul_reference,
+    swiglu_routed_tiling,
 )
 from tests.kernels.lowering import cuda_module
 from tests.kernels.test_grouped_matmul import F32_TOL, INTERPRET
@@ -56,6 +58,42 @@ def test_routed_kernel_matches_reference(t, k, g, kk, n, per_assignment, splits,
         np.testing.assert_allclose(got, want, **F32_TOL, err_msg=backend)
 
 
+@pytest.mark.parametrize("t, k, g, kk, inter, per_assignment, bn, bk", [
+    (3, 2, 6, 48, 32, False, 16, 16),  # K padded to 64; two column blocks a half
+    (17, 8, 20, 32, 32, True, 32, 16),  # T past 16, lhs per assignment
+    (1, 8, 16, 64, 64, False, 32, 32),  # one token, Qwen3's top-8
+])
+def test_swiglu_epilogue_matches_the_activation_after(t, k, g, kk, inter, per_assignment, bn,
+                                                      bk):
+    """`swiglu`: the kernel applies silu(gate) * up to its float32 sums, gate and up column
+    blocks side by side in one program: as the GEMM's output with the activation after."""
+    rng = np.random.default_rng(t + inter)
+    ids = np.argsort(rng.random((t, g)), axis=1)[:, :k].astype(np.int32)
+    ids[rng.random((t, k)) < 0.25] = -1
+    ids = jnp.asarray(ids)
+    lhs = jnp.asarray(rng.normal(size=(t * k if per_assignment else t, kk)), jnp.float32)
+    rhs = jnp.asarray(rng.normal(size=(g, kk, 2 * inter)) / np.sqrt(kk), jnp.float32)
+    want = silu_and_mul(routed_matmul_reference(lhs, rhs, ids, per_assignment=per_assignment))
+    out = routed_matmul(lhs, rhs, ids, per_assignment=per_assignment, block_n=bn, block_k=bk,
+                        swiglu=True, interpret=INTERPRET)
+    assert out.shape == (t * k, inter)
+    np.testing.assert_allclose(out, want, **F32_TOL)
+    for backend in ("reference", "pallas"):
+        got = ops.routed_matmul(lhs, rhs, ids, per_assignment=per_assignment, backend=backend,
+                                swiglu=True)
+        np.testing.assert_allclose(got, want, **F32_TOL, err_msg=backend)
+
+
+@pytest.mark.parametrize("shape, top_k, want", [
+    ((128, 2048, 1536), 8, (32, 128)),  # Qwen3-30B-A3B: 24 column blocks x 8 experts
+    ((8, 4096, 28672), 2, (64, 128)),  # Mixtral-8x7B: 224 programs at 128 columns, 448 at 64
+    ((60, 2048, 2816), 4, (32, 128)),  # Qwen2-MoE's I 1408: 44 blocks of 32
+    ((5, 32, 80), 2, None),  # I 40: no block of >= 32 columns divides it
+])
+def test_swiglu_routed_tiling(shape, top_k, want):
+    assert swiglu_routed_tiling(shape, top_k) == want
+
+
 @pytest.mark.parametrize("busy, k_blocks, want", [
     (64, 112, 4),  # Mixtral-8x7B down, one token: 2 experts x 32 column blocks, K 14336
     (448, 32, 1),  # Mixtral-8x7B gate/up: enough programs already
@@ -78,18 +116,20 @@ def _ffn_case(t: int, k: int, g: int, d: int, inter: int, seed: int):
     return jnp.asarray(ids), x, gate_up, down
 
 
+@pytest.mark.parametrize("activation", ["down", "gate_up"])
 @pytest.mark.parametrize("t, k, g, d, inter, blocks, k_splits", [
     (3, 2, 6, 48, 32, ((16, 16), (16, 16)), (1, 1)),  # D padded to 64 in gate/up's K
-    (5, 3, 7, 64, 48, ((32, 16), (16, 16)), (2, 1)),  # gate/up's partials in 2 K ranges
+    (5, 3, 7, 64, 48, ((16, 16), (16, 16)), (2, 1)),  # gate/up's partials in 2 K ranges
     # 3 ranges into down, down in 2 (K one 16-wide block at 32 rows failed to compile: round 31)
     (17, 8, 20, 96, 64, ((16, 32), (32, 16)), (3, 2)),
     (1, 8, 16, 64, 32, ((16, 16), (16, 32)), (4, 1)),  # one token, Qwen3's top-8
-    (8, 2, 4, 32, 64, ((64, 32), (16, 64)), (1, 1)),  # 2I one gate/up column block
+    (8, 2, 4, 32, 64, ((64, 32), (16, 64)), (1, 1)),  # I one gate/up column block
 ])
 def test_routed_ffn_kernels_match_the_activation_between_two_gemms(t, k, g, d, inter, blocks,
-                                                              k_splits):
-    """The down kernel sums gate/up's raw partials and applies silu(gate) * up as it loads:
-    the same as the reference's two GEMMs with the activation between, and as NumPy."""
+                                                              k_splits, activation):
+    """The activation in the down kernel's loads (gate/up's raw partials summed as they
+    load) or in gate/up's epilogue (the down kernel reading it as stored): the same as the
+    reference's two GEMMs with the activation between, and as NumPy."""
     ids, x, gate_up, down = _ffn_case(t, k, g, d, inter, seed=t * g + inter)
     want = []
     for e, row in zip(np.asarray(ids).reshape(-1), np.arange(t * k) // k, strict=True):
@@ -99,51 +139,56 @@ def test_routed_ffn_kernels_match_the_activation_between_two_gemms(t, k, g, d, i
     np.testing.assert_allclose(routed_ffn_reference(x, gate_up, down, ids), np.stack(want),
                                **F32_TOL)
     out = routed_ffn(x, gate_up, down, ids, blocks=blocks, k_splits=k_splits,
-                     interpret=INTERPRET)
+                     activation=activation, interpret=INTERPRET)
     np.testing.assert_allclose(out, np.stack(want), **F32_TOL)
 
 
-def test_routed_ffn_kernels_in_bfloat16():
-    """bf16 x and experts, gate/up in 2 K ranges stored in bf16: within bf16's rounding of
-    the reference (float32 gate/up sums)."""
+@pytest.mark.parametrize("activation", ["down", "gate_up"])
+def test_routed_ffn_kernels_in_bfloat16(activation):
+    """bf16 x and experts (gate/up in 2 K ranges stored in bf16, or its activation): within
+    bf16's rounding of the reference (float32 gate/up sums)."""
     ids, x, gate_up, down = _ffn_case(4, 3, 6, 64, 32, seed=11)
     x, gate_up, down = (a.astype(jnp.bfloat16) for a in (x, gate_up, down))
     want = routed_ffn_reference(x, gate_up, down, ids).astype(jnp.float32)
     out = routed_ffn(x, gate_up, down, ids, blocks=((16, 16), (16, 16)), k_splits=(2, 1),
-                     interpret=INTERPRET)
+                     activation=activation, interpret=INTERPRET)
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(out.astype(jnp.float32), want, rtol=3e-2, atol=3e-2)
 
 
 def test_routed_ffn_dispatch(monkeypatch):
-    """ops.routed_ffn: the fused pair for a down GEMM of >= ROUTED_FFN_MIN_K_BLOCKS K blocks,
-    the two GEMMs with XLA's activation between for a shorter one or an I not in whole
-    blocks (40), the reference elsewhere: all agree."""
+    """ops.routed_ffn: the pair with the activation in down's loads for a down GEMM of >=
+    ROUTED_FFN_MIN_K_BLOCKS K blocks, in gate/up's epilogue for a shorter one, two GEMMs
+    with the activation after gate/up for an I no block of >= 32 columns divides (40), the
+    reference elsewhere: all agree."""
     called = []
-    monkeypatch.setattr(ops, "pallas_routed_ffn",
-                        lambda *a, **kw: called.append(kw["blocks"]) or routed_ffn(*a, **kw))
-    for inter, fused in ((32, False), (40, False), (16 * 16, True)):
+    monkeypatch.setattr(ops, "pallas_routed_ffn", lambda *a, **kw: called.append(
+        kw["activation"]) or routed_ffn(*a, **kw))
+    for inter, min_blocks, path in ((32, 16, ["gate_up"]), (40, 16, []), (16 * 16, 2, ["down"])):
         ids, x, gate_up, down = _ffn_case(6, 2, 5, 32, inter, seed=inter)
         want = routed_ffn_reference(x, gate_up, down, ids)
-        monkeypatch.setattr(ops, "ROUTED_FFN_MIN_K_BLOCKS", 2 if fused else 16)
+        monkeypatch.setattr(ops, "ROUTED_FFN_MIN_K_BLOCKS", min_blocks)
         for backend in ("reference", "pallas"):
             got = ops.routed_ffn(x, gate_up, down, ids, backend=backend)
             np.testing.assert_allclose(got, want, **F32_TOL, err_msg=f"{backend} I={inter}")
-        assert bool(called) == fused, inter
+        assert called == path, inter
         called.clear()
 
 
-def test_routed_ffn_lowers_to_two_kernels_and_nothing_between():
+@pytest.mark.parametrize("activation, k_splits", [("down", (2, 1)), ("gate_up", (1, 1))])
+def test_routed_ffn_lowers_to_two_kernels_and_nothing_between(activation, k_splits):
     """For CUDA, Qwen3-30B-A3B's expert shapes at a decode step: the two routed kernels, the
     second taking the first's output as is (no XLA op between them)."""
-    fn = jax.jit(lambda a, gu, dn, i: routed_ffn(a, gu, dn, i, k_splits=(2, 1)))
+    blocks = ((32 if activation == "gate_up" else 128, 128), (128, 128))
+    fn = jax.jit(lambda a, gu, dn, i: routed_ffn(a, gu, dn, i, blocks=blocks,
+                                                 k_splits=k_splits, activation=activation))
     text = cuda_module(fn, jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16),
                        jax.ShapeDtypeStruct((128, 2048, 1536), jnp.bfloat16),
                        jax.ShapeDtypeStruct((128, 768, 2048), jnp.bfloat16),
                        jax.ShapeDtypeStruct((8, 8), jnp.int32))
     calls = re.findall(r"(%\S+) = stablehlo.custom_call @__gpu\$xla.gpu.triton\((.*?)\)", text)
     assert len(calls) == 2, calls
-    assert calls[0][0] in calls[1][1].split(", "), calls  # gate/up's raw output into down
+    assert calls[0][0] in calls[1][1].split(", "), calls  # gate/up's output into down
 
 
 def test_routed_down_kernel_takes_the_sigmoid_in_four_instructions():
@@ -206,3 +251,9 @@ def test_bad_shapes_and_block_sizes_are_refused():
     with pytest.raises(ValueError, match="gate_up \\[G, D, 2I\\]"):  # 2I != gate_up's N
         routed_ffn(lhs, jnp.zeros((2, 16, 48)), jnp.zeros((2, 16, 16)), ids,
                    blocks=((16, 16), (16, 16)), interpret=INTERPRET)
+    with pytest.raises(ValueError, match="block_n must divide I 48"):
+        routed_ffn(lhs, jnp.zeros((2, 16, 96)), jnp.zeros((2, 48, 16)), ids,
+                   blocks=((32, 16), (16, 16)), activation="gate_up", interpret=INTERPRET)
+    with pytest.raises(ValueError, match="halves each a multiple of block_n 16"):  # I = 24
+        routed_matmul(lhs, jnp.zeros((2, 16, 48)), ids, per_assignment=False, block_n=16,
+                      swiglu=True, interpret=INTERPRET)
