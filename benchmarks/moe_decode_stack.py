@@ -79,7 +79,8 @@ def stack_fn(tiling: dict[str, int], interpret: bool):
     from pjinfer.kernels.routed_matmul import routed_ffn, routed_matmul
     from pjinfer.quantization.experts import QuantizedExperts
 
-    shared = {k: v for k, v in tiling.items() if k not in ("down_k_splits", "fused")}
+    shared = {k: v for k, v in tiling.items()
+              if k not in ("down_k_splits", "fused", "swiglu_block_n")}
     down_k_splits = tiling["down_k_splits"]
 
     def stored(w):  # (values, scales) as the kernels take a stack; scales None for floats
@@ -91,11 +92,16 @@ def stack_fn(tiling: dict[str, int], interpret: bool):
         return routed_matmul(x, values, ids, rhs_scales=scales, interpret=interpret, **kw)
 
     def ffn(x, gu, dn, ids):
-        """`routed_ffn`: the activation in the down kernel's loads."""
+        """`routed_ffn`: the activation in the down kernel's loads (fused 1) or gate/up's
+        epilogue (fused 2, gate/up's columns `swiglu_block_n` wide)."""
         (gu, gu_scales), (dn, dn_scales) = stored(gu), stored(dn)
+        blocks = (shared["block_n"], shared["block_k"])
+        epilogue = tiling["fused"] == 2
+        gate_blocks = (tiling["swiglu_block_n"], blocks[1]) if epilogue else blocks
         return routed_ffn(x, gu, dn, ids, gate_up_scales=gu_scales, down_scales=dn_scales,
-                          blocks=((shared["block_n"], shared["block_k"]),) * 2,
-                          k_splits=(shared["k_splits"], down_k_splits),
+                          blocks=(gate_blocks, blocks),
+                          k_splits=(1 if epilogue else shared["k_splits"], down_k_splits),
+                          activation="gate_up" if epilogue else "down",
                           num_warps=shared["num_warps"], num_stages=shared["num_stages"],
                           splits=shared["splits"], interpret=interpret)
 
@@ -171,6 +177,8 @@ def _name(tiling: dict[str, int]) -> str:
     name = "n{block_n}_k{block_k}_w{num_warps}_s{num_stages}_p{splits}".format(**tiling)
     if tiling["k_splits"] > 1 or tiling["down_k_splits"] > 1:  # names of earlier records kept
         name += "_q{k_splits}_{down_k_splits}".format(**tiling)
+    if tiling["fused"] == 2:
+        return name + "_epilogue{swiglu_block_n}".format(**tiling)
     return name + ("_fused" if tiling["fused"] else "")
 
 
@@ -186,10 +194,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     record["ceilings"] = ceilings_record(ceilings)
     timing = timing_plan(args.calls, args.samples, 2, on_cpu=jax.default_backend() == "cpu")
     tilings = [dict(block_n=n, block_k=k, num_warps=w, num_stages=st, splits=sp, k_splits=q,
-                    down_k_splits=dq, fused=f)
-               for n, k, w, st, sp, q, dq, f in itertools.product(
+                    down_k_splits=dq, fused=f, swiglu_block_n=sn)
+               for n, k, w, st, sp, q, dq, f, sn in itertools.product(
                    args.block_n, args.block_k, args.num_warps, args.num_stages, args.splits,
-                   args.k_splits, args.down_k_splits, args.fused)]
+                   args.k_splits, args.down_k_splits, args.fused, args.swiglu_block_n)
+               if f == 2 or sn == args.swiglu_block_n[0]]  # the widths matter only to 2
     record["rows"] = [row for name, s in models.items()
                       for row in run_model(name, s, args.tokens, tilings, timing,
                                            ceilings.hbm_bytes_per_s, args.seed,
@@ -219,9 +228,13 @@ def main(argv: list[str] | None = None) -> int:
                         "the name keeps the count asked)")
     parser.add_argument("--down-k-splits", type=positive_int, nargs="+", default=[1],
                         help="K ranges of the down GEMM")
-    parser.add_argument("--fused", type=int, nargs="+", choices=(0, 1), default=[0],
-                        help="1: `routed_ffn` (the activation in the down kernel's loads); 0: "
-                        "two routed_matmul calls with XLA's activation kernel between")
+    parser.add_argument("--fused", type=int, nargs="+", choices=(0, 1, 2), default=[0],
+                        help="1: `routed_ffn` (the activation in the down kernel's loads); 2: "
+                        "`routed_ffn` with the activation in gate/up's epilogue (what the "
+                        "engine runs for float stacks with a short down GEMM); 0: two "
+                        "routed_matmul calls with XLA's activation kernel between")
+    parser.add_argument("--swiglu-block-n", type=power_of_two, nargs="+", default=[32],
+                        help="--fused 2: gate/up's column block (the engine's: 32 for Qwen3)")
     parser.add_argument("--expert-dtype", default="bfloat16",
                         choices=("bfloat16", "fp8", "int8", "fp8-block", "int4"),
                         help="experts as stored: bf16, or quantized (fp8 / int8 values; "

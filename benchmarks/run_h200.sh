@@ -73,9 +73,9 @@
 #   bash benchmarks/run_h200.sh routed    # the routed expert GEMMs (decode) with K cut into
 #                                         # 1, 2 or 4 ranges, gate/up and down apart (~4 min)
 #   bash benchmarks/run_h200.sh routedffn  # the routed expert FFN with the activation in the
-#                                          # down kernel's loads vs XLA's kernel between, 2
-#                                          # and 3 stages, Qwen3 and Mixtral at 1, 8 tokens
-#                                          # (~3 min)
+#                                          # down kernel's loads vs in gate/up's epilogue vs
+#                                          # XLA's kernel between, Qwen3 and Mixtral at 1, 8
+#                                          # tokens (~3 min)
 #   bash benchmarks/run_h200.sh splitk    # projections + residual add + RMSNorm at decode
 #                                         # sizes, plain vs K cut into ranges by the model (a
 #                                         # batched dot), kernels counted in XLA's HLO (~2 min)
@@ -419,14 +419,18 @@ stage_routed() {
       --k-splits 1 2 4 --down-k-splits 1 2 4 --out "$JSON/moe_routed_k_splits.json"
 }
 
+# (round 31: 2 stages slower everywhere; --fused 2: the activation in gate/up's epilogue, its
+# column blocks swept around the engine's 32 for Qwen3 / 64 for Mixtral)
 stage_routedffn() {
-  local sweep=(--samples 8 --tokens 1 8 --num-stages 2 3 --fused 0 1)
-  [ $SMOKE = 1 ] && sweep=(--smoke --tokens 1 --calls 1 --samples 1 --block-k 32 --fused 0 1)
+  local sweep=(--samples 8 --tokens 1 8 --fused 0 1 2)
+  [ $SMOKE = 1 ] && sweep=(--smoke --tokens 1 --calls 1 --samples 1 --block-k 32 --fused 0 1 2)
+  local widths=(--swiglu-block-n 16 32 64); [ $SMOKE = 1 ] && widths=(--swiglu-block-n 16)
   step routed_ffn_qwen3 200 $PY -m pjinfer.benchmarks.moe_decode_stack "${sweep[@]}" \
-      --models qwen3-30b-a3b --k-splits 2 --out "$JSON/routed_ffn_qwen3.json"
+      "${widths[@]}" --models qwen3-30b-a3b --k-splits 2 --out "$JSON/routed_ffn_qwen3.json"
   [ $SMOKE = 1 ] && return 0
   step routed_ffn_mixtral 200 $PY -m pjinfer.benchmarks.moe_decode_stack "${sweep[@]}" \
-      --models mixtral-8x7b --down-k-splits 4 --out "$JSON/routed_ffn_mixtral.json"
+      --swiglu-block-n 64 128 --models mixtral-8x7b --down-k-splits 4 \
+      --out "$JSON/routed_ffn_mixtral.json"
 }
 
 stage_splitk() {

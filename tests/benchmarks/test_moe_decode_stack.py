@@ -52,12 +52,16 @@ def test_quantized_experts_count_their_stored_bytes(tmp_path, dtype):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
 def test_fused_and_separate_activation_side_by_side(tmp_path, dtype):
-    """--fused 0 1: each tiling timed with XLA's activation kernel between the two GEMMs and
-    as `routed_ffn`, under names that tell them apart."""
+    """--fused 0 1 2: each tiling timed with XLA's activation kernel between the two GEMMs,
+    as `routed_ffn` with it in down's loads, and (for each --swiglu-block-n) with it in
+    gate/up's epilogue, under names that tell them apart."""
     out = tmp_path / "stack.json"
     assert main(["--smoke", "--tokens", "2", "--block-n", "16", "--block-k", "16",
-                 "--k-splits", "2", "--fused", "0", "1", "--expert-dtype", dtype,
-                 "--calls", "1", "--samples", "1", "--out", str(out)]) == 0
+                 "--k-splits", "2", "--fused", "0", "1", "2", "--swiglu-block-n", "16", "32",
+                 "--expert-dtype", dtype, "--calls", "1", "--samples", "1",
+                 "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
-    assert set(row["tilings"]) == {"n16_k16_w4_s3_p128_q2_1", "n16_k16_w4_s3_p128_q2_1_fused"}
+    name = "n16_k16_w4_s3_p128_q2_1"
+    assert set(row["tilings"]) == {name, f"{name}_fused", f"{name}_epilogue16",
+                                   f"{name}_epilogue32"}
     assert all(t["vs_bandwidth"] > 0 for t in row["tilings"].values())
