@@ -63,8 +63,8 @@ def test_routed_kernel_matches_reference(t, k, g, kk, n, per_assignment, splits,
     (17, 8, 20, 32, 32, True, 32, 16),  # T past 16, lhs per assignment
     (1, 8, 16, 64, 64, False, 32, 32),  # one token, Qwen3's top-8
 ])
-def test_swiglu_epilogue_kernel_matches_the_activation_after(t, k, g, kk, inter, per_assignment, bn,
-                                                      bk):
+def test_swiglu_epilogue_kernel_matches_the_activation_after(t, k, g, kk, inter,
+                                                             per_assignment, bn, bk):
     """`swiglu`: the kernel applies silu(gate) * up to its float32 sums, gate and up column
     blocks side by side in one program: as the GEMM's output with the activation after."""
     rng = np.random.default_rng(t + inter)
