@@ -259,8 +259,8 @@ def routed_matmul(lhs: jax.Array, rhs: Experts, ids: jax.Array, *, per_assignmen
 def _swiglu_tiling(gate_up: Experts, top_k: int) -> tuple[int, int] | None:
     """The routed gate/up GEMM's tiling with the activation in its epilogue, for float
     stacks: over quantized ones (whose weights cost more instructions a byte) Qwen3-30B-A3B's
-    32-column blocks compile to 5.1 SASS instructions a weight, against 4.2 (fp8) and 3.9
-    (int4) for 128 columns in 2 K ranges (sm_90a; RESULTS.md round 36)."""
+    32-column blocks compile to 4.3 (fp8) and 4.5 (int4) SASS instructions a weight, against
+    3.8 and 3.6 for 128 columns in 2 K ranges (sm_90a; RESULTS.md round 36)."""
     if isinstance(gate_up, QuantizedExperts):
         return None
     return swiglu_routed_tiling(gate_up.shape, top_k)

@@ -1,8 +1,8 @@
 """Routed matmul (the MoE expert GEMM of a decode step) in Pallas, with its pure-JAX reference.
 
 Per column block, a few programs share the step's token-expert assignments; for each expert
-chosen, one multiplies the rows of the tokens that chose it (the step's [T, K] rows, the
-others masked to 0) by its weights and stores them to those tokens' assignment rows, with no
+chosen, one multiplies the step's [T, K] rows by its weights and stores the rows of the
+tokens that chose it to those tokens' assignment rows (the others are dropped), with no
 sort, group sizes, tile plan or un-permutation around it (a dozen small XLA kernels per MoE layer,
 which cost more than the GEMMs at batch 1). An expert nobody chose reads nothing; one that
 several tokens chose is read once. Inactive choices (expert < 0: padding tokens, another
@@ -101,7 +101,7 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
     """Program (column block, K range q, split s): assignments s, s + splits, ... of the flat
     [T*k] ids. Each one that is its expert's first (and not inactive) multiplies every token
     that chose that expert over K range q (`k_steps` blocks), as one dense [T, bk] x [bk, bn]
-    dot (other tokens' rows masked to 0), and stores to those tokens' assignment rows of
+    dot (other tokens' rows computed and not stored), and stores to those tokens' rows of
     range q's partial; later assignments of the same expert do nothing, so each chosen
     expert is read once and no program waits on an expert nobody chose. Neither ids [T, k]
     nor lhs is padded in XLA (a pad is one more kernel a MoE layer): the kernel reads ids as
@@ -147,9 +147,16 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
                     else token)  # lhs rows
             rows = jnp.minimum(rows, lhs_ref.shape[0] - 1)
 
-            def load_x(start, width):  # [T, width], tokens that did not choose e zeroed
-                x = (lhs_ref[rows, pl.ds(start, width)] if glu is None
-                     else _glu_tile(lhs_ref, out_rows, start, width, glu, dtype, compiled))
+            def load_x(start, width):  # [T, width]
+                # rows of tokens that did not choose e are multiplied too and never stored
+                # (a row's sums are its own): unmasked, the tile goes straight to shared
+                # memory by cp.async (bf16 gate/up at 8 rows: ~1.1 SASS instructions a
+                # weight against 1.79 for the masked form, RESULTS.md round 36)
+                if glu is None:
+                    return lhs_ref[rows, pl.ds(start, width)]
+                # the activation tiles stay masked: unmasked, their loads and silu doubled
+                # the down kernel's instructions (3.93 -> 8.98 a weight, 75 -> 118 registers)
+                x = _glu_tile(lhs_ref, out_rows, start, width, glu, dtype, compiled)
                 return jnp.where(hit[:, None], x, 0)
 
             def times_weights(acc, kb, xs, cols):  # acc + one K step's [T, bn] sums
