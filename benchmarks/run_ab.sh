@@ -27,6 +27,8 @@
 # AB_FLAGS: engine flags added to both sides' runs (e.g. "--cuda-graph-sizes 2 8 32 128 512");
 # HEAD_FLAGS: to the head's only (a flag against the default, with a base archived from HEAD);
 # HEAD_ENV: environment for the head's runs only (e.g. "XLA_FLAGS=--xla_gpu_enable_pdl=false").
+# qwen3: AB_RUNS replaces the ABBA order (e.g. "head:1 base:1" when device time is short),
+# AB_WARMUP=0 drops the throwaway first run.
 # JSON records land in $OUT as {base,head}_<workload>.json (W1: w1_1 and w1_2 per side), the
 # log in $OUT/ab_log_<stage>.txt.
 set -uo pipefail
@@ -106,8 +108,9 @@ case $STAGE in
     fi
     # a short throwaway run first: a device call's first engine process runs slow (round 5),
     # and in round 6 both first-process Qwen3 runs were the slowest of their calls
-    bench base warmup latency "${W1[@]}" --output-len 32 --num-iters 1 --num-iters-warmup 1
-    for run in base:1 head:1 head:2 base:2; do
+    [ "${AB_WARMUP:-1}" = 1 ] && bench base warmup latency "${W1[@]}" --output-len 32 \
+        --num-iters 1 --num-iters-warmup 1
+    for run in ${AB_RUNS:-base:1 head:1 head:2 base:2}; do
       bench ${run%:*} w1_qwen3_${run#*:} latency "${W1[@]}" --num-iters 2 --num-iters-warmup 1 \
           --num-scheduler-steps 8
     done ;;
