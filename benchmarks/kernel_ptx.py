@@ -188,7 +188,7 @@ def experts_ttir(kind: str, dtype: str, tokens: int,
             jax.ShapeDtypeStruct((tokens, k), jnp.bfloat16), values, down,
             jax.ShapeDtypeStruct((tokens, 8), jnp.int32), *scales, *down_scales)[1:]
         elements = 128 * 128  # routed_ffn's default blocks
-    else:  # routed_swiglu: silu(gate) * up in the epilogue, the tiling for float stacks
+    else:  # routed_swiglu: silu(gate) * up in the epilogue, the engine's tiling for it
         (bn, bk), _ = default_routed_tiling((experts, k, n), 8, group)
         tiling = dict(block_n=bn, block_k=bk, num_warps=4, num_stages=3, k_splits=2)
         if kind == "routed_swiglu":

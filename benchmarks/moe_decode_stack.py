@@ -231,10 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fused", type=int, nargs="+", choices=(0, 1, 2), default=[0],
                         help="1: `routed_ffn` (the activation in the down kernel's loads); 2: "
                         "`routed_ffn` with the activation in gate/up's epilogue (what the "
-                        "engine runs for float stacks with a short down GEMM); 0: two "
+                        "engine runs where a block of >= 32 columns divides I); 0: two "
                         "routed_matmul calls with XLA's activation kernel between")
-    parser.add_argument("--swiglu-block-n", type=power_of_two, nargs="+", default=[32],
-                        help="--fused 2: gate/up's column block (the engine's: 32 for Qwen3)")
+    parser.add_argument("--swiglu-block-n", type=power_of_two, nargs="+", default=[64],
+                        help="--fused 2: gate/up's column block (the engine's: 64 for Qwen3, "
+                        "128 for Mixtral)")
     parser.add_argument("--expert-dtype", default="bfloat16",
                         choices=("bfloat16", "fp8", "int8", "fp8-block", "int4"),
                         help="experts as stored: bf16, or quantized (fp8 / int8 values; "

@@ -353,10 +353,13 @@ stage_moemid() {
 stage_moefp8() {
   local qwen=(--model configs/models/qwen3-30b-a3b --load-format dummy --dtype bfloat16
               --max-num-seqs 256 --max-num-batched-tokens 8192 --compilation-cache-dir "$CACHE")
-  local stack=(--tokens 1 4 16) b1=(--input-len 512 --output-len 512 --num-iters 3)
+  # --fused 0 2: XLA's activation kernel after gate/up (K in ranges) against the activation
+  # in gate/up's epilogue, which the engine now runs for every stack (round 36)
+  local stack=(--tokens 1 4 16 --fused 0 2) b1=(--input-len 512 --output-len 512 --num-iters 3)
   if [ $SMOKE = 1 ]; then
     qwen=("${ENGINE[@]}" --compilation-cache-dir "$CACHE")
-    stack=(--smoke --tokens 1 4 --block-n 16 --block-k 16 --calls 1 --samples 1)
+    stack=(--smoke --tokens 1 4 --block-n 16 --block-k 16 --calls 1 --samples 1 --fused 0 2
+           --swiglu-block-n 16)
     b1=(--input-len 16 --output-len 8 --num-iters 1)
   fi
   local gpu=$([ $SMOKE = 1 ] && echo cpu || echo cuda)
@@ -420,11 +423,11 @@ stage_routed() {
 }
 
 # (round 31: 2 stages slower everywhere; --fused 2: the activation in gate/up's epilogue, its
-# column blocks swept around the engine's 32 for Qwen3 / 64 for Mixtral)
+# column blocks swept around the engine's 64 for Qwen3 / 128 for Mixtral)
 stage_routedffn() {
   local sweep=(--samples 8 --tokens 1 8 --fused 0 1 2)
   [ $SMOKE = 1 ] && sweep=(--smoke --tokens 1 --calls 1 --samples 1 --block-k 32 --fused 0 1 2)
-  local widths=(--swiglu-block-n 16 32 64); [ $SMOKE = 1 ] && widths=(--swiglu-block-n 16)
+  local widths=(--swiglu-block-n 32 64 128); [ $SMOKE = 1 ] && widths=(--swiglu-block-n 16)
   step routed_ffn_qwen3 200 $PY -m pjinfer.benchmarks.moe_decode_stack "${sweep[@]}" \
       "${widths[@]}" --models qwen3-30b-a3b --k-splits 2 --out "$JSON/routed_ffn_qwen3.json"
   [ $SMOKE = 1 ] && return 0

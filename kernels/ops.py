@@ -239,7 +239,8 @@ def routed_matmul(lhs: jax.Array, rhs: Experts, ids: jax.Array, *, per_assignmen
     rhs's columns are gate then up halves, the result silu(gate) * up [T*k, N / 2] (in the
     kernel's epilogue where a tiling of whole column blocks exists, else after it)."""
     rhs_shape, k_group = rhs.shape, _k_group(rhs)  # of the float stack, quantized or not
-    tiling = _swiglu_tiling(rhs, ids.shape[1]) if swiglu and _use_pallas(backend) else None
+    tiling = (swiglu_routed_tiling(rhs_shape, ids.shape[1], k_group)
+              if swiglu and _use_pallas(backend) else None)
     if swiglu and tiling is None:  # the activation after the GEMM
         return silu_and_mul(routed_matmul(lhs, rhs, ids, per_assignment=per_assignment,
                                           backend=backend, out_dtype=out_dtype))
@@ -256,30 +257,23 @@ def routed_matmul(lhs: jax.Array, rhs: Experts, ids: jax.Array, *, per_assignmen
                                 swiglu=swiglu)
 
 
-def _swiglu_tiling(gate_up: Experts, top_k: int) -> tuple[int, int] | None:
-    """The routed gate/up GEMM's tiling with the activation in its epilogue, for float
-    stacks: over quantized ones (whose weights cost more instructions a byte) Qwen3-30B-A3B's
-    32-column blocks compile to 4.3 (fp8) and 4.5 (int4) SASS instructions a weight, against
-    3.8 and 3.6 for 128 columns in 2 K ranges (sm_90a; RESULTS.md round 36)."""
-    if isinstance(gate_up, QuantizedExperts):
-        return None
-    return swiglu_routed_tiling(gate_up.shape, top_k)
-
-
 def routed_ffn(x: jax.Array, gate_up: Experts, down: Experts, ids: jax.Array, *,
                backend: str = "auto") -> jax.Array:
     """Each token-expert assignment's SwiGLU, x [T, D] -> [T*k, D] (ids [T, k], < 0: 0 rows;
     gate_up [E, D, 2I] gate then up columns, down [E, I, D]). On Pallas two routed kernels
-    with nothing between (`routed_ffn`): for a long down GEMM (`ROUTED_FFN_MIN_K_BLOCKS`)
-    the second applies the activation to the first's raw output as it loads, else the first
-    applies it to its sums; shapes that fit neither take two routed GEMMs with the
-    activation after the first."""
+    with nothing between (`routed_ffn`): the activation in gate/up's epilogue where a block
+    of >= 32 columns divides I (`swiglu_routed_tiling`), else in the down kernel's loads for
+    a long down GEMM (`ROUTED_FFN_MIN_K_BLOCKS`), else two routed GEMMs with the activation
+    after the first. sm_90a, Qwen3-30B-A3B's gate/up at 8 rows (RESULTS.md round 36): the
+    epilogue's 64-column blocks cost 1.28 / 3.77 / 3.82 SASS instructions a weight over
+    bf16 / fp8 / int4 stacks, against ~1.1 / 3.84 / 3.64 for 128 columns in 2 K ranges."""
     (gate_tiling, gate_splits), (down_tiling, down_splits) = [
         default_routed_tiling(w.shape, ids.shape[1], _k_group(w)) for w in (gate_up, down)]
     k_blocks, rest = divmod(down.shape[1], down_tiling[1])
-    epilogue = _swiglu_tiling(gate_up, ids.shape[1])
+    epilogue = None if rest else swiglu_routed_tiling(gate_up.shape, ids.shape[1],
+                                                      _k_group(gate_up))
     long_down = not rest and k_blocks >= ROUTED_FFN_MIN_K_BLOCKS
-    if _use_pallas(backend) and not long_down and (rest or epilogue is None):
+    if _use_pallas(backend) and epilogue is None and not long_down:
         act = routed_matmul(x, gate_up, ids, per_assignment=False, backend=backend,
                             swiglu=True)  # [T*k, I]
         return routed_matmul(act, down, ids, per_assignment=True, backend=backend)
@@ -289,19 +283,18 @@ def routed_ffn(x: jax.Array, gate_up: Experts, down: Experts, ids: jax.Array, *,
               for part, a in parts.items()}  # gate_up_scales=..., down_zeros=...
     if not _use_pallas(backend):
         return routed_ffn_reference(x, gate_up, down, ids, **stored)
-    tiling = (dict(activation="down", blocks=(gate_tiling, down_tiling),
-                   k_splits=(gate_splits, down_splits)) if long_down
-              else dict(activation="gate_up", blocks=(epilogue, down_tiling),
-                        k_splits=(1, down_splits)))
+    tiling = (dict(activation="gate_up", blocks=(epilogue, down_tiling),
+                   k_splits=(1, down_splits)) if epilogue is not None
+              else dict(activation="down", blocks=(gate_tiling, down_tiling),
+                        k_splits=(gate_splits, down_splits)))
     return pallas_routed_ffn(x, gate_up, down, ids, **stored, interpret=_interpret(), **tiling)
 
 
-# H200 (RESULTS.md, round 31), routed GEMMs at one token, the activation in the down kernel's
-# loads against XLA's between: Mixtral-8x7B (I 14,336: 112 K blocks of down) 184.1 -> 179.3
-# us a layer; Qwen3-30B-A3B (I 768: 6 blocks) 29.8 -> 28.7 alone but, in the engine's 8-row
+# H200 (RESULTS.md, round 31): the activation in the down kernel's loads against XLA's
+# kernel between, one token: Mixtral-8x7B (I 14,336: 112 K blocks of down) 184.1 -> 179.3 us
+# a layer; Qwen3-30B-A3B (I 768: 6 blocks) 29.8 -> 28.7 alone but, in the engine's 8-row
 # decode step, down 13.9 us against ~10.4 + 2.0 (its per-tile activation work, repeated for
-# each of down's column blocks, outweighs a short K loop): shorter ones take it in gate/up's
-# epilogue
+# each of down's column blocks, outweighs a short K loop)
 ROUTED_FFN_MIN_K_BLOCKS = 16
 
 

@@ -20,6 +20,7 @@ from pjinfer.kernels.routed_matmul import (
     routed_matmul_reference,
     swiglu_routed_tiling,
 )
+from pjinfer.quantization.experts import dequantize_experts, quantize_experts
 from tests.kernels.lowering import cuda_module
 from tests.kernels.test_grouped_matmul import F32_TOL, INTERPRET
 
@@ -85,9 +86,9 @@ def test_swiglu_epilogue_kernel_matches_the_activation_after(t, k, g, kk, inter,
 
 
 @pytest.mark.parametrize("shape, top_k, want", [
-    ((128, 2048, 1536), 8, (32, 128)),  # Qwen3-30B-A3B: 24 column blocks x 8 experts
-    ((8, 4096, 28672), 2, (64, 128)),  # Mixtral-8x7B: 224 programs at 128 columns, 448 at 64
-    ((60, 2048, 2816), 4, (32, 128)),  # Qwen2-MoE's I 1408: 44 blocks of 32
+    ((128, 2048, 1536), 8, (64, 128)),  # Qwen3-30B-A3B: 12 column blocks x 8 experts
+    ((8, 4096, 28672), 2, (128, 128)),  # Mixtral-8x7B: 112 x 2 programs
+    ((60, 2048, 2816), 4, (32, 128)),  # Qwen2-MoE's I 1408: 44 blocks of 32 (88 at 64)
     ((5, 32, 80), 2, None),  # I 40: no block of >= 32 columns divides it
 ])
 def test_swiglu_routed_tiling(shape, top_k, want):
@@ -157,21 +158,28 @@ def test_routed_ffn_kernels_in_bfloat16(activation):
 
 
 def test_routed_ffn_dispatch(monkeypatch):
-    """ops.routed_ffn: the pair with the activation in down's loads for a down GEMM of >=
-    ROUTED_FFN_MIN_K_BLOCKS K blocks, in gate/up's epilogue for a shorter one, two GEMMs
-    with the activation after gate/up for an I no block of >= 32 columns divides (40), the
-    reference elsewhere: all agree."""
+    """ops.routed_ffn: the activation in gate/up's epilogue where a block of >= 32 columns
+    divides I (float or quantized stacks), else in down's loads for a down GEMM of >=
+    ROUTED_FFN_MIN_K_BLOCKS K blocks (I 272: 17 blocks of 16), else (I 40) two GEMMs with the
+    activation after gate/up; the reference elsewhere: all agree."""
     called = []
     monkeypatch.setattr(ops, "pallas_routed_ffn", lambda *a, **kw: called.append(
         kw["activation"]) or routed_ffn(*a, **kw))
-    for inter, min_blocks, path in ((32, 16, ["gate_up"]), (40, 16, []), (16 * 16, 2, ["down"])):
+    cases = ((32, None, 16, ["gate_up"]), (40, None, 16, []), (272, None, 16, ["down"]),
+             (272, None, 18, []), (64, "fp8", 16, ["gate_up"]), (272, "int8", 16, ["down"]))
+    for inter, kind, min_blocks, path in cases:
         ids, x, gate_up, down = _ffn_case(6, 2, 5, 32, inter, seed=inter)
-        want = routed_ffn_reference(x, gate_up, down, ids)
+        if kind:
+            gate_up, down = (quantize_experts(w, kind) for w in (gate_up, down))
+            want = routed_ffn_reference(x, *(dequantize_experts(w) for w in (gate_up, down)),
+                                        ids)
+        else:
+            want = routed_ffn_reference(x, gate_up, down, ids)
         monkeypatch.setattr(ops, "ROUTED_FFN_MIN_K_BLOCKS", min_blocks)
         for backend in ("reference", "pallas"):
             got = ops.routed_ffn(x, gate_up, down, ids, backend=backend)
             np.testing.assert_allclose(got, want, **F32_TOL, err_msg=f"{backend} I={inter}")
-        assert called == path, inter
+        assert called == path, (inter, kind)
         called.clear()
 
 
@@ -179,7 +187,7 @@ def test_routed_ffn_dispatch(monkeypatch):
 def test_routed_ffn_lowers_to_two_kernels_and_nothing_between(activation, k_splits):
     """For CUDA, Qwen3-30B-A3B's expert shapes at a decode step: the two routed kernels, the
     second taking the first's output as is (no XLA op between them)."""
-    blocks = ((32 if activation == "gate_up" else 128, 128), (128, 128))
+    blocks = ((64 if activation == "gate_up" else 128, 128), (128, 128))
     fn = jax.jit(lambda a, gu, dn, i: routed_ffn(a, gu, dn, i, blocks=blocks,
                                                  k_splits=k_splits, activation=activation))
     text = cuda_module(fn, jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16),
