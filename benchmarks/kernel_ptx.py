@@ -160,12 +160,8 @@ def experts_ttir(kind: str, dtype: str, tokens: int,
 
     from pjinfer.kernels import ops
     from pjinfer.kernels.grouped_matmul import grouped_matmul
-    from pjinfer.kernels.routed_matmul import (
-        default_routed_tiling,
-        routed_ffn,
-        routed_matmul,
-        swiglu_routed_tiling,
-    )
+    from pjinfer.kernels.routed_matmul import routed_ffn, routed_matmul
+    from pjinfer.kernels.routed_tiling import default_routed_tiling, swiglu_routed_tiling
 
     experts, k, n = 128, 2048, 1536
     values, scales, group = _expert_stack(dtype, experts, k, n)

@@ -35,14 +35,14 @@ from pjinfer.kernels.rotary_write import (
     rotary_write,
     rotary_write_reference,
 )
-from pjinfer.kernels.routed_matmul import (
+from pjinfer.kernels.routed_matmul import routed_ffn as pallas_routed_ffn
+from pjinfer.kernels.routed_matmul import routed_ffn_reference, routed_matmul_reference
+from pjinfer.kernels.routed_matmul import routed_matmul as pallas_routed_matmul
+from pjinfer.kernels.routed_tiling import (
     default_routed_tiling,
-    routed_ffn_reference,
-    routed_matmul_reference,
+    routed_ffn_tiling,
     swiglu_routed_tiling,
 )
-from pjinfer.kernels.routed_matmul import routed_ffn as pallas_routed_ffn
-from pjinfer.kernels.routed_matmul import routed_matmul as pallas_routed_matmul
 from pjinfer.quantization.experts import QuantizedExperts, dequantize_experts
 from pjinfer.quantization.weight import QuantizedWeight, int4_span
 from pjinfer.sharding.mesh import traced_tp_mesh
@@ -261,19 +261,12 @@ def routed_ffn(x: jax.Array, gate_up: Experts, down: Experts, ids: jax.Array, *,
                backend: str = "auto") -> jax.Array:
     """Each token-expert assignment's SwiGLU, x [T, D] -> [T*k, D] (ids [T, k], < 0: 0 rows;
     gate_up [E, D, 2I] gate then up columns, down [E, I, D]). On Pallas two routed kernels
-    with nothing between (`routed_ffn`): the activation in gate/up's epilogue where a block
-    of >= 32 columns divides I (`swiglu_routed_tiling`), else in the down kernel's loads for
-    a long down GEMM (`ROUTED_FFN_MIN_K_BLOCKS`), else two routed GEMMs with the activation
-    after the first. sm_90a, Qwen3-30B-A3B's gate/up at 8 rows (RESULTS.md round 36): the
-    epilogue's 64-column blocks cost 1.28 / 3.77 / 3.82 SASS instructions a weight over
-    bf16 / fp8 / int4 stacks, against ~1.1 / 3.84 / 3.64 for 128 columns in 2 K ranges."""
-    (gate_tiling, gate_splits), (down_tiling, down_splits) = [
-        default_routed_tiling(w.shape, ids.shape[1], _k_group(w)) for w in (gate_up, down)]
-    k_blocks, rest = divmod(down.shape[1], down_tiling[1])
-    epilogue = None if rest else swiglu_routed_tiling(gate_up.shape, ids.shape[1],
-                                                      _k_group(gate_up))
-    long_down = not rest and k_blocks >= ROUTED_FFN_MIN_K_BLOCKS
-    if _use_pallas(backend) and epilogue is None and not long_down:
+    with nothing between (`routed_ffn`), the activation in gate/up's epilogue or down's
+    loads as `routed_ffn_tiling` says; where neither fits, two routed GEMMs with the
+    activation after the first."""
+    tiling = routed_ffn_tiling(gate_up.shape, down.shape, ids.shape[1],
+                               (_k_group(gate_up), _k_group(down)))
+    if _use_pallas(backend) and tiling is None:
         act = routed_matmul(x, gate_up, ids, per_assignment=False, backend=backend,
                             swiglu=True)  # [T*k, I]
         return routed_matmul(act, down, ids, per_assignment=True, backend=backend)
@@ -283,19 +276,7 @@ def routed_ffn(x: jax.Array, gate_up: Experts, down: Experts, ids: jax.Array, *,
               for part, a in parts.items()}  # gate_up_scales=..., down_zeros=...
     if not _use_pallas(backend):
         return routed_ffn_reference(x, gate_up, down, ids, **stored)
-    tiling = (dict(activation="gate_up", blocks=(epilogue, down_tiling),
-                   k_splits=(1, down_splits)) if epilogue is not None
-              else dict(activation="down", blocks=(gate_tiling, down_tiling),
-                        k_splits=(gate_splits, down_splits)))
     return pallas_routed_ffn(x, gate_up, down, ids, **stored, interpret=_interpret(), **tiling)
-
-
-# H200 (RESULTS.md, round 31): the activation in the down kernel's loads against XLA's
-# kernel between, one token: Mixtral-8x7B (I 14,336: 112 K blocks of down) 184.1 -> 179.3 us
-# a layer; Qwen3-30B-A3B (I 768: 6 blocks) 29.8 -> 28.7 alone but, in the engine's 8-row
-# decode step, down 13.9 us against ~10.4 + 2.0 (its per-tile activation work, repeated for
-# each of down's column blocks, outweighs a short K loop)
-ROUTED_FFN_MIN_K_BLOCKS = 16
 
 
 def prefers_routed_matmul(backend: str, tokens: int) -> bool:

@@ -10,9 +10,9 @@ shard's experts) are 0. At one token the chosen experts times the column blocks 
 programs than the GPU has SMs (Mixtral's down projection: 2 x 32); `k_splits` then cuts K into
 ranges, each program writing a float32 partial that XLA sums.
 
-`routed_ffn` chains the two GEMMs of an expert SwiGLU, the down kernel taking gate/up's raw
-output (its K ranges unsummed) and applying the activation as it loads; `ops.routed_ffn`
-uses it where that measured faster (long down GEMMs: Mixtral's).
+`routed_ffn` chains the two GEMMs of an expert SwiGLU with nothing between them, the
+activation applied by gate/up's epilogue or by the down kernel as it loads gate/up's raw
+output; `routed_tiling` picks the form and the blocks.
 """
 
 from __future__ import annotations
@@ -44,57 +44,6 @@ def _check_routed(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, per_assignment
 # Programs per column block: one per assignment up to this many. On the H200 (RESULTS.md,
 # round 7) 128 was best or within 8% of the best at 1-32 tokens, Qwen3 and Mixtral shapes.
 ROUTED_SPLITS = 128
-
-
-def default_routed_tiling(rhs_shape: tuple[int, int, int], top_k: int,
-                          k_group: int | None = None) -> tuple[tuple[int, int], int]:
-    """((block_n, block_k), K ranges) of a routed GEMM over a [G, K, N] expert stack
-    (`k_group`: rows of K a scale covers, which K blocks divide)."""
-    groups, kk, n = rhs_shape
-    # n128 / k128: round 7's sweep on the H200 (RESULTS.md) found them best or within 9% of
-    # the best at 1-16 tokens for Qwen3-30B-A3B and Mixtral-8x7B experts
-    bn, bk = common.dividing_block(128, n), common.dividing_block(128, k_group or kk)
-    # programs with an expert to read when one real token fills the step: decode buckets pad
-    # T with inactive rows, so T cannot tell how many experts a step reads
-    busy = -(-n // bn) * min(top_k, groups)
-    return (bn, bk), routed_k_splits(busy, -(-kk // bk))
-
-
-def swiglu_routed_tiling(rhs_shape: tuple[int, int, int], top_k: int,
-                         k_group: int | None = None) -> tuple[int, int] | None:
-    """(block_n, block_k) of a gate/up routed GEMM with the activation in its epilogue
-    (`routed_matmul(..., swiglu=True)`; rhs [G, K, 2I]), or None where no block of >= 32
-    columns divides I. K is whole, so the programs come from the column blocks alone: halved
-    from 128 while fewer than `SWIGLU_MIN_PROGRAMS` would stream at one token. H100, round
-    36 (the two GEMMs at one token, all layers a call): Qwen3-30B-A3B 32.5 us a layer at 64
-    columns (96 programs), 39.0 at 32, 42.4 at 16; Mixtral-8x7B 240.6 at 128, 253.2 at 64."""
-    groups, kk, n = rhs_shape
-    bn = common.dividing_block(128, n // 2)
-    while bn > 32 and n // 2 // bn * min(top_k, groups) < SWIGLU_MIN_PROGRAMS:
-        bn //= 2
-    if n % 2 or bn < 32 or (n // 2) % bn:
-        return None
-    return bn, common.dividing_block(128, k_group or kk)
-
-
-SWIGLU_MIN_PROGRAMS = 96  # wider blocks over fewer programs ran faster (see above)
-
-
-def routed_k_splits(busy_programs: int, k_blocks: int) -> int:
-    """K ranges for a routed GEMM: split until ~`ROUTED_BUSY_PROGRAMS` programs stream
-    weights, at most 4 ranges of >= 8 K blocks each. Round 9's sweep on the H200 (RESULTS.md):
-    at one token Mixtral's down projection (64 busy programs, 112 K blocks) ran 211 -> 179
-    us/layer with 4 ranges (and no slower at 4-32 tokens), Qwen3-30B-A3B's gate/up (96, 16
-    blocks) 34.3 -> 31.6 with 2 (3% slower at 16-32 tokens); every split of a GEMM with >= 256
-    busy programs or a short K was slower or no faster."""
-    splits = 1
-    while busy_programs * splits < ROUTED_BUSY_PROGRAMS and splits < 4 \
-            and k_blocks // (2 * splits) >= 8:
-        splits *= 2
-    return splits
-
-
-ROUTED_BUSY_PROGRAMS = 256  # ~2 per SM of an H100/H200
 
 
 def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,

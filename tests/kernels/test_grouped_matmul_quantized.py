@@ -16,12 +16,12 @@ from pjinfer.kernels.grouped_matmul import (
     grouped_matmul_reference,
 )
 from pjinfer.kernels.routed_matmul import (
-    default_routed_tiling,
     routed_ffn,
     routed_ffn_reference,
     routed_matmul,
     routed_matmul_reference,
 )
+from pjinfer.kernels.routed_tiling import default_routed_tiling
 from pjinfer.quantization.experts import QuantizedExperts, dequantize_experts, quantize_experts
 from pjinfer.quantization.weight import int4_span
 from tests.kernels.lowering import cuda_module

@@ -10,15 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pjinfer.kernels import ops
+from pjinfer.kernels import ops, routed_tiling
 from pjinfer.kernels.expert_stack import silu_and_mul
 from pjinfer.kernels.routed_matmul import (
     routed_ffn,
     routed_ffn_reference,
-    routed_k_splits,
     routed_matmul,
     routed_matmul_reference,
-    swiglu_routed_tiling,
 )
 from pjinfer.quantization.experts import dequantize_experts, quantize_experts
 from tests.kernels.lowering import cuda_module
@@ -83,27 +81,6 @@ def test_swiglu_epilogue_kernel_matches_the_activation_after(t, k, g, kk, inter,
         got = ops.routed_matmul(lhs, rhs, ids, per_assignment=per_assignment, backend=backend,
                                 swiglu=True)
         np.testing.assert_allclose(got, want, **F32_TOL, err_msg=backend)
-
-
-@pytest.mark.parametrize("shape, top_k, want", [
-    ((128, 2048, 1536), 8, (64, 128)),  # Qwen3-30B-A3B: 12 column blocks x 8 experts
-    ((8, 4096, 28672), 2, (128, 128)),  # Mixtral-8x7B: 112 x 2 programs
-    ((60, 2048, 2816), 4, (32, 128)),  # Qwen2-MoE's I 1408: 44 blocks of 32 (88 at 64)
-    ((5, 32, 80), 2, None),  # I 40: no block of >= 32 columns divides it
-])
-def test_swiglu_routed_tiling(shape, top_k, want):
-    assert swiglu_routed_tiling(shape, top_k) == want
-
-
-@pytest.mark.parametrize("busy, k_blocks, want", [
-    (64, 112, 4),  # Mixtral-8x7B down, one token: 2 experts x 32 column blocks, K 14336
-    (448, 32, 1),  # Mixtral-8x7B gate/up: enough programs already
-    (96, 16, 2),  # Qwen3-30B-A3B gate/up: 8 experts x 12 column blocks; 4 ranges too short
-    (128, 6, 1),  # Qwen3-30B-A3B down: K 768 is too short to split
-])
-def test_routed_k_splits_follow_the_h200_sweep(busy, k_blocks, want):
-    """The choices round 9's H200 sweep (RESULTS.md) found best at one token."""
-    assert routed_k_splits(busy, k_blocks) == want
 
 
 def _ffn_case(t: int, k: int, g: int, d: int, inter: int, seed: int):
@@ -175,7 +152,7 @@ def test_routed_ffn_dispatch(monkeypatch):
                                         ids)
         else:
             want = routed_ffn_reference(x, gate_up, down, ids)
-        monkeypatch.setattr(ops, "ROUTED_FFN_MIN_K_BLOCKS", min_blocks)
+        monkeypatch.setattr(routed_tiling, "ROUTED_FFN_MIN_K_BLOCKS", min_blocks)
         for backend in ("reference", "pallas"):
             got = ops.routed_ffn(x, gate_up, down, ids, backend=backend)
             np.testing.assert_allclose(got, want, **F32_TOL, err_msg=f"{backend} I={inter}")

@@ -1,0 +1,89 @@
+"""The routed expert GEMMs' tiling policy (MoE decode steps): column and K blocks, K ranges,
+and which of an expert SwiGLU's two kernels applies its activation. Each choice cites the
+device sweep it came from (benchmarks/RESULTS.md)."""
+
+from __future__ import annotations
+
+from pjinfer.kernels import common
+
+Shape = tuple[int, int, int]  # a [G, K, N] expert stack's (float) shape
+
+
+def default_routed_tiling(rhs_shape: tuple[int, int, int], top_k: int,
+                          k_group: int | None = None) -> tuple[tuple[int, int], int]:
+    """((block_n, block_k), K ranges) of a routed GEMM over a [G, K, N] expert stack
+    (`k_group`: rows of K a scale covers, which K blocks divide)."""
+    groups, kk, n = rhs_shape
+    # n128 / k128: round 7's sweep on the H200 (RESULTS.md) found them best or within 9% of
+    # the best at 1-16 tokens for Qwen3-30B-A3B and Mixtral-8x7B experts
+    bn, bk = common.dividing_block(128, n), common.dividing_block(128, k_group or kk)
+    # programs with an expert to read when one real token fills the step: decode buckets pad
+    # T with inactive rows, so T cannot tell how many experts a step reads
+    busy = -(-n // bn) * min(top_k, groups)
+    return (bn, bk), routed_k_splits(busy, -(-kk // bk))
+
+
+def swiglu_routed_tiling(rhs_shape: tuple[int, int, int], top_k: int,
+                         k_group: int | None = None) -> tuple[int, int] | None:
+    """(block_n, block_k) of a gate/up routed GEMM with the activation in its epilogue
+    (`routed_matmul(..., swiglu=True)`; rhs [G, K, 2I]), or None where no block of >= 32
+    columns divides I. K is whole, so the programs come from the column blocks alone: halved
+    from 128 while fewer than `SWIGLU_MIN_PROGRAMS` would stream at one token. H100, round
+    36 (the two GEMMs at one token, all layers a call): Qwen3-30B-A3B 32.5 us a layer at 64
+    columns (96 programs), 39.0 at 32, 42.4 at 16; Mixtral-8x7B 240.6 at 128, 253.2 at 64."""
+    groups, kk, n = rhs_shape
+    bn = common.dividing_block(128, n // 2)
+    while bn > 32 and n // 2 // bn * min(top_k, groups) < SWIGLU_MIN_PROGRAMS:
+        bn //= 2
+    if n % 2 or bn < 32 or (n // 2) % bn:
+        return None
+    return bn, common.dividing_block(128, k_group or kk)
+
+
+SWIGLU_MIN_PROGRAMS = 96  # wider blocks over fewer programs ran faster (see above)
+
+
+def routed_k_splits(busy_programs: int, k_blocks: int) -> int:
+    """K ranges for a routed GEMM: split until ~`ROUTED_BUSY_PROGRAMS` programs stream
+    weights, at most 4 ranges of >= 8 K blocks each. Round 9's sweep on the H200 (RESULTS.md):
+    at one token Mixtral's down projection (64 busy programs, 112 K blocks) ran 211 -> 179
+    us/layer with 4 ranges (and no slower at 4-32 tokens), Qwen3-30B-A3B's gate/up (96, 16
+    blocks) 34.3 -> 31.6 with 2 (3% slower at 16-32 tokens); every split of a GEMM with >= 256
+    busy programs or a short K was slower or no faster."""
+    splits = 1
+    while busy_programs * splits < ROUTED_BUSY_PROGRAMS and splits < 4 \
+            and k_blocks // (2 * splits) >= 8:
+        splits *= 2
+    return splits
+
+
+ROUTED_BUSY_PROGRAMS = 256  # ~2 per SM of an H100/H200
+
+
+def routed_ffn_tiling(gate_up: Shape, down: Shape, top_k: int,
+                      k_groups: tuple[int | None, int | None] = (None, None)) -> dict | None:
+    """`routed_ffn`'s `activation`, `blocks` and `k_splits` for these stacks (`k_groups`:
+    rows of K a scale covers in each, or None), or None where neither form fits and the
+    two GEMMs take the activation after the first: in gate/up's epilogue where a block of
+    >= 32 columns divides I, else in down's loads for a down GEMM of at least
+    `ROUTED_FFN_MIN_K_BLOCKS` whole K blocks."""
+    (gate_blocks, gate_splits), (down_blocks, down_splits) = (
+        default_routed_tiling(shape, top_k, group) for shape, group in zip(
+            (gate_up, down), k_groups, strict=True))
+    k_blocks, rest = divmod(down[1], down_blocks[1])
+    epilogue = None if rest else swiglu_routed_tiling(gate_up, top_k, k_groups[0])
+    if epilogue is not None:
+        return dict(activation="gate_up", blocks=(epilogue, down_blocks),
+                    k_splits=(1, down_splits))
+    if rest or k_blocks < ROUTED_FFN_MIN_K_BLOCKS:
+        return None
+    return dict(activation="down", blocks=(gate_blocks, down_blocks),
+                k_splits=(gate_splits, down_splits))
+
+
+# H200 (RESULTS.md, round 31): the activation in the down kernel's loads against XLA's
+# kernel between, one token: Mixtral-8x7B (I 14,336: 112 K blocks of down) 184.1 -> 179.3 us
+# a layer; Qwen3-30B-A3B (I 768: 6 blocks) 29.8 -> 28.7 alone but, in the engine's 8-row
+# decode step, down 13.9 us against ~10.4 + 2.0 (its per-tile activation work, repeated for
+# each of down's column blocks, outweighs a short K loop)
+ROUTED_FFN_MIN_K_BLOCKS = 16
