@@ -112,31 +112,30 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
                 x = _glu_tile(lhs_ref, out_rows, start, width, glu, dtype, compiled)
                 return jnp.where(hit[:, None], x, 0)
 
-            def times_weights(acc, kb, xs, cols):  # acc + one K step's [T, bn] sums
-                start = (k_range * k_steps + kb) * block_k
+            def times_weights(acc, xs, cols, step, start, kg):  # acc + one K step's sums
                 if int4:  # one nibble block: low nibbles the first half's rows, high the rest
-                    half, kg = block_k // 2, expert_stack.step_group(scale_ref, start, k_group)
                     zero = (expert_stack.INT4_ZERO if zero_ref is None
                             else zero_ref[e, kg, cols])
-                    packed = pl.ds(expert_stack.nibble_start(k_range * k_steps + kb, half), half)
+                    packed = pl.ds(expert_stack.nibble_start(step, block_k // 2), block_k // 2)
                     return expert_stack.int4_dot(acc, *xs, rhs_ref[e, cols, packed],
                                                  scale_ref[e, kg, cols], zero, native)
                 ks = pl.ds(start, block_k)
                 if scale_ref is None:
                     return acc + expert_stack.weight_dot(xs[0], rhs_ref[e, ks, cols], False)
                 y = expert_stack.weight_dot(xs[0], rhs_ref[e, cols, ks], True)
-                if k_group is not None:
-                    kg = expert_stack.step_group(scale_ref, start, k_group)
+                if kg is not None:
                     y = y * scale_ref[e, kg, cols][None, :]
                 return acc + y
 
             def body(kb, accs):  # x's [T, bk] tile (int4: its two runs) loaded once a step
-                start = (k_range * k_steps + kb) * block_k
-                half = block_k // 2
+                step = k_range * k_steps + kb
+                start, half = step * block_k, block_k // 2
+                kg = (None if k_group is None
+                      else expert_stack.step_group(scale_ref, start, k_group))
                 xs = ((load_x(pl.multiple_of(start, half), half),
                        load_x(pl.multiple_of(start + half, half), half)) if int4
                       else (load_x(start, block_k),))
-                return tuple(times_weights(acc, kb, xs, c)
+                return tuple(times_weights(acc, xs, c, step, start, kg)
                              for acc, c in zip(accs, halves, strict=True))
 
             zeros = jnp.zeros((num_tokens, block_n), jnp.float32)

@@ -9,21 +9,21 @@ from pjinfer.kernels import common
 Shape = tuple[int, int, int]  # a [G, K, N] expert stack's (float) shape
 
 
-def default_routed_tiling(rhs_shape: tuple[int, int, int], top_k: int,
+def default_routed_tiling(rhs_shape: Shape, top_k: int,
                           k_group: int | None = None) -> tuple[tuple[int, int], int]:
     """((block_n, block_k), K ranges) of a routed GEMM over a [G, K, N] expert stack
     (`k_group`: rows of K a scale covers, which K blocks divide)."""
     groups, kk, n = rhs_shape
     # n128 / k128: round 7's sweep on the H200 (RESULTS.md) found them best or within 9% of
     # the best at 1-16 tokens for Qwen3-30B-A3B and Mixtral-8x7B experts
-    bn, bk = common.dividing_block(128, n), common.dividing_block(128, k_group or kk)
+    bn, bk = common.dividing_block(128, n), _block_k(kk, k_group)
     # programs with an expert to read when one real token fills the step: decode buckets pad
     # T with inactive rows, so T cannot tell how many experts a step reads
     busy = -(-n // bn) * min(top_k, groups)
     return (bn, bk), routed_k_splits(busy, -(-kk // bk))
 
 
-def swiglu_routed_tiling(rhs_shape: tuple[int, int, int], top_k: int,
+def swiglu_routed_tiling(rhs_shape: Shape, top_k: int,
                          k_group: int | None = None) -> tuple[int, int] | None:
     """(block_n, block_k) of a gate/up routed GEMM with the activation in its epilogue
     (`routed_matmul(..., swiglu=True)`; rhs [G, K, 2I]), or None where no block of >= 32
@@ -37,7 +37,13 @@ def swiglu_routed_tiling(rhs_shape: tuple[int, int, int], top_k: int,
         bn //= 2
     if n % 2 or bn < 32 or (n // 2) % bn:
         return None
-    return bn, common.dividing_block(128, k_group or kk)
+    return bn, _block_k(kk, k_group)
+
+
+def _block_k(k: int, k_group: int | None) -> int:
+    """A routed GEMM's K block: 128 rows (round 7's sweep), or the largest power of two
+    dividing K, or the scales' K group where they have one."""
+    return common.dividing_block(128, k_group or k)
 
 
 SWIGLU_MIN_PROGRAMS = 96  # wider blocks over fewer programs ran faster (see above)
