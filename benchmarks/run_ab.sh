@@ -61,6 +61,20 @@ fi
 
 log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$LOG"; }
 
+# AB_RUNS / AB_WARMUP checked before any device work: an entry naming neither tree would
+# otherwise run the head's (in_tree's default) under the wrong name
+for run in ${AB_RUNS:-}; do
+  case $run in
+    base:?*|head:?*) ;;
+    *) log "AB_RUNS entry '$run' must be base:N or head:N (e.g. AB_RUNS=\"head:1 base:1\")"
+       exit 2 ;;
+  esac
+done
+case ${AB_WARMUP:-1} in
+  0|1) ;;
+  *) log "AB_WARMUP must be 0 or 1, got '$AB_WARMUP'"; exit 2 ;;
+esac
+
 # in_tree NAME CMD...: run CMD from checkout NAME (base|head) with that checkout as `pjinfer`.
 in_tree() {
   local name=$1; shift
