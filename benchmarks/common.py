@@ -135,7 +135,9 @@ def median_call_seconds(fn, *args, reps: int = 20, repeats: int = 7) -> float:
 
 
 def print_table(title: str, rows: Sequence[tuple[str, Any]]) -> None:
-    """A two-column summary on stdout, like vLLM's benchmark footers."""
+    """A two-column summary on stdout, like vLLM's benchmark footers (a sweep whose every
+    case failed has no rows: its errors are in the record, which is still written)."""
+    rows = list(rows) or [("(no case ran; see the record's errors)", None)]
     width = max(len(k) for k, _ in rows) + 2
     line = "=" * (width + 16)
     print(f"{line}\n{title.center(len(line))}\n{line}")

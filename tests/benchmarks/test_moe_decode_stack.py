@@ -65,3 +65,15 @@ def test_fused_and_separate_activation_side_by_side(tmp_path, dtype):
     assert set(row["tilings"]) == {name, f"{name}_fused", f"{name}_epilogue16",
                                    f"{name}_epilogue32"}
     assert all(t["vs_bandwidth"] > 0 for t in row["tilings"].values())
+
+
+def test_a_tiling_that_cannot_run_is_recorded_with_its_error(tmp_path):
+    """--swiglu-block-n wider than the smoke model's I: the tiling's error is in the record,
+    which is still written (the summary has no row to show)."""
+    out = tmp_path / "stack.json"
+    assert main(["--smoke", "--tokens", "1", "--block-n", "16", "--block-k", "16",
+                 "--fused", "2", "--swiglu-block-n", "256", "--calls", "1", "--samples", "1",
+                 "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    (tiling,) = row["tilings"].values()
+    assert "block_n must divide I" in tiling["error"] and "best_tiling" not in row
