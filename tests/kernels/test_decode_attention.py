@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pjinfer.kernels.common import AttentionParams
+from pjinfer.kernels.common import AttentionParams, softmax_init, softmax_step
 from pjinfer.kernels.decode_attention import (
     DecodeBlockSizes,
+    combine_splits,
     decode_attention,
     decode_attention_reference,
     default_decode_block_sizes,
@@ -26,6 +27,32 @@ def _check(b, dtype, sizes, attn):
     ref = decode_attention_reference(*args)
     assert out.shape == b.q.shape and out.dtype == dtype
     assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("lengths", [(7, 0, 13, 1), (0, 0, 5), (30,)])
+def test_combine_splits_is_softmax_over_all_keys(lengths):
+    """Splits' states (an empty split among them) merge to softmax over every key at once."""
+    rows, dim = 3, 16
+    keys = jax.random.split(jax.random.key(sum(lengths)), 2)
+    s = jax.random.normal(keys[0], (rows, sum(lengths))) * 4.0  # [M, N]
+    v = jax.random.normal(keys[1], (sum(lengths), dim))  # [N, D]
+    states, start = [], 0
+    for n in lengths:
+        part = slice(start, start + n)
+        state = softmax_init(rows, dim)
+        if n:
+            state = softmax_step(state, s[:, part], jnp.ones((1, n), bool), v[part])
+        states.append(state)
+        start += n
+    acc, m, l_sum = (jnp.stack(x) for x in zip(*states, strict=True))
+    out = combine_splits(acc, m, l_sum)
+    np.testing.assert_allclose(out, jax.nn.softmax(s, axis=1) @ v, rtol=1e-5, atol=1e-6)
+
+
+def test_combine_splits_of_empty_states_is_zero():
+    """A row no split saw a key of (a padding sequence) merges to 0, not NaN."""
+    acc, m, l_sum = (jnp.stack([x] * 3) for x in softmax_init(4, 8))
+    np.testing.assert_array_equal(combine_splits(acc, m, l_sum), np.zeros((4, 8)))
 
 
 @pytest.mark.parametrize(
