@@ -82,24 +82,11 @@ def _decode_kernel(
 
 
 def combine_splits(o: jax.Array, m: jax.Array, l_sum: jax.Array) -> jax.Array:
-    """Merges per-split softmax states along axis 0: o [K, ..., D], m/l [K, ...].
-
-    One variadic reduction whose reducer is the flash-decoding merge, so XLA can emit one
-    fusion where a max and then the weighted sums took two kernels a layer.
-    """
-    shape = o.shape
-    states = (jnp.broadcast_to(m[..., None], shape), jnp.broadcast_to(l_sum[..., None], shape), o)
-    empty = (jnp.float32(common.MASK_VALUE), jnp.float32(0), jnp.float32(0))
-    _, denom, acc = jax.lax.reduce(states, empty, _merge_states, (0,))
-    return acc / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)
-
-
-def _merge_states(a, b):
-    """Two (max, denominator, output) softmax states as one, rescaled to their joint max."""
-    (m_a, l_a, o_a), (m_b, l_b, o_b) = a, b
-    m = jnp.maximum(m_a, m_b)
-    w_a, w_b = jnp.exp(m_a - m), jnp.exp(m_b - m)
-    return m, l_a * w_a + l_b * w_b, o_a * w_a + o_b * w_b
+    """Merges per-split softmax states along axis 0: o [K, ..., D], m/l [K, ...]."""
+    m_max = m.max(axis=0)
+    w = jnp.exp(m - m_max[None])  # [K, ...]
+    denom = jnp.maximum((l_sum * w).sum(axis=0), jnp.finfo(jnp.float32).tiny)
+    return (o * w[..., None]).sum(axis=0) / denom[..., None]
 
 
 @functools.partial(jax.jit, static_argnames=("attn", "block_sizes", "interpret"))
@@ -130,8 +117,7 @@ def decode_attention(
         common.flat_pages(v_cache), gp=gp, block_size=block_size, attn=attn,
         block_sizes=block_sizes, interpret=interpret,
     )
-    g = slice(0, group)  # the group's real rows, before the merge
-    out = combine_splits(o[:, :, :, g], m[:, :, :, g], l_sum[:, :, :, g])  # [S, KVH, G, D]
+    out = combine_splits(o, m, l_sum)[:, :, :group]  # [S, KVH, G, D]
     return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
 
 

@@ -23,21 +23,35 @@ def default_routed_tiling(rhs_shape: Shape, top_k: int,
     return (bn, bk), routed_k_splits(busy, -(-kk // bk))
 
 
-def swiglu_routed_tiling(rhs_shape: Shape, top_k: int,
-                         k_group: int | None = None) -> tuple[int, int] | None:
+def swiglu_routed_tiling(rhs_shape: Shape, top_k: int, k_group: int | None = None,
+                         rows: int = 1) -> tuple[int, int] | None:
     """(block_n, block_k) of a gate/up routed GEMM with the activation in its epilogue
-    (`routed_matmul(..., swiglu=True)`; rhs [G, K, 2I]), or None where no block of >= 32
-    columns divides I. K is whole, so the programs come from the column blocks alone: halved
-    from 128 while fewer than `SWIGLU_MIN_PROGRAMS` would stream at one token. H100, round
-    36 (the two GEMMs at one token, all layers a call): Qwen3-30B-A3B 32.5 us a layer at 64
-    columns (96 programs), 39.0 at 32, 42.4 at 16; Mixtral-8x7B 240.6 at 128, 253.2 at 64."""
+    (`routed_matmul(..., swiglu=True)`; rhs [G, K, 2I]) over `rows` token rows, or None
+    where no block of >= 32 columns divides I. K is whole, so the programs come from the
+    column blocks alone: halved from 128 while fewer than `SWIGLU_MIN_PROGRAMS` would stream
+    at the fewest real tokens the rows may hold (`least_tokens`). H100, round 36 (the two
+    GEMMs, all layers a call): Qwen3-30B-A3B at one token 32.5 us a layer at 64 columns (96
+    programs), 33.1 at 128, 39.0 at 32; Mixtral-8x7B 240.6 at 128, 253.2 at 64. Round 37, 8
+    tokens: Qwen3 168.1 at 128 against 173.0 at 64."""
     groups, kk, n = rhs_shape
     bn = common.dividing_block(128, n // 2)
-    while bn > 32 and n // 2 // bn * min(top_k, groups) < SWIGLU_MIN_PROGRAMS:
+    busy_choices = min(top_k * least_tokens(rows), groups)
+    while bn > 32 and n // 2 // bn * busy_choices < SWIGLU_MIN_PROGRAMS:
         bn //= 2
     if n % 2 or bn < 32 or (n // 2) % bn:
         return None
     return bn, _block_k(kk, k_group)
+
+
+def least_tokens(rows: int) -> int:
+    """Real tokens a routed GEMM over `rows` rows surely has: decode steps pad their rows to a
+    bucket, and the smallest (`ONE_TOKEN_ROWS`) is where batch 1 runs; a wider step holds at
+    least two (the engine takes the smallest bucket that fits, and a tiling chosen for two
+    tokens is also the one-token tiling's neighbour in the sweep above)."""
+    return 1 if rows <= ONE_TOKEN_ROWS else 2
+
+
+ONE_TOKEN_ROWS = 8  # the engine's smallest decode bucket (pjinfer.engine.inputs)
 
 
 def _block_k(k: int, k_group: int | None) -> int:
@@ -67,17 +81,18 @@ ROUTED_BUSY_PROGRAMS = 256  # ~2 per SM of an H100/H200
 
 
 def routed_ffn_tiling(gate_up: Shape, down: Shape, top_k: int,
-                      k_groups: tuple[int | None, int | None] = (None, None)) -> dict | None:
+                      k_groups: tuple[int | None, int | None] = (None, None),
+                      rows: int = 1) -> dict | None:
     """`routed_ffn`'s `activation`, `blocks` and `k_splits` for these stacks (`k_groups`:
-    rows of K a scale covers in each, or None), or None where neither form fits and the
-    two GEMMs take the activation after the first: in gate/up's epilogue where a block of
-    >= 32 columns divides I, else in down's loads for a down GEMM of at least
+    rows of K a scale covers in each, or None) over `rows` token rows, or None where neither
+    form fits and the two GEMMs take the activation after the first: in gate/up's epilogue
+    where a block of >= 32 columns divides I, else in down's loads for a down GEMM of at least
     `ROUTED_FFN_MIN_K_BLOCKS` whole K blocks."""
     (gate_blocks, gate_splits), (down_blocks, down_splits) = (
         default_routed_tiling(shape, top_k, group) for shape, group in zip(
             (gate_up, down), k_groups, strict=True))
     k_blocks, rest = divmod(down[1], down_blocks[1])
-    epilogue = None if rest else swiglu_routed_tiling(gate_up, top_k, k_groups[0])
+    epilogue = None if rest else swiglu_routed_tiling(gate_up, top_k, k_groups[0], rows)
     if epilogue is not None:
         return dict(activation="gate_up", blocks=(epilogue, down_blocks),
                     k_splits=(1, down_splits))

@@ -21,6 +21,20 @@ def test_swiglu_routed_tiling(shape, top_k, want):
     assert swiglu_routed_tiling(shape, top_k) == want
 
 
+@pytest.mark.parametrize("shape, top_k, rows, want", [
+    ((128, 2048, 1536), 8, 8, 64),  # Qwen3, the 8-row bucket: batch 1 may run there
+    ((128, 2048, 1536), 8, 32, 128),  # a wider bucket holds >= 2 tokens: 96 programs at 128
+    ((60, 2048, 2816), 4, 32, 64),  # Qwen2-MoE: 11 x 8 choices at 128, 22 x 8 at 64
+    ((8, 4096, 28672), 2, 32, 128),
+])
+def test_swiglu_routed_tiling_widens_for_steps_of_several_tokens(shape, top_k, rows, want):
+    """H100 round 37: Qwen3's pair at 8 tokens 168.1 us a layer at 128 columns, 173.0 at
+    64; at one token 64 stays best (32.3 against 33.1)."""
+    assert swiglu_routed_tiling(shape, top_k, rows=rows)[0] == want
+    got = routed_ffn_tiling(shape, (shape[0], shape[2] // 2, shape[1]), top_k, rows=rows)
+    assert got["activation"] == "gate_up" and got["blocks"][0][0] == want
+
+
 @pytest.mark.parametrize("busy, k_blocks, want", [
     (64, 112, 4),  # Mixtral-8x7B down, one token: 2 experts x 32 column blocks, K 14336
     (448, 32, 1),  # Mixtral-8x7B gate/up: enough programs already
