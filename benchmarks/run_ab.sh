@@ -27,8 +27,8 @@
 # AB_FLAGS: engine flags added to both sides' runs (e.g. "--cuda-graph-sizes 2 8 32 128 512");
 # HEAD_FLAGS: to the head's only (a flag against the default, with a base archived from HEAD);
 # HEAD_ENV: environment for the head's runs only (e.g. "XLA_FLAGS=--xla_gpu_enable_pdl=false").
-# qwen3: AB_RUNS replaces the ABBA order (e.g. "head:1 base:1" when device time is short),
-# AB_WARMUP=0 drops the throwaway first run.
+# qwen3, qwen3c10, quantw1: AB_RUNS replaces the ABBA order (e.g. "head:1 base:1" when
+# device time is short); qwen3, qwen3c10: AB_WARMUP=0 drops the throwaway first run.
 # JSON records land in $OUT as {base,head}_<workload>.json (W1: w1_1 and w1_2 per side), the
 # log in $OUT/ab_log_<stage>.txt.
 set -uo pipefail
@@ -135,8 +135,9 @@ case $STAGE in
       ENGINE=(--max-num-seqs 256 --max-num-batched-tokens 8192); LIMIT=150
       W1=(--batch-size 10 --input-len 2048 --output-len 256)
     fi
-    bench base warmup latency "${W1[@]}" --output-len 16 --num-iters 1 --num-iters-warmup 1
-    for run in base:1 head:1 head:2 base:2; do
+    [ "${AB_WARMUP:-1}" = 1 ] && bench base warmup latency "${W1[@]}" --output-len 16 \
+        --num-iters 1 --num-iters-warmup 1
+    for run in ${AB_RUNS:-base:1 head:1 head:2 base:2}; do
       bench ${run%:*} c10_qwen3_${run#*:} latency "${W1[@]}" --num-iters 1 \
           --num-iters-warmup 1 --num-scheduler-steps 8
     done ;;
@@ -149,7 +150,7 @@ case $STAGE in
         MODEL=(--model configs/models/llama3-8b-gptq-int4 --load-format dummy --dtype bfloat16)
         quant=()
       fi
-      for run in base:1 head:1 head:2 base:2; do
+      for run in ${AB_RUNS:-base:1 head:1 head:2 base:2}; do
         bench ${run%:*} w1_${kind}_${run#*:} latency "${W1[@]}" "${quant[@]}" \
             --num-scheduler-steps 8 --num-iters-warmup 1
       done
