@@ -138,6 +138,16 @@ def query_operand(q: jax.Array, cache_dtype, attn: AttentionParams) -> tuple[jax
     return (q.astype(jnp.float32) * attn.score_scale).astype(jnp.float16), 1.0
 
 
+F16_MAX = float(jnp.finfo(jnp.float16).max)
+
+
+def float16_operand(x: jax.Array) -> jax.Array:
+    """x as a dot's float16 operand beside e4m3 weights (which widen to float16 exactly, one
+    conversion per two elements): clamped to float16's range, so no inf; exact for bfloat16
+    values in its normal range."""
+    return jnp.clip(x.astype(jnp.float32), -F16_MAX, F16_MAX).astype(jnp.float16)
+
+
 def scores(q: jax.Array, k: jax.Array, scale: float) -> jax.Array:
     """q [M, D] . k [N, D] -> [M, N] float32, times `scale` (none when it is 1)."""
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)

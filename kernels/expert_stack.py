@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pjinfer.kernels import common
 from pjinfer.kernels.tile_dequant import int4_bf16_native
 from pjinfer.quantization.weight import int4_span, unpack_int4
 
@@ -125,6 +126,34 @@ def weight_dot(x: jax.Array, w: jax.Array, k_minor: bool) -> jax.Array:
         return jnp.dot(x, w, preferred_element_type=jnp.float32)
     return jax.lax.dot_general(x, w.astype(x.dtype), (((1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32)
+
+
+def values_dot(x: jax.Array, w: jax.Array, compiled: bool) -> jax.Array:
+    """x [rows, bk] times a quantized tile [bn, bk] of fp8 / int8 values (each column's K
+    contiguous): float32 sums, unscaled. bfloat16 rows over e4m3 values run the dot in
+    float16 (`float16_rows`): e4m3 widens to float16 in one instruction per two weights, to
+    bfloat16 only through float16 and float32 (sm_90a, the routed kernel at 8 rows: 128 F2F
+    + 64 F2FP + 64 PRMT a thread's 128 weights a step, RESULTS.md round 37), as the dense
+    fp8 kernel's `float16_dot` and the attention kernels over fp8 caches do."""
+    if x.dtype == jnp.bfloat16 and w.dtype == jnp.float8_e4m3fn:
+        x = float16_rows(x, compiled)
+    return weight_dot(x, w, True)
+
+
+# two float32 -> float16 pair, saturating to +-65504 (no inf), element 0 in the low half
+F16_SATURATE_ASM = "cvt.rn.satfinite.f16x2.f32 $0, $2, $1;"
+
+
+def float16_rows(x: jax.Array, compiled: bool) -> jax.Array:
+    """x tile as a float16 dot operand, clamped to float16's range: compiled for a GPU, by
+    one saturating conversion a pair (`F16_SATURATE_ASM`) where `common.float16_operand`'s
+    min and max took two instructions an element, repeated for each warp's copy of the tile
+    (128 FMNMX a thread's 128 weights a step); in interpret mode that clip."""
+    if not compiled:
+        return common.float16_operand(x)
+    return pltriton.elementwise_inline_asm(
+        F16_SATURATE_ASM, args=[x.astype(jnp.float32)], constraints="=r,r,r", pack=2,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float16)])[0]
 
 
 def nibble_start(step, half: int):

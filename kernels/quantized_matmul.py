@@ -264,9 +264,6 @@ def _program(x_ref, xs_ref, o_ref, p_ref, s_ref, *z, ids, kind: str, zero_point:
             pltriton.store(o_ref.at[rows[:, None], cols[None, :]], out, mask=valid[:, None])
 
 
-F16_MAX = float(jnp.finfo(jnp.float16).max)
-
-
 def native_int4(kind: str, x_dtype, sizes: QuantMatmulBlockSizes, interpret: bool) -> bool:
     """Whether int4 tiles become bfloat16 weights by `tile_dequant.INT4_BF16_ASM` (compiled
     for a GPU, bfloat16 x, not the 128 + u dot): interpret mode keeps the float32 FMA form, which
@@ -339,7 +336,7 @@ def quantized_matmuls(x: jax.Array, ws: tuple[QuantizedWeight, ...], *, out_dtyp
     sums = [x_load_sums(x, sizes.block_k // 2, w0.span)] if has_xsum else []
     partial = x.dtype if splits == 1 else jnp.float32
     if sizes.float16_dot:  # the dot's operand: inf-free, exact in float16's normal range
-        x = jnp.clip(x.astype(jnp.float32), -F16_MAX, F16_MAX).astype(jnp.float16)
+        x = common.float16_operand(x)
     out = pl.pallas_call(  # every input whole: the kernel slices its own tiles (pow2 loads)
         kernel,
         grid=(-(-t // bt), sum(tiles), splits),

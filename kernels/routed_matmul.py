@@ -122,7 +122,7 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
                 ks = pl.ds(start, block_k)
                 if scale_ref is None:
                     return acc + expert_stack.weight_dot(xs[0], rhs_ref[e, ks, cols], False)
-                y = expert_stack.weight_dot(xs[0], rhs_ref[e, cols, ks], True)
+                y = expert_stack.values_dot(xs[0], rhs_ref[e, cols, ks], compiled)
                 if kg is not None:
                     y = y * scale_ref[e, kg, cols][None, :]
                 return acc + y
