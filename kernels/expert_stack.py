@@ -130,14 +130,39 @@ def weight_dot(x: jax.Array, w: jax.Array, k_minor: bool) -> jax.Array:
 
 def values_dot(x: jax.Array, w: jax.Array, compiled: bool) -> jax.Array:
     """x [rows, bk] times a quantized tile [bn, bk] of fp8 / int8 values (each column's K
-    contiguous): float32 sums, unscaled. bfloat16 rows over e4m3 values run the dot in
-    float16 (`float16_rows`): e4m3 widens to float16 in one instruction per two weights, to
-    bfloat16 only through float16 and float32 (sm_90a, the routed kernel at 8 rows: 128 F2F
-    + 64 F2FP + 64 PRMT a thread's 128 weights a step, RESULTS.md round 37), as the dense
+    contiguous): float32 sums, unscaled. bfloat16 rows run the dot in float16
+    (`float16_rows`), where both one-byte kinds widen exactly and cheaply: e4m3 in one
+    instruction a pair (to bfloat16 only through float16 and float32: 128 F2F + 64 F2FP +
+    64 PRMT a thread's 128 weights a step, sm_90a, RESULTS.md round 37), int8 by
+    `INT8_F16_ASM` (Triton's bfloat16 form: 128 LOP3 + 64 PRMT + 64 HADD2), as the dense
     fp8 kernel's `float16_dot` and the attention kernels over fp8 caches do."""
-    if x.dtype == jnp.bfloat16 and w.dtype == jnp.float8_e4m3fn:
-        x = float16_rows(x, compiled)
+    if x.dtype != jnp.bfloat16 or w.dtype not in (jnp.float8_e4m3fn, jnp.int8):
+        return weight_dot(x, w, True)
+    x = float16_rows(x, compiled)
+    if w.dtype == jnp.int8 and compiled:
+        w = int8_float16(w)
     return weight_dot(x, w, True)
+
+
+# PTX: 4 int8 values ($2, element i in byte i) -> float16 pairs ($0: elements 0, 1; $1: 2, 3).
+# The XOR makes each byte u = v + 128 (0..255); PRMT puts u under 0x64 in each half: the
+# float16 1024 + u (exact: 10 mantissa bits); one packed subtract of 1152 leaves v, exactly.
+INT8_F16_ASM = """{
+.reg .b32 t, lo, hi, off;
+mov.b32 off, 0x64806480;
+xor.b32 t, $2, 0x80808080;
+prmt.b32 lo, t, 0x64646464, 0x5140;
+prmt.b32 hi, t, 0x64646464, 0x5342;
+sub.rn.f16x2 $0, lo, off;
+sub.rn.f16x2 $1, hi, off;
+}"""
+
+
+def int8_float16(w: jax.Array) -> jax.Array:
+    """int8 tile -> the same values in float16, by `INT8_F16_ASM` (Triton on a GPU only)."""
+    return pltriton.elementwise_inline_asm(
+        INT8_F16_ASM, args=[w], constraints="=r,=r,r", pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.float16)])[0]
 
 
 # two float32 -> float16 pair, saturating to +-65504 (no inf), element 0 in the low half

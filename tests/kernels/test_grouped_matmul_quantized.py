@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pjinfer.kernels import ops
+from pjinfer.kernels import expert_stack, ops
 from pjinfer.kernels.grouped_matmul import (
     default_grouped_block_sizes,
     grouped_matmul,
@@ -135,17 +135,18 @@ def test_bfloat16_rows_over_fp8_experts():
     np.testing.assert_allclose(out, want, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
 @pytest.mark.parametrize("k_groups", [1, 2])
-def test_routed_kernels_take_bfloat16_rows_over_fp8_experts_as_float16(k_groups):
-    """bf16 rows over e4m3 values: the routed dots run in float16 (exact for these rows),
-    per channel and per K group, gate/up with its epilogue and down; a row past float16's
-    range saturates (finite sums) instead of turning inf."""
+def test_routed_kernels_take_bfloat16_rows_over_one_byte_experts_as_float16(kind, k_groups):
+    """bf16 rows over e4m3 / int8 values: the routed dots run in float16 (exact for these
+    rows and values), per channel and per K group, gate/up with its epilogue and down; a row
+    past float16's range saturates (finite sums) instead of turning inf."""
     rng = np.random.default_rng(5 + k_groups)
     ids = jnp.asarray(np.argsort(rng.random((5, 6)), axis=1)[:, :2].astype(np.int32))
     x = jnp.asarray(rng.normal(size=(5, 64)), jnp.bfloat16)
-    gu, gu_w = _quantized(jnp.asarray(rng.normal(size=(6, 64, 64)) / 8, jnp.float32), "fp8",
+    gu, gu_w = _quantized(jnp.asarray(rng.normal(size=(6, 64, 64)) / 8, jnp.float32), kind,
                           k_groups)
-    dn, dn_w = _quantized(jnp.asarray(rng.normal(size=(6, 32, 48)) / 6, jnp.float32), "fp8")
+    dn, dn_w = _quantized(jnp.asarray(rng.normal(size=(6, 32, 48)) / 6, jnp.float32), kind)
     x32 = x.astype(jnp.float32)
     out = routed_matmul(x, gu.values, ids, per_assignment=False, rhs_scales=gu.scales,
                         block_n=16, block_k=32, k_splits=2, out_dtype=jnp.float32,
@@ -166,20 +167,23 @@ def test_routed_kernels_take_bfloat16_rows_over_fp8_experts_as_float16(k_groups)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="on a GPU the compiled kernel tests run the lowering")
-def test_bfloat16_rows_over_fp8_experts_lower_to_one_saturating_conversion_a_pair():
-    """Compiled, the routed kernel's bf16 x tile becomes float16 by `F16_SATURATE_ASM` (sm_90a,
-    Qwen3's gate/up at 8 rows: 3.84 -> 2.52 SASS instructions a weight, RESULTS.md round 37);
-    float32 rows keep their float32 dot."""
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.int8])
+def test_bfloat16_rows_over_one_byte_experts_lower_to_float16_dots(dtype):
+    """Compiled, the routed kernel's bf16 x tile becomes float16 by `F16_SATURATE_ASM` and
+    int8 values by `INT8_F16_ASM` (sm_90a, Qwen3's gate/up at 8 rows, SASS instructions a
+    weight: fp8 3.84 -> 2.52, int8 3.74 -> 3.21 at one token; RESULTS.md round 37); float32
+    rows keep their float32 dot."""
     from pjinfer.benchmarks.kernel_ptx import triton_ir
 
-    values = jax.ShapeDtypeStruct((128, 1536, 2048), jnp.float8_e4m3fn)
+    values = jax.ShapeDtypeStruct((128, 1536, 2048), dtype)
     scales = jax.ShapeDtypeStruct((128, 1536), jnp.float32)
-    for dtype, asm in ((jnp.bfloat16, 1), (jnp.float32, 0)):
+    for rows, asm in ((jnp.bfloat16, 1), (jnp.float32, 0)):
         (ttir,) = triton_ir(lambda a, b, s, i: routed_matmul(
             a, b, i, per_assignment=False, rhs_scales=s, k_splits=2),
-            jax.ShapeDtypeStruct((8, 2048), dtype), values, scales,
+            jax.ShapeDtypeStruct((8, 2048), rows), values, scales,
             jax.ShapeDtypeStruct((8, 8), jnp.int32))
-        assert ttir.count("cvt.rn.satfinite.f16x2.f32") == asm
+        assert ttir.count(expert_stack.F16_SATURATE_ASM.split()[0]) == asm
+        assert ttir.count("0x64806480") == (asm if dtype == jnp.int8 else 0)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="on a GPU the compiled kernel tests run the lowering")
