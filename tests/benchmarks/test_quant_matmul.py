@@ -145,16 +145,18 @@ def test_kernel_ptx_reads_the_triton_ir_without_a_gpu(tmp_path):
         "fma": 1, "ld": 1}
 
 
-@pytest.mark.parametrize("dtype", ["int4", "float8_e4m3fn-block"])
-def test_kernel_ptx_reads_the_routed_kernel_over_grouped_expert_stacks(tmp_path, dtype):
+@pytest.mark.parametrize("dtype, asm", [("int4", 2), ("float8_e4m3fn-block", 1),
+                                        ("int8-block", 2)])
+def test_kernel_ptx_reads_the_routed_kernel_over_grouped_expert_stacks(tmp_path, dtype, asm):
     """Qwen3's gate/up experts with 128-row K groups: the routed kernel's K step is one group
-    (int4: one nibble block, its two halves through the inline-PTX bf16 pairs)."""
+    (int4: one nibble block, its two halves through the inline-PTX bf16 pairs; fp8 and int8:
+    a float16 dot, the bf16 x tile converted by inline PTX, int8 values too)."""
     from pjinfer.benchmarks import kernel_ptx
 
     record = kernel_ptx.run(["--out", str(tmp_path / "r.json"), "--kind", "routed",
                              "--expert-dtype", dtype, "--tokens", "1"])
     assert record["block_sizes"]["block_k"] == 128 and record["ttir_ops"]["tt.dot"] >= 1
-    assert record["ttir_ops"].get("tt.elementwise_inline_asm", 0) == (2 if dtype == "int4" else 0)
+    assert record["ttir_ops"].get("tt.elementwise_inline_asm", 0) == asm
 
 
 def test_kernel_ptx_reads_the_routed_ffn_down_kernel(tmp_path):
