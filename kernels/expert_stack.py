@@ -128,18 +128,24 @@ def weight_dot(x: jax.Array, w: jax.Array, k_minor: bool) -> jax.Array:
                                preferred_element_type=jnp.float32)
 
 
+def dot_rows(x: jax.Array, values_dtype, compiled: bool) -> jax.Array:
+    """A K step's x tile as the dot operand for stored values of `values_dtype`: bfloat16
+    rows over one-byte values (e4m3, int8) go to float16 (`float16_rows`), where both widen
+    exactly and cheaply: e4m3 in one instruction a pair (to bfloat16 only through float16 and
+    float32: 128 F2F + 64 F2FP + 64 PRMT a thread's 128 weights a step, sm_90a, RESULTS.md
+    round 37), int8 by `INT8_F16_ASM` (Triton's bfloat16 form: 128 LOP3 + 64 PRMT + 64
+    HADD2), as the dense fp8 kernel's `float16_dot` and the attention kernels over fp8 caches
+    do. Converted once a step, however many weight tiles the step multiplies it by."""
+    if x.dtype != jnp.bfloat16 or values_dtype not in (jnp.float8_e4m3fn, jnp.int8):
+        return x
+    return float16_rows(x, compiled)
+
+
 def values_dot(x: jax.Array, w: jax.Array, compiled: bool) -> jax.Array:
-    """x [rows, bk] times a quantized tile [bn, bk] of fp8 / int8 values (each column's K
-    contiguous): float32 sums, unscaled. bfloat16 rows run the dot in float16
-    (`float16_rows`), where both one-byte kinds widen exactly and cheaply: e4m3 in one
-    instruction a pair (to bfloat16 only through float16 and float32: 128 F2F + 64 F2FP +
-    64 PRMT a thread's 128 weights a step, sm_90a, RESULTS.md round 37), int8 by
-    `INT8_F16_ASM` (Triton's bfloat16 form: 128 LOP3 + 64 PRMT + 64 HADD2), as the dense
-    fp8 kernel's `float16_dot` and the attention kernels over fp8 caches do."""
-    if x.dtype != jnp.bfloat16 or w.dtype not in (jnp.float8_e4m3fn, jnp.int8):
-        return weight_dot(x, w, True)
-    x = float16_rows(x, compiled)
-    if w.dtype == jnp.int8 and compiled:
+    """x [rows, bk] (from `dot_rows`) times a quantized tile [bn, bk] of fp8 / int8 values
+    (each column's K contiguous): float32 sums, unscaled; int8 values widen to float16 rows'
+    dtype by `INT8_F16_ASM` where compiled."""
+    if x.dtype == jnp.float16 and w.dtype == jnp.int8 and compiled:
         w = int8_float16(w)
     return weight_dot(x, w, True)
 

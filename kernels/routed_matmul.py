@@ -134,7 +134,8 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
                       else expert_stack.step_group(scale_ref, start, k_group))
                 xs = ((load_x(pl.multiple_of(start, half), half),
                        load_x(pl.multiple_of(start + half, half), half)) if int4
-                      else (load_x(start, block_k),))
+                      else (expert_stack.dot_rows(load_x(start, block_k), rhs_ref.dtype,
+                                                  compiled),))
                 return tuple(times_weights(acc, xs, c, step, start, kg)
                              for acc, c in zip(accs, halves, strict=True))
 
