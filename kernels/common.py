@@ -295,3 +295,25 @@ def triton_params(num_warps: int, num_stages: int):
     from jax.experimental.pallas import triton as pltriton
 
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+# PTX (sm_90+): this grid's programs let the stream's next kernel launch now (programmatic
+# dependent launch), and pass their operand on. The next kernel still waits for this whole
+# grid to end, its writes visible, before it reads anything (XLA puts `griddepcontrol.wait`
+# at the entry of each kernel it launches that way); without the trigger it launches only
+# once every program here has exited.
+LAUNCH_DEPENDENTS_ASM = "griddepcontrol.launch_dependents; mov.b32 $0, $1;"
+
+
+def program_id(axis: int, compiled: bool) -> jax.Array:
+    """`pl.program_id(axis)`; compiled for a GPU, read through `LAUNCH_DEPENDENTS_ASM`, so
+    that the next kernel's launch overlaps this one (the asm is pure: its result must be
+    used, as a program id always is)."""
+    index = pl.program_id(axis)
+    if not compiled:
+        return index
+    # Triton's inline asm takes tensors: the id goes through as a one-element vector
+    passed = pltriton.elementwise_inline_asm(
+        LAUNCH_DEPENDENTS_ASM, args=[jnp.full((1,), index, jnp.int32)], constraints="=r,r",
+        pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])[0]
+    return jnp.sum(passed)

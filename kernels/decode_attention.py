@@ -48,8 +48,9 @@ def _decode_kernel(
     block_size: int,
     pages: int,
     attn: AttentionParams,
+    compiled: bool,
 ):
-    seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    seq, head, split = common.program_id(0, compiled), pl.program_id(1), pl.program_id(2)
     num_splits = pl.num_programs(2)
     group, gp = q_ref.shape[2], o_ref.shape[0]
     block_k = pages * block_size
@@ -129,7 +130,7 @@ def _decode_call(lens, tables, qg, k_flat, v_flat, *, gp: int, block_size: int,
     splits = block_sizes.num_splits
     kernel = functools.partial(
         _decode_kernel, block_size=block_size, pages=block_sizes.pages_per_compute_block,
-        attn=attn,
+        attn=attn, compiled=not interpret,
     )
     out_shape = (
         jax.ShapeDtypeStruct((splits, num_seqs, num_kv_heads, gp, head_dim), jnp.float32),

@@ -104,7 +104,7 @@ def band_order(program, num_tiles: int, num_cols: int, band: int):
 
 def _kernel(group_ref, first_ref, valid_ref, *refs, block_m: int, block_n: int,
             block_k: int, k_steps: int, band: int, gather: bool, extra: int, glu: bool,
-            k_group: int | None, int4: bool, native: bool):
+            k_group: int | None, int4: bool, native: bool, compiled: bool):
     """One tile of `block_m` rows of one group times one [K / splits, block_n] slice of its
     expert (split `pl.program_id(1)` of K), stored to its rows of split s's partial (o_ref
     [splits * M, N]); a spare tile stores zeros. Program `pl.program_id(0)` picks the
@@ -121,7 +121,7 @@ def _kernel(group_ref, first_ref, valid_ref, *refs, block_m: int, block_n: int,
     scale_ref, zero_ref = (*extra_refs, None, None)[:2]
     num_tiles, num_cols = group_ref.shape[0], o_ref.shape[1] // block_n
     parts = (0, o_ref.shape[1]) if glu else (0,)  # column offsets of the halves in rhs
-    tile, col = band_order(pl.program_id(0), num_tiles, num_cols, band)
+    tile, col = band_order(common.program_id(0, compiled), num_tiles, num_cols, band)
     split = pl.program_id(1)
     group, first, num_valid = group_ref[tile], first_ref[tile], valid_ref[tile]
     num_rows = (rows_ref if gather else lhs_ref).shape[0]  # M padded to >= block_m
@@ -235,7 +235,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                           band=min(band or num_tiles, num_tiles), gather=gather,
                           extra=len(scales), glu=glu, k_group=group_k,
                           int4=is_int4(rhs), native=is_int4(rhs) and not interpret
-                          and lhs.dtype == jnp.bfloat16),
+                          and lhs.dtype == jnp.bfloat16, compiled=not interpret),
         grid=(num_tiles * (width // block_n), k_splits),
         in_specs=[whole((num_tiles,)), whole((num_tiles,)), whole((num_tiles,)),
                   *(whole((rows_p,)) for _ in rows), whole(lhs_p.shape), whole(rhs_p.shape),

@@ -124,11 +124,11 @@ def _each_module(prog, first_programs: tuple[int, ...], block_n: int, count_ref,
 
 
 def _kernel(rows_ref, count_ref, slots_ref, x_ref, *refs, first_programs: tuple[int, ...],
-            rank: int, block_k: int, k_steps: int, block_n: int):
+            rank: int, block_k: int, k_steps: int, block_n: int, compiled: bool):
     """Program (split, p): for each used adapter, the shrink of x over K range `split` by
     its A, the rows of its tokens kept, the expand by its B tile of p's columns."""
     *ab_refs, o_ref = refs
-    split, prog = pl.program_id(0), pl.program_id(1)
+    split, prog = common.program_id(0, compiled), pl.program_id(1)
     block_t = o_ref.shape[0]
     dtype = x_ref.dtype
     slots = slots_ref[...]  # [bt]
@@ -205,7 +205,8 @@ def lora_group_delta(x: jax.Array, adapters: list[Adapter], slots: jax.Array, *,
     first_programs = tuple(sum(programs[:m]) for m in range(len(programs)))
     kernel = functools.partial(
         _kernel, first_programs=first_programs, rank=rank, block_k=sizes.block_k,
-        k_steps=d_in // (sizes.block_k * sizes.k_splits), block_n=sizes.block_n)
+        k_steps=d_in // (sizes.block_k * sizes.k_splits), block_n=sizes.block_n,
+        compiled=not interpret)
     parts = pl.pallas_call(  # inputs whole: each program slices its module, adapter, K range
         kernel,
         grid=(sizes.k_splits, sum(programs)),
@@ -255,7 +256,8 @@ def folded_deltas(y: jax.Array, bs: list[jax.Array], slots: jax.Array) -> list[j
 
 
 def _expand_kernel(rows_ref, count_ref, slots_ref, y_ref, *refs, first_programs: tuple[int, ...],
-                   shrink_cols: tuple[int, ...], rank: int, block_t: int, block_n: int):
+                   shrink_cols: tuple[int, ...], rank: int, block_t: int, block_n: int,
+                   compiled: bool):
     """Program p: for each used adapter, its R shrink columns of p's module (the rows of its
     tokens kept) expanded by its [R, block_n] tile of B."""
     b_refs, o_ref = refs[:-1], refs[-1]
@@ -269,7 +271,8 @@ def _expand_kernel(rows_ref, count_ref, slots_ref, y_ref, *refs, first_programs:
         b = b_refs[m][pl.ds(row * rank, rank), cols]  # [R, bn]
         return jnp.dot(h, b, preferred_element_type=jnp.float32)
 
-    _each_module(pl.program_id(0), first_programs, block_n, count_ref, o_ref, term)
+    _each_module(common.program_id(0, compiled), first_programs, block_n, count_ref, o_ref,
+                 term)
 
 
 def folded_block_n(outs: list[int]) -> int | None:
@@ -305,7 +308,7 @@ def folded_group_expand(y: jax.Array, bs: list[jax.Array], slots: jax.Array,
     shrink_cols = tuple(y.shape[1] - (len(bs) - m) * width for m in range(len(bs)))
     kernel = functools.partial(_expand_kernel, first_programs=first_programs,
                                shrink_cols=shrink_cols, rank=rank, block_t=block_t,
-                               block_n=block_n)
+                               block_n=block_n, compiled=not interpret)
     total = pl.pallas_call(
         kernel,
         grid=(sum(programs),),

@@ -41,9 +41,9 @@ def route_reference(logits: jax.Array, top_k: int, renormalize: bool,
 
 
 def _route_kernel(valid_ref, logits_ref, weights_ref, ids_ref, *, top_k: int,
-                  renormalize: bool, padded: tuple[int, int]):
+                  renormalize: bool, padded: tuple[int, int], compiled: bool):
     """Program t: token t's logits [E] (padded to Ep with -inf), its top k [kp]."""
-    token = pl.program_id(0)
+    token = common.program_id(0, compiled)
     num_experts = logits_ref.shape[1]
     ep, kp = padded
     col = jnp.arange(ep, dtype=jnp.int32)
@@ -85,7 +85,8 @@ def moe_route(logits: jax.Array, valid: jax.Array, *, top_k: int, renormalize: b
     padded = (common.next_pow2(e), common.next_pow2(top_k))
     whole = common.whole_spec
     return pl.pallas_call(
-        functools.partial(_route_kernel, top_k=top_k, renormalize=renormalize, padded=padded),
+        functools.partial(_route_kernel, top_k=top_k, renormalize=renormalize, padded=padded,
+                          compiled=not interpret),
         grid=(t,),
         in_specs=[whole((t,)), whole(logits.shape)],
         out_specs=[whole((t, top_k)), whole((t, top_k))],

@@ -87,7 +87,7 @@ from pjinfer.quantization.weight import (
 
 def _kernel(*refs, kind: str, zero_point: float, group_rows: int, span: int,
             sizes: QuantMatmulBlockSizes, steps: int, has_zeros: bool, tiles: tuple[int, ...],
-            late_scale: bool, native: bool, has_xsum: bool):
+            late_scale: bool, native: bool, has_xsum: bool, compiled: bool):
     """One (token tile, column tile, K range) of a group of weights sharing x: the column
     tile picks its weight (`tiles`: column tiles per weight, in output order). `has_xsum`:
     x's per-load row sums follow x (the 128 + u dot's correction)."""
@@ -100,7 +100,7 @@ def _kernel(*refs, kind: str, zero_point: float, group_rows: int, span: int,
                                 group_rows=group_rows, span=span, sizes=sizes, steps=steps,
                                 late_scale=late_scale, native=native)
     # program ids read here, outside any branch (interpret mode cannot read them inside one)
-    i, j, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    i, j, k = common.program_id(0, compiled), pl.program_id(1), pl.program_id(2)
     if len(tiles) == 1:
         program(*weights[0], ids=(i, j, k))
         return
@@ -332,7 +332,8 @@ def quantized_matmuls(x: jax.Array, ws: tuple[QuantizedWeight, ...], *, out_dtyp
         group_rows=rows // w0.scales.shape[0], span=w0.span, sizes=sizes,
         steps=rows // (sizes.block_k * sizes.unroll * splits), has_zeros=w0.zeros is not None,
         tiles=tiles, late_scale=w0.kind == "fp8" and w0.scales.shape[0] == 1,
-        native=native_int4(w0.kind, x.dtype, sizes, interpret), has_xsum=has_xsum)
+        native=native_int4(w0.kind, x.dtype, sizes, interpret), has_xsum=has_xsum,
+        compiled=not interpret)
     sums = [x_load_sums(x, sizes.block_k // 2, w0.span)] if has_xsum else []
     partial = x.dtype if splits == 1 else jnp.float32
     if sizes.float16_dot:  # the dot's operand: inf-free, exact in float16's normal range

@@ -70,9 +70,10 @@ def _ragged_kernel(
     block_size: int,
     pages: int,
     attn: AttentionParams,
+    compiled: bool,
 ):
     del o_in_ref
-    tile, head = pl.program_id(0), pl.program_id(1)
+    tile, head = common.program_id(0, compiled), pl.program_id(1)
     seq, first_pos, num_valid = tile_seq_ref[tile], tile_pos_ref[tile], tile_valid_ref[tile]
     block_k = pages * block_size
     # row r of the tile: token r // group_rows, head r % group_rows of the KV group (group_rows
@@ -117,7 +118,7 @@ def _ragged_call(tiles: QueryTiles, tables, q_rows, k_flat, v_flat, *, num_token
     kernel = functools.partial(
         _ragged_kernel, block_q=block_sizes.block_q, group=group,
         group_rows=common.next_pow2(group), num_tokens=num_tokens, block_size=block_size,
-        pages=block_sizes.pages_per_compute_block, attn=attn,
+        pages=block_sizes.pages_per_compute_block, attn=attn, compiled=not interpret,
     )
     whole = common.whole_spec
     per_tile = [whole((num_tiles,))] * 4

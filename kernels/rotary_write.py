@@ -120,7 +120,7 @@ def fuses(q: jax.Array, k: jax.Array, qk: QKTransform) -> bool:
 
 
 def _kernel(slot_ref, cos_ref, sin_ref, *refs, eps: float, scales, heads, chunks,
-            norm: bool):
+            norm: bool, compiled: bool):
     """Program t: token t's q heads normed, rotated and stored; its k heads likewise and
     written with its v heads to cache row slot_mapping[t]. q, k and v are the heads of one
     array [T, H + 2 KVH, D] (one XLA fusion makes it from the projections' sums), `chunks`
@@ -128,7 +128,7 @@ def _kernel(slot_ref, cos_ref, sin_ref, *refs, eps: float, scales, heads, chunks
     if norm:
         qn_ref, kn_ref, *refs = refs
     qkv_ref, _, _, qo_ref, kc_ref, vc_ref = refs
-    t = pl.program_id(0)
+    t = common.program_id(0, compiled)
     half = cos_ref.shape[1]
     cos, sin = cos_ref[t, :], sin_ref[t, :]  # [D/2]
     slot = slot_ref[t]
@@ -175,7 +175,7 @@ def rotary_write(q, k, v, k_cache, v_cache, slot_mapping, qk: QKTransform,
     chunks = tuple(common.pow2_dividing(n, 32, 1) for n in heads)
     attn = attn or common.AttentionParams(1.0)
     kernel = functools.partial(_kernel, eps=qk.eps, norm=norm, heads=heads, chunks=chunks,
-                               scales=(attn.k_scale, attn.v_scale))
+                               scales=(attn.k_scale, attn.v_scale), compiled=not interpret)
     # [T, H + 2 KVH, D], joined as rows of [T, n * D]: when q, k and v are column slices of
     # one (merged) projection, XLA can fold the join back into that projection's output
     rows = [x.reshape(x.shape[0], -1) for x in (q, k, v)]

@@ -72,7 +72,7 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
     padded layout)."""
     *extra_refs, o_ref = refs
     scale_ref, zero_ref = (*extra_refs, None, None)[:2]
-    col, k_range, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    col, k_range, split = common.program_id(0, compiled), pl.program_id(1), pl.program_id(2)
     (real_t, choices), (num_tokens, top_k) = ids_ref.shape, padded
     token = jnp.arange(num_tokens, dtype=jnp.int32)
     choice = jnp.arange(top_k, dtype=jnp.int32)

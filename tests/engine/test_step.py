@@ -91,6 +91,28 @@ def test_gpu_step_writes_the_cache_in_the_rotary_kernel(hf_models, monkeypatch):
     assert "stablehlo.scatter" not in text
 
 
+def test_gpu_step_kernels_let_the_next_kernel_launch(moe_models, monkeypatch):
+    """Lowered for CUDA, each Pallas kernel of Qwen3-MoE's decode step (rotary + KV write,
+    attention, routing, the routed experts) starts by letting the stream's next kernel
+    launch (programmatic dependent launch): one trigger a kernel, none in interpret mode."""
+    from pjinfer.benchmarks.kernel_ptx import triton_ir
+    from pjinfer.kernels import common
+
+    cfg, params = load_model(moe_models["qwen3_moe"], dtype="bfloat16")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernels' dispatch
+    caches = init_kv_caches(cfg, NUM_BLOCKS, BLOCK_SIZE, params["embed"].dtype)
+    inputs, layout = build_step_inputs([Chunk([PROMPT[5]], 5, 1, [3])], block_size=BLOCK_SIZE,
+                                       max_blocks_per_seq=MAX_LEN // BLOCK_SIZE,
+                                       max_num_batched_tokens=64, max_num_seqs=8,
+                                       prev_tokens=NO_PREV)
+    opts = StepOptions(cfg=cfg, max_model_len=MAX_LEN, decode_only=layout.decode_only)
+    kernels = triton_ir(partial(model_step, opts=opts), params, caches, inputs)
+    names = {re.search(r"tt\.func public @(\w+)", ir).group(1) for ir in kernels}
+    assert {"rotary_kv_write", "paged_decode_attention", "moe_route"} <= names
+    assert any(name.startswith("routed") for name in names), names
+    assert all(ir.count(common.LAUNCH_DEPENDENTS_ASM) == 1 for ir in kernels)
+
+
 def test_compiled_step_aliases_the_donated_cache(hf_models):
     cfg, params = load_model(hf_models["llama"], dtype="float32")
     caches = init_kv_caches(cfg, NUM_BLOCKS, BLOCK_SIZE, params["embed"].dtype)
