@@ -39,7 +39,7 @@
 #                                         # tokens, Qwen3 W1 bf16 vs --quantization fp8 (~8 min;
 #                                         # MOEFP8_SWEPT picks the swept stacks from fp8 int8,
 #                                         # MOEFP8_MODELS the W1 runs from none fp8 gptq-int4
-#                                         # fp8-block)
+#                                         # fp8-block; MOEFP8_W1_ONLY=1 runs only those)
 #   bash benchmarks/run_h200.sh loramulti # the lora stage's engine passes (200 prompts) with
 #                                         # --num-scheduler-steps 8 (~6 min)
 #   bash benchmarks/run_h200.sh moeprofile  # Qwen3-30B-A3B (batch 1, 10 x 2,560) and
@@ -363,6 +363,7 @@ stage_moefp8() {
     b1=(--input-len 16 --output-len 8 --num-iters 1)
   fi
   local gpu=$([ $SMOKE = 1 ] && echo cpu || echo cuda)
+  if [ -z "${MOEFP8_W1_ONLY:-}" ]; then  # MOEFP8_W1_ONLY=1: the W1 runs alone
   step moe_fp8_kernel_tests 300 env JAX_PLATFORMS=$gpu $PY -m pytest -q -p no:cacheprovider \
       --import-mode=append tests/kernels/test_grouped_matmul_quantized.py \
       tests/kernels/test_routed_matmul.py  # the routed FFN's inline-PTX sigmoid too
@@ -385,6 +386,7 @@ stage_moefp8() {
   local nibbles=(--block-k 128); [ $SMOKE = 1 ] && nibbles=(--block-k 32)
   step moe_decode_stack_int4 300 $PY -m pjinfer.benchmarks.moe_decode_stack "${stack[@]}" \
       "${nibbles[@]}" --expert-dtype int4 --out "$JSON/moe_decode_stack_int4.json"
+  fi
   for q in ${MOEFP8_MODELS:-none fp8 gptq-int4 fp8-block}; do
     case $q in
       none|fp8|gptq-int4|fp8-block) ;;

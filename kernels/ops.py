@@ -159,6 +159,11 @@ def _stored(rhs: Experts) -> tuple[jax.Array, dict]:
     return rhs, {}
 
 
+def _one_byte(rhs: Experts) -> bool:
+    """A stack of one-byte quantized values (fp8, int8), not int4's packed nibbles."""
+    return isinstance(rhs, QuantizedExperts) and rhs.kind in ("fp8", "int8")
+
+
 def _k_group(rhs: Experts) -> int | None:
     """Rows of K one scale covers in a K-grouped quantized stack, else None."""
     if isinstance(rhs, QuantizedExperts) and rhs.grouped:
@@ -239,7 +244,8 @@ def routed_matmul(lhs: jax.Array, rhs: Experts, ids: jax.Array, *, per_assignmen
     rhs's columns are gate then up halves, the result silu(gate) * up [T*k, N / 2] (in the
     kernel's epilogue where a tiling of whole column blocks exists, else after it)."""
     rhs_shape, k_group = rhs.shape, _k_group(rhs)  # of the float stack, quantized or not
-    tiling = (swiglu_routed_tiling(rhs_shape, ids.shape[1], k_group, ids.shape[0])
+    tiling = (swiglu_routed_tiling(rhs_shape, ids.shape[1], k_group, ids.shape[0],
+                                   _one_byte(rhs))
               if swiglu and _use_pallas(backend) else None)
     if swiglu and tiling is None:  # the activation after the GEMM
         return silu_and_mul(routed_matmul(lhs, rhs, ids, per_assignment=per_assignment,
@@ -265,7 +271,8 @@ def routed_ffn(x: jax.Array, gate_up: Experts, down: Experts, ids: jax.Array, *,
     loads as `routed_ffn_tiling` says; where neither fits, two routed GEMMs with the
     activation after the first."""
     tiling = routed_ffn_tiling(gate_up.shape, down.shape, ids.shape[1],
-                               (_k_group(gate_up), _k_group(down)), ids.shape[0])
+                               (_k_group(gate_up), _k_group(down)), ids.shape[0],
+                               _one_byte(gate_up))
     if _use_pallas(backend) and tiling is None:
         act = routed_matmul(x, gate_up, ids, per_assignment=False, backend=backend,
                             swiglu=True)  # [T*k, I]

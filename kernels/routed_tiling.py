@@ -24,7 +24,7 @@ def default_routed_tiling(rhs_shape: Shape, top_k: int,
 
 
 def swiglu_routed_tiling(rhs_shape: Shape, top_k: int, k_group: int | None = None,
-                         rows: int = 1) -> tuple[int, int] | None:
+                         rows: int = 1, one_byte: bool = False) -> tuple[int, int] | None:
     """(block_n, block_k) of a gate/up routed GEMM with the activation in its epilogue
     (`routed_matmul(..., swiglu=True)`; rhs [G, K, 2I]) over `rows` token rows, or None
     where no block of >= 32 columns divides I. K is whole, so the programs come from the
@@ -32,7 +32,14 @@ def swiglu_routed_tiling(rhs_shape: Shape, top_k: int, k_group: int | None = Non
     at the fewest real tokens the rows may hold (`least_tokens`). H100, round 36 (the two
     GEMMs, all layers a call): Qwen3-30B-A3B at one token 32.5 us a layer at 64 columns (96
     programs), 33.1 at 128, 39.0 at 32; Mixtral-8x7B 240.6 at 128, 253.2 at 64. Round 37, 8
-    tokens: Qwen3 168.1 at 128 against 173.0 at 64."""
+    tokens: Qwen3 168.1 at 128 against 173.0 at 64. None over `one_byte` values (fp8, int8),
+    which run the epilogue slower than two routed GEMMs with XLA's kernel between, where
+    bfloat16 values (and int4's at 1-4 tokens) run it faster (H100, round 38, us a layer at 1 / 4 / 16 tokens:
+    block fp8 Qwen3 38.3 / 72.1 / 171.8 against 33.0 / 65.1 / 149.7, Mixtral-8x7B 273.7 /
+    419.1 / 557.6 against 203.6 / 375.0 / 513.6; per-channel fp8 and int8 by 1-14%): each
+    K step multiplies the x tile by two weight tiles, and K cannot be cut into ranges."""
+    if one_byte:
+        return None
     groups, kk, n = rhs_shape
     bn = common.dividing_block(128, n // 2)
     busy_choices = min(top_k * least_tokens(rows), groups)
@@ -82,12 +89,15 @@ ROUTED_BUSY_PROGRAMS = 256  # ~2 per SM of an H100/H200
 
 def routed_ffn_tiling(gate_up: Shape, down: Shape, top_k: int,
                       k_groups: tuple[int | None, int | None] = (None, None),
-                      rows: int = 1) -> dict | None:
+                      rows: int = 1, one_byte: bool = False) -> dict | None:
     """`routed_ffn`'s `activation`, `blocks` and `k_splits` for these stacks (`k_groups`:
     rows of K a scale covers in each, or None) over `rows` token rows, or None where neither
     form fits and the two GEMMs take the activation after the first: in gate/up's epilogue
     where a block of >= 32 columns divides I, else in down's loads for a down GEMM of at least
-    `ROUTED_FFN_MIN_K_BLOCKS` whole K blocks."""
+    `ROUTED_FFN_MIN_K_BLOCKS` whole K blocks. `one_byte` stacks (fp8, int8) take neither
+    (see `swiglu_routed_tiling`; the down form is not measured over them)."""
+    if one_byte:
+        return None
     (gate_blocks, gate_splits), (down_blocks, down_splits) = (
         default_routed_tiling(shape, top_k, group) for shape, group in zip(
             (gate_up, down), k_groups, strict=True))
@@ -108,3 +118,4 @@ def routed_ffn_tiling(gate_up: Shape, down: Shape, top_k: int,
 # decode step, down 13.9 us against ~10.4 + 2.0 (its per-tile activation work, repeated for
 # each of down's column blocks, outweighs a short K loop)
 ROUTED_FFN_MIN_K_BLOCKS = 16
+

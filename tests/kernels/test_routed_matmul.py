@@ -136,14 +136,16 @@ def test_routed_ffn_kernels_in_bfloat16(activation):
 
 def test_routed_ffn_dispatch(monkeypatch):
     """ops.routed_ffn: the activation in gate/up's epilogue where a block of >= 32 columns
-    divides I (float or quantized stacks), else in down's loads for a down GEMM of >=
-    ROUTED_FFN_MIN_K_BLOCKS K blocks (I 272: 17 blocks of 16), else (I 40) two GEMMs with the
-    activation after gate/up; the reference elsewhere: all agree."""
+    divides I (float or int4 stacks), else in down's loads for a down GEMM of >=
+    ROUTED_FFN_MIN_K_BLOCKS K blocks (I 272: 17 blocks of 16), else (I 40, and one-byte fp8 /
+    int8 stacks at any I) two GEMMs with the activation after gate/up; the reference
+    elsewhere: all agree."""
     called = []
     monkeypatch.setattr(ops, "pallas_routed_ffn", lambda *a, **kw: called.append(
         kw["activation"]) or routed_ffn(*a, **kw))
     cases = ((32, None, 16, ["gate_up"]), (40, None, 16, []), (272, None, 16, ["down"]),
-             (272, None, 18, []), (64, "fp8", 16, ["gate_up"]), (272, "int8", 16, ["down"]))
+             (272, None, 18, []), (64, "int4", 16, ["gate_up"]), (64, "fp8", 16, []),
+             (272, "int8", 16, []))
     for inter, kind, min_blocks, path in cases:
         ids, x, gate_up, down = _ffn_case(6, 2, 5, 32, inter, seed=inter)
         if kind:
