@@ -34,10 +34,11 @@ def swiglu_routed_tiling(rhs_shape: Shape, top_k: int, k_group: int | None = Non
     programs), 33.1 at 128, 39.0 at 32; Mixtral-8x7B 240.6 at 128, 253.2 at 64. Round 37, 8
     tokens: Qwen3 168.1 at 128 against 173.0 at 64. None over `one_byte` values (fp8, int8),
     which run the epilogue slower than two routed GEMMs with XLA's kernel between, where
-    bfloat16 values (and int4's at 1-4 tokens) run it faster (H100, round 38, us a layer at 1 / 4 / 16 tokens:
-    block fp8 Qwen3 38.3 / 72.1 / 171.8 against 33.0 / 65.1 / 149.7, Mixtral-8x7B 273.7 /
-    419.1 / 557.6 against 203.6 / 375.0 / 513.6; per-channel fp8 and int8 by 1-14%): each
-    K step multiplies the x tile by two weight tiles, and K cannot be cut into ranges."""
+    bfloat16 values (and int4's at 1-4 tokens) run it faster (H100, round 38, us a layer at
+    1 / 4 / 16 tokens: block fp8 Qwen3 38.3 / 72.1 / 171.8 against 33.0 / 65.1 / 149.7,
+    Mixtral-8x7B 273.7 / 419.1 / 557.6 against 203.6 / 375.0 / 513.6; per-channel fp8 and
+    int8 by 1-14%): each K step multiplies the x tile by two weight tiles, and K cannot be
+    cut into ranges."""
     if one_byte:
         return None
     groups, kk, n = rhs_shape
