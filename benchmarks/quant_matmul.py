@@ -8,6 +8,8 @@ weight kind and token count this times, pipelined like the ceilings (`ceilings.t
   pallas `quantized_matmul`: packed bytes streamed, dequantized in registers
   w8a8   fp8 only: `fp8_w8a8_matmul`, activations quantized per token and XLA's fp8 dot
          (the engine's form above decode sizes)
+  routed fp8 only: `routed_fp8`, the routed expert kernel over the weight as a one-expert
+         stack that every token chose (a probe: RESULTS.md round 38)
 and reports bytes moved as stored (packed values + scales + zeros + x + out), GB/s, the fraction
 of the bf16 GEMV's bandwidth (the roofline's ceiling), and TFLOP/s. On a CPU it runs tiny
 shapes in interpret mode (the plumbing only).
@@ -90,6 +92,22 @@ def quantize(kind: str, w, group_size: int):
     return quantize_int4(w, group_size) if kind == "int4" else quantize_per_channel(w, kind)
 
 
+def routed_fp8(x, w, interpret: bool):
+    """x [T, K] @ a per-channel fp8 weight [K, N] by the routed expert kernel, the weight a
+    one-expert stack (values [1, N, K] as stored, scales [1, N]) every token chose."""
+    import jax.numpy as jnp
+
+    from pjinfer.kernels.routed_matmul import routed_matmul
+    from pjinfer.kernels.routed_tiling import default_routed_tiling
+
+    n, k = w.packed.shape
+    (block_n, block_k), k_splits = default_routed_tiling((1, k, n), 1)
+    ids = jnp.zeros((x.shape[0], 1), jnp.int32)
+    return routed_matmul(x, w.packed[None], ids, per_assignment=False,
+                         rhs_scales=w.scales.reshape(1, n), block_n=block_n, block_k=block_k,
+                         k_splits=k_splits, interpret=interpret)
+
+
 def run(argv: list[str] | None = None) -> dict:
     import jax
 
@@ -136,6 +154,8 @@ def run(argv: list[str] | None = None) -> dict:
             if kind == "fp8":
                 rows.append(measure("w8a8", kind, lambda x, ws: [fp8_w8a8_matmul(x, w)
                                                                  for w in ws], (x, ws), nbytes, t))
+                rows.append(measure("routed", kind, lambda x, ws: [routed_fp8(
+                    x, w, interpret=on_cpu) for w in ws], (x, ws), nbytes, t))
             for r in rows:
                 r["fraction_of_bf16_gemv_bandwidth"] = r["best_per_s"] / bf16["best_per_s"]
                 r["speedup_vs_bf16"] = (bf16["seconds_per_call"]["best"]

@@ -47,3 +47,23 @@ def fp8_w8a8_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None) -> jax.
     y = jax.lax.dot_general(xq, w.packed, (((1,), (1,)), ((), ())),
                             preferred_element_type=out_dtype)  # [T, N]
     return (y.astype(jnp.float32) * x_scale * w.scales).astype(out_dtype)
+
+
+
+# XLA autotunes Triton GEMM fusions as alternatives to cuBLASLt's fp8 GEMM: on the H200
+# (benchmarks/w8a8_compile.py, Llama-3-8B's projections at 128 and 2,048 tokens) 2.6-23.6 s
+# of compile per shape, against 0.1-0.5 s without, and the cuBLASLt-only programs ran as fast
+# or faster (gate/up at 2,048 tokens 0.52 vs 0.63 ms, down 0.34 vs 0.44); an fp8 engine's
+# warm-up (~50 step shapes) outlasted 270 s where bf16's took 90.
+W8A8_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
+
+def step_compiler_options(params) -> dict:
+    """XLA options for compiling a step over `params`: `W8A8_COMPILER_OPTIONS` on a GPU when
+    some weight takes the W8A8 form (per-channel fp8), else none."""
+    if jax.default_backend() != "gpu":
+        return {}
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    if any(isinstance(w, QuantizedWeight) and per_channel_fp8(w) for w in leaves):
+        return dict(W8A8_COMPILER_OPTIONS)
+    return {}

@@ -43,7 +43,7 @@ from pjinfer.kernels.routed_tiling import (
     routed_ffn_tiling,
     swiglu_routed_tiling,
 )
-from pjinfer.quantization.experts import QuantizedExperts, dequantize_experts
+from pjinfer.quantization.experts import QuantizedExperts, dequantize_experts, one_byte
 from pjinfer.quantization.weight import QuantizedWeight, int4_span
 from pjinfer.sharding.mesh import traced_tp_mesh
 
@@ -159,11 +159,6 @@ def _stored(rhs: Experts) -> tuple[jax.Array, dict]:
     return rhs, {}
 
 
-def _one_byte(rhs: Experts) -> bool:
-    """A stack of one-byte quantized values (fp8, int8), not int4's packed nibbles."""
-    return isinstance(rhs, QuantizedExperts) and rhs.kind in ("fp8", "int8")
-
-
 def _k_group(rhs: Experts) -> int | None:
     """Rows of K one scale covers in a K-grouped quantized stack, else None."""
     if isinstance(rhs, QuantizedExperts) and rhs.grouped:
@@ -245,7 +240,7 @@ def routed_matmul(lhs: jax.Array, rhs: Experts, ids: jax.Array, *, per_assignmen
     kernel's epilogue where a tiling of whole column blocks exists, else after it)."""
     rhs_shape, k_group = rhs.shape, _k_group(rhs)  # of the float stack, quantized or not
     tiling = (swiglu_routed_tiling(rhs_shape, ids.shape[1], k_group, ids.shape[0],
-                                   _one_byte(rhs))
+                                   one_byte(rhs))
               if swiglu and _use_pallas(backend) else None)
     if swiglu and tiling is None:  # the activation after the GEMM
         return silu_and_mul(routed_matmul(lhs, rhs, ids, per_assignment=per_assignment,
@@ -272,7 +267,7 @@ def routed_ffn(x: jax.Array, gate_up: Experts, down: Experts, ids: jax.Array, *,
     activation after the first."""
     tiling = routed_ffn_tiling(gate_up.shape, down.shape, ids.shape[1],
                                (_k_group(gate_up), _k_group(down)), ids.shape[0],
-                               _one_byte(gate_up))
+                               one_byte(gate_up))
     if _use_pallas(backend) and tiling is None:
         act = routed_matmul(x, gate_up, ids, per_assignment=False, backend=backend,
                             swiglu=True)  # [T*k, I]
@@ -343,25 +338,6 @@ def pallas_max_rows(w: QuantizedWeight) -> int:
     0.98 ms at 24 / 32 / 48 rows (round 18), XLA's dequantize-then-dot 1.92-1.97 ms from 16
     to 64 rows, the kernel's 64-row tiles 2.71 ms at 64 (round 17); RESULTS.md)."""
     return INT4_DOT_ROWS if w.kind == "int4" else QUANT_PALLAS_MAX_ROWS
-
-# XLA autotunes Triton GEMM fusions as alternatives to cuBLASLt's fp8 GEMM: on the H200
-# (benchmarks/w8a8_compile.py, Llama-3-8B's projections at 128 and 2,048 tokens) 2.6-23.6 s
-# of compile per shape, against 0.1-0.5 s without, and the cuBLASLt-only programs ran as fast
-# or faster (gate/up at 2,048 tokens 0.52 vs 0.63 ms, down 0.34 vs 0.44); an fp8 engine's
-# warm-up (~50 step shapes) outlasted 270 s where bf16's took 90.
-W8A8_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
-
-
-def step_compiler_options(params) -> dict:
-    """XLA options for compiling a step over `params`: `W8A8_COMPILER_OPTIONS` on a GPU when
-    some weight takes the W8A8 form (per-channel fp8), else none."""
-    if jax.default_backend() != "gpu":
-        return {}
-    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
-    if any(isinstance(w, QuantizedWeight) and per_channel_fp8(w) for w in leaves):
-        return dict(W8A8_COMPILER_OPTIONS)
-    return {}
-
 
 def lora_group_deltas(x: jax.Array, adapters: list[lora_matmul.Adapter], slots: jax.Array, *,
                       backend: str = "auto") -> list[jax.Array]:

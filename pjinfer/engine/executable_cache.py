@@ -29,7 +29,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from pjinfer.kernels.ops import step_compiler_options
+from pjinfer.kernels.fp8_matmul import step_compiler_options
 
 log = logging.getLogger("pjinfer")
 
@@ -143,7 +143,7 @@ def served_by_jax_cache():
 
 def compile_step(jitted, args: tuple) -> tuple[Any, bool]:
     """Lower and compile `jitted(*args)` (a step over params `args[0]`) with the XLA options
-    its kernels ask for (`ops.step_compiler_options`); whether JAX's persistent cache served
+    its kernels ask for (`fp8_matmul.step_compiler_options`); whether JAX's persistent cache served
     it (`served_by_jax_cache`). The options follow from the params' dtypes, which every key
     here already holds."""
     with served_by_jax_cache() as served:

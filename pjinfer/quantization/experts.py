@@ -98,6 +98,11 @@ class QuantizedExperts:
         return QuantizedExperts(self.values, self.scales, self.zeros)
 
 
+def one_byte(rhs) -> bool:
+    """A stack of one-byte quantized values (fp8, int8), not int4's packed nibbles."""
+    return isinstance(rhs, QuantizedExperts) and rhs.kind in ("fp8", "int8")
+
+
 @partial(jax.jit, static_argnames=("kind", "k_group"))
 def quantize_experts(w: jax.Array, kind: str, k_group: int | None = None) -> QuantizedExperts:
     """w [E, K, *out] -> per expert and output channel symmetric values (fp8 e4m3: scaled to

@@ -17,11 +17,29 @@ def test_smoke(tmp_path):
     record = json.loads(out.read_text())
     paths = {(r["path"], r["kind"]) for r in record["runs"]}
     assert paths == {("bf16", "bf16"), ("xla", "int4"), ("pallas", "int4"), ("xla", "fp8"),
-                     ("pallas", "fp8"), ("w8a8", "fp8")}
+                     ("pallas", "fp8"), ("w8a8", "fp8"), ("routed", "fp8")}
     int4 = next(r for r in record["runs"] if r["path"] == "pallas" and r["kind"] == "int4")
     # packed: 2 x 128 x 128 / 2 bytes of values + 2 x 2 x 128 float32 scales
     assert int4["weight_bytes"] == 2 * 128 * 64 + 2 * 2 * 128 * 4
     assert int4["fraction_of_bf16_gemv_bandwidth"] > 0
+
+
+@pytest.mark.parametrize("t, k, n", [(1, 256, 384), (8, 384, 640), (17, 128, 256)])
+def test_routed_fp8_probe_matches_the_reference(t, k, n):
+    """The probe's routed form: a per-channel fp8 weight as a one-expert stack (rows padded
+    to 16 in the kernel, K cut into ranges or whole, N not a multiple of 128)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pjinfer.kernels.quantized_matmul import quantized_matmul_reference
+    from pjinfer.quantization.weight import quantize_per_channel
+
+    w = quantize_per_channel(jax.random.normal(jax.random.key(k), (k, n)) * 0.05, "fp8")
+    x = jax.random.normal(jax.random.key(t), (t, k), jnp.float32)
+    want = quantized_matmul_reference(x, w)
+    got = quant_matmul.routed_fp8(x, w, interpret=True)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
 
 
 def test_sweep_records_every_tiling_per_kind_and_tokens(tmp_path):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pjinfer.kernels import ops
+from pjinfer.kernels import fp8_matmul, ops
 from pjinfer.kernels import quantized_matmul as qmm
 from pjinfer.kernels.quantized_matmul import (
     QuantMatmulBlockSizes,
@@ -446,15 +446,16 @@ def test_fp8_steps_compile_without_triton_gemm_autotuning_on_gpu(monkeypatch):
     fp8 = {"layers": [{"q_proj": _weight(rng, "fp8", 64, 32, 64, asym=False),
                        "norm": jnp.ones(64)}]}
     int4 = {"layers": [{"q_proj": _weight(rng, "int4", 64, 32, 32, asym=True)}]}
-    assert ops.step_compiler_options(fp8) == {}  # this CPU
+    assert fp8_matmul.step_compiler_options(fp8) == {}  # this CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert ops.step_compiler_options(fp8) == ops.W8A8_COMPILER_OPTIONS
-    assert ops.step_compiler_options(int4) == {} and ops.step_compiler_options({}) == {}
+    assert fp8_matmul.step_compiler_options(fp8) == fp8_matmul.W8A8_COMPILER_OPTIONS
+    options = fp8_matmul.step_compiler_options
+    assert options(int4) == {} and options({}) == {}
     monkeypatch.undo()
     x = jnp.ones((80, 64), jnp.float32)  # XLA takes the option on any backend
     step = jax.jit(lambda x, w: ops.quantized_matmuls(x, [w], backend="pallas")[0])
     w = fp8["layers"][0]["q_proj"]
-    compiled = step.lower(x, w).compile(ops.W8A8_COMPILER_OPTIONS)
+    compiled = step.lower(x, w).compile(fp8_matmul.W8A8_COMPILER_OPTIONS)
     np.testing.assert_array_equal(compiled(x, w), step(x, w))
 
 
