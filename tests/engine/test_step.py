@@ -75,10 +75,10 @@ def test_moe_step_through_routed_expert_kernel(moe_models):
     assert np.linalg.norm(pallas - ref) / np.linalg.norm(ref) < 1e-5
 
 
-def test_gpu_step_writes_the_cache_in_the_rotary_kernel(hf_models, monkeypatch):
-    """Lowered for CUDA, Qwen3's decode step runs each layer's q/k norm, RoPE and KV write as
-    one kernel: no scatter is left in the step (XLA's path had six kernels a layer)."""
-    cfg, params = load_model(hf_models["qwen3"], dtype="bfloat16")
+def _gpu_decode_step(path, monkeypatch):
+    """(step function, its args, config) of a one-token decode step over the bf16 model at
+    `path`, the kernels dispatched as on a GPU (for lowering to CUDA)."""
+    cfg, params = load_model(path, dtype="bfloat16")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernels' dispatch
     caches = init_kv_caches(cfg, NUM_BLOCKS, BLOCK_SIZE, params["embed"].dtype)
     inputs, layout = build_step_inputs([Chunk([PROMPT[5]], 5, 1, [3])], block_size=BLOCK_SIZE,
@@ -86,7 +86,14 @@ def test_gpu_step_writes_the_cache_in_the_rotary_kernel(hf_models, monkeypatch):
                                        max_num_batched_tokens=64, max_num_seqs=8,
                                        prev_tokens=NO_PREV)
     opts = StepOptions(cfg=cfg, max_model_len=MAX_LEN, decode_only=layout.decode_only)
-    text = cuda_module(partial(model_step, opts=opts), params, caches, inputs)
+    return partial(model_step, opts=opts), (params, caches, inputs), cfg
+
+
+def test_gpu_step_writes_the_cache_in_the_rotary_kernel(hf_models, monkeypatch):
+    """Lowered for CUDA, Qwen3's decode step runs each layer's q/k norm, RoPE and KV write as
+    one kernel: no scatter is left in the step (XLA's path had six kernels a layer)."""
+    step, args, cfg = _gpu_decode_step(hf_models["qwen3"], monkeypatch)
+    text = cuda_module(step, *args)
     assert len(re.findall(r"= call @rotary_write\(", text)) == cfg.num_hidden_layers
     assert "stablehlo.scatter" not in text
 
@@ -94,19 +101,12 @@ def test_gpu_step_writes_the_cache_in_the_rotary_kernel(hf_models, monkeypatch):
 def test_gpu_step_kernels_let_the_next_kernel_launch(moe_models, monkeypatch):
     """Lowered for CUDA, each Pallas kernel of Qwen3-MoE's decode step (rotary + KV write,
     attention, routing, the routed experts) starts by letting the stream's next kernel
-    launch (programmatic dependent launch): one trigger a kernel, none in interpret mode."""
+    launch (programmatic dependent launch): one trigger a kernel."""
     from pjinfer.benchmarks.kernel_ptx import triton_ir
     from pjinfer.kernels import common
 
-    cfg, params = load_model(moe_models["qwen3_moe"], dtype="bfloat16")
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernels' dispatch
-    caches = init_kv_caches(cfg, NUM_BLOCKS, BLOCK_SIZE, params["embed"].dtype)
-    inputs, layout = build_step_inputs([Chunk([PROMPT[5]], 5, 1, [3])], block_size=BLOCK_SIZE,
-                                       max_blocks_per_seq=MAX_LEN // BLOCK_SIZE,
-                                       max_num_batched_tokens=64, max_num_seqs=8,
-                                       prev_tokens=NO_PREV)
-    opts = StepOptions(cfg=cfg, max_model_len=MAX_LEN, decode_only=layout.decode_only)
-    kernels = triton_ir(partial(model_step, opts=opts), params, caches, inputs)
+    step, args, _ = _gpu_decode_step(moe_models["qwen3_moe"], monkeypatch)
+    kernels = triton_ir(step, *args)
     names = {re.search(r"tt\.func public @(\w+)", ir).group(1) for ir in kernels}
     assert {"rotary_kv_write", "paged_decode_attention", "moe_route"} <= names
     assert any(name.startswith("routed") for name in names), names
