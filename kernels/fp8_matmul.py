@@ -7,7 +7,8 @@ the weight is stored [N, K] for it (`QuantizedWeight`'s fp8 layout). On the H200
 (`benchmarks/quant_matmul.py`, 24 matrices of 4096 x 14336, 2,048 tokens) this form ran 5.1 ms
 against bf16's 7.7 ms and 10.4 ms for dequantize-then-dot; with the weight [K, N] the same dot
 took 14.2 ms. A Pallas GEMM on Hopper's fp8 `wgmma` (Triton, tiles 128) took 35.7 ms there
-and 2.7 ms at one token, so it was dropped (benchmarks/RESULTS.md, round 10).
+and 2.7 ms at one token, so it was dropped (benchmarks/RESULTS.md, round 10). Steps over such
+weights compile with `W8A8_COMPILER_OPTIONS` (`step_compiler_options`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ def fp8_w8a8_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None) -> jax.
     y = jax.lax.dot_general(xq, w.packed, (((1,), (1,)), ((), ())),
                             preferred_element_type=out_dtype)  # [T, N]
     return (y.astype(jnp.float32) * x_scale * w.scales).astype(out_dtype)
-
 
 
 # XLA autotunes Triton GEMM fusions as alternatives to cuBLASLt's fp8 GEMM: on the H200

@@ -143,9 +143,9 @@ def served_by_jax_cache():
 
 def compile_step(jitted, args: tuple) -> tuple[Any, bool]:
     """Lower and compile `jitted(*args)` (a step over params `args[0]`) with the XLA options
-    its kernels ask for (`fp8_matmul.step_compiler_options`); whether JAX's persistent cache served
-    it (`served_by_jax_cache`). The options follow from the params' dtypes, which every key
-    here already holds."""
+    its kernels ask for (`fp8_matmul.step_compiler_options`); whether JAX's persistent cache
+    served it (`served_by_jax_cache`). The options follow from the params' dtypes, which every
+    key here already holds."""
     with served_by_jax_cache() as served:
         fn = jitted.lower(*args).compile(step_compiler_options(args[0]) or None)
     return fn, served()
