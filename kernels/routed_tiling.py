@@ -119,4 +119,3 @@ def routed_ffn_tiling(gate_up: Shape, down: Shape, top_k: int,
 # decode step, down 13.9 us against ~10.4 + 2.0 (its per-tile activation work, repeated for
 # each of down's column blocks, outweighs a short K loop)
 ROUTED_FFN_MIN_K_BLOCKS = 16
-

@@ -98,9 +98,9 @@ class QuantizedExperts:
         return QuantizedExperts(self.values, self.scales, self.zeros)
 
 
-def one_byte(rhs) -> bool:
-    """A stack of one-byte quantized values (fp8, int8), not int4's packed nibbles."""
-    return isinstance(rhs, QuantizedExperts) and rhs.kind in ("fp8", "int8")
+def one_byte(rhs: jax.Array | QuantizedExperts) -> bool:
+    """A stack of one-byte quantized values (`EXPERT_KINDS`), not int4's packed nibbles."""
+    return isinstance(rhs, QuantizedExperts) and rhs.kind in EXPERT_KINDS
 
 
 @partial(jax.jit, static_argnames=("kind", "k_group"))
