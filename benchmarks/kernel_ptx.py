@@ -187,6 +187,8 @@ def experts_ttir(kind: str, dtype: str, tokens: int,
     else:  # routed_swiglu: silu(gate) * up in the epilogue, the engine's tiling for it
         (bn, bk), _ = default_routed_tiling((experts, k, n), 8, group)
         tiling = dict(block_n=bn, block_k=bk, num_warps=4, num_stages=3, k_splits=2)
+        if dtype.endswith("-block"):  # a block-wise checkpoint's scales: 128 x 128 blocks
+            tiling.update(scale_cols=128)
         if kind == "routed_swiglu":
             tiling.update(k_splits=1, swiglu=True, block_n=swiglu_routed_tiling(
                 (experts, k, n), 8, group)[0])

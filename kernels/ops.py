@@ -239,6 +239,7 @@ def routed_matmul(lhs: jax.Array, rhs: Experts, ids: jax.Array, *, per_assignmen
     rhs's columns are gate then up halves, the result silu(gate) * up [T*k, N / 2] (in the
     kernel's epilogue where a tiling of whole column blocks exists, else after it)."""
     rhs_shape, k_group = rhs.shape, _k_group(rhs)  # of the float stack, quantized or not
+    scale_cols = rhs.scale_cols if isinstance(rhs, QuantizedExperts) else 1
     tiling = (swiglu_routed_tiling(rhs_shape, ids.shape[1], k_group, ids.shape[0],
                                    one_byte(rhs))
               if swiglu and _use_pallas(backend) else None)
@@ -255,7 +256,7 @@ def routed_matmul(lhs: jax.Array, rhs: Experts, ids: jax.Array, *, per_assignmen
     return pallas_routed_matmul(lhs, rhs, ids, per_assignment=per_assignment, **stored,
                                 out_dtype=out_dtype, interpret=_interpret(),
                                 block_n=tiling[0], block_k=tiling[1], k_splits=k_splits,
-                                swiglu=swiglu)
+                                swiglu=swiglu, scale_cols=scale_cols)
 
 
 def routed_ffn(x: jax.Array, gate_up: Experts, down: Experts, ids: jax.Array, *,

@@ -50,7 +50,7 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
                    k_steps: int, per_assignment: bool, splits: int, padded: tuple[int, int],
                    glu: tuple[int, int] | None, dtype, k_group: int | None, int4: bool,
                    native: bool, compiled: bool, act_up: int | None = None,
-                   raw_lhs: bool = False):
+                   raw_lhs: bool = False, scalar_scales: bool = False):
     """Program (column block, K range q, split s): assignments s, s + splits, ... of the flat
     [T*k] ids. Each one that is its expert's first (and not inactive) multiplies every token
     that chose that expert over K range q (`k_steps` blocks), as one dense [T, bk] x [bk, bn]
@@ -69,7 +69,8 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
     gate then up, and the program multiplies x by its column block of each half (two [T, bn]
     sums) and stores silu(gate) * up: the activation in the epilogue, K whole. `raw_lhs`:
     lhs is such a kernel's output as it stored it ([Tp*kp, K], assignment rows in this
-    padded layout)."""
+    padded layout). `scalar_scales`: a K group's scale is one value over each program's
+    columns (block-wise checkpoints' 128 x 128 blocks), read as a scalar a step ahead."""
     *extra_refs, o_ref = refs
     scale_ref, zero_ref = (*extra_refs, None, None)[:2]
     col, k_range, split = common.program_id(0, compiled), pl.program_id(1), pl.program_id(2)
@@ -112,7 +113,7 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
                 x = _glu_tile(lhs_ref, out_rows, start, width, glu, dtype, compiled)
                 return jnp.where(hit[:, None], x, 0)
 
-            def times_weights(acc, xs, cols, step, start, kg):  # acc + one K step's sums
+            def times_weights(acc, xs, cols, step, start, kg, scale):  # + one K step's sums
                 if int4:  # one nibble block: low nibbles the first half's rows, high the rest
                     zero = (expert_stack.INT4_ZERO if zero_ref is None
                             else zero_ref[e, kg, cols])
@@ -123,12 +124,24 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
                 if scale_ref is None:
                     return acc + expert_stack.weight_dot(xs[0], rhs_ref[e, ks, cols], False)
                 y = expert_stack.values_dot(xs[0], rhs_ref[e, cols, ks], compiled)
-                if kg is not None:
-                    y = y * scale_ref[e, kg, cols][None, :]
+                if kg is not None:  # a row of scales loaded in its step, or a scalar ahead
+                    y = y * (scale_ref[e, kg, cols][None, :] if scale is None else scale)
                 return acc + y
 
-            def body(kb, accs):  # x's [T, bk] tile (int4: its two runs) loaded once a step
-                step = k_range * k_steps + kb
+            # a scalar's load is issued a step before its use: Triton pipelines only the
+            # loads that feed a dot, and loaded in its own step it held every step
+            first_step = k_range * k_steps
+            ahead = scalar_scales and k_group is not None and not int4
+            firsts = [col * block_n] + ([] if act_up is None else [act_up + col * block_n])
+
+            def step_scalars(step):  # each half's scale of K step `step`'s group
+                kg = expert_stack.step_group(scale_ref, step * block_k, k_group)
+                return tuple(scale_ref[e, kg, c] for c in firsts)
+
+            def body(kb, carry):  # x's [T, bk] tile (int4: its two runs) loaded once a step
+                accs, scalars = carry
+                step = first_step + kb
+                next_scalars = step_scalars(step + 1) if ahead else scalars
                 start, half = step * block_k, block_k // 2
                 kg = (None if k_group is None
                       else expert_stack.step_group(scale_ref, start, k_group))
@@ -136,11 +149,14 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
                        load_x(pl.multiple_of(start + half, half), half)) if int4
                       else (expert_stack.dot_rows(load_x(start, block_k), rhs_ref.dtype,
                                                   compiled),))
-                return tuple(times_weights(acc, xs, c, step, start, kg)
-                             for acc, c in zip(accs, halves, strict=True))
+                accs = tuple(times_weights(acc, xs, c, step, start, kg, s)
+                             for acc, c, s in zip(accs, halves, scalars, strict=True))
+                return accs, next_scalars
 
             zeros = jnp.zeros((num_tokens, block_n), jnp.float32)
-            accs = jax.lax.fori_loop(0, k_steps, body, tuple(zeros for _ in halves))
+            scalars = step_scalars(first_step) if ahead else (None,) * len(halves)
+            accs, _ = jax.lax.fori_loop(0, k_steps, body,
+                                        (tuple(zeros for _ in halves), scalars))
             if scale_ref is not None and k_group is None:
                 accs = tuple(acc * scale_ref[e, c][None, :]
                              for acc, c in zip(accs, halves, strict=True))
@@ -178,7 +194,7 @@ def _routed_call(lhs: jax.Array, rhs: jax.Array, scales: list, ids: jax.Array, *
                  block_k: int, num_warps: int, num_stages: int, splits: int, k_splits: int,
                  dtype, interpret: bool, k_group: int | None = None,
                  partial_dtype=jnp.float32, act_up: int | None = None,
-                 raw_lhs: bool = False) -> tuple[jax.Array, int]:
+                 raw_lhs: bool = False, scalar_scales: bool = False) -> tuple[jax.Array, int]:
     """The kernel over padded rhs (`pad_stack`) and lhs: its raw output [q * Tp*kp, width]
     (q K ranges, rows of inactive choices unwritten) and q. `k_group`: the unpadded
     stack's rows of K a scale covers (scales [G, KG, N]), else None. `act_up` (I, rhs's
@@ -202,7 +218,8 @@ def _routed_call(lhs: jax.Array, rhs: jax.Array, scales: list, ids: jax.Array, *
                           k_group=k_group, int4=expert_stack.is_int4(rhs),
                           native=expert_stack.is_int4(rhs) and not interpret
                           and (dtype if glu else lhs.dtype) == jnp.bfloat16,
-                          compiled=not interpret, act_up=act_up, raw_lhs=raw_lhs),
+                          compiled=not interpret, act_up=act_up, raw_lhs=raw_lhs,
+                          scalar_scales=scalar_scales),
         # splits slowest: the programs of the first (real) assignments run first, every K
         # range of them, and the padding's programs (which only find nothing to do) after
         grid=(width // block_n, k_splits, splits),
@@ -230,12 +247,14 @@ def _assignment_rows(out: jax.Array, k_splits: int, ids: jax.Array, n: int,
 
 @functools.partial(jax.jit, static_argnames=("per_assignment", "block_n", "block_k",
                                              "num_warps", "num_stages", "splits", "k_splits",
-                                             "out_dtype", "swiglu", "interpret"))
+                                             "out_dtype", "swiglu", "scale_cols",
+                                             "interpret"))
 def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignment: bool,
                   rhs_scales: jax.Array | None = None, rhs_zeros: jax.Array | None = None,
                   block_n: int = 128, block_k: int = 128, num_warps: int = 4,
                   num_stages: int = 3, splits: int = ROUTED_SPLITS, k_splits: int = 1,
-                  out_dtype=None, swiglu: bool = False, interpret: bool = False) -> jax.Array:
+                  out_dtype=None, swiglu: bool = False, scale_cols: int = 1,
+                  interpret: bool = False) -> jax.Array:
     """ids [T, k] (expert per token and choice, < 0: none) -> [T*k, N]: row t*k+j is
     lhs[t] (lhs [T, K]) or lhs[t*k+j] (`per_assignment`, lhs [T*k, K]) times rhs[ids[t, j]],
     0 where ids[t, j] < 0. Grid (column block, K range, split): the programs of a column
@@ -247,7 +266,10 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
     idle. `rhs_scales` [G, N] (or [G, KG, N]; int4 with `rhs_zeros`): quantized rhs, as in
     `grouped_matmul`. `swiglu`: rhs's columns are gate then up halves of I (a multiple of
     block_n) and the result is silu(gate) * up [T*k, I], applied by the kernel to its float32
-    sums (K whole: `k_splits` is not used), where XLA would run it as a kernel of its own."""
+    sums (K whole: `k_splits` is not used), where XLA would run it as a kernel of its own.
+    `scale_cols`: K-grouped scales hold one value over each run of that many columns (a
+    block-wise checkpoint's block width): where block_n divides it, each program reads a
+    step's scale as one value."""
     _check_routed(lhs, rhs, ids, per_assignment, rhs_scales, rhs_zeros)
     _check_tiling(ids, block_n, block_k)
     n = expert_stack.stack_dims(rhs, rhs_scales)[2]
@@ -262,7 +284,9 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
                           num_stages=num_stages, splits=splits, k_splits=k_splits,
                           dtype=dtype, interpret=interpret,
                           k_group=expert_stack.k_group(rhs, rhs_scales),
-                          act_up=n // 2 if swiglu else None)
+                          act_up=n // 2 if swiglu else None,
+                          scalar_scales=scale_cols % block_n == 0
+                          and (n // 2 if swiglu else n) % scale_cols == 0)
     return _assignment_rows(out, q, ids, n // 2 if swiglu else n, dtype)
 
 

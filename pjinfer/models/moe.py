@@ -178,7 +178,8 @@ def _stack_spec(stack: ops.Experts, spec: P) -> P | QuantizedExperts:
     scales = P(*scale_axes(tuple(spec), stack.grouped))
     return QuantizedExperts(P(*value_axes(tuple(spec))), scales,
                             None if stack.zeros is None else scales,
-                            None if stack.perm is None else P(spec[0], None))  # [E, K]
+                            None if stack.perm is None else P(spec[0], None),  # [E, K]
+                            scale_cols=stack.scale_cols)
 
 
 def moe_block(lp: dict, x: jax.Array, *, moe: MoeConfig, valid: jax.Array | None = None,

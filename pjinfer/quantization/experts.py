@@ -30,6 +30,7 @@ K groups split with K, whole: grouped scales have the float stack's axes).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 
@@ -46,7 +47,7 @@ _TOP = {"fp8": FP8_MAX, "int8": 127.0, "int4": 7.0}
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["values", "scales", "zeros", "perm"],
-         meta_fields=[])
+         meta_fields=["scale_cols"])
 @dataclass(frozen=True)
 class QuantizedExperts:
     """A stack of expert weights [E, K, *out]: values [E, *out, K] as stored, float32
@@ -56,6 +57,9 @@ class QuantizedExperts:
     scales: jax.Array  # [E, *out] or [E, G, *out] float32
     zeros: jax.Array | None = None  # int4: [E, G, *out] float32 (None: 8)
     perm: jax.Array | None = None  # act-order: [E, K] int32, stored row -> input row
+    # output columns each grouped scale value spans (a block-wise checkpoint's block width;
+    # 1: no promise), which lets the routed kernel read a K step's scale as one value
+    scale_cols: int = 1
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -89,13 +93,14 @@ class QuantizedExperts:
         e = self.shape[0]
         groups = self.scales.shape[1:2] if self.grouped else ()
         zeros = None if self.zeros is None else self.zeros.reshape(e, *groups, *out)
-        return QuantizedExperts(self.values.reshape(e, *out, self.values.shape[-1]),
-                                self.scales.reshape(e, *groups, *out), zeros, self.perm)
+        return dataclasses.replace(
+            self, values=self.values.reshape(e, *out, self.values.shape[-1]),
+            scales=self.scales.reshape(e, *groups, *out), zeros=zeros)
 
     def stored_order(self) -> QuantizedExperts:
         """The stack without `perm`: what the kernels multiply, K in stored order (the
         caller permutes x)."""
-        return QuantizedExperts(self.values, self.scales, self.zeros)
+        return dataclasses.replace(self, perm=None)
 
 
 def one_byte(rhs: jax.Array | QuantizedExperts) -> bool:

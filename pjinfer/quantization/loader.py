@@ -12,6 +12,7 @@ row-parallel splits must keep whole groups.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -213,7 +214,13 @@ def _checkpoint_experts(get: Callable[[str], Any], has: Callable[[str], bool], p
         perm = placer.from_host(ParamSpec((*p.path, "perm"), perm.shape,
                                           axes=(placer.axes(p)[0], None)), perm)
     scales, zeros = (*placed, None)[:2]
-    return QuantizedExperts(placer.from_host(value_spec, values), scales, zeros, perm)
+    # a block-wise checkpoint's scales span its blocks' columns; kept where each output
+    # piece (gate's and up's I, down's D) holds whole blocks and no mesh cuts them
+    block = q.block[0] if q.block and grouped and hosts[0].kind == "fp8" else 1
+    if out[-1] % block or placer.mesh is not None:
+        block = 1
+    return QuantizedExperts(placer.from_host(value_spec, values), scales, zeros, perm,
+                            scale_cols=block)
 
 
 def _expert_perms(hosts: list[HostQuant], e: int, rows: int) -> np.ndarray | str | None:
@@ -298,9 +305,10 @@ def _place_experts(qe: QuantizedExperts, p: ParamSpec, placer: Placer) -> Quanti
     value_spec, scale_spec = _part_specs(p, placer, qe.k_groups if qe.grouped else None,
                                          qe.values.shape)
     scales = placer.sharding(scale_spec)
-    return QuantizedExperts(jax.device_put(qe.values, placer.sharding(value_spec)),
-                            jax.device_put(qe.scales, scales),
-                            None if qe.zeros is None else jax.device_put(qe.zeros, scales))
+    return dataclasses.replace(
+        qe, values=jax.device_put(qe.values, placer.sharding(value_spec)),
+        scales=jax.device_put(qe.scales, scales),
+        zeros=None if qe.zeros is None else jax.device_put(qe.zeros, scales))
 
 
 def _check_whole_groups(p: ParamSpec, placer: Placer, groups: int) -> None:

@@ -134,6 +134,27 @@ def test_routed_ffn_kernels_in_bfloat16(activation):
     np.testing.assert_allclose(out.astype(jnp.float32), want, rtol=3e-2, atol=3e-2)
 
 
+@pytest.mark.parametrize("block_n, scale_cols, swiglu", [(16, 32, False), (32, 32, False),
+                                                      (32, 64, True), (32, 16, False)])
+def test_block_scales_read_as_one_value_a_step(block_n, scale_cols, swiglu):
+    """Scales uniform over runs of `scale_cols` columns (a block-wise checkpoint's): where
+    block_n divides the run, each program reads a K step's scale as one value, a step
+    ahead; elsewhere (16 < 32) the row of scales. Same results as the reference."""
+    g, k, n = 4, 128, 128
+    w = jax.random.normal(jax.random.key(block_n + scale_cols), (g, k, n)) * 0.05
+    qe = quantize_experts(w, "fp8", k_group=32)  # scales [G, 4, N]
+    runs = qe.scales.reshape(g, 4, n // scale_cols, scale_cols)
+    scales = jnp.broadcast_to(runs[..., :1], runs.shape).reshape(g, 4, n)
+    ids = jnp.array([[0, 2], [3, -1], [1, 2]], jnp.int32)
+    x = jax.random.normal(jax.random.key(1), (3, k))
+    want = routed_matmul_reference(x, qe.values, ids, per_assignment=False, rhs_scales=scales)
+    want = silu_and_mul(want) if swiglu else want
+    got = routed_matmul(x, qe.values, ids, per_assignment=False, rhs_scales=scales,
+                        block_n=block_n, block_k=32, k_splits=1 if swiglu else 2,
+                        swiglu=swiglu, scale_cols=scale_cols, interpret=INTERPRET)
+    np.testing.assert_allclose(got, want, **F32_TOL)
+
+
 def test_routed_ffn_dispatch(monkeypatch):
     """ops.routed_ffn: the activation in gate/up's epilogue where a block of >= 32 columns
     divides I (float or int4 stacks), else in down's loads for a down GEMM of >=
