@@ -28,7 +28,8 @@
 # HEAD_FLAGS: to the head's only (a flag against the default, with a base archived from HEAD);
 # HEAD_ENV: environment for the head's runs only (e.g. "XLA_FLAGS=--xla_gpu_enable_pdl=false").
 # qwen3, qwen3c10, quantw1: AB_RUNS replaces the ABBA order (e.g. "head:1 base:1" when
-# device time is short); qwen3, qwen3c10: AB_WARMUP=0 drops the throwaway first run.
+# device time is short); qwen3, qwen3c10: AB_WARMUP=0 drops the throwaway first run, AB_MODEL
+# replaces the Qwen3-30B-A3B model folder (e.g. configs/models/qwen3-30b-a3b-fp8).
 # JSON records land in $OUT as {base,head}_<workload>.json (W1: w1_1 and w1_2 per side), the
 # log in $OUT/ab_log_<stage>.txt.
 set -uo pipefail
@@ -117,7 +118,7 @@ case $STAGE in
     for t in base head; do bench $t w3 throughput "${W3[@]}" --warmup-requests 8; done ;;
   qwen3)  # W1 on Qwen3-30B-A3B shapes, whose batch-1 step is host-bound (RESULTS.md, round 5)
     if [ $SMOKE = 0 ]; then
-      MODEL=(--model configs/models/qwen3-30b-a3b --load-format dummy --dtype bfloat16)
+      MODEL=(--model ${AB_MODEL:-configs/models/qwen3-30b-a3b} --load-format dummy --dtype bfloat16)
       ENGINE=(--max-num-seqs 256 --max-num-batched-tokens 8192); LIMIT=140
     fi
     # a short throwaway run first: a device call's first engine process runs slow (round 5),
@@ -131,7 +132,7 @@ case $STAGE in
   qwen3c10)  # issue 13's 10 concurrent sequences of 2,048 tokens on Qwen3-30B-A3B, 256 decode
     # steps a run (the TPOT target's context, shorter output so that ABBA fits one call)
     if [ $SMOKE = 0 ]; then
-      MODEL=(--model configs/models/qwen3-30b-a3b --load-format dummy --dtype bfloat16)
+      MODEL=(--model ${AB_MODEL:-configs/models/qwen3-30b-a3b} --load-format dummy --dtype bfloat16)
       ENGINE=(--max-num-seqs 256 --max-num-batched-tokens 8192); LIMIT=150
       W1=(--batch-size 10 --input-len 2048 --output-len 256)
     fi
