@@ -25,31 +25,12 @@ from pjinfer.kernels import common
 MAX_EXPERTS = 1024  # one warp holds a token's logits: E / 32 registers a lane
 
 
-def router_partials(x: jax.Array, router: jax.Array, ranges: int) -> jax.Array:
-    """x [T, D] @ router [D, E] as the float32 partials [S, T, E] of S = `ranges` K ranges:
-    one dot batched over the ranges, for the kernel to sum."""
-    (t, d), e = x.shape, router.shape[1]
-    return jnp.einsum("tsk,ske->ste", x.reshape(t, ranges, d // ranges),
-                      router.reshape(ranges, d // ranges, e), preferred_element_type=jnp.float32)
-
-
-def summed_logits(logits: jax.Array, round_to=None) -> jax.Array:
-    """Router logits [T, E] as they are, or the float32 partials [S, T, E] of the router
-    GEMM's S K ranges summed and rounded to `round_to` (the dtype the router's output would
-    have had: the model's softmax reads logits rounded as `transformers` rounds them)."""
-    if logits.ndim == 2:
-        return logits
-    return logits.sum(axis=0).astype(round_to or jnp.float32)
-
-
 def route_reference(logits: jax.Array, top_k: int, renormalize: bool,
-                    valid: jax.Array | None = None, round_to=None
-                    ) -> tuple[jax.Array, jax.Array]:
-    """Router logits [T, E] (or partials [S, T, E], see `summed_logits`) -> (weights [T, k]
-    float32, expert ids [T, k] int32): softmax in float32, the k largest, optionally
-    renormalised to sum to 1 (as transformers' routers do); tokens where `valid` [T] is false
-    get id -1 (no expert) and weight 0."""
-    probs = jax.nn.softmax(summed_logits(logits, round_to).astype(jnp.float32), axis=-1)
+                    valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Router logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int32): softmax in
+    float32, the k largest, optionally renormalised to sum to 1 (as transformers' routers
+    do); tokens where `valid` [T] is false get id -1 (no expert) and weight 0."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, ids = jax.lax.top_k(probs, top_k)
     if renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -60,19 +41,13 @@ def route_reference(logits: jax.Array, top_k: int, renormalize: bool,
 
 
 def _route_kernel(valid_ref, logits_ref, weights_ref, ids_ref, *, top_k: int,
-                  renormalize: bool, padded: tuple[int, int], round_to, compiled: bool):
-    """Program t: token t's logits [E] (padded to Ep with -inf; from [S, T, E] partials:
-    their sum, rounded to `round_to`), its top k [kp]."""
+                  renormalize: bool, padded: tuple[int, int], compiled: bool):
+    """Program t: token t's logits [E] (padded to Ep with -inf), its top k [kp]."""
     token = common.program_id(0, compiled)
-    num_experts = logits_ref.shape[-1]
+    num_experts = logits_ref.shape[1]
     ep, kp = padded
     col = jnp.arange(ep, dtype=jnp.int32)
-    cols = common.clamped_rows(0, ep, num_experts)
-    if len(logits_ref.shape) == 2:
-        logits = logits_ref[token, cols].astype(jnp.float32)
-    else:  # the router GEMM's K-range partials, summed here rather than by a kernel of XLA's
-        logits = sum(logits_ref[s, token, cols] for s in range(logits_ref.shape[0]))
-        logits = logits.astype(round_to).astype(jnp.float32)
+    logits = logits_ref[token, common.clamped_rows(0, ep, num_experts)].astype(jnp.float32)
     logits = jnp.where(col < num_experts, logits, -jnp.inf)  # [Ep]
     choice = jnp.arange(kp, dtype=jnp.int32)
     vals = jnp.full((kp,), -jnp.inf, jnp.float32)
@@ -95,16 +70,15 @@ def _route_kernel(valid_ref, logits_ref, weights_ref, ids_ref, *, top_k: int,
     pltriton.store(ids_ref.at[token, lanes], ids, mask=choice < top_k)
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "renormalize", "round_to", "interpret"))
+@functools.partial(jax.jit, static_argnames=("top_k", "renormalize", "interpret"))
 def moe_route(logits: jax.Array, valid: jax.Array, *, top_k: int, renormalize: bool,
-              round_to=None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """Router logits [T, E] (or float32 partials [S, T, E], summed and rounded to `round_to`
-    as `summed_logits` does), valid [T] (nonzero: a real token) -> (weights [T, k] float32,
+              interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Router logits [T, E], valid [T] (nonzero: a real token) -> (weights [T, k] float32,
     ids [T, k] int32), as `route_reference`."""
-    t, e = logits.shape[-2:]
-    if logits.ndim not in (2, 3) or valid.shape != (t,) or not 1 <= top_k <= e:
-        raise ValueError(f"moe_route needs logits [T, E] or [S, T, E], valid [T], 1 <= top_k "
-                         f"<= E; got {logits.shape}, {valid.shape}, top_k={top_k}")
+    t, e = logits.shape
+    if valid.shape != (t,) or not 1 <= top_k <= e:
+        raise ValueError(f"moe_route needs logits [T, E], valid [T], 1 <= top_k <= E; got "
+                         f"{logits.shape}, {valid.shape}, top_k={top_k}")
     if e > MAX_EXPERTS:
         raise ValueError(f"moe_route takes at most {MAX_EXPERTS} experts, got {e}: use "
                          f"route_reference")
@@ -112,7 +86,7 @@ def moe_route(logits: jax.Array, valid: jax.Array, *, top_k: int, renormalize: b
     whole = common.whole_spec
     return pl.pallas_call(
         functools.partial(_route_kernel, top_k=top_k, renormalize=renormalize, padded=padded,
-                          round_to=jnp.dtype(round_to or jnp.float32), compiled=not interpret),
+                          compiled=not interpret),
         grid=(t,),
         in_specs=[whole((t,)), whole(logits.shape)],
         out_specs=[whole((t, top_k)), whole((t, top_k))],

@@ -213,41 +213,23 @@ def grouped_tiling(rows: int, groups: int, k: int, n: int, glu: bool = False,
 
 
 def route_experts(logits: jax.Array, top_k: int, renormalize: bool,
-                  valid: jax.Array | None = None, *, backend: str = "auto", round_to=None
+                  valid: jax.Array | None = None, *, backend: str = "auto"
                   ) -> tuple[jax.Array, jax.Array]:
-    """A MoE layer's routing, router logits [T, E] (or `router_logits`' partials [S, T, E],
-    summed and rounded to `round_to`) -> (weights [T, k] float32, expert ids [T, k] int32; 0
-    and -1 for tokens where `valid` [T] is false): one Pallas kernel (a warp a token) where
-    `_routes_in_kernel`, where XLA runs three small kernels; `moe_route.route_reference`
-    elsewhere."""
-    if _routes_in_kernel(backend, *logits.shape[-2:]):
-        t = logits.shape[-2]
+    """A MoE layer's routing, router logits [T, E] -> (weights [T, k] float32, expert ids
+    [T, k] int32; 0 and -1 for tokens where `valid` [T] is false): one Pallas kernel (a warp
+    a token) up to `ROUTE_KERNEL_TOKENS` tokens off a tensor-parallel mesh, where XLA runs
+    three small kernels; `moe_route.route_reference` elsewhere."""
+    t, e = logits.shape
+    if (_use_pallas(backend) and t <= ROUTE_KERNEL_TOKENS and e <= moe_route.MAX_EXPERTS
+            and traced_tp_mesh() is None):
         valid = jnp.ones((t,), jnp.int32) if valid is None else valid
         return moe_route.moe_route(logits, valid, top_k=top_k, renormalize=renormalize,
-                                   round_to=round_to, interpret=_interpret())
-    return moe_route.route_reference(logits, top_k, renormalize, valid, round_to)
+                                   interpret=_interpret())
+    return moe_route.route_reference(logits, top_k, renormalize, valid)
 
 
-def _routes_in_kernel(backend: str, tokens: int, experts: int) -> bool:
-    return (_use_pallas(backend) and tokens <= ROUTE_KERNEL_TOKENS
-            and experts <= moe_route.MAX_EXPERTS and traced_tp_mesh() is None)
-
-
-def router_logits(x: jax.Array, router: jax.Array, *, backend: str = "auto") -> jax.Array:
-    """x [T, D] @ router [D, E] -> [T, E] in x's dtype; where the routing kernel takes a step
-    of <= `ROUTER_RANGE_TOKENS` tokens, `moe_route.router_partials` [S, T, E] instead (the
-    kernel sums them: XLA would cut K itself at so few rows and sum in a kernel of its own)."""
-    (t, d), e = x.shape, router.shape[1]
-    if t > ROUTER_RANGE_TOKENS or d % ROUTER_K_RANGES or not _routes_in_kernel(backend, t, e):
-        return jnp.dot(x, router, preferred_element_type=x.dtype)
-    return moe_route.router_partials(x, router, ROUTER_K_RANGES)
-
-
-# the batch-1 and 10-sequence decode steps' row buckets (8, 16), where XLA split the router
-# GEMM's K (32 ranges at Qwen3-30B-A3B's 8 rows, RESULTS.md round 31)
-ROUTER_RANGE_TOKENS, ROUTER_K_RANGES = 16, 4
-
-ROUTE_KERNEL_TOKENS = 1024  # decode steps (timed at batch 1, RESULTS round 30); prompts: sort
+# decode steps (timed at batch 1 only, RESULTS round 30); prompt steps keep XLA's sort
+ROUTE_KERNEL_TOKENS = 1024
 
 
 def routed_matmul(lhs: jax.Array, rhs: Experts, ids: jax.Array, *, per_assignment: bool,

@@ -190,11 +190,8 @@ def moe_block(lp: dict, x: jax.Array, *, moe: MoeConfig, valid: jax.Array | None
     # multiply into the router GEMM and ran it again as its own kernel for the experts
     # (Qwen3-30B-A3B's batch-1 step on the H200: 1.3 us a layer, RESULTS.md round 23).
     x = jax.lax.optimization_barrier(x)
-    router = lp["router"]  # a float array, unless quantized or adapted (then `linear`)
-    logits = (ops.router_logits(x, router, backend=backend) if isinstance(router, jax.Array)
-              else linear(x, router))
-    weights, ids = ops.route_experts(logits, moe.top_k, moe.norm_topk_prob, valid,
-                                     backend=backend, round_to=x.dtype)  # [T, k]
+    weights, ids = ops.route_experts(linear(x, lp["router"]), moe.top_k, moe.norm_topk_prob,
+                                     valid, backend=backend)  # [T, k]
     out = _sharded_expert_ffn(x, weights, ids, lp["experts_gate_up"], lp["experts_down"],
                               expert_parallel=expert_parallel, backend=backend
                               ).astype(jnp.float32)

@@ -98,34 +98,6 @@ def test_dispatch_runs_the_kernel_for_decode_steps_only(monkeypatch):
         _assert_same(got, route_reference(logits[:rows], 2, True, valid[:rows]))
 
 
-@pytest.mark.parametrize("s, t, e, k", [(4, 8, 128, 8), (2, 3, 60, 4), (4, 16, 8, 2)])
-def test_kernel_sums_router_partials(s, t, e, k):
-    """From the router GEMM's float32 K-range partials [S, T, E] the kernel routes by their
-    sum rounded to bf16 (the logits the model's bf16 router GEMM would have written)."""
-    parts = jnp.asarray(np.random.default_rng(t * e).normal(0, 2, (s, t, e)), jnp.float32)
-    valid = jnp.arange(t) < max(1, t - 1)  # the last token padding where there are two
-    want = route_reference(parts.sum(0).astype(jnp.bfloat16), k, True, valid)
-    _assert_same(route_reference(parts, k, True, valid, jnp.bfloat16), want)
-    got = moe_route(parts, valid, top_k=k, renormalize=True, round_to=jnp.bfloat16,
-                    interpret=INTERPRET)
-    _assert_same(got, want)
-
-
-def test_router_logits_are_partials_where_the_kernel_routes():
-    """`ops.router_logits`: K-range partials for the routing kernel's decode-sized steps, the
-    plain [T, E] product past `ROUTER_RANGE_TOKENS` or off its backend; routing either form
-    picks what routing the product does (small integers: every sum exact)."""
-    rng = np.random.default_rng(3)
-    x = jnp.asarray(rng.integers(-3, 4, (20, 64)), jnp.bfloat16)
-    router = jnp.asarray(rng.integers(-3, 4, (64, 16)), jnp.bfloat16)
-    want = route_reference(x @ router, 4, True)
-    for rows, backend, ndim in ((8, "pallas", 3), (20, "pallas", 2), (8, "reference", 2)):
-        logits = ops.router_logits(x[:rows], router, backend=backend)
-        assert logits.ndim == ndim
-        got = ops.route_experts(logits, 4, True, backend=backend, round_to=jnp.bfloat16)
-        _assert_same(got, tuple(w[:rows] for w in want))
-
-
 def test_bad_shapes_are_refused():
     logits, valid = _inputs(0, 4, 16, jnp.float32)
     with pytest.raises(ValueError, match="top_k"):
