@@ -279,15 +279,15 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
     lhs_p = expert_stack.pad_to(lhs, 1, block_k)  # rows as they are: no pad kernel a decode step
     rhs_p, scales = expert_stack.pad_stack(rhs, rhs_scales, block_k, block_n, rhs_zeros)
     dtype = out_dtype or lhs.dtype
+    width = n // 2 if swiglu else n  # the result's columns (swiglu: the gate half's)
     out, q = _routed_call(lhs_p, rhs_p, scales, ids, per_assignment=per_assignment, glu=None,
                           block_n=block_n, block_k=block_k, num_warps=num_warps,
                           num_stages=num_stages, splits=splits, k_splits=k_splits,
                           dtype=dtype, interpret=interpret,
                           k_group=expert_stack.k_group(rhs, rhs_scales),
-                          act_up=n // 2 if swiglu else None,
-                          scalar_scales=scale_cols % block_n == 0
-                          and (n // 2 if swiglu else n) % scale_cols == 0)
-    return _assignment_rows(out, q, ids, n // 2 if swiglu else n, dtype)
+                          act_up=width if swiglu else None,
+                          scalar_scales=scale_cols % block_n == 0 and width % scale_cols == 0)
+    return _assignment_rows(out, q, ids, width, dtype)
 
 
 _FFN_STATIC = ("blocks", "k_splits", "activation", "num_warps", "num_stages", "splits",
