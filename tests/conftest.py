@@ -20,6 +20,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _CACHE_DIR = tempfile.mkdtemp(prefix="pjinfer-test-cache-")
 atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
 os.environ["PJINFER_COMPILATION_CACHE_DIR"] = _CACHE_DIR
+if os.environ["JAX_PLATFORMS"] != "cpu":  # a GPU run (JAX_PLATFORMS=cuda)
+    import jax
+
+    # XLA's float32 dots default to TF32 there; the float32 references that kernels and steps
+    # are held to must be exact, as on the CPU (Pallas' own float32 dots already are).
+    jax.config.update("jax_default_matmul_precision", "highest")
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

@@ -446,7 +446,8 @@ def test_fp8_steps_compile_without_triton_gemm_autotuning_on_gpu(monkeypatch):
     fp8 = {"layers": [{"q_proj": _weight(rng, "fp8", 64, 32, 64, asym=False),
                        "norm": jnp.ones(64)}]}
     int4 = {"layers": [{"q_proj": _weight(rng, "int4", 64, 32, 32, asym=True)}]}
-    assert fp8_matmul.step_compiler_options(fp8) == {}  # this CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert fp8_matmul.step_compiler_options(fp8) == {}
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert fp8_matmul.step_compiler_options(fp8) == fp8_matmul.W8A8_COMPILER_OPTIONS
     options = fp8_matmul.step_compiler_options
