@@ -457,7 +457,10 @@ def test_fp8_steps_compile_without_triton_gemm_autotuning_on_gpu(monkeypatch):
     step = jax.jit(lambda x, w: ops.quantized_matmuls(x, [w], backend="pallas")[0])
     w = fp8["layers"][0]["q_proj"]
     compiled = step.lower(x, w).compile(fp8_matmul.W8A8_COMPILER_OPTIONS)
-    np.testing.assert_array_equal(compiled(x, w), step(x, w))
+    # on a GPU the option swaps the GEMM (cuBLASLt's fp8 GEMM for a Triton fusion), whose fp8
+    # accumulation differs in the last bits; a CPU ignores it
+    tol = {} if jax.default_backend() == "cpu" else dict(rtol=2e-3, atol=5e-3)
+    np.testing.assert_allclose(compiled(x, w), step(x, w), **tol)
 
 
 @pytest.mark.parametrize("parallel", ["column", "row"])
