@@ -47,7 +47,23 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--samples", type=int, default=7)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, no prefetch kernel (CPU)")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    try:
+        a.shapes = [_shape(s) for s in a.shapes]
+    except ValueError as e:
+        p.error(f"--shapes: {e}")
+    if min(a.gap) < 0 or min(a.rows, a.layers, a.calls, a.samples) < 1:
+        p.error("--gap must be >= 0; --rows, --layers, --calls and --samples >= 1")
+    return a
+
+
+def _shape(text: str) -> tuple[str, int, int]:
+    """"kind:KxN" -> (kind, K, N)."""
+    kind, _, dims = text.partition(":")
+    k, _, n = dims.partition("x")
+    if kind not in ("bf16", "int4") or not (k.isdigit() and n.isdigit()):
+        raise ValueError(f"{text!r} is not kind:KxN with kind bf16 or int4 (e.g. bf16:4096x2048)")
+    return kind, int(k), int(n)
 
 
 def prefetch(w, after):
@@ -140,12 +156,11 @@ def run(argv: list[str] | None = None) -> dict:
     a = _args(argv)
     if a.smoke:
         a.shapes, a.layers, a.gap, a.calls, a.samples = (
-            ["bf16:256x128", "int4:256x256"], 2, [1], 1, 1)
+            [("bf16", 256, 128), ("int4", 256, 256)], 2, [1], 1, 1)
     record: dict = {"device": str(jax.devices()[0].device_kind), "rows": a.rows,
                     "layers": a.layers, "calls": a.calls, "samples": a.samples, "runs": []}
-    for shape in a.shapes:
-        kind, dims = shape.split(":")
-        k, n = (int(v) for v in dims.split("x"))
+    for kind, k, n in a.shapes:
+        shape = f"{kind}:{k}x{n}"
         ws = _weights(kind, k, n, a.layers)
         x = _filled((a.rows, k), 3)
         for gap in a.gap:

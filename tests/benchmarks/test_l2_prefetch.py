@@ -1,6 +1,6 @@
 """The L2 prefetch probe on CPU: the prefetch kernel lowers for CUDA to TMA bulk prefetches and
 a token the next kernel reads, the runner's record holds together (no prefetch kernel on a
-CPU), and a weight that is not whole tiles is refused."""
+CPU), and a weight that is not whole tiles or a bad argument is refused."""
 
 from __future__ import annotations
 
@@ -25,6 +25,15 @@ def test_prefetch_kernel_lowers_to_tma_prefetches():
 def test_prefetch_refuses_partial_tiles():
     with pytest.raises(ValueError, match="whole"):
         l2_prefetch.prefetch(jnp.zeros((300, 256), jnp.bfloat16), jnp.zeros((8, 300)))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--shapes", "fp4:12x"], "kind:KxN"), (["--shapes", "bf16:4096"], "kind:KxN"),
+    (["--gap", "-1"], "--gap must be >= 0"), (["--layers", "0"], ">= 1")])
+def test_bad_arguments_say_what_is_wrong(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit):
+        l2_prefetch.run([*argv, "--out", str(tmp_path / "x.json")])
+    assert message in capsys.readouterr().err
 
 
 def test_smoke_record(tmp_path):
