@@ -18,9 +18,9 @@ Forms beside the bf16 XLA GEMV of the same shapes (the share's denominator): W, 
 fp8 weight-only Triton kernel (its default tiling); X, XLA's W8A8 dot over the [N, K] weight
 (what the engine runs above 64 rows); E:stages:splits[:block_k[:rows]], the Mosaic kernel
 (float32 partials [splits, N, 8] summed and rescaled by XLA, like X's rescale). Bytes count the
-e4m3 weight and its float32 channel scales. On a CPU every E config lowers for CUDA (the
-interpreter has no wgmma over a transposed operand) and W and X run in interpret mode on a
-small shape against the float32 reference.
+e4m3 weight and its float32 channel scales. On a CPU every E config lowers for CUDA; the tests
+run E in Pallas' GPU interpreter (its wgmma as a float32 dot: the interpreter has none over a
+transposed operand) and W in Triton's, on small shapes against the float32 reference.
 """
 
 from __future__ import annotations
@@ -47,10 +47,11 @@ USAGE = "configs: W, X or E:stages:splits[:block_k[:rows]] (block_k a multiple o
 
 
 def e4m3_partials(xq, w, *, stages: int = 4, k_splits: int = 1, block_k: int = 128,
-                  rows: int = 64):
+                  rows: int = 64, interp=None):
     """xq e4m3 [Tp, K] (Tp a multiple of 8) and w e4m3 [N, K] -> float32 partial sums
     [k_splits, N, Tp] of w @ xq.T: one warpgroup a CTA of `rows` output rows and one K range,
-    `stages` [rows, block_k] tiles in flight."""
+    `stages` [rows, block_k] tiles in flight. `interp`: Pallas' GPU interpreter, where the
+    wgmma (which it lacks over a transposed operand) is the same product as a float32 dot."""
     tp, k = xq.shape
     n = w.shape[0]
     if tp % 8 or n % rows or rows % K.WG_ROWS or block_k % 128 or k % (k_splits * block_k):
@@ -62,9 +63,17 @@ def e4m3_partials(xq, w, *, stages: int = 4, k_splits: int = 1, block_k: int = 1
         n_idx, s_idx = lax.axis_index("n"), lax.axis_index("s")
 
         def scoped(*acc_refs):
+            for acc in acc_refs if interp else ():  # shared memory there: zeroed by hand
+                acc[...] = jnp.zeros(acc.shape, jnp.float32)
+
             def body(_, x_smem, w_smem):
                 for r, acc in enumerate(acc_refs):
-                    plgpu.wgmma(acc, w_smem.at[pl.ds(r * K.WG_ROWS, K.WG_ROWS)], x_smem.T)
+                    w_rows = w_smem.at[pl.ds(r * K.WG_ROWS, K.WG_ROWS)]
+                    if interp:
+                        acc[...] += jnp.dot(w_rows[...].astype(jnp.float32),
+                                            x_smem[...].astype(jnp.float32).T)
+                    else:
+                        plgpu.wgmma(acc, w_rows, x_smem.T)
                 plgpu.wgmma_wait(0)
 
             tiles = K._tiled(block_k * 8, 8)
@@ -76,12 +85,13 @@ def e4m3_partials(xq, w, *, stages: int = 4, k_splits: int = 1, block_k: int = 1
             K._write(o_smem, acc_refs, lambda r: o_gmem.at[
                 s_idx, pl.ds(n_idx * rows + r * K.WG_ROWS, K.WG_ROWS)])
 
-        pl.run_scoped(scoped, *[plgpu.ACC((K.WG_ROWS, tp), jnp.float32)] * accs)
+        acc = (plgpu.SMEM if interp else plgpu.ACC)((K.WG_ROWS, tp), jnp.float32)
+        pl.run_scoped(scoped, *[acc] * accs)
 
     return plgpu.kernel(
         kernel, out_type=K._partials_type(k_splits, n, tp),
         scratch_types=[K._partials_smem(accs, tp)], grid=(n // rows, k_splits),
-        grid_names=("n", "s"), compiler_params=K.PARAMS)(xq, w)
+        grid_names=("n", "s"), compiler_params=K.PARAMS, interpret=interp)(xq, w)
 
 
 def parse_config(text: str) -> tuple[str, Callable | None]:
@@ -109,6 +119,10 @@ def _apply(name: str, kernel: Callable | None, t: int, interpret: bool) -> Calla
     if name == "X":
         return lambda x, ws: [fp8_w8a8_matmul(x, w) for w in ws]
     tp = max(8, -(-t // 8) * 8)  # wgmma's N: a multiple of 8 rows
+    if interpret:
+        from pjinfer.benchmarks.int4_mosaic import _interpret_params
+
+        kernel = functools.partial(kernel, interp=_interpret_params())
 
     def run(x, ws):
         xq, x_scale = quantize_activations(jnp.pad(x, ((0, tp - t), (0, 0))))
@@ -170,8 +184,8 @@ def time_forms(configs: list[str], shapes, tokens: list[int], matrices: int, *,
 
 
 def lower_on_cpu(configs: list[str]) -> list[dict]:
-    """Each E config lowered for CUDA at every shape; W and X skipped (their CPU check is
-    `time_forms(..., interpret=True)` on a small shape)."""
+    """Each E config lowered for CUDA at every shape; W and X skipped (the CPU check of every
+    form is `time_forms(..., interpret=True)` on a small shape)."""
     out = []
     for name, fn in (parse_config(c) for c in configs):
         if fn is None:

@@ -1,7 +1,7 @@
 """The Mosaic GPU fp8 W8A8 GEMV probe on CPU: every kernel config lowers for CUDA at Llama-3-8B's
-shapes, the rescaling around the kernel matches the reference (the kernel's partials stood in
-by their definition), the engine's forms run through the timing loop in interpret mode, and
-bad configs say what is wanted."""
+shapes, the kernel's grid, pipeline and partials match their definition in Pallas' GPU
+interpreter, the rescaling around it matches the reference, every form runs through the
+timing loop in interpret mode, and bad configs say what is wanted."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from pjinfer.benchmarks import fp8_mosaic as fm
+from pjinfer.benchmarks.int4_mosaic import _interpret_params
 from pjinfer.quantization.weight import quantize_per_channel
 
 
@@ -33,6 +34,19 @@ def _partials_by_definition(xq, w, *, k_splits=2, **_):
                       for i in range(k_splits)])
 
 
+@pytest.mark.parametrize("tp, n, k, tiling", [
+    (8, 128, 384, {"k_splits": 3, "stages": 2}),
+    (16, 256, 768, {"k_splits": 1, "stages": 3, "block_k": 256, "rows": 128}),
+    (8, 192, 1024, {"k_splits": 2, "stages": 4}),
+])
+def test_kernel_partials_in_the_interpreter(tp, n, k, tiling):
+    xq = jax.random.normal(jax.random.key(n), (tp, k)).astype(jnp.float8_e4m3fn)
+    w = jax.random.normal(jax.random.key(k), (n, k)).astype(jnp.float8_e4m3fn)
+    got = fm.e4m3_partials(xq, w, interp=_interpret_params(), **tiling)
+    want = _partials_by_definition(xq, w, k_splits=tiling["k_splits"])
+    assert got.shape == want.shape and bool(jnp.allclose(got, want, rtol=1e-6, atol=1e-4))
+
+
 @pytest.mark.parametrize("t", [1, 5, 8, 11])
 def test_rescaled_partials_match_the_reference(t):
     k, n = 256, 192
@@ -45,12 +59,13 @@ def test_rescaled_partials_match_the_reference(t):
 
 
 def test_engine_forms_run_through_the_timing_loop():
-    rows = fm.time_forms(["W", "X"], [(256, 128)], [3], 2,
+    rows = fm.time_forms(["W", "X", "E:2:2"], [(256, 128)], [3], 2,
                          timing={"calls": 1, "samples": 1, "warmup": 0}, interpret=True)
-    assert [r["name"] for r in rows] == ["bf16", "W", "X"]
+    assert [r["name"] for r in rows] == ["bf16", "W", "X", "E:2:2"]
     assert rows[0]["bytes_per_call"] == 2 * 2 * 256 * 128
     assert rows[1]["bytes_per_call"] == 2 * (256 * 128 + 4 * 128)  # e4m3 + float32 scales
     assert rows[1]["rel_err"] < 1e-2 and rows[2]["rel_err"] < 0.03
+    assert abs(rows[3]["rel_err"] - rows[2]["rel_err"]) < 1e-3  # the same W8A8 product
 
 
 @pytest.mark.parametrize("text", ["F:4:4", "E:4", "E:4:4:128:64:1", "E:four:4"])
