@@ -16,8 +16,9 @@ close an fp8 GEMV with no per-weight instructions comes to that.
 
 Forms beside the bf16 XLA GEMV of the same shapes (the share's denominator): W, the engine's
 fp8 weight-only Triton kernel (its default tiling); X, XLA's W8A8 dot over the [N, K] weight
-(what the engine runs above 64 rows); E:stages:splits[:block_k[:rows]], the Mosaic kernel
-(float32 partials [splits, N, 8] summed and rescaled by XLA, like X's rescale). Bytes count the
+(what the engine runs above 64 rows); E:stages:splits[:block_k], the Mosaic kernel
+(`kernels/fp8_gemv.py`: float32 partials [splits, N, 8] summed and rescaled by XLA, like X's
+rescale), E alone its own tiling rule's choice a shape. Bytes count the
 e4m3 weight and its float32 channel scales. On a CPU every E config lowers for CUDA; the tests
 run E in Pallas' GPU interpreter (its wgmma as a float32 dot: the interpreter has none over a
 transposed operand) and W in Triton's, on small shapes against the float32 reference.
@@ -36,99 +37,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax import lax  # noqa: E402
-from jax.experimental import pallas as pl  # noqa: E402
-from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
-from pjinfer.benchmarks import int4_mosaic_kernels as K  # noqa: E402
+from pjinfer.kernels import fp8_gemv  # noqa: E402
 
 LLAMA3_8B = ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096))  # q/k/v, o, gate/up, down
-USAGE = "configs: W, X or E:stages:splits[:block_k[:rows]] (block_k a multiple of 128, rows 64/128)"
+USAGE = "configs: W, X, E or E:stages:splits[:block_k] (block_k a multiple of 128)"
 
 
-def e4m3_partials(xq, w, *, stages: int = 4, k_splits: int = 1, block_k: int = 128,
-                  rows: int = 64, interp=None):
-    """xq e4m3 [Tp, K] (Tp a multiple of 8) and w e4m3 [N, K] -> float32 partial sums
-    [k_splits, N, Tp] of w @ xq.T: one warpgroup a CTA of `rows` output rows and one K range,
-    `stages` [rows, block_k] tiles in flight. `interp`: Pallas' GPU interpreter, where the
-    wgmma (which it lacks over a transposed operand) is the same product as a float32 dot."""
-    tp, k = xq.shape
-    n = w.shape[0]
-    if tp % 8 or n % rows or rows % K.WG_ROWS or block_k % 128 or k % (k_splits * block_k):
-        raise ValueError(f"unsupported probe shape: x {xq.shape}, w {w.shape}, rows {rows}, "
-                         f"block_k {block_k}, {k_splits} splits")
-    ks, accs = k // k_splits, rows // K.WG_ROWS
-
-    def kernel(x_gmem, w_gmem, o_gmem, o_smem):
-        n_idx, s_idx = lax.axis_index("n"), lax.axis_index("s")
-
-        def scoped(*acc_refs):
-            for acc in acc_refs if interp else ():  # shared memory there: zeroed by hand
-                acc[...] = jnp.zeros(acc.shape, jnp.float32)
-
-            def body(_, x_smem, w_smem):
-                for r, acc in enumerate(acc_refs):
-                    w_rows = w_smem.at[pl.ds(r * K.WG_ROWS, K.WG_ROWS)]
-                    if interp:
-                        acc[...] += jnp.dot(w_rows[...].astype(jnp.float32),
-                                            x_smem[...].astype(jnp.float32).T)
-                    else:
-                        plgpu.wgmma(acc, w_rows, x_smem.T)
-                plgpu.wgmma_wait(0)
-
-            tiles = K._tiled(block_k * 8, 8)
-            plgpu.emit_pipeline(body, grid=(ks // block_k,), max_concurrent_steps=stages, in_specs=[
-                plgpu.BlockSpec((tp, block_k), lambda i: (0, i), transforms=tiles),
-                plgpu.BlockSpec((rows, block_k), lambda i: (0, i), transforms=tiles)])(
-                x_gmem.at[:, pl.ds(s_idx * ks, ks)],
-                w_gmem.at[pl.ds(n_idx * rows, rows), pl.ds(s_idx * ks, ks)])
-            K._write(o_smem, acc_refs, lambda r: o_gmem.at[
-                s_idx, pl.ds(n_idx * rows + r * K.WG_ROWS, K.WG_ROWS)])
-
-        acc = (plgpu.SMEM if interp else plgpu.ACC)((K.WG_ROWS, tp), jnp.float32)
-        pl.run_scoped(scoped, *[acc] * accs)
-
-    return plgpu.kernel(
-        kernel, out_type=K._partials_type(k_splits, n, tp),
-        scratch_types=[K._partials_smem(accs, tp)], grid=(n // rows, k_splits),
-        grid_names=("n", "s"), compiler_params=K.PARAMS, interpret=interp)(xq, w)
-
-
-def parse_config(text: str) -> tuple[str, Callable | None]:
-    """'E:4:2:256' -> ("E:4:2:256", the kernel's partial); 'W' / 'X' -> (name, None)."""
-    if text in ("W", "X"):
+def parse_config(text: str) -> tuple[str, fp8_gemv.Fp8GemvTiling | None]:
+    """'E:4:2:256' -> ("E:4:2:256", that tiling); 'E' -> the engine's rule's tiling a shape
+    (None); 'W' / 'X' -> (name, None)."""
+    if text in ("W", "X", "E"):
         return text, None
     variant, *fields = text.split(":")
-    if variant != "E" or not 2 <= len(fields) <= 4:
+    if variant != "E" or not 2 <= len(fields) <= 3:
         raise ValueError(f"bad config {text!r}: {USAGE}")
     try:
-        values = [int(f) for f in fields]
+        return text, fp8_gemv.Fp8GemvTiling(*(int(f) for f in fields))
     except ValueError as e:
-        raise ValueError(f"bad config {text!r}: {USAGE}") from e
-    names = ("stages", "k_splits", "block_k", "rows")
-    return text, functools.partial(e4m3_partials, **dict(zip(names, values, strict=False)))
+        raise ValueError(f"bad config {text!r}: {USAGE} ({e})") from e
 
 
-def _apply(name: str, kernel: Callable | None, t: int, interpret: bool) -> Callable:
+def _apply(name: str, tiling: fp8_gemv.Fp8GemvTiling | None, interpret: bool) -> Callable:
     """(x, weights) -> [x @ W for W in the stack] as [T, N] bf16, in the config's form."""
-    from pjinfer.kernels.fp8_matmul import fp8_w8a8_matmul, quantize_activations
+    from pjinfer.kernels.fp8_matmul import fp8_w8a8_matmul
     from pjinfer.kernels.quantized_matmul import quantized_matmul
 
     if name == "W":
         return lambda x, ws: [quantized_matmul(x, w, interpret=interpret) for w in ws]
     if name == "X":
         return lambda x, ws: [fp8_w8a8_matmul(x, w) for w in ws]
-    tp = max(8, -(-t // 8) * 8)  # wgmma's N: a multiple of 8 rows
-    if interpret:
-        from pjinfer.benchmarks.int4_mosaic import _interpret_params
-
-        kernel = functools.partial(kernel, interp=_interpret_params())
-
-    def run(x, ws):
-        xq, x_scale = quantize_activations(jnp.pad(x, ((0, tp - t), (0, 0))))
-        return [(kernel(xq, w.packed).sum(0).T * x_scale * w.scales)[:t].astype(x.dtype)
-                for w in ws]
-    return run
+    return lambda x, ws: [fp8_gemv.fp8_gemvs(x, (w,), tiling=tiling, interpret=interpret)[0]
+                          for w in ws]
 
 
 def _rel(got, ref) -> float:
@@ -164,7 +104,7 @@ def time_forms(configs: list[str], shapes, tokens: list[int], matrices: int, *,
             ref = _reference(x, fp8[0])
             bf16_gemv = jax.jit(lambda x, ws: [x @ w for w in ws])
             forms = [("bf16", bf16_gemv, dense, 2 * k * n * matrices)]
-            forms += [(name, jax.jit(_apply(name, fn, t, interpret)), fp8, fp8_bytes)
+            forms += [(name, jax.jit(_apply(name, fn, interpret)), fp8, fp8_bytes)
                       for name, fn in parsed]
             bf16 = None
             for name, fn, ws, nbytes in forms:
@@ -187,14 +127,17 @@ def lower_on_cpu(configs: list[str]) -> list[dict]:
     """Each E config lowered for CUDA at every shape; W and X skipped (the CPU check of every
     form is `time_forms(..., interpret=True)` on a small shape)."""
     out = []
-    for name, fn in (parse_config(c) for c in configs):
-        if fn is None:
+    for name, tiling in (parse_config(c) for c in configs):
+        if name in ("W", "X"):
             out.append({"name": name, "skipped": "runs on a GPU; interpret-mode check in tests"})
             continue
         for k, n in LLAMA3_8B:
             xq = jax.ShapeDtypeStruct((8, k), jnp.float8_e4m3fn)
             w = jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn)
-            jax.jit(fn).trace(xq, w).lower(lowering_platforms=("cuda",))
+            kernel = functools.partial(fp8_gemv.e4m3_partials,
+                                       tiling=tiling or fp8_gemv.pick_tiling(k, n))
+            jax.jit(lambda xq, w, f=kernel: f(xq, (w,))).trace(xq, w).lower(
+                lowering_platforms=("cuda",))
         out.append({"name": name, "lowered_for_cuda": [list(s) for s in LLAMA3_8B]})
     return out
 

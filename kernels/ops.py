@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pjinfer.kernels import lora_matmul, moe_route
+from pjinfer.kernels import fp8_gemv, lora_matmul, moe_route
 from pjinfer.kernels import quantized_matmul as qmm
 from pjinfer.kernels.backends import BACKENDS
 from pjinfer.kernels.common import AttentionParams
@@ -86,6 +86,13 @@ def _use_pallas(backend: str) -> bool:
     if backend == "auto":
         return jax.default_backend() == "gpu"
     return backend in ("pallas", "triton")
+
+
+def _hopper() -> bool:
+    """Whether the device has Hopper's instructions (TMA, wgmma): where the Mosaic GPU
+    kernels run."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
 
 
 def _interpret() -> bool:
@@ -316,6 +323,8 @@ def quantized_matmuls(x: jax.Array, ws: list[QuantizedWeight], *, out_dtype=None
     kernel when `qmm.groupable` (one launch and one K-split sum for the group), else one
     kernel per weight; elsewhere W8A8 or XLA's reference per weight."""
     pallas = _use_pallas(backend)
+    if pallas and _hopper() and fp8_gemv.supported(x, ws):
+        return fp8_gemv.fp8_gemvs(x, tuple(ws), out_dtype=out_dtype, interpret=_interpret())
     if pallas and x.shape[0] > pallas_max_rows(ws[0]):
         return [fp8_w8a8_matmul(x, w, out_dtype=out_dtype) if per_channel_fp8(w)
                 else qmm.quantized_matmul_reference(x, w, out_dtype=out_dtype) for w in ws]

@@ -53,6 +53,8 @@ MODEL_VARIANTS = {
                                        attention_bias=True, mlp_bias=True,
                                        rope_scaling={"rope_type": "linear", "factor": 2.0}), {}),
     "mistral": ("MistralConfig", dict(sliding_window=6, num_key_value_heads=1), {}),
+    # every projection in whole 64-row / 128-column tiles (the Hopper fp8 GEMV's)
+    "llama_wide": ("LlamaConfig", dict(hidden_size=128, intermediate_size=256), {}),
     # use_sliding_window=False must switch the window off although sliding_window is set
     "qwen2": ("Qwen2Config", dict(use_sliding_window=False, sliding_window=4), {}),
     "qwen3": ("Qwen3Config", dict(head_dim=32, attention_bias=False), {}),

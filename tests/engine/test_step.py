@@ -75,10 +75,36 @@ def test_moe_step_through_routed_expert_kernel(moe_models):
     assert np.linalg.norm(pallas - ref) / np.linalg.norm(ref) < 1e-5
 
 
-def _gpu_decode_step(path, monkeypatch):
+def test_fp8_step_through_the_hopper_gemv(hf_models, monkeypatch):
+    """On a Hopper GPU per-channel fp8 weights at decode sizes take the Mosaic GPU W8A8 GEMV
+    (its GPU interpreter here): the same logits as the step with XLA's W8A8 dot per weight,
+    q/k/v and gate/up grouped into one kernel each and cut back apart in order."""
+    from pjinfer.kernels import fp8_gemv, fp8_matmul, ops
+    from pjinfer.quantization.config import QuantConfig
+    from pjinfer.weights import load_engine_model
+
+    cfg, params, _ = load_engine_model(hf_models["llama_wide"], dtype="float32",
+                                       quantization=QuantConfig.on_the_fly("fp8"))
+    monkeypatch.setattr(ops, "_hopper", lambda: True)
+    monkeypatch.setattr(ops, "_use_pallas", lambda backend: True)  # "auto" as on a GPU
+    calls = []
+    kernel = fp8_gemv.fp8_gemvs
+    monkeypatch.setattr(fp8_gemv, "fp8_gemvs", lambda x, ws, **kw: calls.append(len(ws))
+                        or kernel(x, ws, **kw))
+    mosaic = _run_chunks(cfg, params, PROMPT[:9], 4, backend="pallas")
+    assert calls[:3] == [3, 1, 2]  # q/k/v, o, gate/up grouped; then down
+    monkeypatch.setattr(fp8_gemv, "fp8_gemvs", lambda x, ws, out_dtype=None, interpret=False: [
+        fp8_matmul.fp8_w8a8_matmul(x, w, out_dtype=out_dtype) for w in ws])
+    xla = _run_chunks(cfg, params, PROMPT[:9], 4, backend="pallas")
+    assert np.linalg.norm(mosaic - xla) / np.linalg.norm(xla) < 1e-5
+
+
+def _gpu_decode_step(path, monkeypatch, quantization=None):
     """(step function, its args, config) of a one-token decode step over the bf16 model at
     `path`, the kernels dispatched as on a GPU (for lowering to CUDA)."""
-    cfg, params = load_model(path, dtype="bfloat16")
+    from pjinfer.weights import load_engine_model
+
+    cfg, params, _ = load_engine_model(path, dtype="bfloat16", quantization=quantization)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernels' dispatch
     caches = init_kv_caches(cfg, NUM_BLOCKS, BLOCK_SIZE, params["embed"].dtype)
     inputs, layout = build_step_inputs([Chunk([PROMPT[5]], 5, 1, [3])], block_size=BLOCK_SIZE,
@@ -96,6 +122,22 @@ def test_gpu_step_writes_the_cache_in_the_rotary_kernel(hf_models, monkeypatch):
     text = cuda_module(step, *args)
     assert len(re.findall(r"= call @rotary_write\(", text)) == cfg.num_hidden_layers
     assert "stablehlo.scatter" not in text
+
+
+def test_hopper_fp8_step_runs_four_gemv_kernels_a_layer(hf_models, monkeypatch):
+    """Lowered for CUDA on a Hopper GPU, an fp8 model's decode step runs q/k/v, o, gate/up and
+    down as four Mosaic GPU kernels a layer (the grouped ones one launch each)."""
+    from pjinfer.kernels import ops
+    from pjinfer.quantization.config import QuantConfig
+    from tests.kernels.lowering import MOSAIC_GPU
+
+    monkeypatch.setattr(ops, "_hopper", lambda: True)
+    step, args, cfg = _gpu_decode_step(hf_models["llama_wide"], monkeypatch,
+                                       QuantConfig.on_the_fly("fp8"))
+    text = cuda_module(step, *args)
+    # four distinct kernels (each inside its jitted wrapper), each called once a layer
+    assert len(re.findall(rf"custom_call @{MOSAIC_GPU}\(", text)) == 4
+    assert len(re.findall(r"call @fp8_gemvs\w*\(", text)) == 4 * cfg.num_hidden_layers
 
 
 def test_gpu_step_kernels_let_the_next_kernel_launch(moe_models, monkeypatch):

@@ -9,11 +9,12 @@ from collections.abc import Callable
 import jax
 
 TRITON = "__gpu$xla.gpu.triton"  # the custom call a Pallas Triton kernel exports as
+MOSAIC_GPU = "mosaic_gpu_v2"  # and a Pallas Mosaic GPU kernel
 
 
 def cuda_module(fn: Callable, *args) -> str:
     """`fn` jitted and exported for CUDA over `args` (arrays or ShapeDtypeStructs): its
-    StableHLO text, Triton calls allowed."""
-    check = jax.export.DisabledSafetyCheck.custom_call(TRITON)
-    return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[check])(
+    StableHLO text, Triton and Mosaic GPU calls allowed."""
+    checks = [jax.export.DisabledSafetyCheck.custom_call(c) for c in (TRITON, MOSAIC_GPU)]
+    return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
         *args).mlir_module()

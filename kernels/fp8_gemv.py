@@ -1,0 +1,153 @@
+"""fp8 W8A8 decode GEMV on Hopper, in Pallas' Mosaic GPU backend: per-channel e4m3 weights
+[N, K] streamed by TMA into shared memory and multiplied by the step's token rows, quantized
+to e4m3 per token, with fp8 `wgmma`. No instruction touches a weight on its way to the tensor
+cores, where the Triton weight-only kernel (`quantized_matmul`) widens every one of them.
+
+The math is `fp8_matmul.fp8_w8a8_matmul`'s (x's absmax / 448 per token, float32 sums, the
+token and channel scales after the dot), so that function is the reference; the rows come
+from `quantize_activations` there too.
+
+Grid (column tile, K split) over all the weights of a group sharing x (q/k/v, gate/up): one
+CTA is one warpgroup owning 64 output rows (wgmma's M) of one weight and one K range, its
+pipeline keeping `stages` [64, block_k] tiles in flight; the float32 partial sums
+[k_splits, sum N, Tp] are added by XLA with the rescale, then cut per weight. x is padded to
+Tp, a multiple of 8 rows (wgmma's smallest N). Both operands are K-major, as fp8 `wgmma`
+requires: the weight as stored, x's [Tp, block_k] tile read transposed.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pjinfer.kernels.fp8_matmul import per_channel_fp8, quantize_activations
+from pjinfer.quantization.weight import QuantizedWeight
+
+ROWS = 64  # output rows a CTA: one warpgroup's wgmma M
+MAX_TOKENS = 64  # x rows served (decode); the float32 accumulator is [64, Tp] a warpgroup
+SMS = 132  # H100 / H200 SMs: the grid is sized for a few CTAs on each
+PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+
+
+@dataclass(frozen=True)
+class Fp8GemvTiling:
+    stages: int = 4  # tiles in flight a CTA
+    k_splits: int = 1  # K ranges, each its own CTA and partial sum
+    block_k: int = 128  # K a pipeline step (a multiple of 128: one 128-byte swizzled row)
+
+    def __post_init__(self):
+        if self.stages < 1 or self.k_splits < 1 or self.block_k < 128 or self.block_k % 128:
+            raise ValueError(f"bad fp8 GEMV tiling {self}: stages and k_splits >= 1, "
+                             "block_k a multiple of 128")
+
+
+def pick_tiling(k: int, n: int) -> Fp8GemvTiling:
+    """The fewest K splits (powers of two) that put >= 3 CTAs on every SM while each keeps
+    >= 4 pipeline steps, so small projections fill the GPU and large ones stream long."""
+    tiling, splits = Fp8GemvTiling(), 1
+    while (n // ROWS) * splits < 3 * SMS and k % (2 * splits * tiling.block_k) == 0 \
+            and k // (2 * splits * tiling.block_k) >= 4:
+        splits *= 2
+    return Fp8GemvTiling(tiling.stages, splits, tiling.block_k)
+
+
+def supported(x: jax.Array, ws, tiling: Fp8GemvTiling | None = None) -> bool:
+    """Unsharded per-channel fp8 weights of one input size, whole 64-row tiles and K ranges
+    (of `tiling`, default the rule's), decode rows."""
+    k = ws[0].shape[0]
+    if not all(isinstance(w, QuantizedWeight) and per_channel_fp8(w) and w.kernel
+               and w.shape[0] == k and w.shape[1] % ROWS == 0 for w in ws):
+        return False
+    tiling = tiling or pick_tiling(k, sum(w.shape[1] for w in ws))
+    return (x.shape[0] <= MAX_TOKENS and x.shape[1] == k
+            and k % (tiling.k_splits * tiling.block_k) == 0)
+
+
+def _smem_tiles(row_bytes: int, bits: int) -> tuple:
+    swizzle = plgpu.find_swizzle(row_bytes * 8)
+    return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
+
+
+def e4m3_partials(xq: jax.Array, ws: tuple[jax.Array, ...], tiling: Fp8GemvTiling,
+                  interpret=None) -> jax.Array:
+    """xq e4m3 [Tp, K], each w e4m3 [N_m, K] -> float32 [k_splits, sum N_m, Tp] with
+    partial[s] = w_cat[:, K_s] @ xq[:, K_s].T. `interpret`: Pallas' GPU interpreter params,
+    where the wgmma (which it lacks over a transposed operand) is the same float32 dot."""
+    tp, k = xq.shape
+    ks, bk, starts = k // tiling.k_splits, tiling.block_k, [0]
+    for w in ws:
+        starts.append(starts[-1] + w.shape[0] // ROWS)  # each weight's first column tile
+    tiles = _smem_tiles(bk, 8)
+
+    def kernel(x_gmem, *refs):
+        w_gmems, (o_gmem, o_smem) = refs[:len(ws)], refs[len(ws):]
+        n_idx, s_idx = lax.axis_index("n"), lax.axis_index("s")
+        x_range = x_gmem.at[:, pl.ds(s_idx * ks, ks)]
+
+        def scoped(acc):
+            if interpret:
+                acc[...] = jnp.zeros(acc.shape, jnp.float32)
+
+            def body(_, x_smem, w_smem):
+                if interpret:
+                    acc[...] += jnp.dot(w_smem[...].astype(jnp.float32),
+                                        x_smem[...].astype(jnp.float32).T)
+                else:
+                    plgpu.wgmma(acc, w_smem, x_smem.T)
+                plgpu.wgmma_wait(0)
+
+            pipeline = plgpu.emit_pipeline(
+                body, grid=(ks // bk,), max_concurrent_steps=tiling.stages, in_specs=[
+                    plgpu.BlockSpec((tp, bk), lambda i: (0, i), transforms=tiles),
+                    plgpu.BlockSpec((ROWS, bk), lambda i: (0, i), transforms=tiles)])
+            for m, w_gmem in enumerate(w_gmems):  # the weight this CTA's tile belongs to
+                @pl.when((n_idx >= starts[m]) & (n_idx < starts[m + 1]))
+                def _(m=m, w_gmem=w_gmem):
+                    pipeline(x_range, w_gmem.at[pl.ds((n_idx - starts[m]) * ROWS, ROWS),
+                                                pl.ds(s_idx * ks, ks)])
+            o_smem[...] = acc[...]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[s_idx, pl.ds(n_idx * ROWS, ROWS)])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(scoped, (plgpu.SMEM if interpret else plgpu.ACC)((ROWS, tp), jnp.float32))
+
+    return plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((tiling.k_splits, starts[-1] * ROWS, tp),
+                                              jnp.float32),
+        scratch_types=[plgpu.SMEM((ROWS, tp), jnp.float32, transforms=_smem_tiles(tp * 4, 32))],
+        grid=(starts[-1], tiling.k_splits), grid_names=("n", "s"), compiler_params=PARAMS,
+        interpret=interpret)(xq, *ws)
+
+
+def interpret_params():
+    """Pallas' GPU interpreter (jax 0.10-0.11 keep its parameters in a private module)."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "tiling", "interpret"))
+def fp8_gemvs(x: jax.Array, ws: tuple[QuantizedWeight, ...], *, out_dtype=None,
+              tiling: Fp8GemvTiling | None = None, interpret: bool = False) -> list[jax.Array]:
+    """x [T, K] @ each per-channel fp8 weight of `ws` -> [T, N_m] each, one kernel for the
+    group (`supported` must hold)."""
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    widths = [w.shape[1] for w in ws]
+    tiling = tiling or pick_tiling(x.shape[1], sum(widths))
+    t = x.shape[0]
+    tp = max(8, -(-t // 8) * 8)
+    xq, x_scale = quantize_activations(jnp.pad(x, ((0, tp - t), (0, 0))))
+    parts = e4m3_partials(xq, tuple(w.packed for w in ws), tiling,
+                          interpret_params() if interpret else None)
+    y = jnp.sum(parts, axis=0).T[:t] * x_scale[:t]  # [T, sum N] float32
+    ends = list(itertools.accumulate(widths))
+    return [(y[:, e - n:e] * w.scales).astype(out_dtype)
+            for e, n, w in zip(ends, widths, ws, strict=True)]

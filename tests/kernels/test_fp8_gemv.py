@@ -1,0 +1,93 @@
+"""The Mosaic GPU fp8 W8A8 GEMV (Pallas' GPU interpreter on CPU) against its reference,
+`fp8_w8a8_matmul`, and against the float32 product of the dequantized weight; its tiling rule,
+its support test and its CUDA lowering."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pjinfer.kernels import fp8_gemv
+from pjinfer.kernels.fp8_gemv import Fp8GemvTiling, fp8_gemvs, pick_tiling, supported
+from pjinfer.kernels.fp8_matmul import fp8_w8a8_matmul
+from pjinfer.quantization.weight import dequantize, quantize_int4, quantize_per_channel
+
+
+def _weights(k: int, widths: tuple[int, ...], seed: int):
+    keys = jax.random.split(jax.random.key(seed), len(widths))
+    return tuple(quantize_per_channel(jax.random.normal(kk, (k, n)) * 0.05, "fp8")
+                 for kk, n in zip(keys, widths, strict=True))
+
+
+def _rel(got, want) -> float:
+    return float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
+
+
+@pytest.mark.parametrize("t, k, widths, tiling", [
+    (1, 384, (128,), Fp8GemvTiling(stages=2, k_splits=3)),
+    (5, 512, (192, 64, 64), Fp8GemvTiling(stages=3, k_splits=2)),  # a q/k/v-like group
+    (8, 768, (256, 128), Fp8GemvTiling(stages=4, k_splits=1, block_k=256)),
+    (13, 1024, (64,), None),  # the tiling rule's choice, 16 padded rows
+])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_matches_w8a8_reference(t, k, widths, tiling, dtype):
+    ws = _weights(k, widths, seed=t + k)
+    x = jax.random.normal(jax.random.key(k - t), (t, k)).astype(dtype)
+    got = fp8_gemvs(x, ws, tiling=tiling, interpret=True)
+    assert [g.shape for g in got] == [(t, n) for n in widths]
+    for g, w in zip(got, ws, strict=True):
+        assert g.dtype == dtype
+        want = fp8_w8a8_matmul(x, w, out_dtype=jnp.float32)
+        tol = 1e-5 if dtype == jnp.float32 else 1e-2  # the same sums; bf16 rounds its output
+        assert _rel(g, want) < tol
+        # against the weight as dequantized, in float32: e4m3 rows cost ~2^-4 a value
+        assert _rel(g, x.astype(jnp.float32) @ dequantize(w)) < 0.04
+
+
+def test_partials_in_the_interpreter_sum_each_k_range():
+    k, tiling = 512, Fp8GemvTiling(stages=2, k_splits=4)
+    xq = jax.random.normal(jax.random.key(1), (8, k)).astype(jnp.float8_e4m3fn)
+    ws = tuple(jax.random.normal(jax.random.key(2 + i), (n, k)).astype(jnp.float8_e4m3fn)
+               for i, n in enumerate((128, 64)))
+    got = fp8_gemv.e4m3_partials(xq, ws, tiling, fp8_gemv.interpret_params())
+    w32, x32 = jnp.concatenate(ws).astype(jnp.float32), xq.astype(jnp.float32)
+    want = jnp.stack([w32[:, s * 128:(s + 1) * 128] @ x32[:, s * 128:(s + 1) * 128].T
+                      for s in range(4)])
+    assert got.shape == (4, 192, 8) and bool(jnp.allclose(got, want, rtol=1e-6, atol=1e-4))
+
+
+@pytest.mark.parametrize("k, n, splits", [
+    (4096, 6144, 8), (4096, 4096, 8), (4096, 28672, 1), (14336, 4096, 8), (2048, 5120, 4),
+    (256, 64, 1),  # too short to split and keep 4 steps a range
+])
+def test_tiling_rule_fills_the_gpu_with_long_ranges(k, n, splits):
+    tiling = pick_tiling(k, n)
+    assert tiling.k_splits == splits and k % (splits * tiling.block_k) == 0
+
+
+def test_support_covers_decode_sizes_of_per_channel_fp8_only():
+    ws = _weights(256, (128, 64), 0)
+    tiling = Fp8GemvTiling()
+    assert supported(jnp.zeros((8, 256)), ws, tiling)
+    assert not supported(jnp.zeros((65, 256)), ws, tiling)  # prefill sizes: XLA's W8A8
+    assert not supported(jnp.zeros((8, 256)), _weights(256, (96,), 0), tiling)  # partial tile
+    assert not supported(jnp.zeros((8, 256)), ws, Fp8GemvTiling(k_splits=3))
+    int4 = quantize_int4(jax.random.normal(jax.random.key(0), (256, 128)), 128)
+    assert not supported(jnp.zeros((8, 256)), (int4,), tiling)
+
+
+@pytest.mark.parametrize("bad", [{"stages": 0}, {"k_splits": 0}, {"block_k": 64},
+                                 {"block_k": 192}])
+def test_bad_tilings_are_refused(bad):
+    with pytest.raises(ValueError, match="bad fp8 GEMV tiling"):
+        Fp8GemvTiling(**bad)
+
+
+def test_lowers_for_cuda_at_llama_shapes():
+    """The GPU path (wgmma over the transposed token tile) builds for sm_90a: a q/k/v group."""
+    k = 4096
+    xq = jax.ShapeDtypeStruct((8, k), jnp.float8_e4m3fn)
+    ws = tuple(jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn) for n in (4096, 1024, 1024))
+    kernel = lambda xq, *ws: fp8_gemv.e4m3_partials(xq, ws, pick_tiling(k, 6144))  # noqa: E731
+    jax.jit(kernel).trace(xq, *ws).lower(lowering_platforms=("cuda",))
