@@ -5,7 +5,9 @@ quantized matmul and the multi-LoRA term.
 The engine calls only these functions (and builds `AttentionParams`, re-exported here, so
 it needs no other kernel module); backends are swapped with `backend=`:
 "auto" (Pallas on GPU, pure JAX elsewhere), "reference", "pallas"/"triton" (Pallas
-Triton; interpret mode when no GPU is present, which is how CI runs the kernels).
+Triton; interpret mode when no GPU is present, which is how CI runs the kernels). Where
+Pallas runs, a Hopper GPU takes the Mosaic GPU kernel of a call that has one (the fp8 decode
+GEMV, `fp8_gemv`; its GPU interpreter off GPU); the Triton kernels serve the rest.
 """
 
 from __future__ import annotations
@@ -319,7 +321,9 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None,
 def quantized_matmuls(x: jax.Array, ws: list[QuantizedWeight], *, out_dtype=None,
                       backend: str = "auto") -> list[jax.Array]:
     """x [T, K] @ each of several quantized weights sharing it (q/k/v; gate/up) -> [T, N_m]
-    each. Where the Pallas kernel applies (see `quantized_matmul`) the group runs as one
+    each. On a Hopper GPU, per-channel fp8 weights at decode sizes take the Mosaic GPU W8A8
+    GEMV (`fp8_gemv`: no per-weight instructions), one kernel for the group. Otherwise,
+    where the Pallas kernel applies (see `quantized_matmul`) the group runs as one
     kernel when `qmm.groupable` (one launch and one K-split sum for the group), else one
     kernel per weight; elsewhere W8A8 or XLA's reference per weight."""
     pallas = _use_pallas(backend)
