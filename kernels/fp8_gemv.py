@@ -147,7 +147,8 @@ def fp8_gemvs(x: jax.Array, ws: tuple[QuantizedWeight, ...], *, out_dtype=None,
     xq, x_scale = quantize_activations(jnp.pad(x, ((0, tp - t), (0, 0))))
     parts = e4m3_partials(xq, tuple(w.packed for w in ws), tiling,
                           interpret_params() if interpret else None)
-    y = jnp.sum(parts, axis=0).T[:t] * x_scale[:t]  # [T, sum N] float32
+    scales = jnp.concatenate([w.scales for w in ws], axis=1)  # [1, sum N]
+    # one fusion: the K-split sum, both rescales, the output dtype; the slices fuse onward
+    y = (jnp.sum(parts, axis=0).T[:t] * x_scale[:t] * scales).astype(out_dtype)  # [T, sum N]
     ends = list(itertools.accumulate(widths))
-    return [(y[:, e - n:e] * w.scales).astype(out_dtype)
-            for e, n, w in zip(ends, widths, ws, strict=True)]
+    return [y[:, e - n:e] for e, n in zip(ends, widths, strict=True)]
