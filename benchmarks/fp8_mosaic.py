@@ -157,7 +157,10 @@ def main(argv: list[str] | None = None) -> dict:
     if a.matrices < 1 or any(t < 1 for t in a.tokens):
         p.error("--matrices and --tokens must be positive")
     on_cpu = jax.default_backend() == "cpu"
+    from pjinfer.kernels import ops
+
     record = {"device": jax.devices()[0].device_kind, "configs": a.configs,
+              "engine_takes_the_kernel": ops._hopper(),  # ops' dispatch on this device
               "runs": lower_on_cpu(a.configs) if on_cpu else
               time_forms(a.configs, LLAMA3_8B, a.tokens, a.matrices)}
     Path(a.out).write_text(json.dumps(record, indent=1))
