@@ -18,7 +18,9 @@ Forms beside the bf16 XLA GEMV of the same shapes (the share's denominator): W, 
 fp8 weight-only Triton kernel (its default tiling); X, XLA's W8A8 dot over the [N, K] weight
 (what the engine runs above 64 rows); E:stages:splits[:block_k], the Mosaic kernel
 (`kernels/fp8_gemv.py`: float32 partials [splits, N, 8] summed and rescaled by XLA, like X's
-rescale), E alone its own tiling rule's choice a shape. Bytes count the
+rescale) over e4m3 rows quantized per token; G:..., the same kernel over float16 rows, each
+weight tile upcast into wgmma's registers (W8A16, the engine's form); E or G alone: the
+kernel's own tiling rule's choice a shape. Bytes count the
 e4m3 weight and its float32 channel scales. On a CPU every E config lowers for CUDA; the tests
 run E in Pallas' GPU interpreter (its wgmma as a float32 dot: the interpreter has none over a
 transposed operand) and W in Triton's, on small shapes against the float32 reference.
@@ -41,16 +43,17 @@ import jax.numpy as jnp  # noqa: E402
 from pjinfer.kernels import fp8_gemv  # noqa: E402
 
 LLAMA3_8B = ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096))  # q/k/v, o, gate/up, down
-USAGE = "configs: W, X, E or E:stages:splits[:block_k] (block_k a multiple of 128)"
+USAGE = ("configs: W, X, E[:stages:splits[:block_k]] or G[:stages:splits[:block_k]] "
+         "(block_k a multiple of 128)")
 
 
 def parse_config(text: str) -> tuple[str, fp8_gemv.Fp8GemvTiling | None]:
-    """'E:4:2:256' -> ("E:4:2:256", that tiling); 'E' -> the engine's rule's tiling a shape
-    (None); 'W' / 'X' -> (name, None)."""
-    if text in ("W", "X", "E"):
+    """'E:4:2:256' -> ("E:4:2:256", that tiling); 'E' / 'G' -> the engine's rule's tiling a
+    shape (None); 'W' / 'X' -> (name, None)."""
+    if text in ("W", "X", "E", "G"):
         return text, None
     variant, *fields = text.split(":")
-    if variant != "E" or not 2 <= len(fields) <= 3:
+    if variant not in ("E", "G") or not 2 <= len(fields) <= 3:
         raise ValueError(f"bad config {text!r}: {USAGE}")
     try:
         return text, fp8_gemv.Fp8GemvTiling(*(int(f) for f in fields))
@@ -67,8 +70,9 @@ def _apply(name: str, tiling: fp8_gemv.Fp8GemvTiling | None, interpret: bool) ->
         return lambda x, ws: [quantized_matmul(x, w, interpret=interpret) for w in ws]
     if name == "X":
         return lambda x, ws: [fp8_w8a8_matmul(x, w) for w in ws]
-    return lambda x, ws: [fp8_gemv.fp8_gemvs(x, (w,), tiling=tiling, interpret=interpret)[0]
-                          for w in ws]
+    act = "e4m3" if name[0] == "E" else "float16"
+    return lambda x, ws: [fp8_gemv.fp8_gemvs(x, (w,), tiling=tiling, activations=act,
+                                             interpret=interpret)[0] for w in ws]
 
 
 def _rel(got, ref) -> float:
@@ -132,7 +136,8 @@ def lower_on_cpu(configs: list[str]) -> list[dict]:
             out.append({"name": name, "skipped": "runs on a GPU; interpret-mode check in tests"})
             continue
         for k, n in LLAMA3_8B:
-            xq = jax.ShapeDtypeStruct((8, k), jnp.float8_e4m3fn)
+            xq = jax.ShapeDtypeStruct((8, k), jnp.float8_e4m3fn if name[0] == "E" else
+                                      jnp.float16)
             w = jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn)
             kernel = functools.partial(fp8_gemv.e4m3_partials,
                                        tiling=tiling or fp8_gemv.pick_tiling(k, n))

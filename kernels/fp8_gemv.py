@@ -1,18 +1,21 @@
-"""fp8 W8A8 decode GEMV on Hopper, in Pallas' Mosaic GPU backend: per-channel e4m3 weights
-[N, K] streamed by TMA into shared memory and multiplied by the step's token rows, quantized
-to e4m3 per token, with fp8 `wgmma`. No instruction touches a weight on its way to the tensor
-cores, where the Triton weight-only kernel (`quantized_matmul`) widens every one of them.
-
-The math is `fp8_matmul.fp8_w8a8_matmul`'s (x's absmax / 448 per token, float32 sums, the
-token and channel scales after the dot), so that function is the reference; the rows come
-from `quantize_activations` there too.
+"""fp8 decode GEMV on Hopper, in Pallas' Mosaic GPU backend: per-channel e4m3 weights [N, K]
+streamed by TMA into shared memory and multiplied on the tensor cores (`wgmma`), where the
+Triton weight-only kernel (`quantized_matmul`) widens every weight through its registers
+into an mma.sync dot. Two operand forms, chosen by x's dtype:
+  float16 (W8A16, the engine's): each [64, block_k] tile loads in the register layout whose
+    float16 upcast lands in wgmma's (one conversion per two weights), x's rows as float16
+    (`common.float16_operand`, an elementwise op XLA fuses into x's producer); the same
+    product as the weight-only kernel's, `quantized_matmul_reference` its reference;
+  e4m3 (W8A8): both operands fp8 from shared memory, no instruction per weight at all, x
+    quantized per token first (`fp8_matmul.quantize_activations`: a reduction, so one more
+    XLA kernel a projection), `fp8_matmul.fp8_w8a8_matmul` its reference.
 
 Grid (column tile, K split) over all the weights of a group sharing x (q/k/v, gate/up): one
 CTA is one warpgroup owning 64 output rows (wgmma's M) of one weight and one K range, its
 pipeline keeping `stages` [64, block_k] tiles in flight; the float32 partial sums
-[k_splits, sum N, Tp] are added by XLA with the rescale, then cut per weight. x is padded to
-Tp, a multiple of 8 rows (wgmma's smallest N). Both operands are K-major, as fp8 `wgmma`
-requires: the weight as stored, x's [Tp, block_k] tile read transposed.
+[k_splits, sum N, Tp] are added by XLA with the rescale (one fusion), then cut per weight.
+x is padded to Tp, a multiple of 8 rows (wgmma's smallest N), and read transposed (K-major,
+as fp8 `wgmma` requires of both operands).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pjinfer.kernels.common import float16_operand
 from pjinfer.kernels.fp8_matmul import per_channel_fp8, quantize_activations
 from pjinfer.quantization.weight import QuantizedWeight
 
@@ -34,6 +38,7 @@ ROWS = 64  # output rows a CTA: one warpgroup's wgmma M
 MAX_TOKENS = 64  # x rows served (decode); the float32 accumulator is [64, Tp] a warpgroup
 SMS = 132  # H100 / H200 SMs: the grid is sized for a few CTAs on each
 PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+ACTIVATIONS = ("float16", "e4m3")  # x's operand form: W8A16 or W8A8
 
 
 @dataclass(frozen=True)
@@ -75,16 +80,18 @@ def _smem_tiles(row_bytes: int, bits: int) -> tuple:
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
-def e4m3_partials(xq: jax.Array, ws: tuple[jax.Array, ...], tiling: Fp8GemvTiling,
+def e4m3_partials(x: jax.Array, ws: tuple[jax.Array, ...], tiling: Fp8GemvTiling,
                   interpret=None) -> jax.Array:
-    """xq e4m3 [Tp, K], each w e4m3 [N_m, K] -> float32 [k_splits, sum N_m, Tp] with
-    partial[s] = w_cat[:, K_s] @ xq[:, K_s].T. `interpret`: Pallas' GPU interpreter params,
-    where the wgmma (which it lacks over a transposed operand) is the same float32 dot."""
-    tp, k = xq.shape
+    """x float16 or e4m3 [Tp, K], each w e4m3 [N_m, K] -> float32 [k_splits, sum N_m, Tp]
+    with partial[s] = w_cat[:, K_s] @ x[:, K_s].T. `interpret`: Pallas' GPU interpreter
+    params, where the wgmma (which it lacks over a transposed operand) is the same float32
+    dot."""
+    tp, k = x.shape
     ks, bk, starts = k // tiling.k_splits, tiling.block_k, [0]
     for w in ws:
         starts.append(starts[-1] + w.shape[0] // ROWS)  # each weight's first column tile
-    tiles = _smem_tiles(bk, 8)
+    upcast = x.dtype == jnp.float16
+    x_tiles = _smem_tiles(bk * x.dtype.itemsize, 8 * x.dtype.itemsize)
 
     def kernel(x_gmem, *refs):
         w_gmems, (o_gmem, o_smem) = refs[:len(ws)], refs[len(ws):]
@@ -99,14 +106,19 @@ def e4m3_partials(xq: jax.Array, ws: tuple[jax.Array, ...], tiling: Fp8GemvTilin
                 if interpret:
                     acc[...] += jnp.dot(w_smem[...].astype(jnp.float32),
                                         x_smem[...].astype(jnp.float32).T)
+                elif upcast:  # loaded so that its float16 values land in wgmma's registers
+                    wv = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_2X)
+                    wv = plgpu.layout_cast(wv.astype(jnp.float16), plgpu.Layout.WGMMA)
+                    plgpu.wgmma(acc, wv, x_smem.T)
                 else:
                     plgpu.wgmma(acc, w_smem, x_smem.T)
                 plgpu.wgmma_wait(0)
 
             pipeline = plgpu.emit_pipeline(
                 body, grid=(ks // bk,), max_concurrent_steps=tiling.stages, in_specs=[
-                    plgpu.BlockSpec((tp, bk), lambda i: (0, i), transforms=tiles),
-                    plgpu.BlockSpec((ROWS, bk), lambda i: (0, i), transforms=tiles)])
+                    plgpu.BlockSpec((tp, bk), lambda i: (0, i), transforms=x_tiles),
+                    plgpu.BlockSpec((ROWS, bk), lambda i: (0, i),
+                                    transforms=_smem_tiles(bk, 8))])
             for m, w_gmem in enumerate(w_gmems):  # the weight this CTA's tile belongs to
                 @pl.when((n_idx >= starts[m]) & (n_idx < starts[m + 1]))
                 def _(m=m, w_gmem=w_gmem):
@@ -124,7 +136,7 @@ def e4m3_partials(xq: jax.Array, ws: tuple[jax.Array, ...], tiling: Fp8GemvTilin
                                               jnp.float32),
         scratch_types=[plgpu.SMEM((ROWS, tp), jnp.float32, transforms=_smem_tiles(tp * 4, 32))],
         grid=(starts[-1], tiling.k_splits), grid_names=("n", "s"), compiler_params=PARAMS,
-        interpret=interpret)(xq, *ws)
+        interpret=interpret)(x, *ws)
 
 
 def interpret_params():
@@ -134,18 +146,26 @@ def interpret_params():
     return InterpretGPUParams()
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "tiling", "interpret"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "tiling", "activations",
+                                             "interpret"))
 def fp8_gemvs(x: jax.Array, ws: tuple[QuantizedWeight, ...], *, out_dtype=None,
-              tiling: Fp8GemvTiling | None = None, interpret: bool = False) -> list[jax.Array]:
+              tiling: Fp8GemvTiling | None = None, activations: str = "float16",
+              interpret: bool = False) -> list[jax.Array]:
     """x [T, K] @ each per-channel fp8 weight of `ws` -> [T, N_m] each, one kernel for the
-    group (`supported` must hold)."""
+    group (`supported` must hold); x enters as float16 or, quantized per token, e4m3."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     widths = [w.shape[1] for w in ws]
     tiling = tiling or pick_tiling(x.shape[1], sum(widths))
     t = x.shape[0]
     tp = max(8, -(-t // 8) * 8)
-    xq, x_scale = quantize_activations(jnp.pad(x, ((0, tp - t), (0, 0))))
-    parts = e4m3_partials(xq, tuple(w.packed for w in ws), tiling,
+    x = jnp.pad(x, ((0, tp - t), (0, 0)))
+    if activations == "e4m3":
+        x, x_scale = quantize_activations(x)  # [Tp, K], [Tp, 1]
+    else:
+        x, x_scale = float16_operand(x), jnp.ones((tp, 1), jnp.float32)
+    parts = e4m3_partials(x, tuple(w.packed for w in ws), tiling,
                           interpret_params() if interpret else None)
     scales = jnp.concatenate([w.scales for w in ws], axis=1)  # [1, sum N]
     # one fusion: the K-split sum, both rescales, the output dtype; the slices fuse onward

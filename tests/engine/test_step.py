@@ -6,6 +6,7 @@ import re
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -76,11 +77,14 @@ def test_moe_step_through_routed_expert_kernel(moe_models):
 
 
 def test_fp8_step_through_the_hopper_gemv(hf_models, monkeypatch):
-    """On a Hopper GPU per-channel fp8 weights at decode sizes take the Mosaic GPU W8A8 GEMV
-    (its GPU interpreter here): the same logits as the step with XLA's W8A8 dot per weight,
-    q/k/v and gate/up grouped into one kernel each and cut back apart in order."""
-    from pjinfer.kernels import fp8_gemv, fp8_matmul, ops
+    """On a Hopper GPU per-channel fp8 weights at decode sizes take the Mosaic GPU GEMV (its
+    GPU interpreter here): the same logits as the step with each weight dequantized in
+    float32 times the same float16 rows, q/k/v and gate/up grouped into one kernel each and cut
+    back apart in order."""
+    from pjinfer.kernels import fp8_gemv, ops
+    from pjinfer.kernels.common import float16_operand
     from pjinfer.quantization.config import QuantConfig
+    from pjinfer.quantization.weight import dequantize
     from pjinfer.weights import load_engine_model
 
     cfg, params, _ = load_engine_model(hf_models["llama_wide"], dtype="float32",
@@ -94,9 +98,11 @@ def test_fp8_step_through_the_hopper_gemv(hf_models, monkeypatch):
     mosaic = _run_chunks(cfg, params, PROMPT[:9], 4, backend="pallas")
     assert calls[:3] == [3, 1, 2]  # q/k/v, o, gate/up grouped; then down
     monkeypatch.setattr(fp8_gemv, "fp8_gemvs", lambda x, ws, out_dtype=None, interpret=False: [
-        fp8_matmul.fp8_w8a8_matmul(x, w, out_dtype=out_dtype) for w in ws])
-    xla = _run_chunks(cfg, params, PROMPT[:9], 4, backend="pallas")
-    assert np.linalg.norm(mosaic - xla) / np.linalg.norm(xla) < 1e-5
+        (float16_operand(x).astype(jnp.float32) @ dequantize(w)).astype(out_dtype) for w in ws])
+    ref = _run_chunks(cfg, params, PROMPT[:9], 4, backend="pallas")
+    # each projection agrees to ~1e-6 (summation order); rounding its input to float16 can
+    # turn that into a 2^-11 step, which later layers carry
+    assert np.linalg.norm(mosaic - ref) / np.linalg.norm(ref) < 2e-3
 
 
 def _gpu_decode_step(path, monkeypatch, quantization=None):

@@ -1,6 +1,7 @@
-"""The Mosaic GPU fp8 W8A8 GEMV (Pallas' GPU interpreter on CPU) against its reference,
-`fp8_w8a8_matmul`, and against the float32 product of the dequantized weight; its tiling rule,
-its support test and its CUDA lowering."""
+"""The Mosaic GPU fp8 GEMV (Pallas' GPU interpreter on CPU) in both operand forms against its
+references (float16 rows: the weight-only product; e4m3 rows: `fp8_w8a8_matmul`) and against
+the float32 product of the dequantized weight; its tiling rule, its support test and its CUDA
+lowering."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from pjinfer.kernels import fp8_gemv
 from pjinfer.kernels.fp8_gemv import Fp8GemvTiling, fp8_gemvs, pick_tiling, supported
 from pjinfer.kernels.fp8_matmul import fp8_w8a8_matmul
+from pjinfer.kernels.quantized_matmul import quantized_matmul_reference
 from pjinfer.quantization.weight import dequantize, quantize_int4, quantize_per_channel
 
 
@@ -24,25 +26,46 @@ def _rel(got, want) -> float:
     return float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
 
 
-@pytest.mark.parametrize("t, k, widths, tiling", [
+CASES = [
     (1, 384, (128,), Fp8GemvTiling(stages=2, k_splits=3)),
     (5, 512, (192, 64, 64), Fp8GemvTiling(stages=3, k_splits=2)),  # a q/k/v-like group
     (8, 768, (256, 128), Fp8GemvTiling(stages=4, k_splits=1, block_k=256)),
     (13, 1024, (64,), None),  # the tiling rule's choice, 16 padded rows
-])
+]
+
+
+@pytest.mark.parametrize("t, k, widths, tiling", CASES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_matches_w8a8_reference(t, k, widths, tiling, dtype):
+def test_float16_rows_match_the_weight_only_reference(t, k, widths, tiling, dtype):
     ws = _weights(k, widths, seed=t + k)
     x = jax.random.normal(jax.random.key(k - t), (t, k)).astype(dtype)
     got = fp8_gemvs(x, ws, tiling=tiling, interpret=True)
     assert [g.shape for g in got] == [(t, n) for n in widths]
     for g, w in zip(got, ws, strict=True):
         assert g.dtype == dtype
+        want = quantized_matmul_reference(x, w, out_dtype=jnp.float32)
+        # x rounded to float16 (2^-11); bfloat16 output rounding (2^-8)
+        assert _rel(g, want) < (1e-3 if dtype == jnp.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("t, k, widths, tiling", CASES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_e4m3_rows_match_the_w8a8_reference(t, k, widths, tiling, dtype):
+    ws = _weights(k, widths, seed=t + k)
+    x = jax.random.normal(jax.random.key(k - t), (t, k)).astype(dtype)
+    got = fp8_gemvs(x, ws, tiling=tiling, activations="e4m3", interpret=True)
+    for g, w in zip(got, ws, strict=True):
+        assert g.shape == (t, w.shape[1]) and g.dtype == dtype
         want = fp8_w8a8_matmul(x, w, out_dtype=jnp.float32)
-        tol = 1e-5 if dtype == jnp.float32 else 1e-2  # the same sums; bf16 rounds its output
-        assert _rel(g, want) < tol
+        assert _rel(g, want) < (1e-5 if dtype == jnp.float32 else 1e-2)  # the same sums
         # against the weight as dequantized, in float32: e4m3 rows cost ~2^-4 a value
         assert _rel(g, x.astype(jnp.float32) @ dequantize(w)) < 0.04
+
+
+def test_unknown_activation_form_is_refused():
+    with pytest.raises(ValueError, match="activations must be one of"):
+        fp8_gemvs(jnp.zeros((1, 256)), _weights(256, (64,), 0), activations="int8",
+                  interpret=True)
 
 
 def test_partials_in_the_interpreter_sum_each_k_range():
@@ -84,10 +107,13 @@ def test_bad_tilings_are_refused(bad):
         Fp8GemvTiling(**bad)
 
 
-def test_lowers_for_cuda_at_llama_shapes():
-    """The GPU path (wgmma over the transposed token tile) builds for sm_90a: a q/k/v group."""
-    k = 4096
-    xq = jax.ShapeDtypeStruct((8, k), jnp.float8_e4m3fn)
+@pytest.mark.parametrize("x_dtype", [jnp.float16, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("block_k", [128, 256])
+def test_lowers_for_cuda_at_llama_shapes(x_dtype, block_k):
+    """The GPU paths (the weight upcast into wgmma's registers; fp8 wgmma over the transposed
+    token tile) build for sm_90a: a q/k/v group."""
+    k, tiling = 4096, Fp8GemvTiling(stages=4, k_splits=4, block_k=block_k)
+    x = jax.ShapeDtypeStruct((8, k), x_dtype)
     ws = tuple(jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn) for n in (4096, 1024, 1024))
-    kernel = lambda xq, *ws: fp8_gemv.e4m3_partials(xq, ws, pick_tiling(k, 6144))  # noqa: E731
-    jax.jit(kernel).trace(xq, *ws).lower(lowering_platforms=("cuda",))
+    kernel = lambda x, *ws: fp8_gemv.e4m3_partials(x, ws, tiling)  # noqa: E731
+    jax.jit(kernel).trace(x, *ws).lower(lowering_platforms=("cuda",))
