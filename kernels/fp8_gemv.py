@@ -53,19 +53,28 @@ class Fp8GemvTiling:
                              "block_k a multiple of 128")
 
 
-def pick_tiling(k: int, n: int) -> Fp8GemvTiling:
-    """6 stages; two K ranges where the weights have fewer than two column tiles an SM, so
-    small projections fill the GPU, else one. On the H100 (round 41, e4m3 rows, 8 tokens,
-    Llama-3-8B's step) this was within 2% of the best of 4-6 stages x 1-8 splits at every
-    shape; 3 CTAs an SM at 4 stages (up to 8 splits) ran 3% slower over the step."""
-    stages, block_k = 6, 128
-    splits = 2 if n // ROWS < 2 * SMS and k % (2 * block_k) == 0 else 1
-    return Fp8GemvTiling(stages, splits, block_k)
+def pick_tiling(k: int, n: int, activations: str = "float16") -> Fp8GemvTiling:
+    """The tiling of a group's K = `k`, N = `n` (every weight's columns) in one operand form,
+    from round 41's H100 sweeps over Llama-3-8B's step at 8 token rows (RESULTS.md):
+    float16 rows (the upcast is work a tile, so more CTAs hide it): 4 stages, 4 K ranges,
+      the best or within 0.2% of it at every projection, 10% under the Triton kernel over
+      the step where 6 stages and 2 ranges gained 2%;
+    e4m3 rows: 6 stages, 2 K ranges where the weights have fewer than two column tiles an SM
+      (small projections fill the GPU), else 1: within 2% of the best at every projection.
+    Fewer ranges where K does not split into whole 128-wide blocks."""
+    block_k = 128
+    if activations == "float16":
+        stages, splits = 4, 4
+    else:
+        stages, splits = 6, 2 if n // ROWS < 2 * SMS else 1
+    while k % (splits * block_k):
+        splits //= 2
+    return Fp8GemvTiling(stages, max(splits, 1), block_k)
 
 
 def supported(x: jax.Array, ws, tiling: Fp8GemvTiling | None = None) -> bool:
     """Unsharded per-channel fp8 weights of one input size, whole 64-row tiles and K ranges
-    (of `tiling`, default the rule's), decode rows."""
+    (of `tiling`, default the float16 form's rule), decode rows."""
     k = ws[0].shape[0]
     if not all(isinstance(w, QuantizedWeight) and per_channel_fp8(w) and w.kernel
                and w.shape[0] == k and w.shape[1] % ROWS == 0 for w in ws):
@@ -157,7 +166,7 @@ def fp8_gemvs(x: jax.Array, ws: tuple[QuantizedWeight, ...], *, out_dtype=None,
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     widths = [w.shape[1] for w in ws]
-    tiling = tiling or pick_tiling(x.shape[1], sum(widths))
+    tiling = tiling or pick_tiling(x.shape[1], sum(widths), activations)
     t = x.shape[0]
     tp = max(8, -(-t // 8) * 8)
     x = jnp.pad(x, ((0, tp - t), (0, 0)))

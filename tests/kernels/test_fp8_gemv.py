@@ -80,14 +80,17 @@ def test_partials_in_the_interpreter_sum_each_k_range():
     assert got.shape == (4, 192, 8) and bool(jnp.allclose(got, want, rtol=1e-6, atol=1e-4))
 
 
-@pytest.mark.parametrize("k, n, splits", [
-    (4096, 6144, 2), (4096, 4096, 2), (4096, 28672, 1), (14336, 4096, 2), (2048, 5120, 2),
-    (128, 64, 1),  # a single K block: nothing to split
+@pytest.mark.parametrize("k, n, float16_splits, e4m3_splits", [
+    (4096, 6144, 4, 2), (4096, 4096, 4, 2), (4096, 28672, 4, 1), (14336, 4096, 4, 2),
+    (2048, 5120, 4, 2),
+    (384, 64, 1, 1), (256, 64, 2, 2),  # K in 3 or 2 blocks of 128: fewer ranges
 ])
-def test_tiling_rule_splits_k_only_for_small_projections(k, n, splits):
-    tiling = pick_tiling(k, n)
-    assert tiling.k_splits == splits and tiling.stages == 6
-    assert k % (splits * tiling.block_k) == 0
+def test_tiling_rules_of_both_forms(k, n, float16_splits, e4m3_splits):
+    f16, e4m3 = pick_tiling(k, n), pick_tiling(k, n, "e4m3")
+    assert (f16.stages, f16.k_splits) == (4, float16_splits)
+    assert (e4m3.stages, e4m3.k_splits) == (6, e4m3_splits)
+    for t in (f16, e4m3):
+        assert k % (t.k_splits * t.block_k) == 0
 
 
 def test_support_covers_decode_sizes_of_per_channel_fp8_only():
