@@ -96,13 +96,15 @@ def test_fp8_step_through_the_hopper_gemv(hf_models, monkeypatch):
     monkeypatch.setattr(fp8_gemv, "fp8_gemvs", lambda x, ws, **kw: calls.append(len(ws))
                         or kernel(x, ws, **kw))
     mosaic = _run_chunks(cfg, params, PROMPT[:9], 4, backend="pallas")
-    assert calls[:3] == [3, 1, 2]  # q/k/v, o, gate/up grouped; then down
+    # the 8-row step (the last chunk's one token; the 16-row ones keep the Triton kernel):
+    # every projection of every layer, q/k/v, o, gate/up grouped, down
+    assert calls == [3, 1, 2, 1] * cfg.num_hidden_layers
     monkeypatch.setattr(fp8_gemv, "fp8_gemvs", lambda x, ws, out_dtype=None, interpret=False: [
         (float16_operand(x).astype(jnp.float32) @ dequantize(w)).astype(out_dtype) for w in ws])
     ref = _run_chunks(cfg, params, PROMPT[:9], 4, backend="pallas")
     # each projection agrees to ~1e-6 (summation order); rounding its input to float16 can
     # turn that into a 2^-11 step, which later layers carry
-    assert np.linalg.norm(mosaic - ref) / np.linalg.norm(ref) < 2e-3
+    assert np.linalg.norm(mosaic - ref) / np.linalg.norm(ref) < 1e-4
 
 
 def _gpu_decode_step(path, monkeypatch, quantization=None):

@@ -97,7 +97,8 @@ def test_support_covers_decode_sizes_of_per_channel_fp8_only():
     ws = _weights(256, (128, 64), 0)
     tiling = Fp8GemvTiling()
     assert supported(jnp.zeros((8, 256)), ws, tiling)
-    assert not supported(jnp.zeros((65, 256)), ws, tiling)  # prefill sizes: XLA's W8A8
+    assert supported(jnp.zeros((1, 256)), ws, tiling)
+    assert not supported(jnp.zeros((9, 256)), ws, tiling)  # wider steps: the Triton kernel
     assert not supported(jnp.zeros((8, 256)), _weights(256, (96,), 0), tiling)  # partial tile
     assert not supported(jnp.zeros((8, 256)), ws, Fp8GemvTiling(k_splits=3))
     int4 = quantize_int4(jax.random.normal(jax.random.key(0), (256, 128)), 128)
