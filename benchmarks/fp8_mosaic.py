@@ -1,6 +1,6 @@
-"""Probe: fp8 W8A8 decode GEMVs on Pallas' Mosaic GPU backend (TMA loads, fp8 `wgmma` from
-shared memory, no dequantization in the kernel) against what the engine runs at decode today,
-over one Llama-3-8B step's worth of each projection (32 matrices a shape), in one process.
+"""Probe: fp8 decode GEMVs on Pallas' Mosaic GPU backend (`kernels/fp8_gemv.py`: TMA loads,
+`wgmma`; W8A8 over e4m3 rows, W8A16 over float16 rows) against the Triton weight-only kernel and
+XLA, over one Llama-3-8B step's worth of each projection (32 matrices a shape), in one process.
 
 Why: issue 14's W1 fp8 row (<= 2.6 ms) is held by the fp8 decode GEMVs, which stream e4m3
 weights at ~0.64 of the bf16 GEMV's rate (benchmarks/RESULTS.md, rounds 11 and 22): the Triton
@@ -21,9 +21,9 @@ fp8 weight-only Triton kernel (its default tiling); X, XLA's W8A8 dot over the [
 rescale) over e4m3 rows quantized per token; G:..., the same kernel over float16 rows, each
 weight tile upcast into wgmma's registers (W8A16, the engine's form); E or G alone: the
 kernel's own tiling rule's choice a shape. Bytes count the
-e4m3 weight and its float32 channel scales. On a CPU every E config lowers for CUDA; the tests
-run E in Pallas' GPU interpreter (its wgmma as a float32 dot: the interpreter has none over a
-transposed operand) and W in Triton's, on small shapes against the float32 reference.
+e4m3 weight and its float32 channel scales. On a CPU every E and G config lowers for CUDA; the
+tests run them in Pallas' GPU interpreter (its wgmma as a float32 dot: the interpreter has none
+over a transposed operand) and W in Triton's, on small shapes against the float32 reference.
 """
 
 from __future__ import annotations
@@ -61,6 +61,11 @@ def parse_config(text: str) -> tuple[str, fp8_gemv.Fp8GemvTiling | None]:
         raise ValueError(f"bad config {text!r}: {USAGE} ({e})") from e
 
 
+def _activations(name: str) -> str:
+    """The operand form of a Mosaic config: E e4m3 rows, G float16 rows."""
+    return "e4m3" if name[0] == "E" else "float16"
+
+
 def _apply(name: str, tiling: fp8_gemv.Fp8GemvTiling | None, interpret: bool) -> Callable:
     """(x, weights) -> [x @ W for W in the stack] as [T, N] bf16, in the config's form."""
     from pjinfer.kernels.fp8_matmul import fp8_w8a8_matmul
@@ -70,7 +75,7 @@ def _apply(name: str, tiling: fp8_gemv.Fp8GemvTiling | None, interpret: bool) ->
         return lambda x, ws: [quantized_matmul(x, w, interpret=interpret) for w in ws]
     if name == "X":
         return lambda x, ws: [fp8_w8a8_matmul(x, w) for w in ws]
-    act = "e4m3" if name[0] == "E" else "float16"
+    act = _activations(name)
     return lambda x, ws: [fp8_gemv.fp8_gemvs(x, (w,), tiling=tiling, activations=act,
                                              interpret=interpret)[0] for w in ws]
 
@@ -81,7 +86,9 @@ def _rel(got, ref) -> float:
 
 def _reference(x, w) -> jax.Array:
     """float32 x @ the e4m3 weight as stored, rescaled: what every form approximates."""
-    return x.astype(jnp.float32) @ (w.packed.astype(jnp.float32) * w.scales.T).T
+    from pjinfer.quantization.weight import dequantize
+
+    return x.astype(jnp.float32) @ dequantize(w)
 
 
 def _stack(k: int, n: int, matrices: int, seed: int) -> tuple[list, list]:
@@ -100,13 +107,13 @@ def time_forms(configs: list[str], shapes, tokens: list[int], matrices: int, *,
 
     timing = timing or {"calls": 10, "samples": 5, "warmup": 2}
     parsed, rows = [parse_config(c) for c in configs], []
+    bf16_gemv = jax.jit(lambda x, ws: [x @ w for w in ws])
     for si, (k, n) in enumerate(shapes):
         dense, fp8 = _stack(k, n, matrices, 100 * si)
         fp8_bytes = sum(w.packed.nbytes + w.scales.nbytes for w in fp8)
         for t in tokens:
             x = _filled((t, k), 7 + t)
             ref = _reference(x, fp8[0])
-            bf16_gemv = jax.jit(lambda x, ws: [x @ w for w in ws])
             forms = [("bf16", bf16_gemv, dense, 2 * k * n * matrices)]
             forms += [(name, jax.jit(_apply(name, fn, interpret)), fp8, fp8_bytes)
                       for name, fn in parsed]
@@ -128,7 +135,7 @@ def time_forms(configs: list[str], shapes, tokens: list[int], matrices: int, *,
 
 
 def lower_on_cpu(configs: list[str]) -> list[dict]:
-    """Each E config lowered for CUDA at every shape; W and X skipped (the CPU check of every
+    """Each E and G config lowered for CUDA at every shape; W and X skipped (the CPU check of every
     form is `time_forms(..., interpret=True)` on a small shape)."""
     out = []
     for name, tiling in (parse_config(c) for c in configs):
@@ -136,11 +143,12 @@ def lower_on_cpu(configs: list[str]) -> list[dict]:
             out.append({"name": name, "skipped": "runs on a GPU; interpret-mode check in tests"})
             continue
         for k, n in LLAMA3_8B:
-            xq = jax.ShapeDtypeStruct((8, k), jnp.float8_e4m3fn if name[0] == "E" else
+            act = _activations(name)
+            xq = jax.ShapeDtypeStruct((8, k), jnp.float8_e4m3fn if act == "e4m3" else
                                       jnp.float16)
             w = jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn)
             kernel = functools.partial(fp8_gemv.e4m3_partials,
-                                       tiling=tiling or fp8_gemv.pick_tiling(k, n))
+                                       tiling=tiling or fp8_gemv.pick_tiling(k, n, act))
             jax.jit(lambda xq, w, f=kernel: f(xq, (w,))).trace(xq, w).lower(
                 lowering_platforms=("cuda",))
         out.append({"name": name, "lowered_for_cuda": [list(s) for s in LLAMA3_8B]})

@@ -38,6 +38,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from pjinfer.benchmarks import int4_mosaic_kernels as K  # noqa: E402
+from pjinfer.kernels.common import mosaic_gpu_interpret_params  # noqa: E402
 
 VARIANTS = {  # letter -> (kernel, names of the extra fields, the weights it reads)
     "A": (K.ws_partials, ("wgs",), "int4"),
@@ -79,13 +80,6 @@ def parse_config(text: str) -> Config:
     return Config(text, functools.partial(fn, **kw), weights)
 
 
-def _interpret_params():
-    """Pallas' GPU interpret mode (jax 0.10: a private module)."""
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams()
-
-
 def _rel(got, ref) -> float:
     return float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
 
@@ -103,7 +97,7 @@ def check_on_cpu(configs: list[Config]) -> list[dict]:
             rows.append({"name": c.name, "skipped": "the engine's Triton kernel (GPU only here; "
                                                     "tests/kernels check it in interpret mode)"})
         elif c.name.startswith("C"):
-            got = c.fn(x, *ops[c.weights], interp=_interpret_params()).sum(0).T
+            got = c.fn(x, *ops[c.weights], interp=mosaic_gpu_interpret_params()).sum(0).T
             rows.append({"name": c.name, "interpret": True,
                          "rel_err": _rel(got, K.reference(x, *q))})
         else:
@@ -155,7 +149,7 @@ def _apply(c: Config, t: int, interpret: bool) -> Callable:
 
         return lambda x, ws: [quantized_matmul(x, w, interpret=interpret) for w in ws]
     tp = max(8, -(-t // 8) * 8)  # wgmma's N: a multiple of 8 rows
-    fn = functools.partial(c.fn, interp=_interpret_params()) if interpret else c.fn
+    fn = functools.partial(c.fn, interp=mosaic_gpu_interpret_params()) if interpret else c.fn
 
     def run(x, ws):
         xp = jnp.pad(x, ((0, tp - t), (0, 0)))

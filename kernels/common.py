@@ -1,4 +1,4 @@
-"""Pieces shared by the paged attention kernels and their references."""
+"""Pieces shared by the kernels (the paged attention ones above all) and their references."""
 
 from __future__ import annotations
 
@@ -13,8 +13,16 @@ from jax.experimental.pallas import triton as pltriton
 # and unlike -inf it never yields inf - inf = NaN when a whole row is masked.
 MASK_VALUE = -1e30
 # Programs that fill an H100 / H200 twice (132 SMs): what the decode kernel's context splits
-# and the quantized GEMV's column blocks aim for.
+# and the quantized GEMVs' column blocks (Triton) and K ranges (Mosaic fp8) aim for.
 MIN_PROGRAMS = 2 * 132
+
+
+def mosaic_gpu_interpret_params():
+    """Pallas' GPU interpreter for Mosaic GPU kernels (jax 0.10-0.11 keep its parameters in a
+    private module): how they run off GPU."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

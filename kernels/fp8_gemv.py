@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pjinfer.kernels.common import float16_operand
+from pjinfer.kernels.common import MIN_PROGRAMS, float16_operand, mosaic_gpu_interpret_params
 from pjinfer.kernels.fp8_matmul import per_channel_fp8, quantize_activations
 from pjinfer.quantization.weight import QuantizedWeight
 
@@ -39,7 +39,6 @@ ROWS = 64  # output rows a CTA: one warpgroup's wgmma M
 # measured (round 41); wider steps keep the Triton kernel until measured (the kernel itself
 # takes up to 64: its float32 accumulator is [64, Tp] a warpgroup)
 MAX_TOKENS = 8
-SMS = 132  # H100 / H200 SMs: small projections split K to give each SM work
 PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 ACTIVATIONS = ("float16", "e4m3")  # x's operand form: W8A16 or W8A8
 
@@ -69,7 +68,7 @@ def pick_tiling(k: int, n: int, activations: str = "float16") -> Fp8GemvTiling:
     if activations == "float16":
         stages, splits = 4, 4
     else:
-        stages, splits = 6, 2 if n // ROWS < 2 * SMS else 1
+        stages, splits = 6, 2 if n // ROWS < MIN_PROGRAMS else 1
     while k % (splits * block_k):
         splits //= 2
     return Fp8GemvTiling(stages, max(splits, 1), block_k)
@@ -151,13 +150,6 @@ def e4m3_partials(x: jax.Array, ws: tuple[jax.Array, ...], tiling: Fp8GemvTiling
         interpret=interpret)(x, *ws)
 
 
-def interpret_params():
-    """Pallas' GPU interpreter (jax 0.10-0.11 keep its parameters in a private module)."""
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams()
-
-
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tiling", "activations",
                                              "interpret"))
 def fp8_gemvs(x: jax.Array, ws: tuple[QuantizedWeight, ...], *, out_dtype=None,
@@ -176,11 +168,13 @@ def fp8_gemvs(x: jax.Array, ws: tuple[QuantizedWeight, ...], *, out_dtype=None,
     if activations == "e4m3":
         x, x_scale = quantize_activations(x)  # [Tp, K], [Tp, 1]
     else:
-        x, x_scale = float16_operand(x), jnp.ones((tp, 1), jnp.float32)
+        x, x_scale = float16_operand(x), None
     parts = e4m3_partials(x, tuple(w.packed for w in ws), tiling,
-                          interpret_params() if interpret else None)
-    scales = jnp.concatenate([w.scales for w in ws], axis=1)  # [1, sum N]
-    # one fusion: the K-split sum, both rescales, the output dtype; the slices fuse onward
-    y = (jnp.sum(parts, axis=0).T[:t] * x_scale[:t] * scales).astype(out_dtype)  # [T, sum N]
+                          mosaic_gpu_interpret_params() if interpret else None)
+    # one fusion: the K-split sum, the rescales, the output dtype; the slices fuse onward
+    y = jnp.sum(parts, axis=0).T[:t]  # [T, sum N] float32
+    if x_scale is not None:
+        y = y * x_scale[:t]
+    y = (y * jnp.concatenate([w.scales for w in ws], axis=1)).astype(out_dtype)
     ends = list(itertools.accumulate(widths))
     return [y[:, e - n:e] for e, n in zip(ends, widths, strict=True)]

@@ -12,6 +12,7 @@ import pytest
 
 from pjinfer.benchmarks import int4_mosaic as im
 from pjinfer.benchmarks import int4_mosaic_kernels as K
+from pjinfer.kernels.common import mosaic_gpu_interpret_params
 
 
 @pytest.mark.parametrize("k_splits, per_cta", [(1, 1), (3, 2), (3, 3)])
@@ -20,7 +21,7 @@ def test_streaming_variant_matches_the_reference(k_splits, per_cta):
     x = jax.random.normal(jax.random.key(3), (8, groups * K.GROUP)).astype(jnp.bfloat16)
     w = K.random_weight(jax.random.key(4), n, groups * K.GROUP)
     got = K.carry_partials(x, *w, k_splits=k_splits, per_cta=per_cta,
-                            interp=im._interpret_params())
+                            interp=mosaic_gpu_interpret_params())
     assert got.shape == (k_splits, n, 8)
     ref = K.reference(x, *w)
     assert float(jnp.linalg.norm(got.sum(0).T - ref) / jnp.linalg.norm(ref)) < 1e-5

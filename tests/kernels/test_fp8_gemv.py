@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from pjinfer.kernels import fp8_gemv
+from pjinfer.kernels.common import mosaic_gpu_interpret_params
 from pjinfer.kernels.fp8_gemv import Fp8GemvTiling, fp8_gemvs, pick_tiling, supported
 from pjinfer.kernels.fp8_matmul import fp8_w8a8_matmul
 from pjinfer.kernels.quantized_matmul import quantized_matmul_reference
@@ -73,7 +74,7 @@ def test_partials_in_the_interpreter_sum_each_k_range():
     xq = jax.random.normal(jax.random.key(1), (8, k)).astype(jnp.float8_e4m3fn)
     ws = tuple(jax.random.normal(jax.random.key(2 + i), (n, k)).astype(jnp.float8_e4m3fn)
                for i, n in enumerate((128, 64)))
-    got = fp8_gemv.e4m3_partials(xq, ws, tiling, fp8_gemv.interpret_params())
+    got = fp8_gemv.e4m3_partials(xq, ws, tiling, mosaic_gpu_interpret_params())
     w32, x32 = jnp.concatenate(ws).astype(jnp.float32), xq.astype(jnp.float32)
     want = jnp.stack([w32[:, s * 128:(s + 1) * 128] @ x32[:, s * 128:(s + 1) * 128].T
                       for s in range(4)])
