@@ -143,7 +143,8 @@ case $STAGE in
           --num-iters-warmup 1 --num-scheduler-steps 8
     done ;;
   quantw1)  # W1 with int4 (GPTQ g128 shapes) then fp8 weights, 8 decode steps a call, ABBA
-    dense=("${MODEL[@]}")
+    # (QUANTW1_BATCH: another batch size, its records named w1_b<N>_<kind>_<run>)
+    dense=("${MODEL[@]}") batch=${QUANTW1_BATCH:+b${QUANTW1_BATCH}_}
     for kind in ${QUANTW1_KINDS:-int4 fp8}; do
       MODEL=("${dense[@]}") quant=(--quantization fp8)
       if [ $kind = int4 ]; then
@@ -152,8 +153,9 @@ case $STAGE in
         quant=()
       fi
       for run in ${AB_RUNS:-base:1 head:1 head:2 base:2}; do
-        bench ${run%:*} w1_${kind}_${run#*:} latency "${W1[@]}" "${quant[@]}" \
-            --num-scheduler-steps 8 --num-iters-warmup 1
+        bench ${run%:*} w1_${batch}${kind}_${run#*:} latency "${W1[@]}" "${quant[@]}" \
+            ${QUANTW1_BATCH:+--batch-size $QUANTW1_BATCH} --num-scheduler-steps 8 \
+            --num-iters-warmup 1
       done
     done
     MODEL=("${dense[@]}") ;;

@@ -35,10 +35,11 @@ from pjinfer.kernels.fp8_matmul import per_channel_fp8, quantize_activations
 from pjinfer.quantization.weight import QuantizedWeight
 
 ROWS = 64  # output rows a CTA: one warpgroup's wgmma M
-# x rows the engine sends it: the 8-row decode bucket that batch 1 runs in, where it was
-# measured (round 41); wider steps keep the Triton kernel until measured (the kernel itself
-# takes up to 64: its float32 accumulator is [64, Tp] a warpgroup)
-MAX_TOKENS = 8
+# x rows it takes: its float32 accumulator is [64, Tp] a warpgroup; measured from 1 to 64
+# rows (rounds 41-42: faster than the Triton kernel at every decode bucket; wider steps go to
+# W8A8, `ops.QUANT_PALLAS_MAX_ROWS`)
+MAX_TOKENS = 64
+WIDE_TOKENS = 32  # padded rows above which the float16 form halves its K ranges
 PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 ACTIVATIONS = ("float16", "e4m3")  # x's operand form: W8A16 or W8A8
 
@@ -55,18 +56,22 @@ class Fp8GemvTiling:
                              "block_k a multiple of 128")
 
 
-def pick_tiling(k: int, n: int, activations: str = "float16") -> Fp8GemvTiling:
-    """The tiling of a group's K = `k`, N = `n` (every weight's columns) in one operand form,
-    from round 41's H100 sweeps over Llama-3-8B's step at 8 token rows (RESULTS.md):
-    float16 rows (the upcast is work a tile, so more CTAs hide it): 4 stages, 4 K ranges,
-      the best or within 0.2% of it at every projection, 10% under the Triton kernel over
-      the step where 6 stages and 2 ranges gained 2%;
+def pick_tiling(k: int, n: int, activations: str = "float16", tokens: int = 8) -> Fp8GemvTiling:
+    """The tiling of a group's K = `k`, N = `n` (every weight's columns) at `tokens` x rows in
+    one operand form, from the H100 sweeps over Llama-3-8B's step (RESULTS.md rounds 41-42):
+    float16 rows (the upcast is work a tile, so more CTAs hide it): 4 stages, 4 K ranges up
+      to 32 padded rows (the best or within 0.2% at 8 rows, within 0.3% of the best tiling's
+      step at 16 and the best at 32); above, each CTA's tile has more columns to multiply and
+      2 ranges are the best at every projection but the 14,336-deep one, which keeps 4
+      (64 rows: 4 ranges everywhere 8% slower over the step);
     e4m3 rows: 6 stages, 2 K ranges where the weights have fewer than two column tiles an SM
-      (small projections fill the GPU), else 1: within 2% of the best at every projection.
+      (small projections fill the GPU), else 1: within 2% of the best at every projection
+      (8 rows).
     Fewer ranges where K does not split into whole 128-wide blocks."""
     block_k = 128
     if activations == "float16":
-        stages, splits = 4, 4
+        wide = -(-tokens // 8) * 8 > WIDE_TOKENS
+        stages, splits = 4, 2 if wide and k <= 8192 else 4
     else:
         stages, splits = 6, 2 if n // ROWS < MIN_PROGRAMS else 1
     while k % (splits * block_k):
@@ -81,7 +86,7 @@ def supported(x: jax.Array, ws, tiling: Fp8GemvTiling | None = None) -> bool:
     if not all(isinstance(w, QuantizedWeight) and per_channel_fp8(w) and w.kernel
                and w.shape[0] == k and w.shape[1] % ROWS == 0 for w in ws):
         return False
-    tiling = tiling or pick_tiling(k, sum(w.shape[1] for w in ws))
+    tiling = tiling or pick_tiling(k, sum(w.shape[1] for w in ws), tokens=x.shape[0])
     return (x.shape[0] <= MAX_TOKENS and x.shape[1] == k
             and k % (tiling.k_splits * tiling.block_k) == 0)
 
@@ -161,7 +166,7 @@ def fp8_gemvs(x: jax.Array, ws: tuple[QuantizedWeight, ...], *, out_dtype=None,
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     widths = [w.shape[1] for w in ws]
-    tiling = tiling or pick_tiling(x.shape[1], sum(widths), activations)
+    tiling = tiling or pick_tiling(x.shape[1], sum(widths), activations, x.shape[0])
     t = x.shape[0]
     tp = max(8, -(-t // 8) * 8)
     x = jnp.pad(x, ((0, tp - t), (0, 0)))

@@ -321,9 +321,9 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None,
 def quantized_matmuls(x: jax.Array, ws: list[QuantizedWeight], *, out_dtype=None,
                       backend: str = "auto") -> list[jax.Array]:
     """x [T, K] @ each of several quantized weights sharing it (q/k/v; gate/up) -> [T, N_m]
-    each. On a Hopper GPU, per-channel fp8 weights in the 8-row decode bucket take the Mosaic
-    GPU GEMV (`fp8_gemv`), one kernel for the group. Otherwise,
-    where the Pallas kernel applies (see `quantized_matmul`) the group runs as one
+    each. On a Hopper GPU, per-channel fp8 weights at decode sizes (up to 64 rows) take the
+    Mosaic GPU GEMV (`fp8_gemv`), one kernel for the group. Otherwise, where the Pallas
+    kernel applies (see `quantized_matmul`) the group runs as one
     kernel when `qmm.groupable` (one launch and one K-split sum for the group), else one
     kernel per weight; elsewhere W8A8 or XLA's reference per weight."""
     pallas = _use_pallas(backend)

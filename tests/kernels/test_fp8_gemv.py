@@ -32,6 +32,8 @@ CASES = [
     (5, 512, (192, 64, 64), Fp8GemvTiling(stages=3, k_splits=2)),  # a q/k/v-like group
     (8, 768, (256, 128), Fp8GemvTiling(stages=4, k_splits=1, block_k=256)),
     (13, 1024, (64,), None),  # the tiling rule's choice, 16 padded rows
+    (37, 512, (128, 64), None),  # a wide decode bucket: 40 padded rows, the wide rule
+    (64, 256, (64,), Fp8GemvTiling(stages=2, k_splits=2)),  # the widest rows it takes
 ]
 
 
@@ -81,15 +83,20 @@ def test_partials_in_the_interpreter_sum_each_k_range():
     assert got.shape == (4, 192, 8) and bool(jnp.allclose(got, want, rtol=1e-6, atol=1e-4))
 
 
-@pytest.mark.parametrize("k, n, float16_splits, e4m3_splits", [
-    (4096, 6144, 4, 2), (4096, 4096, 4, 2), (4096, 28672, 4, 1), (14336, 4096, 4, 2),
-    (2048, 5120, 4, 2),
-    (384, 64, 1, 1), (256, 64, 2, 2),  # K in 3 or 2 blocks of 128: fewer ranges
+@pytest.mark.parametrize("k, n, float16_splits, wide_splits, e4m3_splits", [
+    (4096, 6144, 4, 2, 2), (4096, 4096, 4, 2, 2), (4096, 28672, 4, 2, 1),
+    (14336, 4096, 4, 4, 2),  # the deep down projection keeps 4 ranges when wide
+    (2048, 5120, 4, 2, 2),
+    (384, 64, 1, 1, 1), (256, 64, 2, 2, 2),  # K in 3 or 2 blocks of 128: fewer ranges
 ])
-def test_tiling_rules_of_both_forms(k, n, float16_splits, e4m3_splits):
+def test_tiling_rules_of_both_forms(k, n, float16_splits, wide_splits, e4m3_splits):
     f16, e4m3 = pick_tiling(k, n), pick_tiling(k, n, "e4m3")
     assert (f16.stages, f16.k_splits) == (4, float16_splits)
     assert (e4m3.stages, e4m3.k_splits) == (6, e4m3_splits)
+    for tokens in (1, 16, 32):  # up to 32 padded rows: the narrow rule
+        assert pick_tiling(k, n, tokens=tokens) == f16
+    for tokens in (33, 48, 64):
+        assert (pick_tiling(k, n, tokens=tokens).k_splits, f16.stages) == (wide_splits, 4)
     for t in (f16, e4m3):
         assert k % (t.k_splits * t.block_k) == 0
 
@@ -99,7 +106,8 @@ def test_support_covers_decode_sizes_of_per_channel_fp8_only():
     tiling = Fp8GemvTiling()
     assert supported(jnp.zeros((8, 256)), ws, tiling)
     assert supported(jnp.zeros((1, 256)), ws, tiling)
-    assert not supported(jnp.zeros((9, 256)), ws, tiling)  # wider steps: the Triton kernel
+    assert supported(jnp.zeros((64, 256)), ws, tiling) and supported(jnp.zeros((40, 256)), ws)
+    assert not supported(jnp.zeros((65, 256)), ws, tiling)  # wider steps: W8A8
     assert not supported(jnp.zeros((8, 256)), _weights(256, (96,), 0), tiling)  # partial tile
     assert not supported(jnp.zeros((8, 256)), ws, Fp8GemvTiling(k_splits=3))
     int4 = quantize_int4(jax.random.normal(jax.random.key(0), (256, 128)), 128)
@@ -115,11 +123,12 @@ def test_bad_tilings_are_refused(bad):
 
 @pytest.mark.parametrize("x_dtype", [jnp.float16, jnp.float8_e4m3fn])
 @pytest.mark.parametrize("block_k", [128, 256])
-def test_lowers_for_cuda_at_llama_shapes(x_dtype, block_k):
+@pytest.mark.parametrize("rows", [8, 64])
+def test_lowers_for_cuda_at_llama_shapes(x_dtype, block_k, rows):
     """The GPU paths (the weight upcast into wgmma's registers; fp8 wgmma over the transposed
-    token tile) build for sm_90a: a q/k/v group."""
+    token tile) build for sm_90a: a q/k/v group, at the narrowest and widest token tiles."""
     k, tiling = 4096, Fp8GemvTiling(stages=4, k_splits=4, block_k=block_k)
-    x = jax.ShapeDtypeStruct((8, k), x_dtype)
+    x = jax.ShapeDtypeStruct((rows, k), x_dtype)
     ws = tuple(jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn) for n in (4096, 1024, 1024))
     kernel = lambda x, *ws: fp8_gemv.e4m3_partials(x, ws, tiling)  # noqa: E731
     jax.jit(kernel).trace(x, *ws).lower(lowering_platforms=("cuda",))
