@@ -35,10 +35,7 @@ from pjinfer.kernels.fp8_matmul import per_channel_fp8, quantize_activations
 from pjinfer.quantization.weight import QuantizedWeight
 
 ROWS = 64  # output rows a CTA: one warpgroup's wgmma M
-# x rows it takes: its float32 accumulator is [64, Tp] a warpgroup; measured from 1 to 64
-# rows (rounds 41-42: faster than the Triton kernel at every decode bucket; wider steps go to
-# W8A8, `ops.QUANT_PALLAS_MAX_ROWS`)
-MAX_TOKENS = 64
+MAX_TOKENS = 64  # x rows it takes: its float32 accumulator is [64, Tp] a warpgroup
 WIDE_TOKENS = 32  # padded rows above which the float16 form halves its K ranges
 PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 ACTIVATIONS = ("float16", "e4m3")  # x's operand form: W8A16 or W8A8

@@ -132,3 +132,22 @@ def test_lowers_for_cuda_at_llama_shapes(x_dtype, block_k, rows):
     ws = tuple(jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn) for n in (4096, 1024, 1024))
     kernel = lambda x, *ws: fp8_gemv.e4m3_partials(x, ws, tiling)  # noqa: E731
     jax.jit(kernel).trace(x, *ws).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("rows, takes_it", [(1, True), (32, True), (33, False), (64, False)])
+def test_hopper_dispatch_sends_decode_steps_of_up_to_32_rows(monkeypatch, rows, takes_it):
+    """`ops.quantized_matmuls` on a Hopper GPU: the Mosaic GEMV up to `FP8_GEMV_MAX_ROWS`
+    rows (measured in the engine there), the Triton kernel above (same product)."""
+    from pjinfer.kernels import ops
+
+    monkeypatch.setattr(ops, "_hopper", lambda: True)
+    calls = []
+    kernel = fp8_gemv.fp8_gemvs
+    monkeypatch.setattr(fp8_gemv, "fp8_gemvs", lambda x, ws, **kw: calls.append(x.shape)
+                        or kernel(x, ws, **kw))
+    ws = _weights(256, (128, 64), seed=rows)
+    x = jax.random.normal(jax.random.key(rows), (rows, 256))
+    got = ops.quantized_matmuls(x, list(ws), backend="pallas")
+    assert calls == ([(rows, 256)] if takes_it else [])
+    for g, w in zip(got, ws, strict=True):
+        assert _rel(g, quantized_matmul_reference(x, w, out_dtype=jnp.float32)) < 1e-3
