@@ -343,12 +343,9 @@ def quantized_matmuls(x: jax.Array, ws: list[QuantizedWeight], *, out_dtype=None
     return [qmm.quantized_matmul_reference(x, w, out_dtype=out_dtype) for w in ws]
 
 
-# Rows up to which fp8 weights take `fp8_gemv` on Hopper (it takes 64). Measured on an H100
-# (RESULTS.md, round 42): Llama-3-8B fp8 at batch 32 decodes at 5.59 ms a token against the
-# Triton kernel's 13.5-13.8; its stacks are also faster at 64 rows, but the one engine run
-# there (batch 64, 8 steps a call) ran out of device memory in the multi-step decode (a
-# 3.21 GiB allocation) with no baseline run beside it, so 33-64 rows keep the Triton kernel
-# until that is explained.
+# Rows up to which fp8 weights take `fp8_gemv` on Hopper (it takes 64): H100 Llama-3-8B fp8
+# batch 32, 5.59 ms a token against the Triton kernel's 13.5-13.8; the one batch-64 run ran
+# out of device memory, unexplained, so 33-64 keep the Triton kernel (RESULTS.md, round 42).
 FP8_GEMV_MAX_ROWS = 32
 QUANT_PALLAS_MAX_ROWS = 64  # between the measured 16 (Pallas 1.9-5x faster) and 2048 (slower)
 
