@@ -321,13 +321,14 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None,
 def quantized_matmuls(x: jax.Array, ws: list[QuantizedWeight], *, out_dtype=None,
                       backend: str = "auto") -> list[jax.Array]:
     """x [T, K] @ each of several quantized weights sharing it (q/k/v; gate/up) -> [T, N_m]
-    each. On a Hopper GPU, per-channel fp8 weights in steps of up to `FP8_GEMV_MAX_ROWS` rows
-    take the Mosaic GPU GEMV (`fp8_gemv`), one kernel for the group. Otherwise, where the
-    Pallas kernel applies (see `quantized_matmul`) the group runs as one
-    kernel when `qmm.groupable` (one launch and one K-split sum for the group), else one
-    kernel per weight; elsewhere W8A8 or XLA's reference per weight."""
+    each. On a Hopper GPU, per-channel fp8 weights in steps of up to 64 rows (the default
+    decode buckets of 8 and 32 sequences, mixed steps of 16-64 tokens) take the Mosaic GPU
+    GEMV (`fp8_gemv`), one kernel for the group. Otherwise, where the Pallas kernel applies
+    (see `quantized_matmul`) the group runs as one kernel when `qmm.groupable` (one launch
+    and one K-split sum for the group), else one kernel per weight; elsewhere W8A8 or XLA's
+    reference per weight."""
     pallas = _use_pallas(backend)
-    if pallas and x.shape[0] <= FP8_GEMV_MAX_ROWS and _hopper() and fp8_gemv.supported(x, ws):
+    if pallas and _hopper() and fp8_gemv.supported(x, ws):
         return fp8_gemv.fp8_gemvs(x, tuple(ws), out_dtype=out_dtype, interpret=_interpret())
     if pallas and x.shape[0] > pallas_max_rows(ws[0]):
         return [fp8_w8a8_matmul(x, w, out_dtype=out_dtype) if per_channel_fp8(w)
@@ -343,10 +344,6 @@ def quantized_matmuls(x: jax.Array, ws: list[QuantizedWeight], *, out_dtype=None
     return [qmm.quantized_matmul_reference(x, w, out_dtype=out_dtype) for w in ws]
 
 
-# Rows up to which fp8 weights take `fp8_gemv` on Hopper (it takes 64): H100 Llama-3-8B fp8
-# batch 32, 5.59 ms a token against the Triton kernel's 13.5-13.8; the one batch-64 run ran
-# out of device memory, unexplained, so 33-64 keep the Triton kernel (RESULTS.md, round 42).
-FP8_GEMV_MAX_ROWS = 32
 QUANT_PALLAS_MAX_ROWS = 64  # between the measured 16 (Pallas 1.9-5x faster) and 2048 (slower)
 
 

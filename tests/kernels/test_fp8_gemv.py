@@ -134,10 +134,10 @@ def test_lowers_for_cuda_at_llama_shapes(x_dtype, block_k, rows):
     jax.jit(kernel).trace(x, *ws).lower(lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("rows, takes_it", [(1, True), (32, True), (33, False), (64, False)])
-def test_hopper_dispatch_sends_decode_steps_of_up_to_32_rows(monkeypatch, rows, takes_it):
-    """`ops.quantized_matmuls` on a Hopper GPU: the Mosaic GEMV up to `FP8_GEMV_MAX_ROWS`
-    rows (measured in the engine there), the Triton kernel above (same product)."""
+@pytest.mark.parametrize("rows, takes_it", [(1, True), (32, True), (64, True), (65, False)])
+def test_hopper_dispatch_sends_steps_of_up_to_64_rows(monkeypatch, rows, takes_it):
+    """`ops.quantized_matmuls` on a Hopper GPU: the Mosaic GEMV up to its 64 rows, W8A8
+    above (the same product up to x's per-token fp8 rounding)."""
     from pjinfer.kernels import ops
 
     monkeypatch.setattr(ops, "_hopper", lambda: True)
@@ -150,4 +150,5 @@ def test_hopper_dispatch_sends_decode_steps_of_up_to_32_rows(monkeypatch, rows, 
     got = ops.quantized_matmuls(x, list(ws), backend="pallas")
     assert calls == ([(rows, 256)] if takes_it else [])
     for g, w in zip(got, ws, strict=True):
-        assert _rel(g, quantized_matmul_reference(x, w, out_dtype=jnp.float32)) < 1e-3
+        want = quantized_matmul_reference(x, w, out_dtype=jnp.float32)
+        assert _rel(g, want) < (1e-3 if takes_it else 0.04)
