@@ -96,7 +96,8 @@ def test_tiling_rules_of_both_forms(k, n, float16_splits, wide_splits, e4m3_spli
     for tokens in (1, 16, 32):  # up to 32 padded rows: the narrow rule
         assert pick_tiling(k, n, tokens=tokens) == f16
     for tokens in (33, 48, 64):
-        assert (pick_tiling(k, n, tokens=tokens).k_splits, f16.stages) == (wide_splits, 4)
+        wide = pick_tiling(k, n, tokens=tokens)
+        assert (wide.stages, wide.k_splits) == (4, wide_splits)
     for t in (f16, e4m3):
         assert k % (t.k_splits * t.block_k) == 0
 
