@@ -17,7 +17,7 @@ close an fp8 GEMV with no per-weight instructions comes to that.
 Forms beside the bf16 XLA GEMV of the same shapes (the share's denominator): W, the engine's
 fp8 weight-only Triton kernel (its default tiling); X, XLA's W8A8 dot over the [N, K] weight
 (what the engine runs above 64 rows); E:stages:splits[:block_k], the Mosaic kernel
-(`kernels/fp8_gemv.py`: float32 partials [splits, N, 8] summed and rescaled by XLA, like X's
+(`kernels/fp8_gemv.py`: float32 partials [splits, N, Tp] summed and rescaled by XLA, like X's
 rescale) over e4m3 rows quantized per token; G:..., the same kernel over float16 rows, each
 weight tile upcast into wgmma's registers (W8A16, the engine's form); E or G alone: the
 kernel's own tiling rule's choice a shape. Bytes count the

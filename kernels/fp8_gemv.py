@@ -39,7 +39,7 @@ ROWS = 64  # output rows a CTA: one warpgroup's wgmma M
 # sends it: faster than the Triton kernel at 1-64 rows in round 42's H100 stacks, and
 # Llama-3-8B fp8 at batch 32 decodes at 5.59 ms a token against its 13.5-13.8
 MAX_TOKENS = 64
-WIDE_TOKENS = 32  # padded rows above which the float16 form halves its K ranges
+WIDE_TOKENS = 32  # x rows above which the float16 form halves its K ranges
 PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 ACTIVATIONS = ("float16", "e4m3")  # x's operand form: W8A16 or W8A8
 
@@ -60,7 +60,7 @@ def pick_tiling(k: int, n: int, activations: str = "float16", tokens: int = 8) -
     """The tiling of a group's K = `k`, N = `n` (every weight's columns) at `tokens` x rows in
     one operand form, from the H100 sweeps over Llama-3-8B's step (RESULTS.md rounds 41-42):
     float16 rows (the upcast is work a tile, so more CTAs hide it): 4 stages, 4 K ranges up
-      to 32 padded rows (the best or within 0.2% at 8 rows, within 0.3% of the best tiling's
+      to 32 rows (the best or within 0.2% at 8 rows, within 0.3% of the best tiling's
       step at 16 and the best at 32); above, each CTA's tile has more columns to multiply and
       2 ranges are the best at every projection but the 14,336-deep one, which keeps 4
       (64 rows: 4 ranges everywhere 8% slower over the step);
@@ -70,8 +70,7 @@ def pick_tiling(k: int, n: int, activations: str = "float16", tokens: int = 8) -
     Fewer ranges where K does not split into whole 128-wide blocks."""
     block_k = 128
     if activations == "float16":
-        wide = -(-tokens // 8) * 8 > WIDE_TOKENS
-        stages, splits = 4, 2 if wide and k <= 8192 else 4
+        stages, splits = 4, 2 if tokens > WIDE_TOKENS and k <= 8192 else 4
     else:
         stages, splits = 6, 2 if n // ROWS < MIN_PROGRAMS else 1
     while k % (splits * block_k):

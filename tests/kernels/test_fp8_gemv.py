@@ -93,7 +93,7 @@ def test_tiling_rules_of_both_forms(k, n, float16_splits, wide_splits, e4m3_spli
     f16, e4m3 = pick_tiling(k, n), pick_tiling(k, n, "e4m3")
     assert (f16.stages, f16.k_splits) == (4, float16_splits)
     assert (e4m3.stages, e4m3.k_splits) == (6, e4m3_splits)
-    for tokens in (1, 16, 32):  # up to 32 padded rows: the narrow rule
+    for tokens in (1, 16, 32):  # up to 32 rows: the narrow rule
         assert pick_tiling(k, n, tokens=tokens) == f16
     for tokens in (33, 48, 64):
         wide = pick_tiling(k, n, tokens=tokens)
