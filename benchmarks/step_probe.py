@@ -36,6 +36,10 @@ a row in one call; times per call), e.g. W4's decode stretches over both caches:
     python3 benchmarks/step_probe.py --layouts decode_256x1024 --backends auto \
         --num-scheduler-steps 8 --kv-cache-dtype fp8 --out $OUT/kv_fp8_multi.json
 
+Each layout also records `runner.memory_report()` after its compile: the pool against the
+largest step compiled so far (one layout a process: that layout's), e.g. with
+`--xla_dump_to` and `buffer_assignment.py` to say what a step's temporaries are.
+
 `--loras N` runs the multi-LoRA step instead: N dummy adapters (rank `--lora-rank`, all seven
 projections) resident, the rows spread over them round robin (issue 15's W1 overhead):
 
@@ -64,6 +68,9 @@ SPECS = {"decode_1x768": [(769, 768, 1)], "decode_8x160": [(161, 160, 1)] * 8,
          "prefill_8x1024": [(1024, 0, 1024)] * 8,
          "mixed_1792+255dec": [(1025, 1024, 1)] * 255 + [(1792, 0, 1792)],
          "decode_256x1024": [(1025, 1024, 1)] * 256,
+         # issue 14's W1 at batch 64 (the 128-sequence bucket), where fp8 multi-step decode
+         # ran out of memory on an H100 (RESULTS.md, round 42)
+         "decode_64x512": [(513, 512, 1)] * 64,
          # W4's (synthetic ShareGPT) steps: short prompts beside decodes at ~300 tokens, and
          # its decode-only calls (512 sequences a step)
          "mixed_8x220+248dec300": [(301, 300, 1)] * 248 + [(220, 0, 220)] * 8,
@@ -180,6 +187,8 @@ def probe(backend: str, model: str, layouts: list[str], profile: str | None,
         else:
             step = partial(runner.launch, chunks, rows, lora_slots=slots)
         runner.fetch(step())  # compile
+        # what the layout's executable allocates as it runs against what the engine reserves
+        out[f"{backend}/{kind}/memory"] = runner.memory_report()
         times = []
         for _ in range(5):
             start = time.perf_counter()
