@@ -29,10 +29,9 @@ def digest(text: str, top: int) -> dict:
     """The allocations (index, bytes, kind) and the `top` largest values of one dump."""
     allocations, values, defined, current = [], [], {}, None
     for line in text.splitlines():
-        if m := ALLOCATION.match(line):
-            kind = m.group(3).strip(" :,")
+        if m := ALLOCATION.match(line):  # e.g. ", preallocated-temp:" (GPU: more tags)
             allocations.append({"index": int(m.group(1)), "bytes": int(m.group(2)),
-                                "kind": kind.split(",")[0] or "other"})
+                                "kind": m.group(3).strip(" :,")[:80] or "other"})
         elif (m := VALUE.match(line)) and allocations:
             values.append({"allocation": allocations[-1]["index"], "name": m.group(2),
                            "bytes": int(m.group(3)), "shape": m.group(5)[:120]})
@@ -40,7 +39,9 @@ def digest(text: str, top: int) -> dict:
             current = m.group(2)
         elif (m := DEFINED.match(line)) and current is not None:
             defined.setdefault(current, m.group(1)[:240])
-    temp = {a["index"] for a in allocations if "temp" in a["kind"]}
+    temp = {a["index"] for a in allocations if "preallocated-temp" in a["kind"]} or {
+        max((a for a in allocations if not re.search("parameter|constant", a["kind"])),
+            key=lambda a: a["bytes"], default={"index": None})["index"]}
     largest = sorted((v for v in values if v["allocation"] in temp),
                      key=lambda v: -v["bytes"])[:top]
     for v in largest:
