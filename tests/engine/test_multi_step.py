@@ -119,3 +119,29 @@ def test_warm_restart_loads_the_multi_step_decode(tmp_path, restore_jax_cache_fl
     warm, warm_outs = run()
     assert warm.num_compiles == 0 and warm.num_cache_loads == cold.num_compiles
     assert warm_outs == cold_outs and all(len(t) == 9 for t in warm_outs)
+
+
+def test_multi_step_decode_keeps_work_on_the_weights_inside_its_loop(tmp_path):
+    """XLA hoists loop-invariant work out of a loop, and work on a weight (a dequantization, a
+    float conversion, a concatenation of dots' weights) would then be held for every layer at
+    once (14.2 GB for int4 Llama-3-8B on an H100, RESULTS.md round 43). The weights are tied
+    to the step index, so the multi-step decode allocates no more than one step: here the
+    CPU's float32 copy of a bf16 embedding is what hoisting would add."""
+    import json
+
+    from pjinfer.engine.engine import LLMEngine
+    from pjinfer.engine.kv_budget import step_allocation
+
+    vocab, hidden = 4096, 128
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+        "hidden_size": hidden, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}))
+    runner = LLMEngine(EngineConfig(
+        model=str(tmp_path), load_format="dummy", dtype="bfloat16", max_model_len=128,
+        max_num_seqs=8, num_kv_blocks=32, warmup=False, num_scheduler_steps=4)).runner
+    runner._warm_multi_step(8, 0.0)
+    (multi,) = runner._multi.executables()
+    single = runner._compiled_step(*runner._dummy(8, 8, True))
+    assert step_allocation(multi) < step_allocation(single) + vocab * hidden * 4 // 2
