@@ -57,9 +57,10 @@ def fp8_w8a8_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None) -> jax.
 # warm-up (~50 step shapes) outlasted 270 s where bf16's took 90.
 # XLA's dot merger joins fp8 dots that share their quantized x (q/k/v, gate/up) into one dot
 # over a concatenation of the weights: a copy of those weights every step, and in the
-# multi-step decode's loop every layer's copy at once. On an H100, Llama-3-8B at 128 sequences
-# without the merger: 7.1 instead of 10.1 ms a step, and the 8-step decode allocates 0.10
-# instead of 4.58 GB, which had run the engine out of memory (RESULTS.md, round 43).
+# multi-step decode's loop every layer's copy at once. On an H100, Llama-3-8B in the
+# 128-sequence bucket without the merger: 7.1 instead of 10.1 ms a step, and the 8-step decode
+# allocates 0.10 instead of 4.58 GB, which had run the engine out of memory (RESULTS.md,
+# round 43).
 W8A8_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False,
                          "xla_disable_hlo_passes": "dot-merger"}
 
