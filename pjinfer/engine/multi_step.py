@@ -109,11 +109,12 @@ def multi_decode_step(params, kv_caches, packed: Packed, *lora, opts: StepOption
 
     def step(i, carry):
         kv, tokens, last, words = carry
-        # The weights made loop-variant (tied to i): XLA hoists loop-invariant work on them out
-        # of the loop, which materializes every layer's result at once: on an H100, int4
-        # Llama-3-8B's 128-sequence decode held all layers' dequantized bf16 weights (14.2 GB);
-        # in the loop each layer's is a step's temporary (RESULTS.md, round 43).
-        step_params, _ = jax.lax.optimization_barrier((params, i))
+        # The weights (and adapters) made loop-variant, tied to i: XLA hoists loop-invariant
+        # work on them out of the loop, which materializes every layer's result at once: on an
+        # H100, int4 Llama-3-8B's 128-sequence decode held all layers' dequantized bf16
+        # weights (14.2 GB); in the loop each layer's is a step's temporary (RESULTS.md,
+        # round 43).
+        (step_params, step_lora), _ = jax.lax.optimization_barrier(((params, lora), i))
         live = i < row_steps  # [S]
         at = jnp.clip(i, 0, jnp.maximum(row_steps - 1, 0))  # a row past its steps repeats
         pos = inputs.positions + at
@@ -122,7 +123,7 @@ def multi_decode_step(params, kv_caches, packed: Packed, *lora, opts: StepOption
                                    seq_lens=inputs.attn.seq_lens + at)
         step_inputs = dataclasses.replace(inputs, token_ids=tokens, positions=pos, attn=attn,
                                           prev_rows=jnp.full_like(inputs.prev_rows, -1))
-        logits, kv = model_step(step_params, kv, step_inputs, *lora, opts=opts)
+        logits, kv = model_step(step_params, kv, step_inputs, *step_lora, opts=opts)
         quiet = (i < suppress_steps)[:, None]  # [S, 1]: still short of min_tokens
         out = sample(logits, dataclasses.replace(
             md, steps=md.steps + i,
