@@ -29,7 +29,7 @@ def digest(text: str, top: int) -> dict:
     """The allocations (index, bytes, kind) and the `top` largest values of one dump."""
     allocations, values, defined, current = [], [], {}, None
     for line in text.splitlines():
-        if m := ALLOCATION.match(line):  # e.g. ", preallocated-temp:" (GPU: more tags)
+        if m := ALLOCATION.match(line):  # e.g. ", preallocated-temp:"
             allocations.append({"index": int(m.group(1)), "bytes": int(m.group(2)),
                                 "kind": m.group(3).strip(" :,")[:80] or "other"})
         elif (m := VALUE.match(line)) and allocations:
@@ -39,9 +39,7 @@ def digest(text: str, top: int) -> dict:
             current = m.group(2)
         elif (m := DEFINED.match(line)) and current is not None:
             defined.setdefault(current, m.group(1)[:240])
-    temp = {a["index"] for a in allocations if "preallocated-temp" in a["kind"]} or {
-        max((a for a in allocations if not re.search("parameter|constant", a["kind"])),
-            key=lambda a: a["bytes"], default={"index": None})["index"]}
+    temp = {a["index"] for a in allocations if "preallocated-temp" in a["kind"]}
     largest = sorted((v for v in values if v["allocation"] in temp),
                      key=lambda v: -v["bytes"])[:top]
     for v in largest:
