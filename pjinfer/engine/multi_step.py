@@ -110,10 +110,10 @@ def multi_decode_step(params, kv_caches, packed: Packed, *lora, opts: StepOption
     def step(i, carry):
         kv, tokens, last, words = carry
         # The weights (and adapters) made loop-variant, tied to i: XLA hoists loop-invariant
-        # work on them out of the loop, which materializes every layer's result at once: on an
-        # H100, int4 Llama-3-8B's 128-sequence decode held all layers' dequantized bf16
-        # weights (14.2 GB); in the loop each layer's is a step's temporary (RESULTS.md,
-        # round 43).
+        # work on them out of the loop, which materializes every layer's result at once (on
+        # an H100, int4 Llama-3-8B's 128-sequence decode: all layers' dequantized bf16
+        # weights, 14.2 GB; RESULTS.md, round 43). Inside the loop the scheduler may still run
+        # that work early: XLA's dequantization waits for its x too (`ops.quantized_matmuls`).
         (step_params, step_lora), _ = jax.lax.optimization_barrier(((params, lora), i))
         live = i < row_steps  # [S]
         at = jnp.clip(i, 0, jnp.maximum(row_steps - 1, 0))  # a row past its steps repeats
