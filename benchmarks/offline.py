@@ -76,7 +76,9 @@ def seconds_since_process_start() -> float | None:
 def run_requests(engine: Any, reqs: Sequence[SampleRequest], *, desc: str = "requests",
                  progress: bool = True, extra: dict[str, Any] | None = None) -> list[Any]:
     """Submit all requests at once (offline), step until done; finished outputs in input order.
-    `extra`: more SamplingParams fields (e.g. structured_outputs) for every request."""
+    `extra`: more SamplingParams fields (e.g. structured_outputs) for every request. A request
+    the engine fails gives no output: the rest are aborted and RuntimeError says why (round
+    44's int4 run, every request failed out of memory, otherwise stepped on until killed)."""
     from pjinfer import RequestOutputKind, SamplingParams
 
     ids = []
@@ -87,13 +89,26 @@ def run_requests(engine: Any, reqs: Sequence[SampleRequest], *, desc: str = "req
         engine.add_request(ids[-1], r.prompt, params)
     done: dict[str, Any] = {}
     bar = Progress(len(ids), desc, enabled=progress)
-    while len(done) < len(ids):
-        for out in engine.step():
-            if out.finished and out.request_id not in done:
-                done[out.request_id] = out
-                bar.update()
-    bar.close()
+    try:
+        while len(done) < len(ids):
+            for out in engine.step():
+                if out.finished and out.request_id not in done:
+                    done[out.request_id] = out
+                    bar.update()
+            _stop_on_failures(engine, ids, desc)
+    finally:
+        bar.close()
     return [done[i] for i in ids]
+
+
+def _stop_on_failures(engine: Any, ids: list[str], desc: str) -> None:
+    failures = engine.take_failures()
+    if failures:
+        for rid in ids:
+            engine.abort_request(rid)
+        first = next(iter(failures.values()))
+        raise RuntimeError(f"{len(failures)} of {len(ids)} {desc} failed in the engine; "
+                           f"the first: {first}") from first
 
 
 def request_latencies(outs: Sequence[Any]) -> dict[str, float]:

@@ -1,0 +1,49 @@
+"""The offline benchmarks' request loop: every request's output, or a clear stop."""
+
+from __future__ import annotations
+
+import pytest
+
+from pjinfer.benchmarks.datasets import SampleRequest
+from pjinfer.benchmarks.offline import run_requests
+from pjinfer.engine.config import EngineConfig
+from pjinfer.engine.engine import LLMEngine
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return LLMEngine(EngineConfig(warmup=False, num_kv_blocks=64))
+
+
+def _idle(engine: LLMEngine) -> bool:
+    stats = engine.get_stats()
+    return stats.num_running == stats.num_waiting == 0 and (
+        stats.num_free_kv_blocks == stats.num_kv_blocks)
+
+
+def test_outputs_come_back_in_input_order(engine):
+    reqs = [SampleRequest([5, 6, 7, 8], 4, n) for n in (3, 1, 2)]
+    outs = run_requests(engine, reqs, progress=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 1, 2]
+    assert _idle(engine)
+
+
+def test_failed_requests_stop_the_run_with_their_error(engine, monkeypatch):
+    """A failed request never finishes: without the check the loop would step forever (an
+    out-of-memory decode step failed every request of round 44's int4 run)."""
+    forward = engine.runner.forward
+    calls = iter(range(1000))
+
+    def faulty(*args, **kwargs):
+        if next(calls) == 2:
+            raise RuntimeError("RESOURCE_EXHAUSTED: injected")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "forward", faulty)
+    reqs = [SampleRequest([5, 6, 7, 8], 4, 6) for _ in range(3)]
+    with pytest.raises(RuntimeError, match="3 of 3 requests failed in the engine; the first: "
+                                           ".*RESOURCE_EXHAUSTED: injected"):
+        run_requests(engine, reqs, progress=False)
+    assert _idle(engine)
+    monkeypatch.undo()
+    assert len(run_requests(engine, reqs[:1], progress=False)[0].outputs[0].token_ids) == 6
