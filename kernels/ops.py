@@ -347,7 +347,7 @@ def _dequantize_then_dot(x: jax.Array, w: QuantizedWeight, out_dtype) -> jax.Arr
     """XLA's path, the weight first tied to x (an optimization barrier) so that its
     dequantization cannot run before x exists. Untied, the scheduler may dequantize every
     layer's weights up front, all of them live at once: on an H100 int4 Llama-3-8B's
-    128-sequence decode, 8 steps a call, held 13.2 GB of dequantized bf16 weights with the
+    128-sequence decode, 8 steps a call, held 14.2 GB of dequantized bf16 weights with the
     step loop's own barrier in place (RESULTS.md, round 44; this tie not yet measured there).
     The CPU's compiled step keeps no barrier (and every layer's dequantized weights live at
     once, as before): there it changes nothing."""

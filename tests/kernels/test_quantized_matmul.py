@@ -257,7 +257,7 @@ def test_int4_steps_above_the_dot_rows_take_xla(tokens, monkeypatch):
 def test_xla_dequantization_waits_for_its_input(backend):
     """Above the kernels' rows (and off GPU) the weight is dequantized by XLA, reached only
     through a barrier with x: dequantized before its layer's input exists, every layer's
-    bf16 weights would be live at once (13.2 GB for int4 Llama-3-8B on an H100, RESULTS.md
+    bf16 weights would be live at once (14.2 GB for int4 Llama-3-8B on an H100, RESULTS.md
     round 44)."""
     rng = np.random.default_rng(0)
     w = _weight(rng, "int4", 64, 32, 32, asym=True)
