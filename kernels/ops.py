@@ -309,24 +309,20 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None,
     above, per-channel fp8 weights run W8A8 (`fp8_matmul`, XLA's fp8 GEMM) and the others,
     like everything off GPU, XLA's dequantize-then-dot (`quantized_matmul_reference`).
 
-    Measured on the H200 (24 x 4096 x 14336, `benchmarks/quant_matmul.py`) with the first,
-    pre-split-K tiling: Pallas 0.87 ms (int4) / 1.39 ms (int8, fp8) vs XLA 4.6 / 2.96 ms at
-    T=1, about the same at T=16; at T=2048 XLA 10.8-10.9 ms vs Pallas 18.7-22.8 ms, and fp8
-    W8A8 with the weight [N, K] 5.1 ms (bf16 7.7; round 10). The split-K tiling
-    (`quantized_matmul_tiling`), per 4096 x 14336 matrix at T=1: int4 0.038 ms, int8 0.039,
-    fp8 0.047 vs bf16 0.037 (benchmarks/results/round2/quant_kernel_check_h200.json)."""
+    Measured on the H200 (24 x 4096 x 14336, `benchmarks/quant_matmul.py`): the split-K
+    tiling per matrix at T=1, int4 0.038 ms, int8 0.039, fp8 0.047 vs bf16 0.037 (results/round2);
+    at T=2048 XLA 10.8-10.9 ms vs Pallas 18.7-22.8 ms, fp8 W8A8 5.1 ms, bf16 7.7 (round 10)."""
     return quantized_matmuls(x, [w], out_dtype=out_dtype, backend=backend)[0]
 
 
 def quantized_matmuls(x: jax.Array, ws: list[QuantizedWeight], *, out_dtype=None,
                       backend: str = "auto") -> list[jax.Array]:
     """x [T, K] @ each of several quantized weights sharing it (q/k/v; gate/up) -> [T, N_m]
-    each. On a Hopper GPU, per-channel fp8 weights in steps of up to 64 rows (the default
-    decode buckets of 8 and 32 sequences, mixed steps of 16-64 tokens) take the Mosaic GPU
-    GEMV (`fp8_gemv`), one kernel for the group. Otherwise, where the Pallas kernel applies
-    (see `quantized_matmul`) the group runs as one kernel when `qmm.groupable` (one launch
-    and one K-split sum for the group), else one kernel per weight; elsewhere W8A8 or XLA's
-    reference per weight."""
+    each. On a Hopper GPU, per-channel fp8 weights in steps of up to 64 rows (decode buckets
+    of 8 and 32 sequences, mixed steps of 16-64 tokens) take the Mosaic GPU GEMV (`fp8_gemv`),
+    one kernel for the group. Otherwise, where the Pallas kernel applies (`quantized_matmul`)
+    the group is one kernel when `qmm.groupable` (one launch and K-split sum), else one a
+    weight; elsewhere W8A8 or XLA's dequantize-then-dot per weight."""
     pallas = _use_pallas(backend)
     if pallas and _hopper() and fp8_gemv.supported(x, ws):
         return fp8_gemv.fp8_gemvs(x, tuple(ws), out_dtype=out_dtype, interpret=_interpret())
@@ -344,13 +340,10 @@ def quantized_matmuls(x: jax.Array, ws: list[QuantizedWeight], *, out_dtype=None
 
 
 def _dequantize_then_dot(x: jax.Array, w: QuantizedWeight, out_dtype) -> jax.Array:
-    """XLA's path, the weight first tied to x (an optimization barrier) so that its
-    dequantization cannot run before x exists. Untied, the scheduler may dequantize every
-    layer's weights up front, all of them live at once: on an H100 int4 Llama-3-8B's
-    128-sequence decode, 8 steps a call, held 14.2 GB of dequantized bf16 weights with the
-    step loop's own barrier in place (RESULTS.md, round 44; this tie not yet measured there).
-    The CPU's compiled step keeps no barrier (and every layer's dequantized weights live at
-    once, as before): there it changes nothing."""
+    """XLA's path, the weight tied to x first (an optimization barrier): its dequantization
+    cannot start before x exists. Untied, every layer's dequantized weights may be live at
+    once (int4 Llama-3-8B, 8 decode steps a call, 128-sequence bucket: 14.2 GB on an H100;
+    RESULTS.md round 44; the tie not yet measured there; the CPU's compiled step drops it)."""
     w, x = jax.lax.optimization_barrier((w, x))
     return qmm.quantized_matmul_reference(x, w, out_dtype=out_dtype)
 

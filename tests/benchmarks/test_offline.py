@@ -8,6 +8,7 @@ from pjinfer.benchmarks.datasets import SampleRequest
 from pjinfer.benchmarks.offline import run_requests
 from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.engine import LLMEngine
+from tests.engine.faults import fail_launch
 
 
 @pytest.fixture(scope="module")
@@ -31,15 +32,7 @@ def test_outputs_come_back_in_input_order(engine):
 def test_failed_requests_stop_the_run_with_their_error(engine, monkeypatch):
     """A failed request never finishes: without the check the loop would step forever (an
     out-of-memory decode step failed every request of round 44's int4 run)."""
-    forward = engine.runner.forward
-    calls = iter(range(1000))
-
-    def faulty(*args, **kwargs):
-        if next(calls) == 2:
-            raise RuntimeError("RESOURCE_EXHAUSTED: injected")
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(engine.runner, "forward", faulty)
+    fail_launch(monkeypatch, engine, 2, "RESOURCE_EXHAUSTED: injected")
     reqs = [SampleRequest([5, 6, 7, 8], 4, 6) for _ in range(3)]
     with pytest.raises(RuntimeError, match="3 of 3 requests failed in the engine; the first: "
                                            ".*RESOURCE_EXHAUSTED: injected"):

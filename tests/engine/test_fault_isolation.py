@@ -10,6 +10,7 @@ from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.engine import LLMEngine
 from pjinfer.engine.output_processor import OutputProcessor
 from pjinfer.errors import RequestFailedError
+from tests.engine.faults import fail_launch
 
 PROMPTS = {"a": "Beautiful is better than", "bad": "Explicit is", "c": "Simple is better"}
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -65,15 +66,7 @@ def test_a_fault_in_one_request_leaves_the_others_unchanged(engine, monkeypatch)
 
 
 def test_a_step_fault_fails_that_step_and_the_engine_goes_on(engine, monkeypatch):
-    forward = engine.runner.forward  # what the engine launches a step's model with
-    calls = iter(range(1000))
-
-    def faulty(*args, **kwargs):
-        if next(calls) == 3:
-            raise RuntimeError("injected launch fault")
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(engine.runner, "forward", faulty)
+    fail_launch(monkeypatch, engine, 3, "injected launch fault")
     _, failures = _run(engine, {"x": PROMPTS["a"], "y": PROMPTS["c"]})
     assert set(failures) == {"x", "y"}
     _assert_idle(engine)
