@@ -321,7 +321,7 @@ def quantized_matmuls(x: jax.Array, ws: list[QuantizedWeight], *, out_dtype=None
     each. On a Hopper GPU, per-channel fp8 weights in steps of up to 64 rows (decode buckets
     of 8 and 32 sequences, mixed steps of 16-64 tokens) take the Mosaic GPU GEMV (`fp8_gemv`),
     one kernel for the group. Otherwise, where the Pallas kernel applies (`quantized_matmul`)
-    the group is one kernel when `qmm.groupable` (one launch and K-split sum), else one a
+    the group is one kernel when `qmm.groupable` (one launch and K-split sum), else one per
     weight; elsewhere W8A8 or XLA's dequantize-then-dot per weight."""
     pallas = _use_pallas(backend)
     if pallas and _hopper() and fp8_gemv.supported(x, ws):

@@ -8,7 +8,7 @@ from pjinfer.benchmarks.datasets import SampleRequest
 from pjinfer.benchmarks.offline import run_requests
 from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.engine import LLMEngine
-from tests.engine.faults import fail_launch
+from tests.engine.faults import assert_idle, fail_launch
 
 
 @pytest.fixture(scope="module")
@@ -16,17 +16,11 @@ def engine() -> LLMEngine:
     return LLMEngine(EngineConfig(warmup=False, num_kv_blocks=64))
 
 
-def _idle(engine: LLMEngine) -> bool:
-    stats = engine.get_stats()
-    return stats.num_running == stats.num_waiting == 0 and (
-        stats.num_free_kv_blocks == stats.num_kv_blocks)
-
-
 def test_outputs_come_back_in_input_order(engine):
     reqs = [SampleRequest([5, 6, 7, 8], 4, n) for n in (3, 1, 2)]
     outs = run_requests(engine, reqs, progress=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 1, 2]
-    assert _idle(engine)
+    assert_idle(engine)
 
 
 def test_failed_requests_stop_the_run_with_their_error(engine, monkeypatch):
@@ -37,6 +31,6 @@ def test_failed_requests_stop_the_run_with_their_error(engine, monkeypatch):
     with pytest.raises(RuntimeError, match="3 of 3 requests failed in the engine; the first: "
                                            ".*RESOURCE_EXHAUSTED: injected"):
         run_requests(engine, reqs, progress=False)
-    assert _idle(engine)
+    assert_idle(engine)
     monkeypatch.undo()
     assert len(run_requests(engine, reqs[:1], progress=False)[0].outputs[0].token_ids) == 6

@@ -10,7 +10,7 @@ from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.engine import LLMEngine
 from pjinfer.engine.output_processor import OutputProcessor
 from pjinfer.errors import RequestFailedError
-from tests.engine.faults import fail_launch
+from tests.engine.faults import assert_idle, fail_launch
 
 PROMPTS = {"a": "Beautiful is better than", "bad": "Explicit is", "c": "Simple is better"}
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -30,12 +30,6 @@ def _run(engine: LLMEngine, prompts: dict[str, str]) -> tuple[dict, dict]:
         finals |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
         failures |= engine.take_failures()
     return finals, failures
-
-
-def _assert_idle(engine: LLMEngine) -> None:
-    stats = engine.get_stats()
-    assert stats.num_running == stats.num_waiting == 0
-    assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
 def _raise_for(monkeypatch, group_id: str, after_tokens: int) -> None:
@@ -60,7 +54,7 @@ def test_a_fault_in_one_request_leaves_the_others_unchanged(engine, monkeypatch)
     assert "request bad failed" in str(failures["bad"])
     assert isinstance(failures["bad"].__cause__, UnicodeDecodeError)
     assert {rid[:-2]: ids for rid, ids in finals.items()} == expected
-    _assert_idle(engine)
+    assert_idle(engine)
     monkeypatch.undo()
     assert _run(engine, {"after": PROMPTS["a"]})[0]["after"] == expected["a"]
 
@@ -69,7 +63,7 @@ def test_a_step_fault_fails_that_step_and_the_engine_goes_on(engine, monkeypatch
     fail_launch(monkeypatch, engine, 3, "injected launch fault")
     _, failures = _run(engine, {"x": PROMPTS["a"], "y": PROMPTS["c"]})
     assert set(failures) == {"x", "y"}
-    _assert_idle(engine)
+    assert_idle(engine)
     finals, failures = _run(engine, {"z": PROMPTS["a"]})
     assert failures == {} and len(finals["z"]) == GREEDY.max_tokens
 
@@ -79,4 +73,4 @@ def test_llm_generate_raises_the_failure_and_frees_the_batch(monkeypatch):
     _raise_for(monkeypatch, "llm-1", after_tokens=2)
     with pytest.raises(RequestFailedError, match="request llm-1 failed"):
         llm.generate(list(PROMPTS.values()), GREEDY)
-    _assert_idle(llm.engine)
+    assert_idle(llm.engine)
