@@ -133,8 +133,9 @@ def build_llm(args: argparse.Namespace, *, lora: bool) -> Any:
 
 def run_batch(engine: Any, prompts: list[list[int]], output_len: int, loras: list) -> float:
     """Seconds to finish every request (all submitted at once, greedy, EOS ignored); a request
-    the engine fails stops the run (it never finishes)."""
+    the engine fails stops the run with its error."""
     from pjinfer import RequestOutputKind, SamplingParams
+    from pjinfer.engine.run_to_completion import run_to_completion
 
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0,
                             output_kind=RequestOutputKind.FINAL_ONLY)
@@ -142,13 +143,7 @@ def run_batch(engine: Any, prompts: list[list[int]], output_len: int, loras: lis
     ids = [f"b{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
     for rid, prompt, lora in zip(ids, prompts, loras, strict=True):
         engine.add_request(rid, prompt, params, lora_request=lora)
-    done = 0
-    while done < len(ids):
-        done += sum(out.finished for out in engine.step())
-        failures = engine.take_failures()
-        if failures:
-            raise RuntimeError(f"{len(failures)} request(s) failed: "
-                               f"{next(iter(failures.values()))}")
+    run_to_completion(engine, ids)
     return time.perf_counter() - start
 
 

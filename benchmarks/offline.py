@@ -21,6 +21,7 @@ from pjinfer.benchmarks.datasets import SampleRequest
 from pjinfer.benchmarks.roofline import ModelShape
 from pjinfer.engine.config import ENGINE_ARGS
 from pjinfer.engine.kv_budget import claim_device_memory
+from pjinfer.engine.run_to_completion import run_to_completion
 
 _ids = itertools.count()
 STAT_FIELDS = ("num_steps", "num_preemptions", "num_prompt_tokens", "num_generation_tokens",
@@ -77,8 +78,7 @@ def run_requests(engine: Any, reqs: Sequence[SampleRequest], *, desc: str = "req
                  progress: bool = True, extra: dict[str, Any] | None = None) -> list[Any]:
     """Submit all requests at once (offline), step until done; finished outputs in input order.
     `extra`: more SamplingParams fields (e.g. structured_outputs) for every request. A request
-    the engine fails gives no output: the rest are aborted and RuntimeError says why (round
-    44's int4 run, every request failed out of memory, otherwise stepped on until killed)."""
+    the engine fails aborts the rest and raises its error (`run_to_completion`)."""
     from pjinfer import RequestOutputKind, SamplingParams
 
     ids = []
@@ -87,28 +87,12 @@ def run_requests(engine: Any, reqs: Sequence[SampleRequest], *, desc: str = "req
         params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=1.0,
                                 output_kind=RequestOutputKind.FINAL_ONLY, **(extra or {}))
         engine.add_request(ids[-1], r.prompt, params)
-    done: dict[str, Any] = {}
     bar = Progress(len(ids), desc, enabled=progress)
     try:
-        while len(done) < len(ids):
-            for out in engine.step():
-                if out.finished and out.request_id not in done:
-                    done[out.request_id] = out
-                    bar.update()
-            _stop_on_failures(engine, ids, desc)
+        done = run_to_completion(engine, ids, on_finished=lambda _: bar.update())
     finally:
         bar.close()
     return [done[i] for i in ids]
-
-
-def _stop_on_failures(engine: Any, ids: list[str], desc: str) -> None:
-    failures = engine.take_failures()
-    if failures:
-        for rid in ids:
-            engine.abort_request(rid)
-        first = next(iter(failures.values()))
-        raise RuntimeError(f"{len(failures)} of {len(ids)} {desc} failed in the engine; "
-                           f"the first: {first}") from first
 
 
 def request_latencies(outs: Sequence[Any]) -> dict[str, float]:

@@ -10,6 +10,7 @@ from typing import Any
 from pjinfer.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.engine import LLMEngine
+from pjinfer.engine.run_to_completion import run_to_completion
 from pjinfer.lora.request import LoRARequest
 from pjinfer.outputs import RequestOutput
 from pjinfer.sampling_params import RequestOutputKind, SamplingParams
@@ -101,16 +102,7 @@ class LLM:
         return search.results(tokenizer.decode if tokenizer is not None else None)
 
     def _run(self, ids: list[str], prompts: list[Prompt]) -> list[RequestOutput]:
-        done: dict[str, RequestOutput] = {}
-        while len(done) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-            failures = self.engine.take_failures()
-            if failures:  # the batch cannot be returned whole: end the rest, say why
-                for rid in ids:
-                    self.engine.abort_request(rid)
-                raise next(iter(failures.values()))
+        done = run_to_completion(self.engine, ids)
         for rid, prompt in zip(ids, prompts, strict=True):
             done[rid].prompt = prompt if isinstance(prompt, str) else None
         return [done[rid] for rid in ids]

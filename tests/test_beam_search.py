@@ -10,6 +10,7 @@ import pytest
 from pjinfer import LLM, BeamSearchParams
 from pjinfer.beam_search import BeamSearch, BeamSearchSequence, beam_score
 from pjinfer.outputs import Logprob
+from tests.engine.idle import assert_idle
 
 _rng = random.Random(7)
 # Lengths around the 16-token block: full blocks of prompt + beam are prefix-cache hits.
@@ -56,10 +57,8 @@ def test_matches_transformers(hf_models, llm, width):
         assert [s.cum_logprob for s in out.sequences] == pytest.approx(scores, abs=1e-3)
         assert all(s.tokens[:len(prompt)] == prompt for s in out.sequences)
         assert all(s.finish_reason == "length" for s in out.sequences)
-    stats = llm.engine.get_stats()
-    assert stats.num_running == stats.num_waiting == 0
-    assert stats.num_free_kv_blocks == stats.num_kv_blocks
-    assert stats.prefix_cache_hits > 0  # later steps reuse the beams' prefixes
+    assert_idle(llm.engine)
+    assert llm.engine.get_stats().prefix_cache_hits > 0  # later steps reuse the beams' prefixes
 
 
 def test_eos_beams_finish_and_length_penalty_ranks():

@@ -8,7 +8,9 @@ from pjinfer.benchmarks.datasets import SampleRequest
 from pjinfer.benchmarks.offline import run_requests
 from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.engine import LLMEngine
-from tests.engine.faults import assert_idle, fail_launch
+from pjinfer.errors import RequestFailedError
+from tests.engine.faults import fail_launch
+from tests.engine.idle import assert_idle
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +30,9 @@ def test_failed_requests_stop_the_run_with_their_error(engine, monkeypatch):
     out-of-memory decode step failed every request of round 44's int4 run)."""
     fail_launch(monkeypatch, engine, 2, "RESOURCE_EXHAUSTED: injected")
     reqs = [SampleRequest([5, 6, 7, 8], 4, 6) for _ in range(3)]
-    with pytest.raises(RuntimeError, match="3 of 3 requests failed in the engine; the first: "
-                                           ".*RESOURCE_EXHAUSTED: injected"):
+    with pytest.raises(RequestFailedError, match="RESOURCE_EXHAUSTED: injected") as failed:
         run_requests(engine, reqs, progress=False)
+    assert "3 of 3 requests of the batch failed" in failed.value.__notes__[0]
     assert_idle(engine)
     monkeypatch.undo()
     assert len(run_requests(engine, reqs[:1], progress=False)[0].outputs[0].token_ids) == 6

@@ -1,5 +1,4 @@
-"""Faults injected into a live engine, and the check that it came back idle, for the tests of
-what it does with them."""
+"""Faults injected into a live engine, for the tests of what it does with them."""
 
 from __future__ import annotations
 
@@ -17,9 +16,3 @@ def fail_launch(monkeypatch, engine, call: int, message: str) -> None:
 
     monkeypatch.setattr(engine.runner, "forward", faulty)
 
-
-def assert_idle(engine) -> None:
-    """Nothing running or waiting, and every KV block back in the pool."""
-    stats = engine.get_stats()
-    assert stats.num_running == stats.num_waiting == 0
-    assert stats.num_free_kv_blocks == stats.num_kv_blocks

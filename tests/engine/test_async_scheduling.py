@@ -11,6 +11,7 @@ import pytest
 
 from pjinfer import LLM, SamplingParams
 from pjinfer.demo import zen_lines
+from tests.engine.idle import assert_idle
 
 PROMPTS = [" ".join(line.split()[:n]) for line, n in zip(zen_lines()[1:13], [2, 3, 4] * 4,
                                                           strict=True)]
@@ -27,19 +28,17 @@ PARAMS = [
 ]
 
 
-def _run(async_scheduling: bool, **engine_args) -> list[tuple]:
+def _run(async_scheduling: bool, **engine_args) -> tuple[list[tuple], object]:
     llm = LLM(async_scheduling=async_scheduling, warmup=False, **engine_args)
     params = [PARAMS[i % len(PARAMS)] for i in range(len(PROMPTS))]
     outputs = llm.generate(PROMPTS, params)
-    stats = llm.engine.get_stats()
-    assert stats.num_running == stats.num_waiting == 0
-    assert stats.num_free_kv_blocks == stats.num_kv_blocks, "KV blocks leaked"
+    assert_idle(llm.engine)
     assert not llm.engine.has_unfinished_requests()
     return [(c.token_ids, c.text, c.finish_reason, c.stop_reason,
              None if c.logprobs is None else [
                  [(tid, lp.rank, pytest.approx(lp.logprob, abs=1e-4))
                   for tid, lp in sorted(e.items())] for e in c.logprobs])
-            for out in outputs for c in out.outputs], stats
+            for out in outputs for c in out.outputs], llm.engine.get_stats()
 
 
 @pytest.mark.parametrize("engine_args", [

@@ -13,17 +13,12 @@ from pjinfer.demo import zen_lines
 from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.engine import LLMEngine
 from pjinfer.errors import EngineOverloadedError
+from tests.engine.idle import assert_idle
 
 
 @pytest.fixture(scope="module")
 def demo() -> LLM:
     return LLM()
-
-
-def _assert_no_leak(engine: LLMEngine) -> None:
-    stats = engine.get_stats()
-    assert stats.num_running == stats.num_waiting == 0
-    assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
 def test_generate_completes_zen_lines():
@@ -57,7 +52,7 @@ def test_vllm_prompt_dicts_and_the_frozen_heap(demo):
     for bad in ({"prompt": "a", "multi_modal_data": {}}, {"prompt_token_ids": "abc"}, {}):
         with pytest.raises(ValueError, match="a prompt dict takes one key"):
             demo.generate([bad], params)
-    _assert_no_leak(demo.engine)
+    assert_idle(demo.engine)
     assert gc.get_freeze_count() > 0 and "gc_freeze" in demo.engine.startup_phases
 
 
@@ -68,7 +63,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(demo):
     batch = demo.generate(["Simple is", "Errors should", "Now is", "Flat is", "In the face",
                            "Sparse is"], [others[0], params, *others[1:]])
     assert batch[1].outputs[0].token_ids == alone
-    _assert_no_leak(demo.engine)
+    assert_idle(demo.engine)
 
 
 def test_stop_strings_and_logprobs(demo):
@@ -100,7 +95,7 @@ def test_abort_frees_blocks_and_others_continue(demo):
     while engine.has_unfinished_requests():
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     assert finished["keep"].outputs[0].finish_reason == "length"
-    _assert_no_leak(engine)
+    assert_idle(engine)
 
 
 def test_timeout_finishes_request_and_frees_blocks():
@@ -111,7 +106,7 @@ def test_timeout_finishes_request_and_frees_blocks():
     time.sleep(0.1)
     outs = engine.step()
     assert outs[0].outputs[0].finish_reason == "timeout"
-    _assert_no_leak(engine)
+    assert_idle(engine)
 
 
 def test_bounded_waiting_queue():
@@ -136,7 +131,7 @@ def test_bad_input_is_a_clear_value_error_and_engine_keeps_serving(demo, prompt,
     out = demo.generate(["Beautiful is better than"], SamplingParams(temperature=0,
                                                                      max_tokens=3))
     assert out[0].outputs[0].text.startswith(" ugly")
-    _assert_no_leak(demo.engine)
+    assert_idle(demo.engine)
 
 
 def test_unknown_engine_argument_is_named():
@@ -165,4 +160,4 @@ def test_one_sequence_decode_writes_the_kv_cache_in_place():
     cache_bytes = sum(k.nbytes + v.nbytes for k, v in engine.runner.kv_caches)
     for step in engine.runner._compiled.values():
         assert step.memory_analysis().temp_size_in_bytes < cache_bytes / 16
-    _assert_no_leak(engine)
+    assert_idle(engine)

@@ -10,7 +10,8 @@ from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.engine import LLMEngine
 from pjinfer.engine.output_processor import OutputProcessor
 from pjinfer.errors import RequestFailedError
-from tests.engine.faults import assert_idle, fail_launch
+from tests.engine.faults import fail_launch
+from tests.engine.idle import assert_idle
 
 PROMPTS = {"a": "Beautiful is better than", "bad": "Explicit is", "c": "Simple is better"}
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

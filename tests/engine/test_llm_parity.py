@@ -7,6 +7,7 @@ import random
 import pytest
 
 from pjinfer import LLM, SamplingParams
+from tests.engine.idle import assert_idle
 
 NUM_PROMPTS, MAX_TOKENS = 24, 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -40,12 +41,6 @@ def hf_reference(hf_models):
     return greedy
 
 
-def _assert_all_blocks_free(llm: LLM) -> None:
-    stats = llm.engine.get_stats()
-    assert stats.num_running == 0 and stats.num_waiting == 0
-    assert stats.num_free_kv_blocks == stats.num_kv_blocks, "KV blocks leaked"
-
-
 def _check(llm: LLM, prompts, hf_reference, params=GREEDY):
     outputs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outputs, strict=True):
@@ -53,7 +48,7 @@ def _check(llm: LLM, prompts, hf_reference, params=GREEDY):
         for completion in out.outputs:
             assert completion.token_ids == expected
             assert completion.finish_reason == "length"
-    _assert_all_blocks_free(llm)
+    assert_idle(llm.engine)
     return outputs
 
 
@@ -105,4 +100,4 @@ def test_n3_sampling_forks_and_frees(hf_models):
     (out,) = llm.generate([[1] + list(range(3, 40))], params)
     sequences = [tuple(c.token_ids) for c in out.outputs]
     assert len(set(sequences)) == 3, "siblings must sample independently"
-    _assert_all_blocks_free(llm)
+    assert_idle(llm.engine)

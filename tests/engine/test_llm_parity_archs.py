@@ -13,6 +13,7 @@ import random
 import pytest
 
 from pjinfer import LLM, SamplingParams
+from tests.engine.idle import assert_idle
 
 MAX_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -55,8 +56,7 @@ def hf_greedy(hf_models):
 def _check(llm: LLM, name: str, prompts, hf_greedy) -> None:
     for prompt, out in zip(prompts, llm.generate(prompts, GREEDY), strict=True):
         assert out.outputs[0].token_ids == hf_greedy(name, prompt), (name, prompt)
-    stats = llm.engine.get_stats()
-    assert stats.num_free_kv_blocks == stats.num_kv_blocks, "KV blocks leaked"
+    assert_idle(llm.engine)
 
 
 @pytest.mark.parametrize("name, lengths", [("gpt2", SHORT), ("gpt2_relu", SHORT),

@@ -13,6 +13,7 @@ import random
 import pytest
 
 from pjinfer import LLM, SamplingParams
+from tests.engine.idle import assert_idle
 
 MAX_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -54,5 +55,4 @@ def test_chunked_preempted_prefix_cached_engine_matches_transformers(moe_models,
     again = llm.generate(prompts[:2], GREEDY)
     assert [o.outputs[0].token_ids for o in again] == expected[:2]
     assert all(o.num_cached_tokens >= 16 for o in again)
-    stats = llm.engine.get_stats()
-    assert stats.num_free_kv_blocks == stats.num_kv_blocks, "KV blocks leaked"
+    assert_idle(llm.engine)

@@ -12,6 +12,7 @@ import pytest
 from pjinfer import LLM, SamplingParams, StructuredOutputsParams
 from pjinfer.demo import zen_lines
 from pjinfer.engine.config import EngineConfig
+from tests.engine.idle import assert_idle
 
 PROMPTS = [" ".join(line.split()[:n]) for line, n in zip(zen_lines()[1:13], [2, 3, 4] * 4,
                                                           strict=True)]
@@ -42,9 +43,7 @@ def _run(steps: int, params: list[SamplingParams], **engine_args) -> tuple[list,
     launch = llm.engine.runner.launch_multi
     llm.engine.runner.launch_multi = lambda **k: calls.append(k["num_steps"]) or launch(**k)
     outputs = llm.generate(PROMPTS, [params[i % len(params)] for i in range(len(PROMPTS))])
-    stats = llm.engine.get_stats()
-    assert stats.num_running == stats.num_waiting == 0
-    assert stats.num_free_kv_blocks == stats.num_kv_blocks, "KV blocks leaked"
+    assert_idle(llm.engine)
     assert not llm.engine.has_unfinished_requests()
     return [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.cumulative_logprob
              and pytest.approx(c.cumulative_logprob, abs=1e-3),

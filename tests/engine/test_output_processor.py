@@ -11,6 +11,7 @@ from pjinfer import SamplingParams
 from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.engine import LLMEngine
 from pjinfer.sampling_params import RequestOutputKind
+from tests.engine.idle import assert_idle
 
 PROMPT = "Beautiful is better than"
 
@@ -96,9 +97,7 @@ def test_abort_reports_a_final_delta(engine):
     assert (PROMPT + " ugly.\nExplicit is better than implicit.").startswith(PROMPT + streamed)
     while engine.has_unfinished_requests():
         engine.step()
-    stats = engine.get_stats()
-    assert stats.num_running == stats.num_waiting == 0
-    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    assert_idle(engine)
 
 
 def test_the_stopping_token_is_not_in_the_text(engine):

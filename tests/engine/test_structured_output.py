@@ -22,6 +22,7 @@ from pjinfer import LLM, SamplingParams, StructuredOutputsParams
 from pjinfer.demo import zen_lines
 from pjinfer.engine.sampler import apply_token_bitmask
 from pjinfer.structured_output.manager import StructuredOutputManager
+from tests.engine.idle import assert_idle
 
 SEEDS = int(os.environ.get("PJINFER_STRUCTURED_SEEDS", "40"))
 SCHEMA = {
@@ -43,12 +44,6 @@ LARK = 'start: "Zen " NUMBER "." \nNUMBER: /[1-9][0-9]{0,2}/\n'
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     return LLM()
-
-
-def _kv_clean(llm: LLM) -> None:
-    stats = llm.engine.get_stats()
-    assert stats.num_free_kv_blocks == stats.num_kv_blocks, "KV blocks leaked"
-    assert stats.num_running == stats.num_waiting == llm.engine.structured_output.num_parked == 0
 
 
 @pytest.mark.parametrize("vocab_size", [32, 100, 512, 1000, 32001])
@@ -137,7 +132,7 @@ def test_every_sampled_output_satisfies_its_constraint(llm):
     texts = {kind: {o.outputs[0].text for (k, _), o in zip(cases, outputs, strict=True)
                     if k == kind} for kind in specs}
     assert all(len(t) > 1 for t in texts.values()), "temperature 1 should vary the outputs"
-    _kv_clean(llm)
+    assert_idle(llm.engine)
 
 
 def test_greedy_output_unchanged_where_it_already_satisfies_the_constraint(llm):
@@ -156,7 +151,7 @@ def test_greedy_output_unchanged_where_it_already_satisfies_the_constraint(llm):
             for got, want in zip(c.logprobs, free_c.logprobs, strict=False):
                 assert {t: pytest.approx(lp.logprob, abs=1e-4) for t, lp in got.items()} == \
                     {t: lp.logprob for t, lp in want.items()}
-    _kv_clean(llm)
+    assert_idle(llm.engine)
 
 
 @pytest.mark.parametrize(("spec", "field", "words"), [
@@ -182,7 +177,7 @@ def test_invalid_constraint_is_a_value_error_and_the_engine_keeps_serving(llm, s
             llm.engine.add_request("bad", "Beautiful is", params())
     (out,) = llm.generate(["Beautiful is"], SamplingParams(temperature=0, max_tokens=4))
     assert out.outputs[0].text == " better than ugly"
-    _kv_clean(llm)
+    assert_idle(llm.engine)
 
 
 def _mixed_run(async_scheduling: bool, **engine_args) -> list[tuple]:
@@ -195,7 +190,7 @@ def _mixed_run(async_scheduling: bool, **engine_args) -> list[tuple]:
                              structured_outputs=StructuredOutputsParams(**c) if c else None)
               for i, c in enumerate(constraints)]
     outputs = llm.generate(prompts, params)
-    _kv_clean(llm)
+    assert_idle(llm.engine)
     return [(c.token_ids, c.text, c.finish_reason,
              [pytest.approx(lp[t].logprob, abs=1e-4) for t, lp in zip(c.token_ids, c.logprobs,
                                                                       strict=True)])
@@ -229,7 +224,7 @@ def test_n_sequences_each_follow_the_grammar_and_a_waiting_request_aborts_cleanl
     assert final.finished and final.outputs[0].finish_reason == "abort"
     while engine.has_unfinished_requests():
         engine.step()
-    _kv_clean(llm)
+    assert_idle(llm.engine)
 
 
 def test_constrained_steps_stay_asynchronous(llm, monkeypatch):
@@ -284,4 +279,4 @@ def test_steps_without_constrained_requests_cost_the_manager_nothing(llm):
     assert manager.num_live == 0  # the finished request is forgotten
     assert manager.constrained(_Untouchable()) is False
     assert manager.advance(_Untouchable()) == []
-    _kv_clean(llm)
+    assert_idle(llm.engine)

@@ -14,6 +14,7 @@ from pjinfer import LLM, SamplingParams
 from pjinfer.errors import ModelLoadError
 from pjinfer.models.dense import dense_logits
 from pjinfer.quantization.weight import QuantizedWeight
+from tests.engine.idle import assert_idle
 from tests.quantization import checkpoints
 
 torch = pytest.importorskip("torch")
@@ -59,8 +60,7 @@ def _hf_greedy(model, prompt: list[int]) -> list[int]:
 def _check(llm: LLM, oracle) -> None:
     for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY), strict=True):
         assert out.outputs[0].token_ids == _hf_greedy(oracle, prompt), prompt
-    stats = llm.engine.get_stats()
-    assert stats.num_free_kv_blocks == stats.num_kv_blocks, "KV blocks leaked"
+    assert_idle(llm.engine)
     params = llm.engine.runner.params
     assert isinstance(params["layers"][0]["q_proj"], QuantizedWeight)
     n = max(map(len, PROMPTS))

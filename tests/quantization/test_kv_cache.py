@@ -10,6 +10,7 @@ from safetensors.numpy import save_file
 from pjinfer import LLM
 from pjinfer.demo import DEMO_MODEL_DIR
 from pjinfer.quantization.kv_cache import kv_cache_scales
+from tests.engine.idle import assert_idle
 from tests.quantization.conftest import ZEN_GREEDY, ZEN_PROMPTS, first_lines
 
 MEMORY = 4 * 2**20
@@ -23,8 +24,7 @@ def test_fp8_cache_holds_twice_the_tokens_and_keeps_the_zen(bf16_zen):
     assert runner.kv_caches[0][0].dtype == runner.kv_dtype
     assert runner.num_blocks == 2 * bf16.num_blocks
     assert first_lines(llm.generate(ZEN_PROMPTS, ZEN_GREEDY)) == bf16_zen
-    stats = llm.engine.get_stats()
-    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    assert_idle(llm.engine)
 
 
 def test_e5m2_cache_holds_twice_the_tokens_keeps_the_zen_and_takes_no_scales(bf16_zen,

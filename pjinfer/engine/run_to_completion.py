@@ -1,0 +1,38 @@
+"""Step an engine until a batch of requests is finished: the offline loop of `LLM.generate`
+and the benchmarks.
+
+A request the engine fails never finishes, so the loop must also watch the failures: without
+that it steps forever (round 44's int4 benchmark, every request out of memory, did).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from pjinfer.engine.engine import LLMEngine
+from pjinfer.outputs import RequestOutput
+
+
+def run_to_completion(engine: LLMEngine, request_ids: Sequence[str],
+                      on_finished: Callable[[RequestOutput], None] | None = None,
+                      ) -> dict[str, RequestOutput]:
+    """Each request's final output by id, once all of `request_ids` (already added) finished;
+    `on_finished` sees each as it finishes. If the engine fails any, the rest are aborted (their
+    blocks freed) and the first failure is raised, noted with how many of the batch failed."""
+    wanted = set(request_ids)
+    done: dict[str, RequestOutput] = {}
+    while len(done) < len(wanted):
+        for out in engine.step():
+            if out.finished and out.request_id in wanted and out.request_id not in done:
+                done[out.request_id] = out
+                if on_finished is not None:
+                    on_finished(out)
+        failures = engine.take_failures()
+        if failures:
+            for request_id in request_ids:
+                engine.abort_request(request_id)
+            first = next(iter(failures.values()))
+            first.add_note(f"{len(failures)} of {len(wanted)} requests of the batch failed in "
+                           "the engine; the others were aborted")
+            raise first
+    return done
