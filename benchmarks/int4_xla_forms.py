@@ -12,6 +12,8 @@ Per token count, over a stack of Llama-3-8B MLP matrices (4096 x 14336, GPTQ g12
   uint8      `quantized_matmul_reference` on the engine's QuantizedWeight (int4, zeros)
   s4         values as jnp.int4 [N, K], bf16 scales [N, G]: (v * s) per group, dot
   s4_zeros   the same with per-group zeros folded as v * s - z * s ([N, G] both)
+  u4         the engine's uint8 bytes bitcast to uint4 (no copy: nibbles in stored order),
+             x's columns put in that order instead, (v - z) * s per group in x's dtype
 Each row: ms (pipelined), the compiled temp bytes (a materialised bf16 weight shows as >= its
 size) and whether the optimized HLO's dot fusion reads an s4 operand. On a CPU: small shapes.
 
@@ -31,7 +33,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-FORMS = ("uint8", "s4", "s4_zeros")
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -80,6 +81,28 @@ def native_dot(x, w: dict, zeros: bool):
     return y.astype(x.dtype)
 
 
+def bitcast_dot(x, w):
+    """x [T, K] @ an engine int4 QuantizedWeight -> [T, N]: its bytes read as uint4 pairs
+    (low nibble first), so the values come in the packing's order (block b of 2 S rows: row
+    2 b S + i, then 2 b S + S + i); x's columns are shuffled to match, K groups stay whole."""
+    import jax
+    import jax.numpy as jnp
+
+    from pjinfer.quantization.weight import permute_input
+
+    x = permute_input(x, w)
+    n, half = w.packed.shape
+    k, span, groups = 2 * half, w.span, w.scales.shape[0]
+    t = x.shape[0]
+    x = x.reshape(t, k // (2 * span), 2, span).swapaxes(2, 3).reshape(t, k)
+    v = jax.lax.bitcast_convert_type(w.packed, jnp.uint4).reshape(n, groups, k // groups)
+    zero = w.zero_point if w.zeros is None else w.zeros.T[:, :, None].astype(x.dtype)
+    dense = ((v.astype(x.dtype) - zero) * w.scales.T[:, :, None].astype(x.dtype)).reshape(n, k)
+    y = jax.lax.dot_general(x, dense, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
 def native_reference(x, w: dict, zeros: bool) -> np.ndarray:
     """The same product in float32 numpy, for the error column."""
     n, k = w["values"].shape
@@ -88,6 +111,20 @@ def native_reference(x, w: dict, zeros: bool) -> np.ndarray:
     s = np.asarray(w["scales"], np.float32)[:, :, None]
     dense = v * s - (np.asarray(w["zero_scales"], np.float32)[:, :, None] if zeros else 0)
     return np.asarray(x, np.float32) @ dense.reshape(n, k).T
+
+
+def _error(form: str, x, w) -> float:
+    """Relative error of one matrix's product in `form` against float32."""
+    from pjinfer.kernels.quantized_matmul import quantized_matmul_reference
+
+    if form == "u4":
+        got = bitcast_dot(x, w)
+        want = np.asarray(quantized_matmul_reference(x.astype("float32"), w), np.float32)
+    else:
+        got = native_dot(x, w, form == "s4_zeros")
+        want = native_reference(x, w, form == "s4_zeros")
+    got = np.asarray(got, np.float32)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
 def hlo_facts(compiled) -> dict:
@@ -123,6 +160,7 @@ def run(argv: list[str] | None = None) -> dict:
                a.k * a.n // 2 + 2 * a.n * (a.k // a.group_size)),
         "s4_zeros": (lambda x, ws: [native_dot(x, w, True) for w in ws], native_ws,
                      a.k * a.n // 2 + 4 * a.n * (a.k // a.group_size)),
+        "u4": (lambda x, ws: [bitcast_dot(x, w) for w in ws], engine_ws, engine_ws[0].nbytes),
     }
     record: dict = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
                     "jax": jax.__version__, "matrices": a.matrices, "k": a.k, "n": a.n,
@@ -136,10 +174,8 @@ def run(argv: list[str] | None = None) -> dict:
             rate = timed_rate(jitted, (x, ws), moved, timing, jax.block_until_ready)
             row = {"form": name, "tokens": t, "bytes_per_call": moved, **facts, **rate,
                    "ms": rate["seconds_per_call"]["best"] * 1e3}
-            if name.startswith("s4"):
-                got = np.asarray(native_dot(x, ws[0], name == "s4_zeros"), np.float32)
-                want = native_reference(x, ws[0], name == "s4_zeros")
-                row["relative_error"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+            if name in ("s4", "s4_zeros", "u4"):
+                row["relative_error"] = _error(name, x, ws[0])
             record["runs"].append(row)
             print(f"{name:8s} T={t:5d}: {row['ms']:8.3f} ms  {rate['best_per_s'] / 1e9:8.1f} "
                   f"GB/s  temp {facts['temp_bytes'] / 2**20:9.1f} MiB  s4 in dot: "
