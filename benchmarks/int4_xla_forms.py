@@ -15,7 +15,7 @@ Per token count, over a stack of Llama-3-8B MLP matrices (4096 x 14336, GPTQ g12
   u4         the engine's uint8 bytes bitcast to uint4 (no copy: nibbles in stored order),
              x's columns put in that order instead, (v - z) * s per group in x's dtype
 Each row: ms (pipelined), the compiled temp bytes (a materialised bf16 weight shows as >= its
-size) and whether the optimized HLO's dot fusion reads an s4 operand. On a CPU: small shapes.
+size) and whether the optimized HLO's dot fusion reads an int4 operand. On a CPU: small shapes.
 
   python -m pjinfer.benchmarks.int4_xla_forms --out int4_forms.json
   python -m pjinfer.benchmarks.int4_xla_forms --out /tmp/f.json --matrices 2 --k 256 --n 384 \
@@ -128,12 +128,12 @@ def _error(form: str, x, w) -> float:
 
 
 def hlo_facts(compiled) -> dict:
-    """Temp bytes, and whether a dot's fused computation takes an s4 operand."""
+    """Temp bytes, and whether a dot's fused computation takes an int4 (s4 / u4) operand."""
     text = compiled.as_text()
     blocks = text.split("\n\n")
-    dot_reads_s4 = any(" dot(" in b and "s4[" in b for b in blocks)
+    reads_int4 = any(" dot(" in b and ("s4[" in b or "u4[" in b) for b in blocks)
     return {"temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
-            "dot_fusion_reads_s4": dot_reads_s4,
+            "dot_fusion_reads_int4": reads_int4,
             "triton_gemm_fusions": text.count("__triton_gemm"),
             "cublas_calls": text.count("__cublas$gemm")}
 
@@ -178,8 +178,8 @@ def run(argv: list[str] | None = None) -> dict:
                 row["relative_error"] = _error(name, x, ws[0])
             record["runs"].append(row)
             print(f"{name:8s} T={t:5d}: {row['ms']:8.3f} ms  {rate['best_per_s'] / 1e9:8.1f} "
-                  f"GB/s  temp {facts['temp_bytes'] / 2**20:9.1f} MiB  s4 in dot: "
-                  f"{facts['dot_fusion_reads_s4']}", flush=True)
+                  f"GB/s  temp {facts['temp_bytes'] / 2**20:9.1f} MiB  int4 in dot: "
+                  f"{facts['dot_fusion_reads_int4']}", flush=True)
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)  # each T's rows kept as they come
         Path(a.out).write_text(json.dumps(record, indent=1))
     return record
