@@ -36,11 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
+    from pjinfer.benchmarks.quant_matmul import add_stack_args
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="JSON record path")
-    p.add_argument("--matrices", type=int, default=24)
-    p.add_argument("--k", type=int, default=4096, help="input dim (hidden size)")
-    p.add_argument("--n", type=int, default=14336, help="output dim (intermediate size)")
+    add_stack_args(p)
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 128, 256, 2048])
     p.add_argument("--calls", type=int, default=10)

@@ -41,12 +41,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 KINDS = ("fp8", "int8", "int4")
 
 
-def _args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_stack_args(p: argparse.ArgumentParser) -> None:
+    """The record path and the stack of Llama-3-8B MLP matrices (shared with int4_xla_forms)."""
     p.add_argument("--out", required=True, help="JSON record path")
     p.add_argument("--matrices", type=int, default=24)
     p.add_argument("--k", type=int, default=4096, help="input dim (hidden size)")
     p.add_argument("--n", type=int, default=14336, help="output dim (intermediate size)")
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_stack_args(p)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 2048],
                    help="rows of x: 1 / 16 decode GEMV shapes, 2048 a prefill GEMM")
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
