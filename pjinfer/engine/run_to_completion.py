@@ -18,7 +18,9 @@ def run_to_completion(engine: LLMEngine, request_ids: Sequence[str],
                       ) -> dict[str, RequestOutput]:
     """Each request's final output by id, once all of `request_ids` (already added) finished;
     `on_finished` sees each as it finishes. If the engine fails any, the rest are aborted (their
-    blocks freed) and the first failure is raised, noted with how many of the batch failed."""
+    blocks freed) and the first failure is raised, noted with how many of the batch failed
+    (other requests' failures are taken and dropped: run this loop only where it alone drives
+    the engine)."""
     wanted = set(request_ids)
     done: dict[str, RequestOutput] = {}
     while len(done) < len(wanted):
@@ -27,12 +29,11 @@ def run_to_completion(engine: LLMEngine, request_ids: Sequence[str],
                 done[out.request_id] = out
                 if on_finished is not None:
                     on_finished(out)
-        failures = engine.take_failures()
-        if failures:
+        failed = [e for rid, e in engine.take_failures().items() if rid in wanted]
+        if failed:
             for request_id in request_ids:
                 engine.abort_request(request_id)
-            first = next(iter(failures.values()))
-            first.add_note(f"{len(failures)} of {len(wanted)} requests of the batch failed in "
-                           "the engine; the others were aborted")
-            raise first
+            failed[0].add_note(f"{len(failed)} of {len(wanted)} requests of the batch failed in "
+                               "the engine; the others were aborted")
+            raise failed[0]
     return done
