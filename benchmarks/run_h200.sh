@@ -96,6 +96,9 @@
 #   bash benchmarks/run_h200.sh quanttuned   # the tuned tilings vs the rules' at 8 token rows,
 #                                            # fp8 dots with and without float16 x (~4 min)
 #   bash benchmarks/run_h200.sh quantt2   # fp8 at 2 token rows: elementwise vs dot (~2 min)
+#   bash benchmarks/run_h200.sh int4forms # XLA's int4 dot: the engine's unpacked form vs int4
+#                                         # operands (jnp.int4, the bytes as uint4) at 128 and
+#                                         # 512 rows (~2 min; INT4FORMS_TOKENS overrides)
 #   bash benchmarks/run_h200.sh --smoke pjinfer hf serve   # the same plumbing, tiny, on CPU
 #
 # Each stage fits one 10-minute device command; every step has its own time limit, and a
@@ -669,6 +672,15 @@ stage_quanttuned() {
   done
 }
 
+# Issue 14: above the int4 kernel's 48 rows, XLA's dequantize-then-dot writes each weight out
+# in bf16 (RESULTS.md round 44); whether XLA's dot fusion reads int4 operands itself instead.
+stage_int4forms() {
+  local args=(--tokens ${INT4FORMS_TOKENS:-128 512} --calls 5)
+  [ $SMOKE = 1 ] && args=(--matrices 2 --k 256 --n 128 --tokens 3 --calls 1 --samples 1)
+  step int4_forms 200 $PY -m pjinfer.benchmarks.int4_xla_forms "${args[@]}" \
+      --out "$JSON/int4_forms.json"
+}
+
 # fp8 at 2 token rows (a step padded to `--cuda-graph-sizes 2`): the default, a dot since
 # round 24, vs the elementwise tiling the rules picked for 2 rows before it, per Llama-3-8B
 # decode projection (round 24's call 3 ran the same pairs with the elementwise one default).
@@ -876,7 +888,8 @@ for stage in "${STAGES[@]}"; do
     quantshapes) stage_quantshapes ;;
     quanttuned) stage_quanttuned ;;
     quantt2) stage_quantt2 ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moemid | moefp8 | moeprofile | w8a8 | decodesplits | kvfp8 | w3fp8 | attnfp8 | kvprobe | raggedfp8 | raggedqwen3 | rotarytests | hoststep | routed | routedwide | densegemv | reduceprobe | pdlcheck | loramulti | int4ncu | quantshapes | quanttuned | quantt2)" ;;
+    int4forms) stage_int4forms ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moemid | moefp8 | moeprofile | w8a8 | decodesplits | kvfp8 | w3fp8 | attnfp8 | kvprobe | raggedfp8 | raggedqwen3 | rotarytests | hoststep | routed | routedwide | densegemv | reduceprobe | pdlcheck | loramulti | int4ncu | quantshapes | quanttuned | quantt2 | int4forms)" ;;
   esac
 done
 pack
