@@ -33,7 +33,18 @@ def run_to_completion(engine: LLMEngine, request_ids: Sequence[str],
         if failed:
             for request_id in request_ids:
                 engine.abort_request(request_id)
+            _collect_in_flight(engine)
             failed[0].add_note(f"{len(failed)} of {len(wanted)} requests of the batch failed in "
                                "the engine; the others were aborted")
             raise failed[0]
+    _collect_in_flight(engine)
     return done
+
+
+def _collect_in_flight(engine: LLMEngine) -> None:
+    """With asynchronous scheduling a step launched before its requests were seen to stop
+    (EOS, a stop string) is still in flight; with nothing else queued, finish it now, so the
+    engine is idle when the batch is returned (as vLLM's `LLM.generate` leaves it)."""
+    while engine.has_unfinished_requests() and not engine.scheduler.has_unfinished() \
+            and engine.structured_output.num_parked == 0:
+        engine.step()

@@ -230,8 +230,6 @@ def test_n_sequences_each_follow_the_grammar_and_a_waiting_request_aborts_cleanl
 def test_constrained_steps_stay_asynchronous(llm, monkeypatch):
     """Step t+1's forward is launched before step t's tokens are fetched; its sampler (with
     the mask those tokens decide) only after."""
-    while llm.engine.has_unfinished_requests():  # a step still in flight from a test before
-        llm.engine.step()
     events = []
     runner = llm.engine.runner
 
@@ -251,10 +249,11 @@ def test_constrained_steps_stay_asynchronous(llm, monkeypatch):
     assert out.outputs[0].finish_reason == "stop"
     # each step() launches the sampler of the step in flight (its mask filled while its
     # forward ran), then the next forward, then fetches the step before; the first step has
-    # no step before it, and the last one launched is never sampled (the grammar ended the
-    # request in the step before)
-    assert events[0] == "forward"
-    steady = " ".join(events[1:])
+    # no step before it, and the last one launched (the grammar ended the request in the step
+    # before) is sampled and fetched alone as generate returns, leaving the engine idle
+    assert events[0] == "forward" and events[-2:] == ["sample", "fetch"]
+    assert not llm.engine.has_unfinished_requests()
+    steady = " ".join(events[1:-2])
     cycles = len(events[1:]) // 3
     assert steady == " ".join(["sample forward fetch"] * cycles), events
     assert len(out.outputs[0].token_ids) >= 10 and cycles >= 10
