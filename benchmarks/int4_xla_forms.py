@@ -34,7 +34,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 
-
 def _args(argv: list[str] | None) -> argparse.Namespace:
     from pjinfer.benchmarks.quant_matmul import add_stack_args
 
@@ -65,19 +64,13 @@ def native_weight(rng: np.random.Generator, k: int, n: int, group_size: int) -> 
 
 def native_dot(x, w: dict, zeros: bool):
     """x [T, K] @ the native weight's [K, N] -> [T, N] (bf16), grouped along K."""
-    import jax
-    import jax.numpy as jnp
-
     n, k = w["values"].shape
     groups = w["scales"].shape[1]
     v = w["values"].astype(x.dtype).reshape(n, groups, k // groups)  # [N, G, gs]
     dense = v * w["scales"][:, :, None]
     if zeros:
         dense = dense - w["zero_scales"][:, :, None]
-    dense = dense.reshape(n, k)  # [N, K], K contiguous as stored
-    y = jax.lax.dot_general(x, dense, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
+    return _dot_stored(x, dense.reshape(n, k))
 
 
 def bitcast_dot(x, w):
@@ -96,7 +89,16 @@ def bitcast_dot(x, w):
     x = x.reshape(t, k // (2 * span), 2, span).swapaxes(2, 3).reshape(t, k)
     v = jax.lax.bitcast_convert_type(w.packed, jnp.uint4).reshape(n, groups, k // groups)
     zero = w.zero_point if w.zeros is None else w.zeros.T[:, :, None].astype(x.dtype)
-    dense = ((v.astype(x.dtype) - zero) * w.scales.T[:, :, None].astype(x.dtype)).reshape(n, k)
+    dense = (v.astype(x.dtype) - zero) * w.scales.T[:, :, None].astype(x.dtype)
+    return _dot_stored(x, dense.reshape(n, k))
+
+
+def _dot_stored(x, dense):
+    """x [T, K] @ a weight stored [N, K] (K contiguous, no transpose) -> [T, N] in x's dtype,
+    float32 sums."""
+    import jax
+    import jax.numpy as jnp
+
     y = jax.lax.dot_general(x, dense, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)
     return y.astype(x.dtype)

@@ -15,4 +15,3 @@ def fail_launch(monkeypatch, engine, call: int, message: str) -> None:
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(engine.runner, "forward", faulty)
-
