@@ -99,6 +99,9 @@
 #   bash benchmarks/run_h200.sh int4forms # XLA's int4 dot: the engine's unpacked form vs int4
 #                                         # operands (jnp.int4, the bytes as uint4) at 128 and
 #                                         # 512 rows (~2 min; INT4FORMS_TOKENS overrides)
+#   bash benchmarks/run_h200.sh int4rows  # int4 at 64-512 rows: bf16, XLA's dequantize-then-
+#                                         # dot, the kernel's default, then wide tilings per
+#                                         # row count (~7 min; INT4ROWS_TOKENS overrides)
 #   bash benchmarks/run_h200.sh --smoke pjinfer hf serve   # the same plumbing, tiny, on CPU
 #
 # Each stage fits one 10-minute device command; every step has its own time limit, and a
@@ -681,6 +684,25 @@ stage_int4forms() {
       --out "$JSON/int4_forms.json"
 }
 
+# Issue 14: XLA reads int4 inside no dot (round 46), so int4 above 48 rows needs the kernel;
+# its 64-row tiles were 2-3x slower than its 16-row ones (round 17). Wide tilings, the weight
+# as the register operand (wT.dot) among them, against XLA and bf16 at each row count.
+INT4_WIDE_TILINGS=("t16 n128 k128x1 s8 w4 st3 (dot)" "t64 n128 k128x1 s1 w4 st3 (dot)"
+  "t64 n128 k128x1 s1 w8 st3 (wT.dot)" "t64 n256 k128x1 s1 w8 st3 (wT.dot)"
+  "t128 n128 k128x1 s1 w8 st3 (dot)" "t128 n256 k128x1 s1 w8 st3 (wT.dot)"
+  "t32 n128 k128x1 s1 w4 st3 (wT.dot)")
+stage_int4rows() {
+  local tokens=(${INT4ROWS_TOKENS:-64 128 256 512}) stack=() t
+  [ $SMOKE = 1 ] && tokens=(64) stack=(--matrices 1 --k 512 --n 256 --calls 1 --samples 1)
+  step int4_rows_base 150 $PY -m pjinfer.benchmarks.quant_matmul --kinds int4 \
+      --tokens "${tokens[@]}" "${stack[@]}" --out "$JSON/int4_rows_base.json"
+  for t in "${tokens[@]}"; do
+    step "int4_rows_sweep_$t" 100 $PY -m pjinfer.benchmarks.quant_matmul --sweep --kinds int4 \
+        --tokens "$t" "${stack[@]}" --tilings "${INT4_WIDE_TILINGS[@]}" \
+        --out "$JSON/int4_rows_sweep_$t.json"
+  done
+}
+
 # fp8 at 2 token rows (a step padded to `--cuda-graph-sizes 2`): the default, a dot since
 # round 24, vs the elementwise tiling the rules picked for 2 rows before it, per Llama-3-8B
 # decode projection (round 24's call 3 ran the same pairs with the elementwise one default).
@@ -889,7 +911,8 @@ for stage in "${STAGES[@]}"; do
     quanttuned) stage_quanttuned ;;
     quantt2) stage_quantt2 ;;
     int4forms) stage_int4forms ;;
-    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moemid | moefp8 | moeprofile | w8a8 | decodesplits | kvfp8 | w3fp8 | attnfp8 | kvprobe | raggedfp8 | raggedqwen3 | rotarytests | hoststep | routed | routedwide | densegemv | reduceprobe | pdlcheck | loramulti | int4ncu | quantshapes | quanttuned | quantt2 | int4forms)" ;;
+    int4rows) stage_int4rows ;;
+    *) log "unknown stage $stage (pjinfer | hf | serve | startup | profile | long | structured | moe | lora | quant | graphs | host | multistep | moetput | moemid | moefp8 | moeprofile | w8a8 | decodesplits | kvfp8 | w3fp8 | attnfp8 | kvprobe | raggedfp8 | raggedqwen3 | rotarytests | hoststep | routed | routedwide | densegemv | reduceprobe | pdlcheck | loramulti | int4ncu | quantshapes | quanttuned | quantt2 | int4forms | int4rows)" ;;
   esac
 done
 pack
