@@ -353,9 +353,9 @@ QUANT_PALLAS_MAX_ROWS = 64  # between the measured 16 (Pallas 1.9-5x faster) and
 
 def pallas_max_rows(w: QuantizedWeight) -> int:
     """Rows of x up to which `w` takes the weight-only kernel: `QUANT_PALLAS_MAX_ROWS`, int4
-    `INT4_DOT_ROWS` (H200, 24 x 4096 x 14336 g128, 16-row tiles: the kernel 0.73 / 0.71 /
-    0.98 ms at 24 / 32 / 48 rows (round 18), XLA's dequantize-then-dot 1.92-1.97 ms from 16
-    to 64 rows, the kernel's 64-row tiles 2.71 ms at 64 (round 17); RESULTS.md)."""
+    `INT4_DOT_ROWS` (H200, 24 x 4096 x 14336 g128, 16-row tiles: 0.48 / 0.71 / 0.98 ms at
+    1 / 2 / 3 tiles (round 18), so ~1.2 at 4 (64 rows; at most 4 x 0.48, untimed), XLA's
+    dequantize-then-dot 1.92-1.97 ms from 16 to 64 rows; RESULTS.md rounds 18, 46)."""
     return INT4_DOT_ROWS if w.kind == "int4" else QUANT_PALLAS_MAX_ROWS
 
 def lora_group_deltas(x: jax.Array, adapters: list[lora_matmul.Adapter], slots: jax.Array, *,

@@ -124,7 +124,8 @@ def supported(x: jax.Array, w: QuantizedWeight, sizes: QuantMatmulBlockSizes) ->
             and (not sizes.float16_dot or (w.kind == "fp8" and not sizes.elementwise)))
 
 
-INT4_DOT_ROWS = 48  # int4 tokens the 16-row dot tiles take (the Pallas dispatch's limit)
+INT4_DOT_ROWS = 64  # int4 tokens the 16-row dot tiles take (the Pallas dispatch's limit):
+# 4 tiles at 64 rows cost at most 4x one tile's 0.48 ms, XLA's form 1.93 (H200, round 18)
 # up to here no dot (no padding to 16 rows); above, `jnp.dot`. At 2 rows (a step padded to
 # `--cuda-graph-sizes 2`) the fp8 elementwise tilings ran 1.3-1.8x the dots' times on the
 # H200 at each Llama-3-8B projection (RESULTS.md round 24), so only one token skips the dot
@@ -250,7 +251,8 @@ def rule_block_sizes(num_tokens: int, w: QuantizedWeight,
     rules = regime(w.kind, elementwise)
     # int4 dots stay at 16 token rows up to the kernel's dispatch limit: 24-48 rows took
     # 2.0-2.25 ms a stack in 64-row tiles on the H200, 0.73-0.98 in 16-row ones
-    # (benchmarks/results/round17/call6_7/int4_rows.json, round18/call12/int4_rows.json)
+    # (benchmarks/results/round17/call6_7/int4_rows.json, round18/call12/int4_rows.json);
+    # each 16-row tile re-streams the weight (~0.25 ms a tile there, L2 sharing the rest)
     small = num_tokens <= (INT4_DOT_ROWS if int4 else 16)
     bt = common.next_pow2(num_tokens) if elementwise else (16 if small else 64)
     block = 2 * w.span if int4 else group_rows  # a load stays inside this many input rows
