@@ -126,6 +126,7 @@ def supported(x: jax.Array, w: QuantizedWeight, sizes: QuantMatmulBlockSizes) ->
 
 INT4_DOT_ROWS = 64  # int4 tokens the 16-row dot tiles take (the Pallas dispatch's limit):
 # 4 tiles at 64 rows cost at most 4x one tile's 0.48 ms, XLA's form 1.93 (H200, round 18)
+
 # up to here no dot (no padding to 16 rows); above, `jnp.dot`. At 2 rows (a step padded to
 # `--cuda-graph-sizes 2`) the fp8 elementwise tilings ran 1.3-1.8x the dots' times on the
 # H200 at each Llama-3-8B projection (RESULTS.md round 24), so only one token skips the dot
