@@ -59,9 +59,8 @@ class LLMEngine:
         if config.compilation_cache_dir:
             use_compilation_cache(config.compilation_cache_dir)
         model_dir = config.model or str(DEMO_MODEL_DIR)
-        # seconds per start-up phase (a restart's cost, reported by the benchmarks); the
-        # tokenizer loads in a thread beside the others (importing transformers takes seconds),
-        # so `tokenizer` overlaps them and `tokenizer_wait` is what it added
+        # seconds per start-up phase (a restart's cost); the tokenizer loads in a thread beside the
+        # others (importing transformers takes seconds): `tokenizer_wait` is what it added to them
         self.startup_phases: dict[str, float] = {}
         start = time.perf_counter()
         with ThreadPoolExecutor(1, thread_name_prefix="pjinfer-tokenizer") as pool:
@@ -215,8 +214,7 @@ class LLMEngine:
         return [Request(
             request_id=request_id if i == 0 else f"{request_id}#{i}", group_id=request_id,
             index=i, prompt_token_ids=prompt_ids, params=params, seed=base_seed + i,
-            eos_token_id=self.eos_token_id, priority=priority, arrival_time=now,
-            deadline=deadline,
+            eos_token_id=self.eos_token_id, priority=priority, arrival_time=now, deadline=deadline,
         ) for i in range(params.n)]
 
     # ---- LoRA adapters (vLLM's add_lora / remove_lora) ----------------------------------------
@@ -248,8 +246,11 @@ class LLMEngine:
         return self.output_processor.final_output(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None \
-            or self.structured_output.num_parked > 0
+        return self.has_queued_requests() or self._in_flight is not None
+
+    def has_queued_requests(self) -> bool:
+        """Work left besides a step in flight: scheduled, running or parked requests."""
+        return self.scheduler.has_unfinished() or self.structured_output.num_parked > 0
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -383,8 +384,7 @@ class LLMEngine:
         for r, stop in self.output_processor.process(launched.sched, update.new_tokens, result):
             self.scheduler.finish_requests([r], RequestStatus.FINISHED_STOPPED, stop)
         self._fail_processed()
-        self.metrics.on_step(launched.sched.num_prompt_tokens,
-                             time.perf_counter() - launched.start)
+        self.metrics.on_step(launched.sched.num_prompt_tokens, time.perf_counter() - launched.start)
         return {nt.request.group_id for nt in update.new_tokens}
 
     @property

@@ -45,6 +45,5 @@ def _collect_in_flight(engine: LLMEngine) -> None:
     """With asynchronous scheduling a step launched before its requests were seen to stop
     (EOS, a stop string) is still in flight; with nothing else queued, finish it now, so the
     engine is idle when the batch is returned (as vLLM's `LLM.generate` leaves it)."""
-    while engine.has_unfinished_requests() and not engine.scheduler.has_unfinished() \
-            and engine.structured_output.num_parked == 0:
+    while engine.has_unfinished_requests() and not engine.has_queued_requests():
         engine.step()
