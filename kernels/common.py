@@ -14,7 +14,9 @@ from jax.experimental.pallas import triton as pltriton
 MASK_VALUE = -1e30
 # Programs that fill an H100 / H200 twice (132 SMs): what the decode kernel's context splits
 # and the quantized GEMVs' column blocks (Triton) and K ranges (Mosaic fp8) aim for.
-MIN_PROGRAMS = 2 * 132
+NUM_SMS = 132
+MIN_PROGRAMS = 2 * NUM_SMS
+SMEM_PER_SM = 227 * 1024  # shared memory of an H100 / H200 SM's programs (one may take all)
 
 
 def mosaic_gpu_interpret_params():

@@ -29,7 +29,7 @@ from pjinfer.kernels.fp8_matmul import fp8_w8a8_matmul, per_channel_fp8
 from pjinfer.kernels.grouped_matmul import default_grouped_block_sizes
 from pjinfer.kernels.grouped_matmul import grouped_matmul as pallas_grouped_matmul
 from pjinfer.kernels.metadata import AttentionMetadata
-from pjinfer.kernels.quantized_matmul_tiling import INT4_DOT_ROWS
+from pjinfer.kernels.quantized_matmul_tiling import INT4_MAX_ROWS
 from pjinfer.kernels.ragged_attention import ragged_attention, ragged_attention_reference
 from pjinfer.kernels.rotary_write import (
     QKTransform,
@@ -304,8 +304,8 @@ ROUTED_DECODE_TOKENS = 32  # the decode buckets of up to 32 sequences
 
 def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, out_dtype=None,
                      backend: str = "auto") -> jax.Array:
-    """x [T, K] @ a quantized weight [K, N] -> [T, N]. Up to `QUANT_PALLAS_MAX_ROWS` rows
-    (decode) the weight-only Pallas kernel streams the packed bytes of an unsharded weight;
+    """x [T, K] @ a quantized weight [K, N] -> [T, N]. Up to `pallas_max_rows` rows (decode;
+    int4 also short prefills) the weight-only Pallas kernel streams the packed bytes of a weight;
     above, per-channel fp8 weights run W8A8 (`fp8_matmul`, XLA's fp8 GEMM) and the others,
     like everything off GPU, XLA's dequantize-then-dot (`quantized_matmul_reference`).
 
@@ -353,10 +353,9 @@ QUANT_PALLAS_MAX_ROWS = 64  # between the measured 16 (Pallas 1.9-5x faster) and
 
 def pallas_max_rows(w: QuantizedWeight) -> int:
     """Rows of x up to which `w` takes the weight-only kernel: `QUANT_PALLAS_MAX_ROWS`, int4
-    `INT4_DOT_ROWS` (H200, 24 x 4096 x 14336 g128, 16-row tiles: 0.48 / 0.71 / 0.98 ms at
-    1 / 2 / 3 tiles (round 18), so ~1.2 at 4 (64 rows; at most 4 x 0.48, untimed), XLA's
-    dequantize-then-dot 1.92-1.97 ms from 16 to 64 rows; RESULTS.md rounds 18, 46)."""
-    return INT4_DOT_ROWS if w.kind == "int4" else QUANT_PALLAS_MAX_ROWS
+    `INT4_MAX_ROWS` (H200, 24 x 4096 x 14336 g128, the kernel / XLA's dequantize-then-dot:
+    1.06 / 1.99 ms at 128 rows, 2.05 / 2.33 at 256, 3.77 / 3.53 at 512; RESULTS.md round 47)."""
+    return INT4_MAX_ROWS if w.kind == "int4" else QUANT_PALLAS_MAX_ROWS
 
 def lora_group_deltas(x: jax.Array, adapters: list[lora_matmul.Adapter], slots: jax.Array, *,
                       backend: str = "auto") -> list[jax.Array]:

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 import jax
 
 from pjinfer.kernels import common
-from pjinfer.kernels.common import MIN_PROGRAMS
+from pjinfer.kernels.common import MIN_PROGRAMS, NUM_SMS, SMEM_PER_SM
 from pjinfer.quantization.weight import QuantizedWeight
 
 DOT_MIN_ROWS = 16  # Triton's smallest dot: M, N and K all >= 16
@@ -124,8 +124,13 @@ def supported(x: jax.Array, w: QuantizedWeight, sizes: QuantMatmulBlockSizes) ->
             and (not sizes.float16_dot or (w.kind == "fp8" and not sizes.elementwise)))
 
 
-INT4_DOT_ROWS = 64  # int4 tokens the 16-row dot tiles take (the Pallas dispatch's limit):
-# 4 tiles at 64 rows cost at most 4x one tile's 0.48 ms, XLA's form 1.93 (H200, round 18)
+# int4 rows by tiling (H200, 24 x 4096 x 14336 g128, RESULTS.md round 47; XLA's dequantize-
+# then-dot 1.93-1.99 ms up to 128 rows, 2.33 at 256, 3.53 at 512): 16-row dot tiles up to
+# INT4_DOT_ROWS (one 0.44-0.48 ms, two 0.71-0.73, round 18), one 64-row tile to 64 rows (0.72
+# at 64, where four 16-row tiles took 1.18), 128-row tiles with the weight as the MMA's
+# register operand to INT4_MAX_ROWS (1.06 at 128, 2.05 at 256); XLA above (3.77 at 512)
+INT4_DOT_ROWS = 32
+INT4_MAX_ROWS = 256  # the Pallas dispatch's limit for int4
 
 # up to here no dot (no padding to 16 rows); above, `jnp.dot`. At 2 rows (a step padded to
 # `--cuda-graph-sizes 2`) the fp8 elementwise tilings ran 1.3-1.8x the dots' times on the
@@ -250,16 +255,16 @@ def rule_block_sizes(num_tokens: int, w: QuantizedWeight,
     if elementwise is None:
         elementwise = num_tokens <= ELEMENTWISE_MAX_TOKENS and not int4
     rules = regime(w.kind, elementwise)
-    # int4 dots stay at 16 token rows up to the kernel's dispatch limit: 24-48 rows took
-    # 2.0-2.25 ms a stack in 64-row tiles on the H200, 0.73-0.98 in 16-row ones
-    # (benchmarks/results/round17/call6_7/int4_rows.json, round18/call12/int4_rows.json);
-    # each 16-row tile re-streams the weight (~0.25 ms a tile there, L2 sharing the rest)
+    # int4 dots stay at 16 token rows up to INT4_DOT_ROWS (each 16-row tile re-streams the
+    # weight, ~0.25 ms a tile on the H200, L2 sharing the rest), then `_int4_wide`
     small = num_tokens <= (INT4_DOT_ROWS if int4 else 16)
     bt = common.next_pow2(num_tokens) if elementwise else (16 if small else 64)
     block = 2 * w.span if int4 else group_rows  # a load stays inside this many input rows
     bk = common.pow2_dividing(block, per_row * LOAD_ROWS, _min_tile(w.kind, elementwise))
     if bk is None:
         return QuantMatmulBlockSizes(block_t=bt, block_k=group_rows + 1)  # unsupported
+    if int4 and not elementwise and not small:
+        return _int4_wide(num_tokens, rows // bk, widths, bk)
     load_rows = bk // per_row
     cap = rules.block_n
     if elementwise:
@@ -275,6 +280,27 @@ def rule_block_sizes(num_tokens: int, w: QuantizedWeight,
     return QuantMatmulBlockSizes(block_t=bt, block_n=bn, block_k=bk, unroll=unroll,
                                  k_splits=splits, num_warps=rules.num_warps,
                                  num_stages=rules.num_stages)
+
+
+def _int4_wide(num_tokens: int, steps: int, widths: Sequence[int], bk: int
+               ) -> QuantMatmulBlockSizes:
+    """int4 above INT4_DOT_ROWS rows (`steps` loads of `bk` input rows along K): a 64-row dot
+    tile up to 64 rows, else 128-row tiles as w^T @ x^T (8 warps, 4 stages). K splits only
+    while the whole grid stays resident in one wave (shared memory bounds programs an SM),
+    which picks the round 47 sweep's best of each (4096 x 14336: 112 column tiles): a 64-row
+    tile (3 an SM) 2 splits at 64 rows (0.72 ms, 1 split 0.83) and 1 at 128 (1.17; 2 splits
+    1.30, 4 1.47), a 128-row tile (1 an SM) 1 split."""
+    wide = num_tokens > 64
+    bt, warps, stages = (128, 8, 4) if wide else (64, 4, 3)
+    bn = common.pow2_dividing(math.gcd(*widths), 128, 16) or 128
+    smem = stages * (bk // 2 * bn + bt * bk * 2)  # packed and bf16 x tiles a stage
+    slots = NUM_SMS * max(1, SMEM_PER_SM // smem)
+    programs = -(-num_tokens // bt) * (sum(widths) // bn)
+    fits = [d for d in range(1, steps + 1)
+            if steps % d == 0 and steps // d >= 2 and programs * d <= slots]
+    return QuantMatmulBlockSizes(block_t=bt, block_n=bn, block_k=bk, k_splits=max(fits or [1]),
+                                 num_warps=warps, num_stages=stages,
+                                 weight_operand=1 if wide else 2)
 
 
 def legacy_block_sizes(num_tokens: int, w: QuantizedWeight) -> QuantMatmulBlockSizes:

@@ -24,6 +24,7 @@ from pjinfer.kernels.quantized_matmul import (
 )
 from pjinfer.kernels.quantized_matmul_tiling import (
     INT4_DOT_ROWS,
+    INT4_MAX_ROWS,
     TUNED,
     grid_candidates,
     legacy_block_sizes,
@@ -236,20 +237,37 @@ def test_float16_dots_only_for_fp8_dots():
     assert QuantMatmulBlockSizes.parse(dot.describe()) == dot
 
 
-@pytest.mark.parametrize("tokens", [INT4_DOT_ROWS, INT4_DOT_ROWS + 1])
-def test_int4_steps_above_the_dot_rows_take_xla(tokens, monkeypatch):
-    """int4 weights take the kernel up to INT4_DOT_ROWS rows, in 16-row dot tiles, and XLA's
-    dequantize-then-dot above (the H200 ran it faster than the kernel's 64-row tiles)."""
+@pytest.mark.parametrize("tokens", [INT4_MAX_ROWS, INT4_MAX_ROWS + 1])
+def test_int4_steps_above_the_kernels_rows_take_xla(tokens, monkeypatch):
+    """int4 weights take the kernel up to INT4_MAX_ROWS rows and XLA's dequantize-then-dot
+    above (the H200 ran XLA's form faster at 512 rows, the kernel faster up to 256)."""
     rng = np.random.default_rng(tokens)
     w = _weight(rng, "int4", 64, 32, 32, asym=True)
     x = jnp.asarray(rng.standard_normal((tokens, 64)), jnp.float32)
-    assert pick_block_sizes(INT4_DOT_ROWS, w).block_t == 16
     calls = []
     kernel = qmm.quantized_matmuls
     monkeypatch.setattr(qmm, "quantized_matmuls",
                         lambda *a, **k: calls.append(1) or kernel(*a, **k))
     out = ops.quantized_matmuls(x, [w], backend="pallas")[0]
-    assert bool(calls) == (tokens <= INT4_DOT_ROWS)
+    assert bool(calls) == (tokens <= INT4_MAX_ROWS)
+    assert rel_err(out, quantized_matmul_reference(x, w)) < TOL[jnp.float32]
+
+
+@pytest.mark.parametrize("asym, group", [(True, 32), (False, 128)])
+@pytest.mark.parametrize("tokens, tiling", [
+    (INT4_DOT_ROWS, "t16 n64 k32x1 s4 w4 st3 (dot)"),
+    (INT4_DOT_ROWS + 1, "t64 n64 k32x1 s4 w4 st3 (dot)"),
+    (100, "t128 n64 k32x1 s4 w8 st4 (wT.dot)")])
+def test_int4_row_counts_pick_their_tiles(asym, group, tokens, tiling):
+    """16-row dot tiles up to INT4_DOT_ROWS, then one 64-row tile, then 128-row tiles with the
+    weight as the first operand; each default matches the reference."""
+    rng = np.random.default_rng(tokens + group)
+    w = _weight(rng, "int4", 256, 64, group, asym)
+    x = jnp.asarray(rng.standard_normal((tokens, 256)), jnp.float32)
+    sizes = pick_block_sizes(tokens, w)
+    assert sizes.describe().split(" k")[0] == tiling.split(" k")[0]
+    assert sizes.describe().endswith(tiling.split(" st")[1][1:])
+    out = quantized_matmul(x, w, interpret=True)
     assert rel_err(out, quantized_matmul_reference(x, w)) < TOL[jnp.float32]
 
 
@@ -261,7 +279,7 @@ def test_xla_dequantization_waits_for_its_input(backend):
     round 44)."""
     rng = np.random.default_rng(0)
     w = _weight(rng, "int4", 64, 32, 32, asym=True)
-    x = jnp.asarray(rng.standard_normal((INT4_DOT_ROWS + 1, 64)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((INT4_MAX_ROWS + 1, 64)), jnp.float32)
     jaxpr = jax.make_jaxpr(lambda x, w: ops.quantized_matmuls(x, [w], backend=backend))(x, w)
     packed, scales, zeros = jaxpr.jaxpr.invars[1:]
     users = [e for e in jaxpr.jaxpr.eqns if {packed, scales, zeros} & set(e.invars)]
@@ -307,8 +325,8 @@ def test_block_sizes_fill_the_gpu_at_decode(kind, group, rows, cols):
         load_bytes = b.block_k // (2 if kind == "int4" else 1) * b.block_n
         assert load_bytes * b.unroll == rules.step_bytes
         assert rows // (b.block_k * b.unroll * b.k_splits) >= 2
-    prefill = pick_block_sizes(2048, w)
-    assert (prefill.block_t, prefill.k_splits) == (64, 1)
+    prefill = pick_block_sizes(2048, w)  # int4: 128-row tiles above 64 rows
+    assert (prefill.block_t, prefill.k_splits) == (128 if kind == "int4" else 64, 1)
     candidates = sweep_candidates(1, w, x)
     assert candidates[0] == pick_block_sizes(1, w) and len(set(candidates)) == len(candidates)
     assert candidates[0] == pick_block_sizes(1, w, tuned=False) or (kind, rows, cols) in TUNED
@@ -417,11 +435,15 @@ def test_group_falls_back_per_weight():
 @pytest.mark.parametrize("kind, tokens, best", [
     ("int4", 1, "t16 n128 k128x1 s8 w4 st3 (dot)"), ("int4", 16, "t16 n128 k128x1 s8 w4 st3 (dot)"),
     ("fp8", 1, "t1 n64 k64x4 s4 w8 st1 (sum)"), ("fp8", 16, "t16 n64 k64x2 s4 w4 st3 (dot)"),
-    ("int8", 1, "t1 n128 k64x4 s4 w8 st1 (sum)"), ("int8", 16, "t16 n128 k64x2 s4 w4 st3 (dot)")])
+    ("int8", 1, "t1 n128 k64x4 s4 w8 st1 (sum)"), ("int8", 16, "t16 n128 k64x2 s4 w4 st3 (dot)"),
+    ("int4", 64, "t64 n128 k128x1 s2 w4 st3 (dot)"),
+    ("int4", 128, "t128 n128 k128x1 s1 w8 st4 (wT.dot)"),
+    ("int4", 256, "t128 n128 k128x1 s1 w8 st4 (wT.dot)")])
 def test_defaults_are_the_h200_sweeps_best(kind, tokens, best):
     """benchmarks/results/round3/quant_sweep.json: 4096 x 14336, int4 g128, per channel;
     fp8 ([N, K] since round 10): benchmarks/results/round10/w8a8_sweep.json; int4 ([N, K/2]
-    since round 17): benchmarks/results/round18/call10/int4_grid.json."""
+    since round 17): benchmarks/results/round18/call10/int4_grid.json; int4 at 64-256 rows:
+    benchmarks/results/round47/call2/int4_wide_*.json."""
     dtype = {"int4": jnp.uint8, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kind]
     packed = jnp.zeros(packed_shape(kind, 4096, 14336), dtype)
     w = QuantizedWeight(packed, jnp.ones((32 if kind == "int4" else 1, 14336)), kind=kind)
