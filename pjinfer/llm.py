@@ -48,6 +48,15 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name for the engine behind the class (scripts reach it as `llm.llm_engine`)."""
+        return self.engine
+
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer, as vLLM's `LLM.get_tokenizer()` returns it."""
+        return self.engine.tokenizer
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, priority: Sequence[int] | None = None,

@@ -56,6 +56,17 @@ def test_vllm_prompt_dicts_and_the_frozen_heap(demo):
     assert gc.get_freeze_count() > 0 and "gc_freeze" in demo.engine.startup_phases
 
 
+def test_vllm_accessors_reach_the_engine_and_tokenizer(demo):
+    """vLLM scripts reach the engine as `llm.llm_engine` and the tokenizer through
+    `llm.get_tokenizer()`: the same objects as pjinfer's own names."""
+    assert demo.llm_engine is demo.engine
+    assert demo.get_tokenizer() is demo.tokenizer is demo.engine.tokenizer
+    ids = demo.get_tokenizer().encode("Beautiful is better than")
+    params = SamplingParams(temperature=0, max_tokens=4)
+    assert demo.generate({"prompt_token_ids": ids}, params)[0].prompt_token_ids == ids
+    assert not demo.llm_engine.has_unfinished_requests()
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(demo):
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16)
     alone = demo.generate(["Errors should"], params)[0].outputs[0].token_ids
