@@ -79,11 +79,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                for _ in range(2)]  # a warm-up set (no prefix-cache hits after it), the timed
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
     # every step shape of the timed pass compiled outside it
-    llm.generate(prompts[0], SamplingParams(max_tokens=3, ignore_eos=True, temperature=0))
+    llm.generate(prompts[0], SamplingParams(max_tokens=3, ignore_eos=True, temperature=0),
+                 use_tqdm=False)
     times, undo = timed_phases()
     try:
         start = time.perf_counter()
-        llm.generate(prompts[1], params)
+        llm.generate(prompts[1], params, use_tqdm=False)
         elapsed = time.perf_counter() - start
     finally:  # the engine's own methods back, whatever happened
         for cls, method, original in undo:

@@ -184,9 +184,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = _build(lambda _: LLM(**engine_args), ecfg)
     try:
         if args.chat:
-            outputs = llm.chat([{"role": "user", "content": args.prompt}], params)
+            outputs = llm.chat([{"role": "user", "content": args.prompt}], params,
+                               use_tqdm=False)
         else:
-            outputs = llm.generate(args.prompt, params)
+            outputs = llm.generate(args.prompt, params, use_tqdm=False)
     except ValueError as e:
         raise UsageError(str(e)) from None
     _print_outputs(outputs[0].outputs)

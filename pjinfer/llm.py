@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from tqdm import tqdm
 
 from pjinfer.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pjinfer.engine.config import EngineConfig
@@ -59,13 +61,15 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | Callable[..., tqdm] = True,
                  *, priority: Sequence[int] | None = None,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  ) -> list[RequestOutput]:
-        """One finished RequestOutput per prompt, in the order given. `priority` (one int per
-        prompt, lower first, as vLLM) orders them under `scheduling_policy="priority"`.
-        `lora_request`: one adapter for every prompt, or one (or None: the base model) per
-        prompt (needs `enable_lora=True`)."""
+        """One finished RequestOutput per prompt, in the order given. `use_tqdm`: a progress
+        bar on stderr as prompts finish (as vLLM; a callable makes the bar in tqdm's place).
+        `priority` (one int per prompt, lower first, as vLLM) orders them under
+        `scheduling_policy="priority"`. `lora_request`: one adapter for every prompt, or one
+        (or None: the base model) per prompt (needs `enable_lora=True`)."""
         prompts = _as_list(prompts)
         loras = _per_prompt(lora_request, len(prompts), "lora_request")
         params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -83,10 +87,11 @@ class LLM:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
-        return self._run(ids, prompts)
+        return self._run(ids, prompts, use_tqdm)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool | Callable[..., tqdm] = True,
              tools: list[dict[str, Any]] | None = None,
              *, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
              ) -> list[RequestOutput]:
@@ -94,7 +99,7 @@ class LLM:
         function definitions, for templates that show them), then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [apply_chat_template(self.tokenizer, c, tools=tools) for c in conversations]
-        return self.generate(prompts, sampling_params, lora_request=lora_request)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
@@ -105,13 +110,19 @@ class LLM:
         search = BeamSearch([self.engine.prompt_ids(p) for p in _as_list(prompts)], params,
                             self.engine.eos_token_id)
         while not search.done:
-            outs = self.generate(search.requests(), search.sampling_params())
+            outs = self.generate(search.requests(), search.sampling_params(), use_tqdm=False)
             search.advance([out.outputs[0].logprobs[0] for out in outs])
         tokenizer = self.tokenizer
         return search.results(tokenizer.decode if tokenizer is not None else None)
 
-    def _run(self, ids: list[str], prompts: list[Prompt]) -> list[RequestOutput]:
-        done = run_to_completion(self.engine, ids)
+    def _run(self, ids: list[str], prompts: list[Prompt], use_tqdm) -> list[RequestOutput]:
+        bar = _progress_bar(use_tqdm, len(ids))
+        try:
+            done = run_to_completion(self.engine, ids,
+                                     on_finished=bar.finished if bar is not None else None)
+        finally:
+            if bar is not None:
+                bar.close()
         for rid, prompt in zip(ids, prompts, strict=True):
             done[rid].prompt = prompt if isinstance(prompt, str) else None
         return [done[rid] for rid in ids]
@@ -119,9 +130,36 @@ class LLM:
 
 def generate(model: str | None, prompts: Prompt | Sequence[Prompt],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             **engine_args) -> list[RequestOutput]:
+             *, use_tqdm: bool | Callable[..., tqdm] = True, **engine_args
+             ) -> list[RequestOutput]:
     """One-shot: load `model` (None = the demo model), generate, return one output per prompt."""
-    return LLM(model, **engine_args).generate(prompts, sampling_params)
+    return LLM(model, **engine_args).generate(prompts, sampling_params, use_tqdm)
+
+
+class _ProgressBar:
+    """vLLM's offline progress bar: prompts finished, with the input and output token rates."""
+
+    def __init__(self, factory: Callable[..., tqdm], total: int):
+        self.bar = factory(total=total, desc="Processed prompts", dynamic_ncols=True)
+        self.tokens = [0, 0]  # input, output
+
+    def finished(self, out: RequestOutput) -> None:
+        self.tokens[0] += len(out.prompt_token_ids)
+        self.tokens[1] += sum(len(c.token_ids) for c in out.outputs)
+        elapsed = max(self.bar.format_dict.get("elapsed", 0.0), 1e-9)
+        self.bar.set_postfix_str(f"est. speed input: {self.tokens[0] / elapsed:.2f} toks/s, "
+                                 f"output: {self.tokens[1] / elapsed:.2f} toks/s",
+                                 refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _progress_bar(use_tqdm: bool | Callable[..., tqdm], total: int) -> _ProgressBar | None:
+    if not use_tqdm:
+        return None
+    return _ProgressBar(use_tqdm if callable(use_tqdm) else tqdm, total)
 
 
 def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:

@@ -6,6 +6,7 @@ import gc
 import time
 
 import pytest
+from tqdm import tqdm
 
 import pjinfer
 from pjinfer import LLM, SamplingParams
@@ -65,6 +66,29 @@ def test_vllm_accessors_reach_the_engine_and_tokenizer(demo):
     params = SamplingParams(temperature=0, max_tokens=4)
     assert demo.generate({"prompt_token_ids": ids}, params)[0].prompt_token_ids == ids
     assert not demo.llm_engine.has_unfinished_requests()
+
+
+def test_progress_bar_counts_finished_prompts(demo, capsys):
+    """`use_tqdm` (vLLM's): True draws tqdm's bar on stderr, a callable makes the bar, False
+    none; the outputs are the same either way."""
+    params = SamplingParams(temperature=0, max_tokens=6)
+    prompts = ["Beautiful is", "Simple is", "Flat is"]
+    quiet = demo.generate(prompts, params, use_tqdm=False)
+    assert capsys.readouterr().err == ""
+    shown = demo.generate(prompts, params)
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and "3/3" in err and "output: " in err
+    made = []
+
+    class Bar(tqdm):
+        def __init__(self, **kwargs):
+            made.append(kwargs["total"])
+            super().__init__(**kwargs, disable=True)
+
+    chats = demo.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=Bar)
+    assert made == [3] and len(chats) == 3
+    assert [o.outputs[0].token_ids for o in quiet] == [o.outputs[0].token_ids for o in shown]
+    assert_idle(demo.engine)
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(demo):
