@@ -188,12 +188,23 @@ def _min_tile(kind: str, elementwise: bool) -> int:
     return per_row * (1 if elementwise else DOT_MIN_ROWS)
 
 
-def _splits(total_steps: int, programs: int, target: int) -> int:
-    """Fewest K ranges (a divisor of the steps) giving `target` programs, each >= 2 steps
-    where the weight has them (a lone step leaves nothing to pipeline)."""
+def _split_choices(total_steps: int) -> list[int]:
+    """K range counts a weight of `total_steps` loop steps can take, ascending: divisors of the
+    steps leaving each range >= 2 of them where the weight has them (a lone step leaves
+    nothing to pipeline)."""
     divisors = [d for d in range(1, total_steps + 1) if total_steps % d == 0]
-    usable = [d for d in divisors if total_steps // d >= 2] or [1]
+    return [d for d in divisors if total_steps // d >= 2] or [1]
+
+
+def _splits(total_steps: int, programs: int, target: int) -> int:
+    """Fewest K ranges (`_split_choices`) giving `target` programs."""
+    usable = _split_choices(total_steps)
     return next((d for d in usable if programs * d >= target), usable[-1])
+
+
+def _stage_bytes(bt: int, bn: int, bk: int, per_row: int) -> int:
+    """Shared memory of one stage of a dot's pipeline: the packed tile and x's bf16 tile."""
+    return bk // per_row * bn + bt * bk * 2
 
 
 # Tilings the rules above miss, per weight shape, measured on the H200 (32 of the shape
@@ -263,16 +274,16 @@ def rule_block_sizes(num_tokens: int, w: QuantizedWeight,
     bk = common.pow2_dividing(block, per_row * LOAD_ROWS, _min_tile(w.kind, elementwise))
     if bk is None:
         return QuantMatmulBlockSizes(block_t=bt, block_k=group_rows + 1)  # unsupported
-    if int4 and not elementwise and not small:
-        return _int4_wide(num_tokens, rows // bk, widths, bk)
     load_rows = bk // per_row
     cap = rules.block_n
     if elementwise:
         cap = min(cap, max(16, ACC_ELEMENTS // (bt * load_rows)))
     bn = common.pow2_dividing(math.gcd(*widths), cap, 16) or cap
+    if int4 and not elementwise and not small:
+        return _int4_wide(num_tokens, rows // bk, sum(widths) // bn, bn, bk)
     step = rules.step_bytes // (load_rows * bn)
-    if not elementwise:  # x tiles (bf16) and packed tiles per stage
-        per_load = load_rows * bn + bt * bk * 2
+    if not elementwise:
+        per_load = _stage_bytes(bt, bn, bk, per_row)
         step = min(step, DOT_SMEM_BYTES // (rules.num_stages * per_load))
     unroll = common.pow2_dividing(rows // bk, max(1, step), 1)
     token_tiles = -(-num_tokens // bt)
@@ -282,9 +293,10 @@ def rule_block_sizes(num_tokens: int, w: QuantizedWeight,
                                  num_stages=rules.num_stages)
 
 
-def _int4_wide(num_tokens: int, steps: int, widths: Sequence[int], bk: int
+def _int4_wide(num_tokens: int, steps: int, column_tiles: int, bn: int, bk: int
                ) -> QuantMatmulBlockSizes:
-    """int4 above INT4_DOT_ROWS rows (`steps` loads of `bk` input rows along K): a 64-row dot
+    """int4 above INT4_DOT_ROWS rows (`steps` loads of `bk` input rows along K, `column_tiles`
+    of the rules' `bn` columns): a 64-row dot
     tile up to 64 rows, else 128-row tiles as w^T @ x^T (8 warps, 4 stages). K splits only
     while the whole grid stays resident in one wave (shared memory bounds programs an SM),
     which picks the round 47 sweep's best of each (4096 x 14336: 112 column tiles): a 64-row
@@ -292,12 +304,9 @@ def _int4_wide(num_tokens: int, steps: int, widths: Sequence[int], bk: int
     1.30, 4 1.47), a 128-row tile (1 an SM) 1 split."""
     wide = num_tokens > 64
     bt, warps, stages = (128, 8, 4) if wide else (64, 4, 3)
-    bn = common.pow2_dividing(math.gcd(*widths), 128, 16) or 128
-    smem = stages * (bk // 2 * bn + bt * bk * 2)  # packed and bf16 x tiles a stage
-    slots = NUM_SMS * max(1, SMEM_PER_SM // smem)
-    programs = -(-num_tokens // bt) * (sum(widths) // bn)
-    fits = [d for d in range(1, steps + 1)
-            if steps % d == 0 and steps // d >= 2 and programs * d <= slots]
+    slots = NUM_SMS * max(1, SMEM_PER_SM // (stages * _stage_bytes(bt, bn, bk, 2)))
+    programs = -(-num_tokens // bt) * column_tiles
+    fits = [d for d in _split_choices(steps) if programs * d <= slots]
     return QuantMatmulBlockSizes(block_t=bt, block_n=bn, block_k=bk, k_splits=max(fits or [1]),
                                  num_warps=warps, num_stages=stages,
                                  weight_operand=1 if wide else 2)

@@ -254,19 +254,19 @@ def test_int4_steps_above_the_kernels_rows_take_xla(tokens, monkeypatch):
 
 
 @pytest.mark.parametrize("asym, group", [(True, 32), (False, 128)])
-@pytest.mark.parametrize("tokens, tiling", [
-    (INT4_DOT_ROWS, "t16 n64 k32x1 s4 w4 st3 (dot)"),
-    (INT4_DOT_ROWS + 1, "t64 n64 k32x1 s4 w4 st3 (dot)"),
-    (100, "t128 n64 k32x1 s4 w8 st4 (wT.dot)")])
-def test_int4_row_counts_pick_their_tiles(asym, group, tokens, tiling):
+@pytest.mark.parametrize("tokens, tile", [
+    # (block_t, block_n, num_warps, num_stages, weight as the first operand)
+    (INT4_DOT_ROWS, (16, 64, 4, 3, False)),
+    (INT4_DOT_ROWS + 1, (64, 64, 4, 3, False)),
+    (100, (128, 64, 8, 4, True))])
+def test_int4_row_counts_pick_their_tiles(asym, group, tokens, tile):
     """16-row dot tiles up to INT4_DOT_ROWS, then one 64-row tile, then 128-row tiles with the
     weight as the first operand; each default matches the reference."""
     rng = np.random.default_rng(tokens + group)
     w = _weight(rng, "int4", 256, 64, group, asym)
     x = jnp.asarray(rng.standard_normal((tokens, 256)), jnp.float32)
-    sizes = pick_block_sizes(tokens, w)
-    assert sizes.describe().split(" k")[0] == tiling.split(" k")[0]
-    assert sizes.describe().endswith(tiling.split(" st")[1][1:])
+    s = pick_block_sizes(tokens, w)
+    assert (s.block_t, s.block_n, s.num_warps, s.num_stages, s.weight_lhs) == tile
     out = quantized_matmul(x, w, interpret=True)
     assert rel_err(out, quantized_matmul_reference(x, w)) < TOL[jnp.float32]
 
