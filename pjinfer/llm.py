@@ -57,7 +57,7 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         """The model's tokenizer, as vLLM's `LLM.get_tokenizer()` returns it."""
-        return self.engine.tokenizer
+        return self.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -141,14 +141,14 @@ class _ProgressBar:
 
     def __init__(self, factory: Callable[..., tqdm], total: int):
         self.bar = factory(total=total, desc="Processed prompts", dynamic_ncols=True)
-        self.tokens = [0, 0]  # input, output
+        self.input_tokens = self.output_tokens = 0
 
     def finished(self, out: RequestOutput) -> None:
-        self.tokens[0] += len(out.prompt_token_ids)
-        self.tokens[1] += sum(len(c.token_ids) for c in out.outputs)
+        self.input_tokens += len(out.prompt_token_ids)
+        self.output_tokens += sum(len(c.token_ids) for c in out.outputs)
         elapsed = max(self.bar.format_dict.get("elapsed", 0.0), 1e-9)
-        self.bar.set_postfix_str(f"est. speed input: {self.tokens[0] / elapsed:.2f} toks/s, "
-                                 f"output: {self.tokens[1] / elapsed:.2f} toks/s",
+        self.bar.set_postfix_str(f"est. speed input: {self.input_tokens / elapsed:.2f} toks/s, "
+                                 f"output: {self.output_tokens / elapsed:.2f} toks/s",
                                  refresh=False)
         self.bar.update(1)
 
