@@ -675,9 +675,9 @@ stage_quanttuned() {
   done
 }
 
-# Issue 14: above the int4 kernel's rows (48, 64 since round 46), XLA's dequantize-then-dot
-# writes each weight out in bf16 (RESULTS.md round 44); whether XLA's dot fusion reads int4
-# operands itself instead.
+# Issue 14: above the int4 kernel's rows (48; 64 since round 46, 256 since 47), XLA's
+# dequantize-then-dot writes each weight out in bf16 (RESULTS.md round 44); whether XLA's dot
+# fusion reads int4 operands itself instead.
 stage_int4forms() {
   local args=(--tokens ${INT4FORMS_TOKENS:-128 512} --calls 5)
   [ $SMOKE = 1 ] && args=(--matrices 2 --k 256 --n 128 --tokens 3 --calls 1 --samples 1)
@@ -685,10 +685,11 @@ stage_int4forms() {
       --out "$JSON/int4_forms.json"
 }
 
-# Issue 14: XLA reads int4 inside no dot (round 46), so int4 above the dispatch limit (64
-# rows) needs the kernel; its 64-row tiles were 2-3x slower than its 16-row ones (round 17).
-# Wide tilings, the weight as the register operand (wT.dot) among them, against XLA and bf16
-# at each row count.
+# Issue 14: XLA reads int4 inside no dot (round 46), so int4 above 64 rows needed the kernel's
+# wide tilings: this sweep (round 47) took the dispatch limit to 256 rows with 64- and 128-row
+# tiles (`quantized_matmul_tiling._int4_wide`). Wide tilings, the weight as the register
+# operand (wT.dot) among them, against XLA and bf16 at each row count; the base run times the
+# rules' default.
 INT4_WIDE_TILINGS=("t16 n128 k128x1 s8 w4 st3 (dot)" "t64 n128 k128x1 s1 w4 st3 (dot)"
   "t64 n128 k128x1 s1 w8 st3 (wT.dot)" "t64 n256 k128x1 s1 w8 st3 (wT.dot)"
   "t128 n128 k128x1 s1 w8 st3 (dot)" "t128 n256 k128x1 s1 w8 st3 (wT.dot)"
