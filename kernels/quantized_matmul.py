@@ -23,10 +23,13 @@ Two reductions: `block_t` >= 16 multiplies each dequantized tile with `jnp.dot` 
 smallest dot has 16 rows); `block_t` < 16 (int8 / fp8 decode, one token) multiplies
 elementwise into a [rows, block_n] float32 accumulator per token, summed over rows once at the
 end, so a single token neither pads to 16 rows nor reduces across threads every step (int4
-dots at one token too: its bf16 pairs make the dot the cheaper form). x itself is never
-padded to whole token tiles (a pad is one more XLA kernel per projection: the decode-only step
-of one sequence has 8 rows, the dot's tile 16): a tile's rows past x's last read that row
-again, and the output has x's rows (the extra ones are masked off at the store).
+dots at one token too: its bf16 pairs make the dot the cheaper form). Below PAD_TILE_ROWS
+rows a tile x is not padded to whole token tiles (a pad is one more XLA kernel per
+projection: the decode-only step of one sequence has 8 rows, the dot's tile 16): a tile's
+rows past x's last read that row again, and the output has x's rows (the extra ones are
+masked off at the store). Wider tiles read as many bytes of x as of the weight, and a partial
+tile's clamped rows are a gather Triton does not stage: there x is padded (int4 at 96 rows
+in 128-row tiles, H100: 2.25 ms unpadded, 1.06 at 128 rows; RESULTS.md round 48).
 
 Dequantization: an int4 / int8 value u becomes the float32 f = 1 + u / 2^bits by shifting it
 into the top of 1.0's mantissa (a shift and one logic op instead of an int-to-float
@@ -72,6 +75,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pjinfer.kernels import common
 from pjinfer.kernels.quantized_matmul_tiling import (
+    PAD_TILE_ROWS,
     QuantMatmulBlockSizes,
     pick_block_sizes,
     supported,
@@ -319,8 +323,11 @@ def quantized_matmuls(x: jax.Array, ws: tuple[QuantizedWeight, ...], *, out_dtyp
         return [quantized_matmul_reference(x, ws[0], out_dtype=out_dtype)]
     w0 = ws[0]
     x = permute_input(x, w0)
-    t, rows = x.shape[0], w0.shape[0]
+    num_rows, rows = x.shape[0], w0.shape[0]
     bt, splits = sizes.block_t, sizes.k_splits
+    if bt >= PAD_TILE_ROWS and num_rows % bt:  # x padded to whole token tiles (see there)
+        x = jnp.pad(x, ((0, -num_rows % bt), (0, 0)))
+    t = x.shape[0]
     # output rows: x's own (a partial last token tile's extra rows are masked off by the
     # store, so a decode step's 1-8 rows do not write 16 rows of float32 partial sums that
     # the K-split sum then reads again: at T=1, 4 splits, a quarter of the weight's bytes)
@@ -349,7 +356,7 @@ def quantized_matmuls(x: jax.Array, ws: tuple[QuantizedWeight, ...], *, out_dtyp
         name=f"weight_only_{w0.kind}_matmul",
     )(x, *sums, *parts)
     out = out[0] if splits == 1 else jnp.sum(out, axis=0)  # [T, sum N]
-    out = out.astype(out_dtype)
+    out = out[:num_rows].astype(out_dtype)
     ends = list(itertools.accumulate(widths))
     return [out[:, e - n:e] for e, n in zip(ends, widths, strict=True)]
 

@@ -127,10 +127,13 @@ def supported(x: jax.Array, w: QuantizedWeight, sizes: QuantMatmulBlockSizes) ->
 # int4 rows by tiling (H200, 24 x 4096 x 14336 g128, RESULTS.md round 47; XLA's dequantize-
 # then-dot 1.93-1.99 ms up to 128 rows, 2.33 at 256, 3.53 at 512): 16-row dot tiles up to
 # INT4_DOT_ROWS (one 0.44-0.48 ms, two 0.71-0.73, round 18), one 64-row tile to 64 rows (0.72
-# at 64, where four 16-row tiles took 1.18), 128-row tiles with the weight as the MMA's
-# register operand to INT4_MAX_ROWS (1.06 at 128, 2.05 at 256); XLA above (3.77 at 512)
+# at 64, where four 16-row tiles took 1.18), then the fewest 64-row tiles' worth of padded
+# rows: an even count as 128-row tiles with the weight as the MMA's register operand (1.06 at
+# 128, 2.05 at 256), three (129-192 rows) as 64-row ones (H100, round 48: 1.79 at 192 where
+# two 128-row tiles, one partial, took 3.43); XLA above INT4_MAX_ROWS (3.77 at 512)
 INT4_DOT_ROWS = 32
 INT4_MAX_ROWS = 256  # the Pallas dispatch's limit for int4
+PAD_TILE_ROWS = 64  # token tiles this wide run over x padded to whole tiles (quantized_matmul)
 
 # up to here no dot (no padding to 16 rows); above, `jnp.dot`. At 2 rows (a step padded to
 # `--cuda-graph-sizes 2`) the fp8 elementwise tilings ran 1.3-1.8x the dots' times on the
@@ -296,20 +299,24 @@ def rule_block_sizes(num_tokens: int, w: QuantizedWeight,
 def _int4_wide(num_tokens: int, steps: int, column_tiles: int, bn: int, bk: int
                ) -> QuantMatmulBlockSizes:
     """int4 above INT4_DOT_ROWS rows (`steps` loads of `bk` input rows along K, `column_tiles`
-    of the rules' `bn` columns): a 64-row dot
-    tile up to 64 rows, else 128-row tiles as w^T @ x^T (8 warps, 4 stages). K splits only
-    while the whole grid stays resident in one wave (shared memory bounds programs an SM),
-    which picks the round 47 sweep's best of each (4096 x 14336: 112 column tiles): a 64-row
-    tile (3 an SM) 2 splits at 64 rows (0.72 ms, 1 split 0.83) and 1 at 128 (1.17; 2 splits
-    1.30, 4 1.47), a 128-row tile (1 an SM) 1 split."""
-    wide = num_tokens > 64
-    bt, warps, stages = (128, 8, 4) if wide else (64, 4, 3)
+    of the rules' `bn` columns), x padded to whole tiles: one 64-row dot tile up to 64 rows;
+    above, rows padded to 64s, an even count of them as 128-row tiles w^T @ x^T (8 warps, 4
+    stages), an odd one as 64-row tiles w^T @ x^T. A 64-row tile takes about half a 128-row
+    one's time, so padding 192 rows to 256 would cost a third more. K splits only while the
+    whole grid stays resident in one wave (shared memory bounds programs an SM), which picks
+    the round 47 sweep's best of each (4096 x 14336: 112 column tiles): a 64-row tile (3 an
+    SM) 2 splits at 64 rows (0.72 ms, 1 split 0.83) and 1 at 128 (1.17; 2 splits 1.30, 4
+    1.47), a 128-row tile (1 an SM) 1 split."""
+    tiles64 = -(-num_tokens // 64)
+    if tiles64 % 2 == 0:
+        bt, warps, stages, operand = 128, 8, 4, 1
+    else:
+        bt, warps, stages, operand = 64, 4, 3, 2 if tiles64 == 1 else 1
     slots = NUM_SMS * max(1, SMEM_PER_SM // (stages * _stage_bytes(bt, bn, bk, 2)))
     programs = -(-num_tokens // bt) * column_tiles
     fits = [d for d in _split_choices(steps) if programs * d <= slots]
     return QuantMatmulBlockSizes(block_t=bt, block_n=bn, block_k=bk, k_splits=max(fits or [1]),
-                                 num_warps=warps, num_stages=stages,
-                                 weight_operand=1 if wide else 2)
+                                 num_warps=warps, num_stages=stages, weight_operand=operand)
 
 
 def legacy_block_sizes(num_tokens: int, w: QuantizedWeight) -> QuantMatmulBlockSizes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ from pjinfer.kernels.quantized_matmul import (
 from pjinfer.kernels.quantized_matmul_tiling import (
     INT4_DOT_ROWS,
     INT4_MAX_ROWS,
+    PAD_TILE_ROWS,
     TUNED,
     grid_candidates,
     legacy_block_sizes,
@@ -258,17 +260,43 @@ def test_int4_steps_above_the_kernels_rows_take_xla(tokens, monkeypatch):
     # (block_t, block_n, num_warps, num_stages, weight as the first operand)
     (INT4_DOT_ROWS, (16, 64, 4, 3, False)),
     (INT4_DOT_ROWS + 1, (64, 64, 4, 3, False)),
-    (100, (128, 64, 8, 4, True))])
+    (100, (128, 64, 8, 4, True)),
+    (129, (64, 64, 4, 3, True)),
+    (INT4_MAX_ROWS - 60, (128, 64, 8, 4, True))])
 def test_int4_row_counts_pick_their_tiles(asym, group, tokens, tile):
     """16-row dot tiles up to INT4_DOT_ROWS, then one 64-row tile, then 128-row tiles with the
-    weight as the first operand; each default matches the reference."""
+    weight as the first operand, but 64-row ones for three 64s of rows; each default runs
+    over whole token tiles (x padded) and matches the reference."""
     rng = np.random.default_rng(tokens + group)
     w = _weight(rng, "int4", 256, 64, group, asym)
     x = jnp.asarray(rng.standard_normal((tokens, 256)), jnp.float32)
     s = pick_block_sizes(tokens, w)
     assert (s.block_t, s.block_n, s.num_warps, s.num_stages, s.weight_lhs) == tile
+    kernel_rows = _pallas_x_rows(lambda x: quantized_matmul(x, w, interpret=True), x)
+    assert kernel_rows == [-(-tokens // s.block_t) * s.block_t]
     out = quantized_matmul(x, w, interpret=True)
+    assert out.shape == (tokens, 64)
     assert rel_err(out, quantized_matmul_reference(x, w)) < TOL[jnp.float32]
+
+
+def test_narrow_tiles_read_x_unpadded():
+    """Below PAD_TILE_ROWS a partial token tile reads x as it is (no pad kernel a call)."""
+    rng = np.random.default_rng(5)
+    w = _weight(rng, "int4", 256, 64, 32, True)
+    x = jnp.asarray(rng.standard_normal((8, 256)), jnp.float32)
+    assert pick_block_sizes(8, w).block_t < PAD_TILE_ROWS
+    assert _pallas_x_rows(lambda x: quantized_matmul(x, w, interpret=True), x) == [8]
+
+
+def _pallas_x_rows(fn, x) -> list[int]:
+    """Rows of the first operand of each pallas_call in fn(x)'s jaxpr (nested ones too)."""
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                yield eqn.invars[0].aval.shape[0]
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from walk(sub)
+    return list(walk(jax.make_jaxpr(fn)(x).jaxpr))
 
 
 @pytest.mark.parametrize("backend", ["pallas", "reference"])
