@@ -28,8 +28,9 @@ rows a tile x is not padded to whole token tiles (a pad is one more XLA kernel p
 projection: the decode-only step of one sequence has 8 rows, the dot's tile 16): a tile's
 rows past x's last read that row again, and the output has x's rows (the extra ones are
 masked off at the store). Wider tiles read as many bytes of x as of the weight, and a partial
-tile's clamped rows are a gather Triton does not stage: there x is padded (int4 at 96 rows
-in 128-row tiles, H100: 2.25 ms unpadded, 1.06 at 128 rows; RESULTS.md round 48).
+tile's clamped rows are a gather Triton does not stage: there x is padded (H100, 24 x 4096 x
+14336: int4 at 96 rows in a 128-row tile 2.16 -> 1.10 ms, fp8 at 24 rows in a 64-row tile
+2.84 -> 1.07; RESULTS.md round 48).
 
 Dequantization: an int4 / int8 value u becomes the float32 f = 1 + u / 2^bits by shifting it
 into the top of 1.0's mantissa (a shift and one logic op instead of an int-to-float
