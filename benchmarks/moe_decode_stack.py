@@ -76,6 +76,7 @@ def stack_fn(tiling: dict[str, int], interpret: bool):
     import jax
 
     from pjinfer.kernels.expert_stack import silu_and_mul
+    from pjinfer.kernels.routed_ffn_split import routed_ffn_split
     from pjinfer.kernels.routed_matmul import routed_ffn, routed_matmul
     from pjinfer.quantization.experts import QuantizedExperts
 
@@ -107,7 +108,13 @@ def stack_fn(tiling: dict[str, int], interpret: bool):
 
     def run(x, ids, gate_up, down):
         for layer_ids, gu, dn in zip(ids, gate_up, down, strict=True):
-            if tiling["fused"]:
+            if tiling["fused"] == 3:
+                y = routed_ffn_split(x, gu, dn, layer_ids, chunk=tiling["swiglu_block_n"],
+                                     block_n=shared["block_n"], block_k=shared["block_k"],
+                                     num_warps=shared["num_warps"],
+                                     num_stages=shared["num_stages"],
+                                     splits=shared["splits"], interpret=interpret)
+            elif tiling["fused"]:
                 y = ffn(x, gu, dn, layer_ids)
             else:  # the activation as an XLA kernel between the two
                 h = gemm(x, gu, layer_ids, per_assignment=False)  # [T*k, 2I]
@@ -179,6 +186,8 @@ def _name(tiling: dict[str, int]) -> str:
         name += "_q{k_splits}_{down_k_splits}".format(**tiling)
     if tiling["fused"] == 2:
         return name + "_epilogue{swiglu_block_n}".format(**tiling)
+    if tiling["fused"] == 3:
+        return name + "_split{swiglu_block_n}".format(**tiling)
     return name + ("_fused" if tiling["fused"] else "")
 
 
@@ -228,14 +237,16 @@ def main(argv: list[str] | None = None) -> int:
                         "the name keeps the count asked)")
     parser.add_argument("--down-k-splits", type=positive_int, nargs="+", default=[1],
                         help="K ranges of the down GEMM")
-    parser.add_argument("--fused", type=int, nargs="+", choices=(0, 1, 2), default=[0],
+    parser.add_argument("--fused", type=int, nargs="+", choices=(0, 1, 2, 3), default=[0],
                         help="1: `routed_ffn` (the activation in the down kernel's loads); 2: "
                         "`routed_ffn` with the activation in gate/up's epilogue (what the "
-                        "engine runs where a block of >= 32 columns divides I); 0: two "
-                        "routed_matmul calls with XLA's activation kernel between")
+                        "engine runs where a block of >= 32 columns divides I); 3: "
+                        "`routed_ffn_split` (one launch, a program an I chunk of an expert; "
+                        "float stacks); 0: two routed_matmul calls with XLA's activation "
+                        "kernel between")
     parser.add_argument("--swiglu-block-n", type=power_of_two, nargs="+", default=[64],
                         help="--fused 2: gate/up's column block (the engine's: 64 for Qwen3, "
-                        "128 for Mixtral)")
+                        "128 for Mixtral); --fused 3: the I chunk of a program")
     parser.add_argument("--expert-dtype", default="bfloat16",
                         choices=("bfloat16", "fp8", "int8", "fp8-block", "int4"),
                         help="experts as stored: bf16, or quantized (fp8 / int8 values; "

@@ -235,9 +235,10 @@ def _routed_call(lhs: jax.Array, rhs: jax.Array, scales: list, ids: jax.Array, *
     return out, k_splits
 
 
-def _assignment_rows(out: jax.Array, k_splits: int, ids: jax.Array, n: int,
-                     dtype) -> jax.Array:
-    """A raw output's K ranges summed, sliced to [T*k, n], inactive choices' rows 0."""
+def assignment_rows(out: jax.Array, k_splits: int, ids: jax.Array, n: int,
+                    dtype) -> jax.Array:
+    """A raw output's K ranges (or I chunks: `routed_ffn_split`) summed, sliced to [T*k, n],
+    inactive choices' rows 0."""
     t, k = ids.shape
     tp, kp = max(16, common.next_pow2(t)), common.next_pow2(k)
     out = out.reshape(k_splits, tp, kp, -1)[:, :t, :k, :n].sum(axis=0).astype(dtype)
@@ -271,7 +272,7 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
     block-wise checkpoint's block width): where block_n divides it, each program reads a
     step's scale as one value."""
     _check_routed(lhs, rhs, ids, per_assignment, rhs_scales, rhs_zeros)
-    _check_tiling(ids, block_n, block_k)
+    check_routed_tiling(ids, block_n, block_k)
     n = expert_stack.stack_dims(rhs, rhs_scales)[2]
     if swiglu and (n % 2 or (n // 2) % block_n):
         raise ValueError(f"swiglu needs rhs's gate and up halves each a multiple of block_n "
@@ -287,7 +288,7 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
                           k_group=expert_stack.k_group(rhs, rhs_scales),
                           act_up=width if swiglu else None,
                           scalar_scales=scale_cols % block_n == 0 and width % scale_cols == 0)
-    return _assignment_rows(out, q, ids, width, dtype)
+    return assignment_rows(out, q, ids, width, dtype)
 
 
 _FFN_STATIC = ("blocks", "k_splits", "activation", "num_warps", "num_stages", "splits",
@@ -321,7 +322,7 @@ def routed_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax.Array
     _check_routed(jax.ShapeDtypeStruct((ids.size, inter), x.dtype), down, ids, True,
                   down_scales, down_zeros)  # down's lhs: the activation [T*k, I]
     for block_n, block_k in blocks:
-        _check_tiling(ids, block_n, block_k)
+        check_routed_tiling(ids, block_n, block_k)
     (bn, bk), (down_bn, down_bk) = blocks
     if 2 * inter != expert_stack.stack_dims(gate_up, gate_up_scales)[2] or inter % down_bk:
         raise ValueError(f"routed_ffn needs gate_up [G, D, 2I] and down [G, I, D'] with I a "
@@ -344,10 +345,10 @@ def routed_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax.Array
                           glu=None if epilogue else (inter, q), raw_lhs=epilogue,
                           block_n=down_bn, block_k=down_bk, k_splits=k_splits[1],
                           k_group=expert_stack.k_group(down, down_scales), **launch)
-    return _assignment_rows(out, q, ids, n, out_dtype or x.dtype)
+    return assignment_rows(out, q, ids, n, out_dtype or x.dtype)
 
 
-def _check_tiling(ids: jax.Array, block_n: int, block_k: int) -> None:
+def check_routed_tiling(ids: jax.Array, block_n: int, block_k: int) -> None:
     if ids.shape[0] > ROUTED_MAX_TOKENS:
         raise ValueError(f"routed matmul takes steps of at most {ROUTED_MAX_TOKENS} tokens (its "
                          f"dense [T, block_k] tiles), got {ids.shape[0]}; use grouped_matmul")

@@ -1,0 +1,126 @@
+"""A decode step's routed expert SwiGLU as one Pallas kernel, split over the intermediate dim.
+
+`routed_matmul.routed_ffn` runs an expert FFN as two launches (gate/up, then down over its
+output): at one token each is short (Qwen3-30B-A3B: 75.5 MB of 8 experts a layer, ~17 us of
+bytes on the H200) and a launch has a fixed cost, so the pair streamed 0.60 of the bandwidth
+(RESULTS.md round 47). Here one program takes a chunk of I columns of one chosen expert: it
+multiplies the tokens that chose the expert by the chunk's gate and up columns over all of D,
+applies silu(gate) * up to its float32 sums, and multiplies that [T, chunk] by the same chunk
+of down's rows, storing a float32 partial [T, D'] for its chunk. Nothing passes between
+programs, so the whole FFN is one launch; XLA adds the chunks' partials (I / chunk of them)
+where the routing weights are applied. Each chosen expert is read once, as in the routed
+kernel: an assignment whose expert an earlier one already chose does nothing. bf16 and float32
+stacks (the quantized ones keep `routed_ffn`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pjinfer.kernels import common, expert_stack
+from pjinfer.kernels.routed_matmul import (
+    ROUTED_SPLITS,
+    assignment_rows,
+    check_routed_tiling,
+)
+
+
+def _kernel(ids_ref, x_ref, gu_ref, dn_ref, o_ref, *, chunk: int, block_n: int, block_k: int,
+            splits: int, padded: tuple[int, int], compiled: bool):
+    """Program (I chunk c, split s): assignments s, s + splits, ... of the flat [T*k] ids;
+    each that is its expert's first (and active) computes chunk c of every token that chose
+    the expert and stores that chunk's [T, D'] partial to those tokens' assignment rows of
+    block c (ids and x read unpadded: rows past the real ones are clamped and never stored)."""
+    c, split = common.program_id(0, compiled), pl.program_id(1)
+    (real_t, choices), (num_tokens, top_k) = ids_ref.shape, padded
+    inter, d_in, d_out = dn_ref.shape[1], x_ref.shape[1], dn_ref.shape[2]
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    choice = jnp.arange(top_k, dtype=jnp.int32)
+    real = (token < real_t)[:, None] & (choice < choices)[None, :]  # [Tp, kp]
+    ids = jnp.where(real, ids_ref[common.clamped_rows(0, num_tokens, real_t)[:, None],
+                                  common.clamped_rows(0, top_k, choices)[None, :]], -1)
+    position = token[:, None] * top_k + choice[None, :]  # [Tp, kp]
+    gate, up = pl.ds(c * chunk, chunk), pl.ds(inter + c * chunk, chunk)
+
+    def assignment(i, carry):
+        a = split + i * splits
+        e = jnp.sum(jnp.where(position == a, ids, 0))
+        first = jnp.sum(jnp.where((position < a) & (ids == e), 1, 0)) == 0
+
+        @pl.when((a < real_t * top_k) & first & (e >= 0))
+        def _():
+            match = ids == e  # [Tp, kp]: at most one hit per token
+            hit = jnp.max(match.astype(jnp.int32), axis=1) > 0  # [Tp]
+            slot = jnp.sum(jnp.where(match, choice[None, :], 0), axis=1)
+            out_rows = c * num_tokens * top_k + token * top_k + slot  # [Tp] in block c
+            rows = jnp.minimum(token, x_ref.shape[0] - 1)
+
+            def gate_up_step(kb, sums):  # + one K step of the chunk's gate and up columns
+                ks = pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
+                xt = x_ref[rows, ks]  # [Tp, bk]: every token's row, only `hit` ones stored
+                return tuple(acc + jnp.dot(xt, gu_ref[e, ks, cols],
+                                           preferred_element_type=jnp.float32)
+                             for acc, cols in zip(sums, (gate, up), strict=True))
+
+            zeros = jnp.zeros((num_tokens, chunk), jnp.float32)
+            g, u = jax.lax.fori_loop(0, d_in // block_k, gate_up_step, (zeros, zeros))
+            h = (g * expert_stack.sigmoid(g, compiled) * u).astype(x_ref.dtype)  # [Tp, chunk]
+
+            def down_step(nb, carry):  # one block of D' columns of the chunk's partial
+                start = pl.multiple_of(nb * block_n, block_n)
+                y = jnp.dot(h, dn_ref[e, pl.ds(c * chunk, chunk), pl.ds(start, block_n)],
+                            preferred_element_type=jnp.float32)  # [Tp, bn]
+                cols = start + jnp.arange(block_n, dtype=jnp.int32)
+                pltriton.store(o_ref.at[out_rows[:, None], cols[None, :]], y,
+                               mask=hit[:, None])
+                return carry
+
+            jax.lax.fori_loop(0, d_out // block_n, down_step, 0)
+        return carry
+
+    jax.lax.fori_loop(0, -(-real_t * top_k // splits), assignment, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "block_n", "block_k", "num_warps",
+                                             "num_stages", "splits", "out_dtype",
+                                             "interpret"))
+def routed_ffn_split(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax.Array, *,
+                     chunk: int = 32, block_n: int = 128, block_k: int = 128,
+                     num_warps: int = 4, num_stages: int = 3, splits: int = ROUTED_SPLITS,
+                     out_dtype=None, interpret: bool = False) -> jax.Array:
+    """Each assignment's expert SwiGLU, x [T, D] -> [T*k, D'] (row t*k+j: down(silu(gate) *
+    up) of x[t] through expert ids[t, j], 0 where < 0), gate_up [G, D, 2I] (gate columns,
+    then up) and down [G, I, D'] float stacks, in one launch: a program an I `chunk` of a
+    chosen expert, over `block_k` rows of D a step, then `block_n` columns of D' a step;
+    the chunks' float32 partials added by XLA. D, I and D' must be multiples of block_k,
+    chunk and block_n (powers of two; chunk >= 16: Triton's dot)."""
+    (g, d, two_i), (_, inter, d_out) = gate_up.shape, down.shape
+    check_routed_tiling(ids, block_n, block_k)
+    common.check_pow2(chunk=chunk)
+    if (gate_up.ndim != 3 or down.ndim != 3 or two_i != 2 * inter or down.shape[0] != g
+            or x.ndim != 2 or x.shape[1] != d):
+        raise ValueError(f"routed_ffn_split needs x [T, D], gate_up [G, D, 2I] and down "
+                         f"[G, I, D']; got {x.shape}, {gate_up.shape}, {down.shape}")
+    if d % block_k or inter % chunk or d_out % block_n or chunk < 16:
+        raise ValueError(f"routed_ffn_split needs D {d} a multiple of block_k {block_k}, I "
+                         f"{inter} of chunk {chunk} (>= 16) and D' {d_out} of block_n {block_n}")
+    tp, kp = max(16, common.next_pow2(ids.shape[0])), common.next_pow2(ids.shape[1])
+    chunks, whole = inter // chunk, common.whole_spec
+    out = pl.pallas_call(
+        functools.partial(_kernel, chunk=chunk, block_n=block_n, block_k=block_k,
+                          splits=min(splits, ids.shape[0] * kp), padded=(tp, kp),
+                          compiled=not interpret),
+        grid=(chunks, min(splits, ids.shape[0] * kp)),
+        in_specs=[whole(ids.shape), whole(x.shape), whole(gate_up.shape), whole(down.shape)],
+        out_specs=whole((chunks * tp * kp, d_out)),
+        out_shape=jax.ShapeDtypeStruct((chunks * tp * kp, d_out), jnp.float32),
+        compiler_params=common.triton_params(num_warps, num_stages),
+        interpret=interpret,
+        name="routed_ffn_split",
+    )(ids.astype(jnp.int32), x, gate_up, down)
+    return assignment_rows(out, chunks, ids, d_out, out_dtype or x.dtype)
