@@ -126,9 +126,22 @@ def stack_fn(tiling: dict[str, int], interpret: bool):
     return jax.jit(run)
 
 
+def layer_error(fn, x, ids, gate_up, down) -> float:
+    """The stack `fn` over its first layer alone against the reference FFN (summed over each
+    token's choices like the stack): relative error, float32 norms."""
+    import jax.numpy as jnp
+
+    from pjinfer.kernels import ops
+
+    got = fn(x, ids[:1], gate_up[:1], down[:1]).astype(jnp.float32)
+    want = ops.routed_ffn(x, gate_up[0], down[0], ids[0], backend="reference")
+    want = want.reshape(x.shape[0], -1, x.shape[1]).astype(jnp.float32).sum(axis=1)
+    return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+
+
 def run_model(name: str, s: dict, tokens: list[int], tilings: list[dict], timing: dict,
-              bandwidth: float, seed: int, expert_dtype: str = "bfloat16"
-              ) -> list[dict[str, Any]]:
+              bandwidth: float, seed: int, expert_dtype: str = "bfloat16",
+              check: bool = False) -> list[dict[str, Any]]:
     import jax
     import jax.numpy as jnp
 
@@ -169,6 +182,9 @@ def run_model(name: str, s: dict, tokens: list[int], tilings: list[dict], timing
             entry["tilings"][_name(tiling)] = {
                 "best_s": best, "median_s": median, "us_per_layer": best / n_layers * 1e6,
                 "vs_bandwidth": moved / best / bandwidth}
+            if check:
+                entry["tilings"][_name(tiling)]["relative_error"] = layer_error(
+                    fn, x, dev_ids, gate_up, down)
         ok = {n: r for n, r in entry["tilings"].items() if "best_s" in r}
         if ok:
             entry["best_tiling"] = min(ok, key=lambda n: ok[n]["best_s"])
@@ -207,11 +223,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                for n, k, w, st, sp, q, dq, f, sn in itertools.product(
                    args.block_n, args.block_k, args.num_warps, args.num_stages, args.splits,
                    args.k_splits, args.down_k_splits, args.fused, args.swiglu_block_n)
-               if f == 2 or sn == args.swiglu_block_n[0]]  # the widths matter only to 2
+               if f >= 2 or sn == args.swiglu_block_n[0]]  # the widths matter to 2 and 3
     record["rows"] = [row for name, s in models.items()
                       for row in run_model(name, s, args.tokens, tilings, timing,
                                            ceilings.hbm_bytes_per_s, args.seed,
-                                           args.expert_dtype)]
+                                           args.expert_dtype, args.check)]
     best = [(r, r["tilings"][r["best_tiling"]]) for r in record["rows"] if "best_tiling" in r]
     print_table("Routed expert GEMMs, all layers in one call (best tiling)", [
         (f"{r['model']} T={r['tokens']} {r['best_tiling']}",
@@ -252,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="experts as stored: bf16, or quantized (fp8 / int8 values; "
                         f"fp8-block: scales per {BLOCK_K_GROUP}-row K group too; int4: "
                         f"GPTQ-style nibbles, scales per {BLOCK_K_GROUP}-row group)")
+    parser.add_argument("--check", action="store_true",
+                        help="also each tiling's first layer against the reference FFN "
+                        "(relative_error in the record)")
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--samples", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)

@@ -68,15 +68,17 @@ def test_fused_and_separate_activation_side_by_side(tmp_path, dtype):
 
 
 def test_one_launch_split_form_beside_the_routed_pair(tmp_path):
-    """--fused 3: `routed_ffn_split`, a program an I chunk (--swiglu-block-n), named apart."""
+    """--fused 3: `routed_ffn_split`, a program an I chunk (--swiglu-block-n), named apart;
+    --check: each tiling's first layer against the reference FFN."""
     out = tmp_path / "stack.json"
     assert main(["--smoke", "--tokens", "1", "3", "--block-n", "16", "--block-k", "16",
-                 "--fused", "2", "3", "--swiglu-block-n", "16", "--calls", "1",
-                 "--samples", "1", "--out", str(out)]) == 0
+                 "--fused", "2", "3", "--swiglu-block-n", "16", "32", "--check",
+                 "--calls", "1", "--samples", "1", "--out", str(out)]) == 0
     for row in json.loads(out.read_text())["rows"]:
-        assert set(row["tilings"]) == {"n16_k16_w4_s3_p128_epilogue16",
-                                       "n16_k16_w4_s3_p128_split16"}
+        assert set(row["tilings"]) == {f"n16_k16_w4_s3_p128_{form}{n}"
+                                       for form in ("epilogue", "split") for n in (16, 32)}
         assert all(t["vs_bandwidth"] > 0 for t in row["tilings"].values())
+        assert all(t["relative_error"] < 1e-2 for t in row["tilings"].values())
 
 
 def test_a_tiling_that_cannot_run_is_recorded_with_its_error(tmp_path):
