@@ -34,63 +34,48 @@ from pjinfer.kernels.routed_matmul import (
     ROUTED_SPLITS,
     assignment_rows,
     check_routed_tiling,
+    for_each_chosen_expert,
 )
 
 
 def _kernel(ids_ref, x_ref, gu_ref, dn_ref, o_ref, *, chunk: int, block_n: int, block_k: int,
             splits: int, padded: tuple[int, int], compiled: bool):
-    """Program (I chunk c, split s): assignments s, s + splits, ... of the flat [T*k] ids;
-    each that is its expert's first (and active) computes chunk c of every token that chose
-    the expert and stores that chunk's [T, D'] partial to those tokens' assignment rows of
-    block c (ids and x read unpadded: rows past the real ones are clamped and never stored)."""
+    """Program (I chunk c, split s): for each expert its assignments s, s + splits, ... chose
+    first (`for_each_chosen_expert`), chunk c of every token that chose it, stored as that
+    chunk's [T, D'] partial to those tokens' assignment rows of block c (x read unpadded:
+    rows past the real ones are clamped and never stored)."""
     c, split = common.program_id(0, compiled), pl.program_id(1)
-    (real_t, choices), (num_tokens, top_k) = ids_ref.shape, padded
+    num_tokens, top_k = padded
     inter, d_in, d_out = dn_ref.shape[1], x_ref.shape[1], dn_ref.shape[2]
     token = jnp.arange(num_tokens, dtype=jnp.int32)
-    choice = jnp.arange(top_k, dtype=jnp.int32)
-    real = (token < real_t)[:, None] & (choice < choices)[None, :]  # [Tp, kp]
-    ids = jnp.where(real, ids_ref[common.clamped_rows(0, num_tokens, real_t)[:, None],
-                                  common.clamped_rows(0, top_k, choices)[None, :]], -1)
-    position = token[:, None] * top_k + choice[None, :]  # [Tp, kp]
+    rows = jnp.minimum(token, x_ref.shape[0] - 1)  # x's rows, the padding's clamped
     gate, up = pl.ds(c * chunk, chunk), pl.ds(inter + c * chunk, chunk)
 
-    def assignment(i, carry):
-        a = split + i * splits
-        e = jnp.sum(jnp.where(position == a, ids, 0))
-        first = jnp.sum(jnp.where((position < a) & (ids == e), 1, 0)) == 0
+    def expert(e, hit, slot):
+        out_rows = c * num_tokens * top_k + token * top_k + slot  # [Tp] in block c
 
-        @pl.when((a < real_t * top_k) & first & (e >= 0))
-        def _():
-            match = ids == e  # [Tp, kp]: at most one hit per token
-            hit = jnp.max(match.astype(jnp.int32), axis=1) > 0  # [Tp]
-            slot = jnp.sum(jnp.where(match, choice[None, :], 0), axis=1)
-            out_rows = c * num_tokens * top_k + token * top_k + slot  # [Tp] in block c
-            rows = jnp.minimum(token, x_ref.shape[0] - 1)
+        def gate_up_step(kb, sums):  # + one K step of the chunk's gate and up columns
+            ks = pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
+            xt = x_ref[rows, ks]  # [Tp, bk]: every token's row, only `hit` ones stored
+            return tuple(acc + jnp.dot(xt, gu_ref[e, ks, cols],
+                                       preferred_element_type=jnp.float32)
+                         for acc, cols in zip(sums, (gate, up), strict=True))
 
-            def gate_up_step(kb, sums):  # + one K step of the chunk's gate and up columns
-                ks = pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
-                xt = x_ref[rows, ks]  # [Tp, bk]: every token's row, only `hit` ones stored
-                return tuple(acc + jnp.dot(xt, gu_ref[e, ks, cols],
-                                           preferred_element_type=jnp.float32)
-                             for acc, cols in zip(sums, (gate, up), strict=True))
+        zeros = jnp.zeros((num_tokens, chunk), jnp.float32)
+        g, u = jax.lax.fori_loop(0, d_in // block_k, gate_up_step, (zeros, zeros))
+        h = (g * expert_stack.sigmoid(g, compiled) * u).astype(x_ref.dtype)  # [Tp, chunk]
 
-            zeros = jnp.zeros((num_tokens, chunk), jnp.float32)
-            g, u = jax.lax.fori_loop(0, d_in // block_k, gate_up_step, (zeros, zeros))
-            h = (g * expert_stack.sigmoid(g, compiled) * u).astype(x_ref.dtype)  # [Tp, chunk]
+        def down_step(nb, carry):  # one block of D' columns of the chunk's partial
+            start = pl.multiple_of(nb * block_n, block_n)
+            y = jnp.dot(h, dn_ref[e, pl.ds(c * chunk, chunk), pl.ds(start, block_n)],
+                        preferred_element_type=jnp.float32)  # [Tp, bn]
+            cols = start + jnp.arange(block_n, dtype=jnp.int32)
+            pltriton.store(o_ref.at[out_rows[:, None], cols[None, :]], y, mask=hit[:, None])
+            return carry
 
-            def down_step(nb, carry):  # one block of D' columns of the chunk's partial
-                start = pl.multiple_of(nb * block_n, block_n)
-                y = jnp.dot(h, dn_ref[e, pl.ds(c * chunk, chunk), pl.ds(start, block_n)],
-                            preferred_element_type=jnp.float32)  # [Tp, bn]
-                cols = start + jnp.arange(block_n, dtype=jnp.int32)
-                pltriton.store(o_ref.at[out_rows[:, None], cols[None, :]], y,
-                               mask=hit[:, None])
-                return carry
+        jax.lax.fori_loop(0, d_out // block_n, down_step, 0)
 
-            jax.lax.fori_loop(0, d_out // block_n, down_step, 0)
-        return carry
-
-    jax.lax.fori_loop(0, -(-real_t * top_k // splits), assignment, 0)
+    for_each_chosen_expert(ids_ref, padded, split, splits, expert)
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "block_n", "block_k", "num_warps",

@@ -74,6 +74,94 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
     *extra_refs, o_ref = refs
     scale_ref, zero_ref = (*extra_refs, None, None)[:2]
     col, k_range, split = common.program_id(0, compiled), pl.program_id(1), pl.program_id(2)
+    choices, (num_tokens, top_k) = ids_ref.shape[1], padded
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    cols = pl.ds(col * block_n, block_n)
+    col_ids = col * block_n + jnp.arange(block_n, dtype=jnp.int32)
+    halves = (cols,) if act_up is None else (cols, pl.ds(act_up + col * block_n, block_n))
+
+    def expert(e, hit, slot):
+        out_rows = token * top_k + slot  # [T] assignment rows
+        rows = (out_rows if raw_lhs else token * choices + slot if per_assignment
+                else token)  # lhs rows
+        rows = jnp.minimum(rows, lhs_ref.shape[0] - 1)
+
+        def load_x(start, width):  # [T, width]
+            # rows of tokens that did not choose e are multiplied too and never stored
+            # (a row's sums are its own): unmasked, the tile goes straight to shared
+            # memory by cp.async (bf16 gate/up at 8 rows: ~1.1 SASS instructions a
+            # weight against 1.79 for the masked form, RESULTS.md round 36)
+            if glu is None:
+                return lhs_ref[rows, pl.ds(start, width)]
+            # the activation tiles stay masked: unmasked, their loads and silu doubled
+            # the down kernel's instructions (3.93 -> 8.98 a weight, 75 -> 118 registers)
+            x = _glu_tile(lhs_ref, out_rows, start, width, glu, dtype, compiled)
+            return jnp.where(hit[:, None], x, 0)
+
+        def times_weights(acc, xs, cols, step, start, kg, scale):  # + one K step's sums
+            if int4:  # one nibble block: low nibbles the first half's rows, high the rest
+                zero = (expert_stack.INT4_ZERO if zero_ref is None
+                        else zero_ref[e, kg, cols])
+                packed = pl.ds(expert_stack.nibble_start(step, block_k // 2), block_k // 2)
+                return expert_stack.int4_dot(acc, *xs, rhs_ref[e, cols, packed],
+                                             scale_ref[e, kg, cols], zero, native)
+            ks = pl.ds(start, block_k)
+            if scale_ref is None:
+                return acc + expert_stack.weight_dot(xs[0], rhs_ref[e, ks, cols], False)
+            y = expert_stack.values_dot(xs[0], rhs_ref[e, cols, ks], compiled)
+            if kg is not None:  # a row of scales loaded in its step, or a scalar ahead
+                y = y * (scale_ref[e, kg, cols][None, :] if scale is None else scale)
+            return acc + y
+
+        # a scalar's load is issued a step before its use: Triton pipelines only the
+        # loads that feed a dot, and loaded in its own step it held every step
+        first_step = k_range * k_steps
+        ahead = scalar_scales and k_group is not None and not int4
+        firsts = [col * block_n] + ([] if act_up is None else [act_up + col * block_n])
+
+        def step_scalars(step):  # each half's scale of K step `step`'s group
+            kg = expert_stack.step_group(scale_ref, step * block_k, k_group)
+            return tuple(scale_ref[e, kg, c] for c in firsts)
+
+        def body(kb, carry):  # x's [T, bk] tile (int4: its two runs) loaded once a step
+            accs, scalars = carry
+            step = first_step + kb
+            next_scalars = step_scalars(step + 1) if ahead else scalars
+            start, half = step * block_k, block_k // 2
+            kg = (None if k_group is None
+                  else expert_stack.step_group(scale_ref, start, k_group))
+            xs = ((load_x(pl.multiple_of(start, half), half),
+                   load_x(pl.multiple_of(start + half, half), half)) if int4
+                  else (expert_stack.dot_rows(load_x(start, block_k), rhs_ref.dtype,
+                                              compiled),))
+            accs = tuple(times_weights(acc, xs, c, step, start, kg, s)
+                         for acc, c, s in zip(accs, halves, scalars, strict=True))
+            return accs, next_scalars
+
+        zeros = jnp.zeros((num_tokens, block_n), jnp.float32)
+        scalars = step_scalars(first_step) if ahead else (None,) * len(halves)
+        accs, _ = jax.lax.fori_loop(0, k_steps, body,
+                                    (tuple(zeros for _ in halves), scalars))
+        if scale_ref is not None and k_group is None:
+            accs = tuple(acc * scale_ref[e, c][None, :]
+                         for acc, c in zip(accs, halves, strict=True))
+        acc = accs[0]
+        if act_up is not None:  # silu(gate) * up, from the float32 sums
+            acc = acc * expert_stack.sigmoid(acc, compiled) * accs[1]
+        partial_rows = k_range * num_tokens * top_k + out_rows  # range q's [T*k] block
+        pltriton.store(o_ref.at[partial_rows[:, None], col_ids[None, :]],
+                       acc.astype(o_ref.dtype), mask=hit[:, None])
+
+    for_each_chosen_expert(ids_ref, padded, split, splits, expert)
+
+
+def for_each_chosen_expert(ids_ref, padded: tuple[int, int], split, splits: int, body) -> None:
+    """Inside a routed kernel: walk assignments split, split + splits, ... of the flat [T*k]
+    ids (read as `padded` [Tp, kp], the extra entries inactive) and call body(e, hit [Tp],
+    slot [Tp]) for each that is its expert's first active choice, so that each chosen expert
+    is handled once however many tokens chose it (`hit`: the tokens that did; `slot`: which
+    of its choices each made it). ids are not padded in XLA (a pad is one more kernel a MoE
+    layer): rows and choices past the real ones read clamped and count as inactive."""
     (real_t, choices), (num_tokens, top_k) = ids_ref.shape, padded
     token = jnp.arange(num_tokens, dtype=jnp.int32)
     choice = jnp.arange(top_k, dtype=jnp.int32)
@@ -82,9 +170,6 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
                                   common.clamped_rows(0, top_k, choices)[None, :]],
                     -1)  # [Tp, kp]
     position = token[:, None] * top_k + choice[None, :]  # [Tp, kp]
-    cols = pl.ds(col * block_n, block_n)
-    col_ids = col * block_n + jnp.arange(block_n, dtype=jnp.int32)
-    halves = (cols,) if act_up is None else (cols, pl.ds(act_up + col * block_n, block_n))
 
     def assignment(i, carry):
         a = split + i * splits
@@ -93,79 +178,9 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
 
         @pl.when((a < real_t * top_k) & first & (e >= 0))
         def _():
-            match = ids == e  # [T, k]: at most one hit per token
-            hit = jnp.max(match.astype(jnp.int32), axis=1) > 0  # [T]
-            slot = jnp.sum(jnp.where(match, choice[None, :], 0), axis=1)
-            out_rows = token * top_k + slot  # [T] assignment rows
-            rows = (out_rows if raw_lhs else token * choices + slot if per_assignment
-                    else token)  # lhs rows
-            rows = jnp.minimum(rows, lhs_ref.shape[0] - 1)
-
-            def load_x(start, width):  # [T, width]
-                # rows of tokens that did not choose e are multiplied too and never stored
-                # (a row's sums are its own): unmasked, the tile goes straight to shared
-                # memory by cp.async (bf16 gate/up at 8 rows: ~1.1 SASS instructions a
-                # weight against 1.79 for the masked form, RESULTS.md round 36)
-                if glu is None:
-                    return lhs_ref[rows, pl.ds(start, width)]
-                # the activation tiles stay masked: unmasked, their loads and silu doubled
-                # the down kernel's instructions (3.93 -> 8.98 a weight, 75 -> 118 registers)
-                x = _glu_tile(lhs_ref, out_rows, start, width, glu, dtype, compiled)
-                return jnp.where(hit[:, None], x, 0)
-
-            def times_weights(acc, xs, cols, step, start, kg, scale):  # + one K step's sums
-                if int4:  # one nibble block: low nibbles the first half's rows, high the rest
-                    zero = (expert_stack.INT4_ZERO if zero_ref is None
-                            else zero_ref[e, kg, cols])
-                    packed = pl.ds(expert_stack.nibble_start(step, block_k // 2), block_k // 2)
-                    return expert_stack.int4_dot(acc, *xs, rhs_ref[e, cols, packed],
-                                                 scale_ref[e, kg, cols], zero, native)
-                ks = pl.ds(start, block_k)
-                if scale_ref is None:
-                    return acc + expert_stack.weight_dot(xs[0], rhs_ref[e, ks, cols], False)
-                y = expert_stack.values_dot(xs[0], rhs_ref[e, cols, ks], compiled)
-                if kg is not None:  # a row of scales loaded in its step, or a scalar ahead
-                    y = y * (scale_ref[e, kg, cols][None, :] if scale is None else scale)
-                return acc + y
-
-            # a scalar's load is issued a step before its use: Triton pipelines only the
-            # loads that feed a dot, and loaded in its own step it held every step
-            first_step = k_range * k_steps
-            ahead = scalar_scales and k_group is not None and not int4
-            firsts = [col * block_n] + ([] if act_up is None else [act_up + col * block_n])
-
-            def step_scalars(step):  # each half's scale of K step `step`'s group
-                kg = expert_stack.step_group(scale_ref, step * block_k, k_group)
-                return tuple(scale_ref[e, kg, c] for c in firsts)
-
-            def body(kb, carry):  # x's [T, bk] tile (int4: its two runs) loaded once a step
-                accs, scalars = carry
-                step = first_step + kb
-                next_scalars = step_scalars(step + 1) if ahead else scalars
-                start, half = step * block_k, block_k // 2
-                kg = (None if k_group is None
-                      else expert_stack.step_group(scale_ref, start, k_group))
-                xs = ((load_x(pl.multiple_of(start, half), half),
-                       load_x(pl.multiple_of(start + half, half), half)) if int4
-                      else (expert_stack.dot_rows(load_x(start, block_k), rhs_ref.dtype,
-                                                  compiled),))
-                accs = tuple(times_weights(acc, xs, c, step, start, kg, s)
-                             for acc, c, s in zip(accs, halves, scalars, strict=True))
-                return accs, next_scalars
-
-            zeros = jnp.zeros((num_tokens, block_n), jnp.float32)
-            scalars = step_scalars(first_step) if ahead else (None,) * len(halves)
-            accs, _ = jax.lax.fori_loop(0, k_steps, body,
-                                        (tuple(zeros for _ in halves), scalars))
-            if scale_ref is not None and k_group is None:
-                accs = tuple(acc * scale_ref[e, c][None, :]
-                             for acc, c in zip(accs, halves, strict=True))
-            acc = accs[0]
-            if act_up is not None:  # silu(gate) * up, from the float32 sums
-                acc = acc * expert_stack.sigmoid(acc, compiled) * accs[1]
-            partial_rows = k_range * num_tokens * top_k + out_rows  # range q's [T*k] block
-            pltriton.store(o_ref.at[partial_rows[:, None], col_ids[None, :]],
-                           acc.astype(o_ref.dtype), mask=hit[:, None])
+            match = ids == e  # [Tp, kp]: at most one hit per token
+            hit = jnp.max(match.astype(jnp.int32), axis=1) > 0  # [Tp]
+            body(e, hit, jnp.sum(jnp.where(match, choice[None, :], 0), axis=1))
         return carry
 
     # positions past the real tokens' (the dot's padding rows) are inactive: never visited
