@@ -142,8 +142,12 @@ def run(argv: list[str] | None = None) -> dict:
               f"{rate['best_per_s'] / 1e9:8.1f} GB/s", flush=True)
         return row
 
+    def save() -> None:  # after each row count: a run stopped by a time limit keeps those
+        write_record(a.out, record)
+
     if a.sweep:
-        record["sweep"] = _sweep(a, stack, measure, on_cpu)
+        record["sweep"] = {}
+        _sweep(a, stack, measure, on_cpu, record["sweep"], save)
     for t in [] if a.sweep else a.tokens:
         x = _filled((t, a.k), 1000 + t)
         bf16 = measure("bf16", "bf16", lambda x, ws: [x @ w for w in ws], (x, stack),
@@ -166,18 +170,19 @@ def run(argv: list[str] | None = None) -> dict:
                 r["speedup_vs_bf16"] = (bf16["seconds_per_call"]["best"]
                                         / r["seconds_per_call"]["best"])
             del ws
-    write_record(a.out, record)
+        save()
+    save()
     return record
 
 
-def _sweep(a: argparse.Namespace, stack: list, measure, on_cpu: bool) -> dict:
-    """Per kind, per T: the Pallas kernel under each candidate tiling, ms and TB/s of packed
-    bytes (+ x and out), fastest first, the best and the default's ratio to it; the bf16
-    GEMV beside them as the yardstick. A tiling that fails (e.g. too much shared memory) is
-    listed under `failed`, and the sweep goes on."""
+def _sweep(a: argparse.Namespace, stack: list, measure, on_cpu: bool, out: dict,
+           save) -> None:
+    """Into `out`, per kind, per T: the Pallas kernel under each candidate tiling, ms and
+    TB/s of packed bytes (+ x and out), fastest first, the best and the default's ratio to
+    it; the bf16 GEMV beside them as the yardstick (`save` after each T). A tiling that fails
+    (e.g. too much shared memory) is listed under `failed`, and the sweep goes on."""
     from pjinfer.benchmarks.ceilings import _filled
 
-    out: dict = {}
     xs = {t: _filled((t, a.k), 1000 + t) for t in a.tokens}
     bf16 = {t: measure("bf16", "bf16", lambda x, ws: [x @ w for w in ws], (xs[t], stack),
                        a.matrices * a.k * a.n * 2, t, runs=[]) for t in a.tokens}
@@ -200,8 +205,8 @@ def _sweep(a: argparse.Namespace, stack: list, measure, on_cpu: bool) -> dict:
             rows = [_best_round(rs) for rs in timed.values()]
             out.setdefault(kind, {})[str(t)] = _summary(rows, failed, candidates[0], bf16[t])
             print(f"== {kind} T={t}: {json.dumps(_headline(out[kind][str(t)]))}", flush=True)
+            save()
         del ws
-    return out
 
 
 def _candidates(a: argparse.Namespace, t: int, w, x) -> list:

@@ -24,6 +24,25 @@ def test_smoke(tmp_path):
     assert int4["fraction_of_bf16_gemv_bandwidth"] > 0
 
 
+@pytest.mark.parametrize("sweep", [[], ["--sweep"]])
+def test_each_row_count_is_written_as_it_finishes(tmp_path, monkeypatch, sweep):
+    """A run stopped by its time limit keeps the row counts it finished: the record is
+    written after each (round 48's call 5 lost its figures to a limit)."""
+    out = tmp_path / "q.json"
+    seen = []
+    monkeypatch.setattr(quant_matmul, "write_record",
+                        lambda path, record: seen.append(json.loads(json.dumps(record))))
+    quant_matmul.run(["--out", str(out), "--matrices", "1", "--k", "128", "--n", "128",
+                      "--tokens", "1", "2", "--kinds", "int8", "--samples", "1", "--calls",
+                      "1", *sweep])
+    if sweep:
+        assert list(seen[0]["sweep"]["int8"]) == ["1"]
+        assert list(seen[-1]["sweep"]["int8"]) == ["1", "2"]
+    else:
+        assert {r["tokens"] for r in seen[0]["runs"]} == {1}
+        assert {r["tokens"] for r in seen[-1]["runs"]} == {1, 2}
+
+
 @pytest.mark.parametrize("t, k, n", [(1, 256, 384), (8, 384, 640), (17, 128, 256)])
 def test_routed_fp8_probe_matches_the_reference(t, k, n):
     """The probe's routed form: a per-channel fp8 weight as a one-expert stack (rows padded
