@@ -279,6 +279,19 @@ def test_int4_row_counts_pick_their_tiles(asym, group, tokens, tile):
     assert rel_err(out, quantized_matmul_reference(x, w)) < TOL[jnp.float32]
 
 
+@pytest.mark.parametrize("kind, asym, group, rows", WEIGHTS[2:])
+def test_wide_tiles_of_one_byte_kinds_run_over_padded_x(kind, asym, group, rows):
+    """int8 / fp8 steps of 17-64 rows take one 64-row tile: x padded to it, the output x's."""
+    rng = np.random.default_rng(group)
+    w = _weight(rng, kind, rows, 64, group, asym)
+    x = jnp.asarray(rng.standard_normal((40, rows)), jnp.float32)
+    assert pick_block_sizes(40, w).block_t == PAD_TILE_ROWS
+    assert _pallas_x_rows(lambda x: quantized_matmul(x, w, interpret=True), x) == [64]
+    out = quantized_matmul(x, w, interpret=True)
+    assert out.shape == (40, 64)
+    assert rel_err(out, quantized_matmul_reference(x, w)) < TOL[jnp.float32]
+
+
 def test_narrow_tiles_read_x_unpadded():
     """Below PAD_TILE_ROWS a partial token tile reads x as it is (no pad kernel a call)."""
     rng = np.random.default_rng(5)
