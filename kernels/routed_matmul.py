@@ -156,12 +156,10 @@ def _routed_kernel(ids_ref, lhs_ref, rhs_ref, *refs, block_n: int, block_k: int,
 
 
 def for_each_chosen_expert(ids_ref, padded: tuple[int, int], split, splits: int, body) -> None:
-    """Inside a routed kernel: walk assignments split, split + splits, ... of the flat [T*k]
-    ids (read as `padded` [Tp, kp], the extra entries inactive) and call body(e, hit [Tp],
-    slot [Tp]) for each that is its expert's first active choice, so that each chosen expert
-    is handled once however many tokens chose it (`hit`: the tokens that did; `slot`: which
-    of its choices each made it). ids are not padded in XLA (a pad is one more kernel a MoE
-    layer): rows and choices past the real ones read clamped and count as inactive."""
+    """In a routed kernel: body(e, hit [Tp], slot [Tp]) for each of assignments split, split +
+    splits, ... of the flat [T*k] ids that is its expert's first active choice (each chosen
+    expert once: `hit` the tokens that chose it, `slot` which choice), ids read as `padded`
+    [Tp, kp] with the entries past the real ones clamped and inactive (no XLA pad)."""
     (real_t, choices), (num_tokens, top_k) = ids_ref.shape, padded
     token = jnp.arange(num_tokens, dtype=jnp.int32)
     choice = jnp.arange(top_k, dtype=jnp.int32)
@@ -252,8 +250,7 @@ def _routed_call(lhs: jax.Array, rhs: jax.Array, scales: list, ids: jax.Array, *
 
 def assignment_rows(out: jax.Array, k_splits: int, ids: jax.Array, n: int,
                     dtype) -> jax.Array:
-    """A raw output's K ranges (or I chunks: `routed_ffn_split`) summed, sliced to [T*k, n],
-    inactive choices' rows 0."""
+    """A raw output's K ranges (I chunks) summed, sliced to [T*k, n], inactive rows 0."""
     t, k = ids.shape
     tp, kp = max(16, common.next_pow2(t)), common.next_pow2(k)
     out = out.reshape(k_splits, tp, kp, -1)[:, :t, :k, :n].sum(axis=0).astype(dtype)
