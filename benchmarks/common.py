@@ -88,33 +88,22 @@ def percentile(sorted_xs: Sequence[float], p: float) -> float:
 
 
 class Progress:
-    """tqdm when it is installed, else a counter on stderr at most every 0.5 s."""
+    """A tqdm bar on stderr (tqdm is one of pjinfer's dependencies), or none when disabled."""
 
     def __init__(self, total: int, desc: str, *, enabled: bool = True):
-        self.total, self.desc, self.n = total, desc, 0
         self._bar = None
-        self._last = 0.0
-        self._enabled = enabled
         if enabled:
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                return
+            from tqdm import tqdm
+
             self._bar = tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True)
 
     def update(self, n: int = 1) -> None:
-        self.n += n
         if self._bar is not None:
             self._bar.update(n)
-        elif self._enabled and (time.monotonic() - self._last > 0.5 or self.n >= self.total):
-            self._last = time.monotonic()
-            print(f"\r{self.desc}: {self.n}/{self.total}", end="", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-        elif self._enabled:
-            print(file=sys.stderr)
 
 
 def median_call_seconds(fn, *args, reps: int = 20, repeats: int = 7) -> float:
