@@ -91,6 +91,9 @@ def int4_values(packed: jax.Array, k_groups: int) -> jax.Array:
 
 def stack_dims(rhs: jax.Array, rhs_scales: jax.Array | None) -> tuple[int, int, int]:
     """(G, K, N) of a float rhs [G, K, N] or of quantized values [G, N, K (/ 2: int4)]."""
+    if rhs.ndim != 3:
+        raise ValueError(f"an expert stack needs [G, K, N] (quantized values: [G, N, K]); "
+                         f"got shape {rhs.shape}")
     g, a, b = rhs.shape
     return (g, a, b) if rhs_scales is None else (g, b * (2 if is_int4(rhs) else 1), a)
 

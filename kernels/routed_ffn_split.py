@@ -33,6 +33,7 @@ from pjinfer.kernels import common, expert_stack
 from pjinfer.kernels.routed_matmul import (
     ROUTED_SPLITS,
     assignment_rows,
+    check_routed,
     check_routed_tiling,
     for_each_chosen_expert,
 )
@@ -91,13 +92,15 @@ def routed_ffn_split(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax
     chosen expert, over `block_k` rows of D a step, then `block_n` columns of D' a step;
     the chunks' float32 partials added by XLA. D, I and D' must be multiples of block_k,
     chunk and block_n (powers of two; chunk >= 16: Triton's dot)."""
-    (g, d, two_i), (_, inter, d_out) = gate_up.shape, down.shape
+    check_routed(x, gate_up, ids, False, None)
+    check_routed(jax.ShapeDtypeStruct((ids.size, down.shape[1]), x.dtype), down, ids, True,
+                 None)  # down's lhs: the activation [T*k, I]
     check_routed_tiling(ids, block_n, block_k)
     common.check_pow2(chunk=chunk)
-    if (gate_up.ndim != 3 or down.ndim != 3 or two_i != 2 * inter or down.shape[0] != g
-            or x.ndim != 2 or x.shape[1] != d):
-        raise ValueError(f"routed_ffn_split needs x [T, D], gate_up [G, D, 2I] and down "
-                         f"[G, I, D']; got {x.shape}, {gate_up.shape}, {down.shape}")
+    (g, d, two_i), (_, inter, d_out) = gate_up.shape, down.shape
+    if two_i != 2 * inter or down.shape[0] != g:
+        raise ValueError(f"routed_ffn_split needs gate_up [G, D, 2I] and down [G, I, D'] of "
+                         f"the same G and I; got {gate_up.shape}, {down.shape}")
     if d % block_k or inter % chunk or d_out % block_n or chunk < 16:
         raise ValueError(f"routed_ffn_split needs D {d} a multiple of block_k {block_k}, I "
                          f"{inter} of chunk {chunk} (>= 16) and D' {d_out} of block_n {block_n}")

@@ -29,7 +29,7 @@ from pjinfer.kernels import common, expert_stack
 ROUTED_MAX_TOKENS = 64  # one [T, block_k] x tile and [T, block_n] sums per program
 
 
-def _check_routed(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, per_assignment: bool,
+def check_routed(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, per_assignment: bool,
                   rhs_scales: jax.Array | None, rhs_zeros: jax.Array | None = None) -> None:
     t, k = ids.shape
     expert_stack.check_scales(rhs, rhs_scales, rhs_zeros)
@@ -283,7 +283,7 @@ def routed_matmul(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *, per_assignm
     `scale_cols`: K-grouped scales hold one value over each run of that many columns (a
     block-wise checkpoint's block width): where block_n divides it, each program reads a
     step's scale as one value."""
-    _check_routed(lhs, rhs, ids, per_assignment, rhs_scales, rhs_zeros)
+    check_routed(lhs, rhs, ids, per_assignment, rhs_scales, rhs_zeros)
     check_routed_tiling(ids, block_n, block_k)
     n = expert_stack.stack_dims(rhs, rhs_scales)[2]
     if swiglu and (n % 2 or (n // 2) % block_n):
@@ -330,8 +330,8 @@ def routed_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax.Array
     multiple of down's block_k. Quantized stacks ([G, N, K] values) take their scales (and
     int4 ones their zeros)."""
     inter, n = expert_stack.stack_dims(down, down_scales)[1:]
-    _check_routed(x, gate_up, ids, False, gate_up_scales, gate_up_zeros)
-    _check_routed(jax.ShapeDtypeStruct((ids.size, inter), x.dtype), down, ids, True,
+    check_routed(x, gate_up, ids, False, gate_up_scales, gate_up_zeros)
+    check_routed(jax.ShapeDtypeStruct((ids.size, inter), x.dtype), down, ids, True,
                   down_scales, down_zeros)  # down's lhs: the activation [T*k, I]
     for block_n, block_k in blocks:
         check_routed_tiling(ids, block_n, block_k)
@@ -374,7 +374,7 @@ def routed_matmul_reference(lhs: jax.Array, rhs: jax.Array, ids: jax.Array, *,
     """Pure JAX, obviously right: each assignment's row times its expert's matrix, gathered
     per assignment ([T*k, K, N] memory: for tests and the CPU)."""
     t, k = ids.shape
-    _check_routed(lhs, rhs, ids, per_assignment, rhs_scales, rhs_zeros)
+    check_routed(lhs, rhs, ids, per_assignment, rhs_scales, rhs_zeros)
     expert = ids.reshape(-1)
     rows = jnp.arange(t * k) if per_assignment else jnp.arange(t * k) // k
     rhs, x = expert_stack.dequantized(lhs, rhs, rhs_scales, rhs_zeros)

@@ -64,6 +64,16 @@ def test_shapes_the_tiling_does_not_divide_are_refused(kwargs, match):
         routed_ffn_split(x, gate_up, down, ids, **{"block_k": 16, **kwargs}, interpret=True)
 
 
+@pytest.mark.parametrize("which", ["x", "gate_up", "down"])
+def test_mismatched_stacks_are_refused(which):
+    """x's D, gate_up's 2I and down's I must agree: one clear error, not an unpacking one."""
+    x, gate_up, down, ids = _case(1, 2, 4, 32, 32, 32, shared=False, seed=2)
+    bad = {"x": x[:, :16], "gate_up": gate_up[:, :, :48], "down": down[0]}
+    args = {"x": x, "gate_up": gate_up, "down": down} | {which: bad[which]}
+    with pytest.raises(ValueError, match=r"needs (lhs|gate_up|\[G, K, N\])"):
+        routed_ffn_split(**args, ids=ids, chunk=16, block_n=16, block_k=16, interpret=True)
+
+
 def test_lowers_for_cuda_as_one_kernel():
     """Qwen3-30B-A3B's expert shapes at one token: one Triton call for the whole FFN."""
     def fn(x, gate_up, down, ids):
