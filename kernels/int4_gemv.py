@@ -56,11 +56,13 @@ class Int4GemvTiling:
     stages: int = 4  # steps in flight a CTA
     k_splits: int = 4  # K ranges, each its own CTA and partial sum
     block_k: int = 128  # input rows a step: whole nibble blocks
+    ctas: int = 0  # CTAs, each taking every ctas-th (column tile, K range); 0: one an item
 
     def __post_init__(self):
-        if self.stages < 1 or self.k_splits < 1 or self.block_k % NIBBLE_ROWS:
+        if (self.stages < 1 or self.k_splits < 1 or self.block_k % NIBBLE_ROWS
+                or self.ctas < 0):
             raise ValueError(f"bad int4 GEMV tiling {self}: stages and k_splits >= 1, "
-                             f"block_k a multiple of {NIBBLE_ROWS}")
+                             f"block_k a multiple of {NIBBLE_ROWS}, ctas >= 0")
 
 
 def pick_tiling(k: int) -> Int4GemvTiling:
@@ -180,60 +182,75 @@ def int4_partials(x: jax.Array, x_sums: jax.Array, w: QuantizedWeight, tiling: I
     """x bf16 [Tp, K], x_sums float32 [K / unit, >= 32] (x summed over each unit of
     min(group, block_k) input rows) -> float32 [k_splits, N, Tp] with partial[s] = w[K range
     s].T @ x[:, K range s].T. `interpret`: Pallas' GPU interpreter params, where each step's
-    products are float32 dots."""
+    products are float32 dots.
+
+    Work items are (column tile, K range) pairs, item c + j * ctas going to CTA c; one pipeline
+    runs over all of a CTA's steps, so a CTA with several items keeps its loads in flight from
+    one item into the next, storing each item's sums at its last step."""
     tp, k = x.shape
     n = w.shape[1]
-    bk, ks = tiling.block_k, k // tiling.k_splits
+    bk, splits = tiling.block_k, tiling.k_splits
+    steps = k // splits // bk  # an item's steps
     group = k // w.scales.shape[0]
     unit = min(group, bk)  # input rows under one scale row within a step
     units = bk // unit
     has_zeros = w.zeros is not None
-    steps = ks // bk
+    items = n // ROWS * splits
+    ctas = min(tiling.ctas or items, items)
 
     def kernel(x_gmem, xs_gmem, w_gmem, s_gmem, *refs):
-        z_gmem = refs[0] if has_zeros else None
         o_gmem, o_smem = refs[-2:]
-        n_idx, s_idx = lax.axis_index("n"), lax.axis_index("s")
-        cols = pl.ds(n_idx * ROWS, ROWS)
-        first = s_idx * steps  # this range's first step
+        cta = lax.axis_index("c")
 
-        def body(_, x_smem, xs_smem, w_smem, s_smem, *rest):
+        def item(i):
+            """Pipeline step i -> (a real item, its column tile, K range, K step)."""
+            it = cta + i // steps * ctas
+            real, it = it < items, jnp.minimum(it, items - 1)
+            return real, it // splits, it % splits, it % splits * steps + i % steps
+
+        def body(idx, x_smem, xs_smem, w_smem, s_smem, *rest):
             z_smem, total = (rest[0], rest[1]) if has_zeros else (None, rest[0])
             for j in range(units):
                 blocks = range(j * unit // NIBBLE_ROWS, (j + 1) * unit // NIBBLE_ROWS)
                 acc = _block_products(w_smem, x_smem, blocks, tp, interpret is not None)
                 total = _scaled_sum(total, acc, s_smem, z_smem, xs_smem, j, tp, w.zero_point,
                                     interpret is not None)
-            return total
+            real, tile, split, _ = item(idx[0])
+            last = idx[0] % steps == steps - 1
 
-        if units > 1:  # each step's scale rows: `units` whole groups
-            scale_rows = lambda i: (first + i, 0)  # noqa: E731
-        else:  # a group spans group // bk steps
-            scale_rows = lambda i: ((first + i) * bk // group, 0)  # noqa: E731
-        specs = [plgpu.BlockSpec((tp, bk), lambda i: (0, first + i),
+            @pl.when(last & real)
+            def _store():
+                o_smem[...] = total
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[split, pl.ds(tile * ROWS, ROWS)])
+                plgpu.wait_smem_to_gmem(0)
+
+            return total * jnp.where(last, 0.0, 1.0).astype(jnp.float32)
+
+        def scale_rows(i):
+            _, tile, _, kstep = item(i)
+            return (kstep if units > 1 else kstep * bk // group), tile
+
+        specs = [plgpu.BlockSpec((tp, bk), lambda i: (0, item(i)[3]),
                                  transforms=_swizzled(HALF * 2, 16)),
-                 plgpu.BlockSpec((units, x_sums.shape[1]), lambda i: (first + i, 0)),
-                 plgpu.BlockSpec((ROWS, bk // 2), lambda i: (0, first + i),
+                 plgpu.BlockSpec((units, x_sums.shape[1]), lambda i: (item(i)[3], 0)),
+                 plgpu.BlockSpec((ROWS, bk // 2), lambda i: (item(i)[1], item(i)[3]),
                                  transforms=_swizzled(HALF, 8)),
                  plgpu.BlockSpec((units, ROWS), scale_rows)]
-        operands = [x_gmem, xs_gmem, w_gmem.at[cols], s_gmem.at[:, cols]]
         if has_zeros:
             specs.append(plgpu.BlockSpec((units, ROWS), scale_rows))
-            operands.append(z_gmem.at[:, cols])
         zeros = jnp.zeros((ROWS, tp), jnp.float32)
-        o_smem[...] = plgpu.emit_pipeline(
-            body, grid=(steps,), max_concurrent_steps=tiling.stages, in_specs=specs,
+        plgpu.emit_pipeline(
+            body, grid=(-(-items // ctas) * steps,), max_concurrent_steps=tiling.stages,
+            in_specs=specs,
             init_carry=zeros if interpret else plgpu.layout_cast(zeros, plgpu.Layout.WGMMA),
-        )(*operands)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[s_idx, cols])
-        plgpu.wait_smem_to_gmem(0)
+        )(x_gmem, xs_gmem, w_gmem, s_gmem, *refs[:-2])
 
     weight = (w.packed.view(jnp.int8), w.scales) + ((w.zeros,) if has_zeros else ())
     return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((tiling.k_splits, n, tp), jnp.float32),
+        kernel, out_type=jax.ShapeDtypeStruct((splits, n, tp), jnp.float32),
         scratch_types=[plgpu.SMEM((ROWS, tp), jnp.float32, transforms=_swizzled(tp * 4, 32))],
-        grid=(n // ROWS, tiling.k_splits), grid_names=("n", "s"), compiler_params=PARAMS,
+        grid=(ctas,), grid_names=("c",), compiler_params=PARAMS,
         interpret=interpret)(x, x_sums, *weight)
 
 

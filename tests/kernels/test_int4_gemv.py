@@ -35,6 +35,10 @@ CASES = [  # rows, K, N, group, zeros, tiling
     (3, 1024, 64, 512, True, Int4GemvTiling(stages=2, k_splits=1)),  # a group over 4 steps
     (2, 512, 64, 512, False, None),  # one group a column (per-channel), the rule's tiling
     (64, 256, 64, 128, True, Int4GemvTiling(stages=2, k_splits=2)),  # the widest rows it takes
+    # fewer CTAs than (column tile, K range) items: 9 items over 4 CTAs (3 slots left over),
+    # 4 over 3 with a group across an item's steps; one pipeline runs through a CTA's items
+    (8, 768, 192, 128, True, Int4GemvTiling(stages=2, k_splits=3, ctas=4)),
+    (1, 1024, 128, 512, False, Int4GemvTiling(stages=3, k_splits=2, ctas=3)),
 ]
 
 
@@ -67,7 +71,7 @@ def test_support_covers_decode_sizes_of_unpermuted_int4_only():
 
 
 @pytest.mark.parametrize("bad", [{"stages": 0}, {"k_splits": 0}, {"block_k": 64},
-                                 {"block_k": 192}])
+                                 {"block_k": 192}, {"ctas": -1}])
 def test_bad_tilings_are_refused(bad):
     with pytest.raises(ValueError, match="bad int4 GEMV tiling"):
         Int4GemvTiling(**bad)
@@ -80,16 +84,17 @@ def test_tiling_rule_cuts_k_into_whole_steps(k, splits):
     assert k % (tiling.k_splits * tiling.block_k) == 0
 
 
-@pytest.mark.parametrize("rows, group, block_k, zeros", [(8, 128, 128, False),
-                                                         (1, 128, 256, True),
-                                                         (64, 4096, 256, False)])
-def test_lowers_for_cuda_at_llama_shapes(rows, group, block_k, zeros):
+@pytest.mark.parametrize("rows, group, block_k, zeros, ctas", [(8, 128, 128, False, 0),
+                                                               (1, 128, 256, True, 0),
+                                                               (64, 4096, 256, False, 0),
+                                                               (8, 128, 128, True, 132)])
+def test_lowers_for_cuda_at_llama_shapes(rows, group, block_k, zeros, ctas):
     """The GPU path (the nibbles widened by inline PTX in wgmma's register layout, two wgmma a
     nibble block, each group's sum scaled on its own) builds for sm_90a."""
     k, n = 4096, 1024
     w = jax.eval_shape(lambda: _weight(k, n, group, seed=0, zeros=zeros))
     x = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
-    tiling = Int4GemvTiling(stages=4, k_splits=4, block_k=block_k)
+    tiling = Int4GemvTiling(stages=4, k_splits=4, block_k=block_k, ctas=ctas)
     text = jax.jit(lambda x, w: int4_gemv(x, w, tiling=tiling)).trace(x, w).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
