@@ -10,8 +10,6 @@ weight kind and token count this times, pipelined like the ceilings (`ceilings.t
          (the engine's form above decode sizes)
   routed fp8 only: `routed_fp8`, the routed expert kernel over the weight as a one-expert
          stack that every token chose (a probe: RESULTS.md round 38)
-  mosaic int4 only, on a Hopper GPU (the interpreter on CPU), where it takes the weight:
-         `int4_gemv`, the Mosaic GPU kernel (not in the engine's dispatch; round 49)
 and reports bytes moved as stored (packed values + scales + zeros + x + out), GB/s, the fraction
 of the bf16 GEMV's bandwidth (the roofline's ceiling), and TFLOP/s. On a CPU it runs tiny
 shapes in interpret mode (the plumbing only).
@@ -119,7 +117,6 @@ def run(argv: list[str] | None = None) -> dict:
     import jax
 
     from pjinfer.benchmarks.ceilings import _filled, timed_rate, timing_plan
-    from pjinfer.kernels import int4_gemv, ops
     from pjinfer.kernels import quantized_matmul as qmm
     from pjinfer.kernels.fp8_matmul import fp8_w8a8_matmul
 
@@ -163,9 +160,6 @@ def run(argv: list[str] | None = None) -> dict:
             row = measure("pallas", kind, lambda x, ws: [qmm.quantized_matmul(
                 x, w, interpret=on_cpu) for w in ws], (x, ws), nbytes, t)
             rows = [row]
-            if kind == "int4" and (on_cpu or ops._hopper()) and int4_gemv.supported(x, ws[0]):
-                rows.append(measure("mosaic", kind, lambda x, ws: [int4_gemv.int4_gemv(
-                    x, w, interpret=on_cpu) for w in ws], (x, ws), nbytes, t))
             if kind == "fp8":
                 rows.append(measure("w8a8", kind, lambda x, ws: [fp8_w8a8_matmul(x, w)
                                                                  for w in ws], (x, ws), nbytes, t))

@@ -24,19 +24,6 @@ def test_smoke(tmp_path):
     assert int4["fraction_of_bf16_gemv_bandwidth"] > 0
 
 
-def test_int4_in_64_byte_nibble_blocks_also_runs_the_mosaic_kernel(tmp_path):
-    """g128 weights are stored in 64-byte nibble blocks, the layout the Mosaic GPU kernel
-    reads: its path joins the record (the GPU interpreter here)."""
-    out = tmp_path / "q.json"
-    quant_matmul.run(["--out", str(out), "--matrices", "1", "--k", "256", "--n", "128",
-                      "--tokens", "3", "--kinds", "int4", "--samples", "1", "--calls", "1"])
-    runs = json.loads(out.read_text())["runs"]
-    assert {r["path"] for r in runs} == {"bf16", "xla", "pallas", "mosaic"}
-    mosaic = next(r for r in runs if r["path"] == "mosaic")
-    assert mosaic["weight_bytes"] == 256 * 128 // 2 + 2 * 128 * 4
-    assert mosaic["fraction_of_bf16_gemv_bandwidth"] > 0
-
-
 @pytest.mark.parametrize("sweep", [[], ["--sweep"]])
 def test_each_row_count_is_written_as_it_finishes(tmp_path, monkeypatch, sweep):
     """A run stopped by its time limit keeps the row counts it finished: the record is
