@@ -15,7 +15,9 @@ and fit beside each other). `--expert-dtype fp8|int8` streams quantized experts
 `fp8-block` as block-wise fp8 checkpoints hold them (Qwen3-30B-A3B-FP8: a scale per output
 channel and 128-row K group, each K step scaling its sums; block_k must divide 128);
 `int4` as 4-bit GPTQ / AWQ checkpoints' experts load (nibbles, scales per 128-row group,
-block_k 128: one nibble block a step).
+block_k 128: one nibble block a step). `--padded-rows 8` runs x with the engine's batch-1
+bucket of rows, the rows past the real tokens choosing no expert (what the kernels and the
+sums after them see in a padded step).
 """
 
 from __future__ import annotations
@@ -141,7 +143,7 @@ def layer_error(fn, x, ids, gate_up, down) -> float:
 
 def run_model(name: str, s: dict, tokens: list[int], tilings: list[dict], timing: dict,
               bandwidth: float, seed: int, expert_dtype: str = "bfloat16",
-              check: bool = False) -> list[dict[str, Any]]:
+              check: bool = False, padded_rows: int = 0) -> list[dict[str, Any]]:
     import jax
     import jax.numpy as jnp
 
@@ -166,9 +168,12 @@ def run_model(name: str, s: dict, tokens: list[int], tilings: list[dict], timing
         ids = [routing(t, e, k, rng) for _ in range(n_layers)]
         touched = sum(len(np.unique(i)) for i in ids)
         moved = touched * per_expert  # gate, up and down of every expert read
-        x = _filled((t, d), 7)
+        rows_in = max(t, padded_rows)  # the engine's bucket: padding tokens choose no expert
+        ids = [np.pad(i, ((0, rows_in - t), (0, 0)), constant_values=-1) for i in ids]
+        x = _filled((rows_in, d), 7)
         dev_ids = [jnp.asarray(i) for i in ids]
-        entry: dict[str, Any] = {"model": name, "tokens": t, "experts_read": touched,
+        entry: dict[str, Any] = {"model": name, "tokens": t, "rows": rows_in,
+                                 "experts_read": touched,
                                  "expert_dtype": expert_dtype, "bytes": moved, "tilings": {}}
         for tiling in tilings:
             fn = stack_fn(tiling, interpret)
@@ -227,7 +232,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     record["rows"] = [row for name, s in models.items()
                       for row in run_model(name, s, args.tokens, tilings, timing,
                                            ceilings.hbm_bytes_per_s, args.seed,
-                                           args.expert_dtype, args.check)]
+                                           args.expert_dtype, args.check,
+                                           args.padded_rows or 0)]
     best = [(r, r["tilings"][r["best_tiling"]]) for r in record["rows"] if "best_tiling" in r]
     print_table("Routed expert GEMMs, all layers in one call (best tiling)", [
         (f"{r['model']} T={r['tokens']} {r['best_tiling']}",
@@ -271,10 +277,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="also each tiling's first layer against the reference FFN "
                         "(relative_error in the record)")
+    parser.add_argument("--padded-rows", type=positive_int, default=None,
+                        help="x's rows as the engine's decode bucket has them (8 at batch 1): "
+                        "the rows past --tokens choose no expert (ids -1)")
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--samples", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.padded_rows is not None and args.padded_rows > 64:
+        parser.error("--padded-rows must be in 1..64 (the routed kernel's decode sizes)")
     if any(t < 1 or t > 64 for t in args.tokens):
         parser.error("--tokens must be in 1..64 (the routed kernel's decode sizes)")
     finish_record(run(args, argv), args.out)

@@ -81,6 +81,22 @@ def test_one_launch_split_form_beside_the_routed_pair(tmp_path):
         assert all(t["relative_error"] < 1e-2 for t in row["tilings"].values())
 
 
+def test_padded_rows_run_the_engine_bucket_with_idle_rows(tmp_path):
+    """--padded-rows 8: one real token in x's 8 rows as the engine's batch-1 step has them, the
+    other 7 choosing no expert: the same experts read, every form still equal to the
+    reference over all 8 rows."""
+    out = tmp_path / "stack.json"
+    assert main(["--smoke", "--tokens", "1", "--padded-rows", "8", "--block-n", "16",
+                 "--block-k", "16", "--fused", "0", "2", "3", "--swiglu-block-n", "16",
+                 "--check", "--calls", "1", "--samples", "1", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["tokens"], row["rows"], row["experts_read"]) == (1, 8, 2 * 2)
+    assert len(row["tilings"]) == 3
+    assert all(t["relative_error"] < 1e-2 for t in row["tilings"].values())
+    with pytest.raises(SystemExit):
+        main(["--smoke", "--padded-rows", "65"])
+
+
 def test_a_tiling_that_cannot_run_is_recorded_with_its_error(tmp_path):
     """--swiglu-block-n wider than the smoke model's I: the tiling's error is in the record,
     which is still written (the summary has no row to show)."""
