@@ -41,6 +41,7 @@ from pjinfer.kernels.routed_matmul import (
     check_routed_tiling,
     for_each_chosen_expert,
 )
+from pjinfer.kernels.routed_tiling import padded_assignments
 
 
 def _kernel(ids_ref, x_ref, gu_ref, dn_ref, o_ref, *, chunk: int, block_n: int, block_k: int,
@@ -108,13 +109,13 @@ def routed_ffn_split(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax
     if d % block_k or inter % chunk or d_out % block_n or chunk < 16:
         raise ValueError(f"routed_ffn_split needs D {d} a multiple of block_k {block_k}, I "
                          f"{inter} of chunk {chunk} (>= 16) and D' {d_out} of block_n {block_n}")
-    tp, kp = max(16, common.next_pow2(ids.shape[0])), common.next_pow2(ids.shape[1])
+    tp, kp = padded_assignments(ids.shape)
+    splits = min(splits, ids.shape[0] * kp)  # a program a real token's choice at most
     chunks, whole = inter // chunk, common.whole_spec
     out = pl.pallas_call(
         functools.partial(_kernel, chunk=chunk, block_n=block_n, block_k=block_k,
-                          splits=min(splits, ids.shape[0] * kp), padded=(tp, kp),
-                          compiled=not interpret),
-        grid=(chunks, min(splits, ids.shape[0] * kp)),
+                          splits=splits, padded=(tp, kp), compiled=not interpret),
+        grid=(chunks, splits),
         in_specs=[whole(ids.shape), whole(x.shape), whole(gate_up.shape), whole(down.shape)],
         out_specs=whole((chunks * tp * kp, d_out)),
         out_shape=jax.ShapeDtypeStruct((chunks * tp * kp, d_out), jnp.float32),

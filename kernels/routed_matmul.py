@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pjinfer.kernels import common, expert_stack
+from pjinfer.kernels.routed_tiling import padded_assignments
 
 ROUTED_MAX_TOKENS = 64  # one [T, block_k] x tile and [T, block_n] sums per program
 
@@ -213,7 +214,7 @@ def _routed_call(lhs: jax.Array, rhs: jax.Array, scales: list, ids: jax.Array, *
     stack's rows of K a scale covers (scales [G, KG, N]), else None. `act_up` (I, rhs's
     columns gate then up halves of I): the output is silu(gate) * up [Tp*kp, I], q = 1."""
     expert_stack.check_k_group(k_group, block_k, rhs)
-    tp, kp = max(16, common.next_pow2(ids.shape[0])), common.next_pow2(ids.shape[1])
+    tp, kp = padded_assignments(ids.shape)
     # padded rhs: [G, K, width] floats, or [G, width, K (/ 2: int4)] quantized values
     width, k_blocks = expert_stack.stack_dims(rhs, scales[0] if scales else None)[::-1][:2]
     k_blocks //= block_k
@@ -252,7 +253,7 @@ def assignment_rows(out: jax.Array, k_splits: int, ids: jax.Array, n: int,
                     dtype) -> jax.Array:
     """A raw output's K ranges (I chunks) summed, sliced to [T*k, n], inactive rows 0."""
     t, k = ids.shape
-    tp, kp = max(16, common.next_pow2(t)), common.next_pow2(k)
+    tp, kp = padded_assignments(ids.shape)
     out = out.reshape(k_splits, tp, kp, -1)[:, :t, :k, :n].sum(axis=0).astype(dtype)
     # rows of inactive choices were never written (garbage): 0, as the reference says
     return jnp.where((ids >= 0)[..., None], out, 0).reshape(t * k, n)

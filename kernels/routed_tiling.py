@@ -9,6 +9,13 @@ from pjinfer.kernels import common
 Shape = tuple[int, int, int]  # a [G, K, N] expert stack's (float) shape
 
 
+def padded_assignments(ids_shape: tuple[int, int]) -> tuple[int, int]:
+    """(Tp, kp): a routed kernel's [T, k] ids as its programs walk them, tokens padded to a
+    power of two of >= 16 rows (Triton's smallest dot), choices to a power of two."""
+    t, k = ids_shape
+    return max(16, common.next_pow2(t)), common.next_pow2(k)
+
+
 def default_routed_tiling(rhs_shape: Shape, top_k: int,
                           k_group: int | None = None) -> tuple[tuple[int, int], int]:
     """((block_n, block_k), K ranges) of a routed GEMM over a [G, K, N] expert stack
