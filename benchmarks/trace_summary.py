@@ -10,6 +10,7 @@ run there is none, and the summary says so.
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -72,17 +73,20 @@ OP_ARGS = ("hlo_op", "tf_op", "long_name")  # what the profiler may say each ker
 
 
 def one_layer(kernels: list[dict[str, Any]], anchor: str = LAYER_ANCHOR) -> list[dict]:
-    """A middle layer's kernels in launch order, each with its microseconds and the ops the
-    trace names for it (`OP_ARGS`): the kernels from the trace's second attention kernel up
-    to its third (the layer as it runs from attention on). Names alone say little about XLA's
-    fusions; the order says where each sits in the layer."""
+    """A middle layer's kernels in launch order, each with its microseconds, the device's idle
+    microseconds before it (from the end of every kernel started earlier: what the launch
+    left unused) and the ops the trace names for it (`OP_ARGS`): the kernels from the trace's
+    second attention kernel up to its third (the layer as it runs from attention on). Names
+    alone say little about XLA's fusions; the order says where each sits in the layer."""
     ordered = sorted(kernels, key=lambda e: float(e["ts"]))
     at = [i for i, e in enumerate(ordered) if anchor in e["name"]]
     if len(at) < 3:
         return []
+    ends = list(itertools.accumulate((float(e["ts"]) + float(e["dur"]) for e in ordered), max))
     return [{"name": e["name"][:120], "us": float(e["dur"]),
+             "idle_before_us": max(0.0, float(e["ts"]) - ends[i - 1]),
              **{k: str(v)[:200] for k, v in e.get("args", {}).items() if k in OP_ARGS}}
-            for e in ordered[at[1]:at[2]]]
+            for i, e in enumerate(ordered[at[1]:at[2]], start=at[1])]
 
 
 def summarize_dir(log_dir: str | Path, steps: int) -> dict[str, Any]:
