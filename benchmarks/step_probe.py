@@ -153,7 +153,7 @@ def _adapters(engine, count: int, rank: int, root: str) -> list:
 
 def probe(backend: str, model: str, layouts: list[str], profile: str | None,
           loras: int = 0, lora_rank: int = 16, max_model_len: int = 2048,
-          quantization: str | None = None, num_kv_blocks: int = 40000,
+          quantization: str | None = None, num_kv_blocks: int | None = None,
           same_args: bool = False, kv_cache_dtype: str = "auto",
           num_scheduler_steps: int = 1) -> dict:
     import tempfile
@@ -284,15 +284,17 @@ def main() -> None:
     parser.add_argument("--same-args", action="store_true",
                         help="also time the bare step's launch with the same input buffers "
                              "every call vs new ones (see _argument_addresses)")
-    parser.add_argument("--num-kv-blocks", type=int, default=40000,
-                        help="KV cache blocks (a 30B model's weights leave room for fewer)")
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="KV cache blocks (default: what the engine sizes from the "
+                             "device's free memory; a fixed 40,000 were ~80 GB at "
+                             "Llama-3-8B's shapes, more than an H100 holds)")
     parser.add_argument("--num-scheduler-steps", type=int, default=1,
                         help="decode layouts: N steps a call (the engine's multi-step "
                              "decode); times stay per call")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                         help="the paged cache's dtype (fp8: e4m3, issue 14's W4 comparison)")
     args = parser.parse_args()
-    if args.num_kv_blocks < 1:
+    if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         parser.error(f"--num-kv-blocks must be a positive integer, got {args.num_kv_blocks}")
     if not 1 <= args.num_scheduler_steps <= 16:  # the layouts' tables leave 15 free slots
         parser.error(f"--num-scheduler-steps must be in 1..16, got {args.num_scheduler_steps}")

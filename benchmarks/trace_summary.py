@@ -75,9 +75,12 @@ OP_ARGS = ("hlo_op", "tf_op", "long_name")  # what the profiler may say each ker
 def one_layer(kernels: list[dict[str, Any]], anchor: str = LAYER_ANCHOR) -> list[dict]:
     """A middle layer's kernels in launch order, each with its microseconds, the device's idle
     microseconds before it (from the end of every kernel started earlier: what the launch
-    left unused) and the ops the trace names for it (`OP_ARGS`): the kernels from the trace's
-    second attention kernel up to its third (the layer as it runs from attention on). Names
-    alone say little about XLA's fusions; the order says where each sits in the layer."""
+    left unused), its own microseconds (the part of it after every earlier kernel's end: a
+    kernel launched early by programmatic dependent launch sits waiting while the one before
+    runs, and its whole span overstates it) and the ops the trace names for it (`OP_ARGS`):
+    the kernels from the trace's second attention kernel up to its third (the layer as it
+    runs from attention on). Names alone say little about XLA's fusions; the order says
+    where each sits in the layer."""
     ordered = sorted(kernels, key=lambda e: float(e["ts"]))
     at = [i for i, e in enumerate(ordered) if anchor in e["name"]]
     if len(at) < 3:
@@ -85,6 +88,7 @@ def one_layer(kernels: list[dict[str, Any]], anchor: str = LAYER_ANCHOR) -> list
     ends = list(itertools.accumulate((float(e["ts"]) + float(e["dur"]) for e in ordered), max))
     return [{"name": e["name"][:120], "us": float(e["dur"]),
              "idle_before_us": max(0.0, float(e["ts"]) - ends[i - 1]),
+             "own_us": max(0.0, ends[i] - max(float(e["ts"]), ends[i - 1])),
              **{k: str(v)[:200] for k, v in e.get("args", {}).items() if k in OP_ARGS}}
             for i, e in enumerate(ordered[at[1]:at[2]], start=at[1])]
 

@@ -51,21 +51,22 @@ def test_one_layer_lists_a_middle_layers_kernels_in_order(tmp_path):
     # kernel i starts at 10 i and lasts i + 1 us: idle before it 10 - i us
     assert [(k["name"], k["us"], k["idle_before_us"]) for k in layer] == [
         ("paged_decode_attention", 7.0, 4.0), ("fusion.1", 8.0, 3.0), ("gemm", 9.0, 2.0)]
-    assert layer[1] == {"name": "fusion.1", "us": 8.0, "idle_before_us": 3.0,
+    assert layer[1] == {"name": "fusion.1", "us": 8.0, "idle_before_us": 3.0, "own_us": 8.0,
                         "hlo_op": "fusion.1.7", "tf_op": "jit(step)/op7"}
 
 
-def test_one_layer_idle_counts_from_the_latest_end_on_any_stream(tmp_path):
+def test_one_layer_idle_and_own_time_count_from_the_latest_end_on_any_stream(tmp_path):
     """A kernel on a second stream that outlasts the one before: idle is measured from the
-    later end, and overlap is no idle."""
+    later end, overlap is no idle, and a kernel's own time is what it runs past every
+    earlier kernel's end (a kernel launched early and waiting is not charged for the wait)."""
     meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}}]
     gpu = [("attention", 0, 5, 0), ("long", 6, 20, 1), ("short", 7, 2, 0),
            ("attention", 30, 5, 0), ("gemm", 34, 3, 1), ("attention", 50, 5, 0)]
     _write(tmp_path, meta + [{"ph": "X", "pid": 1, "tid": tid, "name": n, "ts": ts, "dur": d}
                              for n, ts, d, tid in gpu])
     layer = summarize_dir(tmp_path, steps=1)["one_layer"]
-    assert [(k["name"], k["idle_before_us"]) for k in layer] == [("attention", 4.0),
-                                                                 ("gemm", 0.0)]
+    assert [(k["name"], k["idle_before_us"], k["own_us"]) for k in layer] == [
+        ("attention", 4.0, 5.0), ("gemm", 0.0, 2.0)]
 
 
 def test_no_trace_or_no_device_is_said(tmp_path):
