@@ -69,9 +69,10 @@ def test_fused_and_separate_activation_side_by_side(tmp_path, dtype):
 
 def test_one_launch_split_form_beside_the_routed_pair(tmp_path):
     """--fused 3: `routed_ffn_split`, a program an I chunk (--swiglu-block-n), named apart;
-    --check: each tiling's first layer against the reference FFN."""
+    --check: each tiling's first layer against the reference FFN (3 tokens here; one token
+    in the test below)."""
     out = tmp_path / "stack.json"
-    assert main(["--smoke", "--tokens", "1", "3", "--block-n", "16", "--block-k", "16",
+    assert main(["--smoke", "--tokens", "3", "--block-n", "16", "--block-k", "16",
                  "--fused", "2", "3", "--swiglu-block-n", "16", "32", "--check",
                  "--calls", "1", "--samples", "1", "--out", str(out)]) == 0
     for row in json.loads(out.read_text())["rows"]:
