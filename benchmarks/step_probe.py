@@ -286,7 +286,7 @@ def main() -> None:
                              "every call vs new ones (see _argument_addresses)")
     parser.add_argument("--num-kv-blocks", type=int, default=None,
                         help="KV cache blocks (default: what the engine sizes from the "
-                             "device's free memory; a fixed 40,000 were ~80 GB at "
+                             "device's free memory; a fixed 40,000 were ~84 GB at "
                              "Llama-3-8B's shapes, more than an H100 holds)")
     parser.add_argument("--num-scheduler-steps", type=int, default=1,
                         help="decode layouts: N steps a call (the engine's multi-step "
