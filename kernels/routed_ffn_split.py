@@ -40,7 +40,7 @@ from pjinfer.kernels.routed_matmul import (
     check_routed_tiling,
     for_each_chosen_expert,
 )
-from pjinfer.kernels.routed_tiling import padded_assignments
+from pjinfer.kernels.routed_tiling import assignment_programs, padded_assignments
 
 
 def _kernel(ids_ref, x_ref, gu_ref, dn_ref, o_ref, *, chunk: int, block_n: int, block_k: int,
@@ -109,7 +109,7 @@ def routed_ffn_split(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax
         raise ValueError(f"routed_ffn_split needs D {d} a multiple of block_k {block_k}, I "
                          f"{inter} of chunk {chunk} (>= 16) and D' {d_out} of block_n {block_n}")
     tp, kp = padded_assignments(ids.shape)
-    splits = min(splits, ids.shape[0] * kp)  # a program a real token's choice at most
+    splits = assignment_programs(ids.shape, splits)
     chunks, whole = inter // chunk, common.whole_spec
     out = pl.pallas_call(
         functools.partial(_kernel, chunk=chunk, block_n=block_n, block_k=block_k,

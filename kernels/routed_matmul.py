@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pjinfer.kernels import common, expert_stack
-from pjinfer.kernels.routed_tiling import padded_assignments
+from pjinfer.kernels.routed_tiling import assignment_programs, padded_assignments
 
 ROUTED_MAX_TOKENS = 64  # one [T, block_k] x tile and [T, block_n] sums per program
 
@@ -221,9 +221,7 @@ def _routed_call(lhs: jax.Array, rhs: jax.Array, scales: list, ids: jax.Array, *
     k_splits = max(d for d in range(1, min(k_splits, k_blocks) + 1) if k_blocks % d == 0)
     if act_up is not None:  # the activation needs each sum whole: one K range, I columns
         width, k_splits = act_up, 1
-    # a program a real token's choice at most: at one token 8 of Qwen3's column block's
-    # programs, not 128 of which 120 would only look and leave
-    splits = min(splits, ids.shape[0] * kp)
+    splits = assignment_programs(ids.shape, splits)
     whole = common.whole_spec
     out = pl.pallas_call(
         functools.partial(_routed_kernel, block_n=block_n, block_k=block_k,

@@ -16,6 +16,13 @@ def padded_assignments(ids_shape: tuple[int, int]) -> tuple[int, int]:
     return max(16, common.next_pow2(t)), common.next_pow2(k)
 
 
+def assignment_programs(ids_shape: tuple[int, int], splits: int) -> int:
+    """Programs a routed kernel walks its assignments with (`splits` asked): at most one a
+    real token's choice, so at one token 8 of Qwen3's, not 128 of which 120 would only look
+    and leave."""
+    return min(splits, ids_shape[0] * padded_assignments(ids_shape)[1])
+
+
 def default_routed_tiling(rhs_shape: Shape, top_k: int,
                           k_group: int | None = None) -> tuple[tuple[int, int], int]:
     """((block_n, block_k), K ranges) of a routed GEMM over a [G, K, N] expert stack
