@@ -23,6 +23,7 @@ from pjinfer.engine.inputs import (
     StepInputs,
     bucket_seqs,
     build_step_inputs,
+    default_seq_sizes,
     max_padded_seqs,
     seq_buckets,
     token_buckets,
@@ -49,6 +50,7 @@ from pjinfer.kernels.metadata import AttentionMetadata
 from pjinfer.lora.adapter import LoRAAdapter
 from pjinfer.lora.weights import engine_slots, slot_contents, slot_writer
 from pjinfer.quantization.kv_cache import kv_cache_dtype
+from pjinfer.quantization.weight import QuantizedWeight
 from pjinfer.sampling_params import SamplingParams
 from pjinfer.sharding.mesh import tp_size
 from pjinfer.sharding.rules import kv_cache_sharding, layout_config, replicated
@@ -75,6 +77,8 @@ class ModelRunner:
         self.block_size = ecfg.block_size
         self.max_blocks_per_seq = -(-max_model_len // ecfg.block_size)
         self.act_dtype = params["embed"].dtype
+        self.seq_sizes = ecfg.cuda_graph_sizes or default_seq_sizes(
+            ecfg.max_num_seqs, _int4_dense(params))  # the step's padded sequence counts
         self.kv_dtype = kv_cache_dtype(ecfg.kv_cache_dtype, self.act_dtype)
         self.canonical_cfg = cfg
         self.lora_weights = None  # adapter slots (pjinfer.lora.weights), with enable_lora
@@ -208,7 +212,7 @@ class ModelRunner:
     def warmup_shapes(self) -> list[tuple[int, int, bool]]:
         """(tokens, seqs, decode_only) of every bucket the scheduler can produce; for a model
         under SMALL_MODEL_BYTES only the smallest decode and prefill buckets."""
-        seqs = seq_buckets(self.ecfg.max_num_seqs, self.ecfg.cuda_graph_sizes)
+        seqs = seq_buckets(self.ecfg.max_num_seqs, self.seq_sizes)
         tokens = token_buckets(self.ecfg.max_num_batched_tokens)
         if sum(x.nbytes for x in jax.tree.leaves(self.params)) < SMALL_MODEL_BYTES:
             seqs, tokens = seqs[:1], [t for t in tokens if t >= seqs[0]][:1]
@@ -295,7 +299,7 @@ class ModelRunner:
             max_num_batched_tokens=self.ecfg.max_num_batched_tokens,
             max_num_seqs=self.ecfg.max_num_seqs, prev_tokens=prev_tokens, block_tables=tables,
             lora_slots=None if self.lora_weights is None else (lora_slots or [0] * len(chunks)),
-            seq_sizes=self.ecfg.cuda_graph_sizes)
+            seq_sizes=self.seq_sizes)
         return inputs, layout, prev_tokens, partial(SamplingMetadata.build, rows,
                                                     layout.padded_seqs, columns, history)
 
@@ -336,7 +340,7 @@ class ModelRunner:
         requests; Nones for a one-off batch of anonymous chunks, built from its lists."""
         if not chunks or chunks[0].request_id is None:
             return None, None, None
-        padded = bucket_seqs(len(chunks), self.ecfg.max_num_seqs, self.ecfg.cuda_graph_sizes)
+        padded = bucket_seqs(len(chunks), self.ecfg.max_num_seqs, self.seq_sizes)
         batch_rows = self.batch.rows_for(chunks, rows, refresh=refresh)
         tables, columns = self.batch.gather(batch_rows, padded)
         return tables, columns, partial(self.batch.token_history, batch_rows, rows, padded)
@@ -357,6 +361,14 @@ class ModelRunner:
                                                      1),
                           ranks=np.stack([s.ranks[:n] for s in steps], 1),
                           prompt_logprobs=None if p is None else tuple(a[:t] for a in p))
+
+
+def _int4_dense(params) -> bool:
+    """Whether a model without routed experts has int4 weights (`default_seq_sizes`)."""
+    if any("router" in lp for lp in params.get("layers", ())):
+        return False
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    return any(isinstance(x, QuantizedWeight) and x.kind == "int4" for x in leaves)
 
 
 def _packed_step(params, kv_caches, inputs: Packed, *lora, opts: StepOptions):

@@ -6,12 +6,15 @@ from __future__ import annotations
 import shutil
 
 import jax
+import jax.numpy as jnp
 
 import pjinfer
 from pjinfer import SamplingParams
 from pjinfer.engine import kv_budget
 from pjinfer.engine import runner as runner_module
 from pjinfer.engine.executable_cache import SUBDIR
+from pjinfer.engine.inputs import default_seq_sizes
+from pjinfer.quantization.weight import quantize_int4, quantize_per_channel
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
@@ -77,3 +80,16 @@ def test_steps_served_by_jax_cache_are_not_stored_broken(tmp_path, monkeypatch,
         assert warm == after == (2, 0) and text.startswith(" ugly.\nExplicit")
         assert step_bytes > 0  # the analysis of steps JAX's cache served
     assert not (tmp_path / SUBDIR).exists()
+
+
+def test_dense_int4_models_add_a_two_sequence_bucket():
+    """The default buckets, with 2 sequences in front for a dense int4 model only; the
+    flag's sizes win over both."""
+    assert default_seq_sizes(512, int4_dense=False) is None
+    assert default_seq_sizes(512, int4_dense=True) == (2, 8, 32, 128, 512)
+    w = jnp.ones((128, 64))
+    int4, fp8 = quantize_int4(w, 128), quantize_per_channel(w, "fp8")
+    assert runner_module._int4_dense({"layers": [{"q_proj": int4}]})
+    assert not runner_module._int4_dense({"layers": [{"q_proj": fp8}]})
+    assert not runner_module._int4_dense({"layers": [{"q_proj": int4, "router": w}]})
+    assert pjinfer.LLM(None).engine.runner.seq_sizes is None  # the float demo model

@@ -90,6 +90,8 @@ def test_engine_matches_transformers_on_dequantized_weights(quantized, arch, nam
     folder, oracle = quantized(arch, name)
     llm = LLM(str(folder), **ENGINE)
     assert llm.engine.quantization_method == checkpoints.scheme(name)[1]["quant_method"]
+    int4 = llm.engine.runner.params["layers"][0]["q_proj"].kind == "int4"
+    assert llm.engine.runner.seq_sizes == ((2, 4) if int4 else None)  # a 2-sequence bucket
     _check(llm, oracle)
 
 
