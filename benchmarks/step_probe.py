@@ -155,7 +155,7 @@ def probe(backend: str, model: str, layouts: list[str], profile: str | None,
           loras: int = 0, lora_rank: int = 16, max_model_len: int = 2048,
           quantization: str | None = None, num_kv_blocks: int | None = None,
           same_args: bool = False, kv_cache_dtype: str = "auto",
-          num_scheduler_steps: int = 1) -> dict:
+          num_scheduler_steps: int = 1, cuda_graph_sizes: list[int] | None = None) -> dict:
     import tempfile
 
     from pjinfer.engine.config import EngineConfig
@@ -172,7 +172,8 @@ def probe(backend: str, model: str, layouts: list[str], profile: str | None,
         max_num_batched_tokens=max(2048, *map(layout_tokens, layouts)),
         num_kv_blocks=num_kv_blocks, warmup=False,
         attention_backend=backend, quantization=method, kv_cache_dtype=kv_cache_dtype,
-        num_scheduler_steps=num_scheduler_steps, **lora_args))
+        num_scheduler_steps=num_scheduler_steps, cuda_graph_sizes=cuda_graph_sizes,
+        **lora_args))
     adapters = _adapters(engine, loras, lora_rank, tempfile.mkdtemp()) if loras else []
     params, rng, out = SamplingParams(temperature=0, max_tokens=4), np.random.default_rng(0), {}
     for kind in layouts:
@@ -293,6 +294,9 @@ def main() -> None:
                              "decode); times stay per call")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                         help="the paged cache's dtype (fp8: e4m3, issue 14's W4 comparison)")
+    parser.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None,
+                        help="the engine's padded sequence counts (its flag; default its "
+                             "own: a 1-sequence layout runs in the smallest)")
     args = parser.parse_args()
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         parser.error(f"--num-kv-blocks must be a positive integer, got {args.num_kv_blocks}")
@@ -304,7 +308,7 @@ def main() -> None:
         results.update(probe(backend, args.model, args.layouts, args.profile, args.loras,
                              args.lora_rank, args.max_model_len, args.quantization,
                              args.num_kv_blocks, args.same_args, args.kv_cache_dtype,
-                             args.num_scheduler_steps))
+                             args.num_scheduler_steps, args.cuda_graph_sizes))
     from pjinfer.benchmarks.common import jax_device_info
 
     with open(args.out, "w") as f:
@@ -313,6 +317,7 @@ def main() -> None:
                    "loras": args.loras, "lora_rank": args.lora_rank,
                    "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
                    "num_scheduler_steps": args.num_scheduler_steps,
+                   "cuda_graph_sizes": args.cuda_graph_sizes,
                    "xla_flags": os.environ.get("XLA_FLAGS", ""), **results}, f, indent=1)
 
 
