@@ -109,7 +109,7 @@ class EngineConfig:
         None, "padded batch sizes (sequences a step) that steps are compiled for, vLLM's "
         "CUDA graph sizes: a step runs at the smallest one holding its sequences, so smaller "
         "sizes pad low-concurrency decodes less and compile more executables (default 8, 32, "
-        "128, ... up to max_num_seqs, and 2 in front for a dense model of int4 weights; a size "
+        "128, ... up to max_num_seqs, and 2 in front for a dense int4 model on one device; a size "
         "below 2 counts as 2, max_num_seqs is always one; "
         "one value is one size, not vLLM's pattern up to it)", "compilation")
     warmup: bool = arg(True, "compile every step shape at start-up (a model under 64 MiB: "

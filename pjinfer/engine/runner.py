@@ -364,11 +364,13 @@ class ModelRunner:
 
 
 def _int4_dense(params) -> bool:
-    """Whether a model without routed experts has int4 weights (`default_seq_sizes`)."""
+    """Whether a model without routed experts has int4 weights that the Pallas kernel reads
+    (unsharded: the measured case of `default_seq_sizes`)."""
     if any("router" in lp for lp in params.get("layers", ())):
         return False
     leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
-    return any(isinstance(x, QuantizedWeight) and x.kind == "int4" for x in leaves)
+    return any(isinstance(x, QuantizedWeight) and x.kind == "int4" and x.kernel
+               for x in leaves)
 
 
 def _packed_step(params, kv_caches, inputs: Packed, *lora, opts: StepOptions):

@@ -3,6 +3,7 @@ nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import jax
@@ -92,4 +93,6 @@ def test_dense_int4_models_add_a_two_sequence_bucket():
     assert runner_module._int4_dense({"layers": [{"q_proj": int4}]})
     assert not runner_module._int4_dense({"layers": [{"q_proj": fp8}]})
     assert not runner_module._int4_dense({"layers": [{"q_proj": int4, "router": w}]})
+    sharded = dataclasses.replace(int4, kernel=False)  # tensor parallel: XLA's path
+    assert not runner_module._int4_dense({"layers": [{"q_proj": sharded}]})
     assert pjinfer.LLM(None).engine.runner.seq_sizes is None  # the float demo model
