@@ -300,6 +300,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         parser.error(f"--num-kv-blocks must be a positive integer, got {args.num_kv_blocks}")
+    if args.cuda_graph_sizes is not None and min(args.cuda_graph_sizes) < 1:
+        parser.error(f"--cuda-graph-sizes must be positive integers, got {args.cuda_graph_sizes}")
     if not 1 <= args.num_scheduler_steps <= 16:  # the layouts' tables leave 15 free slots
         parser.error(f"--num-scheduler-steps must be in 1..16, got {args.num_scheduler_steps}")
     _import_repo()
