@@ -64,9 +64,9 @@ def seq_buckets(max_seqs: int, sizes: Sequence[int] | None = None) -> list[int]:
 def default_seq_sizes(max_seqs: int, int4_dense: bool) -> tuple[int, ...] | None:
     """`cuda_graph_sizes` when none is given: None (the default buckets of `seq_buckets`), or
     for a dense model of int4 weights the same with a MIN_PADDED_SEQS bucket in front. Its
-    batch-1 decode runs 3% faster at 2 rows than at 8 (H100, ABBA, RESULTS.md round 51: the
-    W4A16 GEMV's x tile), where fp8 weights run 2% slower and a bf16 MoE model 1% (rounds 24,
-    33, 51): so not for them. One more bucket is one more set of executables to compile."""
+    batch-1 decode runs 2-3% faster at 2 rows than at 8 (H100, ABBA, RESULTS.md round 51),
+    where fp8 weights run 2% slower and a bf16 MoE model 1% (rounds 24, 33, 51): so not for
+    them. One more bucket is one more set of executables to compile."""
     if not int4_dense:
         return None
     return (MIN_PADDED_SEQS, *seq_buckets(max_seqs))

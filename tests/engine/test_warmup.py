@@ -84,8 +84,8 @@ def test_steps_served_by_jax_cache_are_not_stored_broken(tmp_path, monkeypatch,
 
 
 def test_dense_int4_models_add_a_two_sequence_bucket():
-    """The default buckets, with 2 sequences in front for a dense int4 model only; the
-    flag's sizes win over both."""
+    """The default buckets, with 2 sequences in front for a dense int4 model whose weights
+    the kernel reads; fp8, MoE and sharded weights keep the defaults."""
     assert default_seq_sizes(512, int4_dense=False) is None
     assert default_seq_sizes(512, int4_dense=True) == (2, 8, 32, 128, 512)
     w = jnp.ones((128, 64))
