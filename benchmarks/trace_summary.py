@@ -105,10 +105,10 @@ def summarize_dir(log_dir: str | Path, steps: int) -> dict[str, Any]:
     return summary
 
 
-def device_busy_seconds(fn, *args, calls: int = 20) -> float | None:
-    """Device-busy seconds per call of a jitted `fn(*args)` over `calls` back-to-back calls,
-    from a profile: what the kernels take, without the host's dispatch that bounds a small
-    kernel's wall-clock timing. None where the trace holds no device activity (CPU)."""
+def device_profile(fn, *args, calls: int = 20) -> dict[str, Any]:
+    """`summarize_dir` of `calls` back-to-back calls of a jitted `fn(*args)` (compiled and run
+    once first): per call, the kernels the device ran and their busy time, without the host's
+    dispatch that bounds a small kernel's wall-clock timing."""
     import tempfile
 
     import jax
@@ -119,6 +119,11 @@ def device_busy_seconds(fn, *args, calls: int = 20) -> float | None:
             for _ in range(calls):
                 out = fn(*args)
             jax.block_until_ready(out)
-        summary = summarize_dir(log_dir, calls)
-    busy = summary.get("busy_us_per_step")
+        return summarize_dir(log_dir, calls)
+
+
+def device_busy_seconds(fn, *args, calls: int = 20) -> float | None:
+    """Device-busy seconds per call of `fn(*args)` (`device_profile`). None where the trace
+    holds no device activity (CPU)."""
+    busy = device_profile(fn, *args, calls=calls).get("busy_us_per_step")
     return None if not busy else busy * 1e-6

@@ -35,3 +35,4 @@ def test_stages_are_swept_and_device_time_falls_back_to_wall_time(tmp_path):
     assert all(r["warps"] == 4 and r["rel_err"] < 1e-2 for r in rows)
     # no device activity in a CPU trace: the wall-clock time stands
     assert all(r["device_ms"] is None and r["ms"] == r["wall_ms"] for r in rows)
+    assert all(r["kernels_per_call"] is None and r["kernels"] is None for r in rows)
