@@ -24,9 +24,7 @@ import argparse
 
 from pjinfer.benchmarks.common import median_call_seconds, positive_int
 from pjinfer.benchmarks.quant_matmul import write_record
-from pjinfer.benchmarks.trace_summary import device_profile
-
-KERNELS = "kernels_per_call"
+from pjinfer.benchmarks.trace_summary import busy_seconds, device_profile
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -121,7 +119,8 @@ def run(argv: list[str] | None = None) -> dict:
         err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
         wall = median_call_seconds(fn, *args, reps=a.calls, repeats=a.samples)
         profile = device_profile(fn, *args, calls=a.calls) if a.device_time else {}
-        busy = (profile.get("busy_us_per_step") or 0) * 1e-6 or None
+        busy = busy_seconds(profile)
+        kernels = profile.get("kernels_per_step")  # the attention kernel, then XLA's merge
         seconds = busy or wall
         rows.append({"pages": sizes.pages_per_compute_block, "splits": sizes.num_splits,
                      "warps": sizes.num_warps, "stages": sizes.num_stages,
@@ -129,14 +128,13 @@ def run(argv: list[str] | None = None) -> dict:
                      "ms": seconds * 1e3, "wall_ms": wall * 1e3,
                      "device_ms": None if busy is None else busy * 1e3,
                      "tb_per_s": kv_bytes / seconds / 1e12, "rel_err": err,
-                     # the kernels a call (the attention kernel, then XLA's for the merge)
-                     KERNELS: profile.get("kernels_per_step"),
+                     "kernels_per_call": kernels,
                      "kernels": profile.get("top_kernels")})
         print(f"pages {rows[-1]['pages']:2d} splits {rows[-1]['splits']:3d} warps "
               f"{sizes.num_warps} stages {sizes.num_stages}"
               f"{' (default)' if sizes == default else ''}: {seconds * 1e3:7.3f} ms  "
               f"{rows[-1]['tb_per_s']:5.2f} TB/s  err {err:.1e}"
-              f"{'' if busy is None else f'  {rows[-1][KERNELS]} kernels'}", flush=True)
+              f"{'' if kernels is None else f'  {kernels} kernels'}", flush=True)
     best = min(rows, key=lambda r: r["ms"])
     record = {"device": jax.devices()[0].device_kind, "shape": vars(a), "kv_bytes": kv_bytes,
               "rows": rows, "best": best,

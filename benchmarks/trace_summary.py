@@ -122,8 +122,13 @@ def device_profile(fn, *args, calls: int = 20) -> dict[str, Any]:
         return summarize_dir(log_dir, calls)
 
 
-def device_busy_seconds(fn, *args, calls: int = 20) -> float | None:
-    """Device-busy seconds per call of `fn(*args)` (`device_profile`). None where the trace
-    holds no device activity (CPU)."""
-    busy = device_profile(fn, *args, calls=calls).get("busy_us_per_step")
+def busy_seconds(summary: dict[str, Any]) -> float | None:
+    """Device-busy seconds a step of a `summarize_dir` summary; None where the trace holds no
+    device activity (CPU)."""
+    busy = summary.get("busy_us_per_step")
     return None if not busy else busy * 1e-6
+
+
+def device_busy_seconds(fn, *args, calls: int = 20) -> float | None:
+    """Device-busy seconds per call of `fn(*args)` (`device_profile`, `busy_seconds`)."""
+    return busy_seconds(device_profile(fn, *args, calls=calls))
