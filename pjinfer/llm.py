@@ -94,11 +94,21 @@ class LLM:
              use_tqdm: bool | Callable[..., tqdm] = True,
              tools: list[dict[str, Any]] | None = None,
              *, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None,
              ) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template (and `tools`, OpenAI
-        function definitions, for templates that show them), then generate."""
+        """Render each conversation with the model's chat template, or `chat_template` (and
+        `tools`, OpenAI function definitions, for templates that show them;
+        `chat_template_kwargs`, more of its variables), then generate. vLLM's arguments:
+        `continue_final_message` (with add_generation_prompt=False) lets the model go on
+        with the last assistant message."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [apply_chat_template(self.tokenizer, c, tools=tools) for c in conversations]
+        prompts = [apply_chat_template(
+            self.tokenizer, c, tools=tools, chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt],

@@ -1,8 +1,9 @@
 """How one request wants its tokens chosen: vLLM's `SamplingParams`, validated where it enters.
 
 Every field keeps vLLM's name and default so OpenAI/vLLM clients map onto it one to one. The
-object is frozen: `stop` and `stop_token_ids` are normalised to tuples and `logit_bias` is
-copied, so a caller mutating its own list or dict later cannot change a running request.
+object is frozen: `stop`, `stop_token_ids` and `allowed_token_ids` are normalised to tuples
+and `logit_bias` is copied, so a caller mutating its own list or dict later cannot change a
+running request.
 """
 
 from __future__ import annotations
@@ -127,6 +128,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-N of the raw distribution; 0: only the chosen token
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | tuple[int, ...] | None = None  # only these may be sampled
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -145,6 +148,12 @@ class SamplingParams:
         ids = _normalise_token_ids("stop_token_ids", self.stop_token_ids)
         object.__setattr__(self, "stop_token_ids", ids)
         object.__setattr__(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            ids = _normalise_token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not ids:
+                raise ValueError("allowed_token_ids must not be empty: list the token ids "
+                                 "the output may use, or leave it None")
+            object.__setattr__(self, "allowed_token_ids", tuple(dict.fromkeys(ids)))
 
     def _check_counts(self) -> None:
         _require_int("n", self.n)
@@ -156,6 +165,12 @@ class SamplingParams:
         _require_int("min_tokens", self.min_tokens)
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.truncate_prompt_tokens is not None:
+            _require_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            if self.truncate_prompt_tokens == 0 or self.truncate_prompt_tokens < -1:
+                raise ValueError("truncate_prompt_tokens must be >= 1 (keep the prompt's last "
+                                 "k tokens) or -1 (keep max_model_len), got "
+                                 f"{self.truncate_prompt_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} > "
@@ -213,10 +228,23 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
         )
 
+    def truncate(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as the engine runs it: its last `truncate_prompt_tokens` tokens (-1:
+        max_model_len), as vLLM truncates (from the left, so the newest text is kept)."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return prompt_ids
+        if keep > max_model_len:
+            raise ValueError(f"truncate_prompt_tokens ({keep}) must be at most max_model_len "
+                             f"({max_model_len}), or -1 to keep max_model_len tokens")
+        keep = max_model_len if keep == -1 else keep
+        return prompt_ids[-keep:]
+
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids can only be range-checked once the model is known; call at admission."""
         for name, ids in (("stop_token_ids", self.stop_token_ids),
-                          ("logit_bias", self.logit_bias or ())):
+                          ("logit_bias", self.logit_bias or ()),
+                          ("allowed_token_ids", self.allowed_token_ids or ())):
             bad = [t for t in ids if t >= vocab_size]
             if bad:
                 raise ValueError(f"{name} token ids must be < vocab_size={vocab_size}, got {bad}")

@@ -53,14 +53,46 @@ def _gguf_tokenizer(gguf: Path) -> Any | None:
                              "pass a tokenizer folder (tokenizer=...)") from None
 
 
+# apply_chat_template's own arguments: chat_template_kwargs may not set them
+_TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "documents", "chat_template",
+                       "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                       "truncation", "max_length", "return_tensors", "return_dict",
+                       "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], *,
                         add_generation_prompt: bool = True,
-                        tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """Token ids of a conversation rendered with the model's own chat template; `tools`
-    (OpenAI function definitions) go to the template, which decides how to show them."""
-    if not getattr(tokenizer, "chat_template", None):
+                        continue_final_message: bool = False,
+                        tools: list[dict[str, Any]] | None = None,
+                        chat_template: str | None = None,
+                        chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Token ids of a conversation rendered with the model's own chat template (or
+    `chat_template`); `tools` (OpenAI function definitions) go to the template, which decides
+    how to show them; `chat_template_kwargs` are more variables for it (e.g. Qwen3's
+    `enable_thinking`). `continue_final_message` leaves the last (assistant) message open
+    for the model to go on with, as vLLM does. Template errors raise ValueError."""
+    import jinja2
+
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; use completions, or pass "
                          "a tokenizer whose tokenizer_config.json defines chat_template")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, tools=tools,
-                                         add_generation_prompt=add_generation_prompt)
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be "
+                         "true: set add_generation_prompt to false to continue the last message")
+    last_role = messages[-1].get("role") if messages else None
+    if continue_final_message and last_role != "assistant":
+        raise ValueError("continue_final_message needs the last message to be the assistant's "
+                         f"(the text to continue), got role {last_role!r}")
+    extra = dict(chat_template_kwargs or {})
+    clash = sorted(k for k in extra if k in _TEMPLATE_ARGUMENTS)
+    if clash:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}: pass them as "
+                         "the request's own fields")
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, tools=tools, chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **extra)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"the chat template failed on these messages: {e}") from None
     return tokenizer.encode(text, add_special_tokens=False)

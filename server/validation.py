@@ -21,8 +21,14 @@ from pjinfer.tokenizer import apply_chat_template
 
 MAX_PROMPTS = 1024  # prompts in one batched completions request
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-# OpenAI fields this server does not implement: refused rather than silently ignored
-UNSUPPORTED = ("suffix",)
+# Fields this server does not implement (OpenAI's, vLLM's): refused rather than silently
+# ignored, each with what to do instead
+UNSUPPORTED = {
+    "suffix": "leave it out or null",
+    "bad_words": "use logit_bias with -100 for the words' tokens, or stop",
+    "chat_template": "the model's own template is used (as vLLM without "
+                     "--trust-request-chat-template); pass chat_template_kwargs for its variables",
+}
 
 # body key -> SamplingParams field, shared by both endpoints (OpenAI names, then vLLM's extras)
 _SAMPLING_FIELDS = {
@@ -31,6 +37,7 @@ _SAMPLING_FIELDS = {
     "min_p": "number", "repetition_penalty": "number", "min_tokens": "int",
     "ignore_eos": "bool", "stop_token_ids": "list", "skip_special_tokens": "bool",
     "include_stop_str_in_output": "bool", "prompt_logprobs": "int",
+    "allowed_token_ids": "list", "truncate_prompt_tokens": "int",
 }
 _KINDS = {"int": "an integer", "number": "a number", "bool": "a boolean", "str": "a string",
           "list": "an array", "dict": "an object"}
@@ -91,7 +98,8 @@ def parse_completion(body: dict[str, Any], info: ModelInfo, request_id: str
                      ) -> GenerationRequest:
     model = check_model(body, info)
     _refuse_unsupported(body)
-    texts, prompts = _completion_prompts(body.get("prompt"), info)
+    texts, prompts = _completion_prompts(body.get("prompt"), info,
+                                         get_field(body, "add_special_tokens", "bool", True))
     logprobs = get_field(body, "logprobs", "int")
     echo = get_field(body, "echo", "bool", False)
     max_tokens = get_field(body, "max_tokens", "int", 16)
@@ -99,6 +107,10 @@ def parse_completion(body: dict[str, Any], info: ModelInfo, request_id: str
     params = _sampling_params(body, 1 if prompt_only else max_tokens, logprobs, info)
     if echo and logprobs is not None:  # echoed prompt tokens carry logprobs too
         params = _with(params, prompt_logprobs=max(logprobs, params.prompt_logprobs or 0))
+    kept = _truncated(prompts, params, info)
+    texts = [t if len(k) == len(p) else info.tokenizer.decode(k)  # the echo: what ran
+             for t, p, k in zip(texts, prompts, kept, strict=True)]
+    prompts = kept
     _check_lengths(prompts, params, info, "prompt")
     return _request(f"cmpl-{request_id}", model, prompts, params, body,
                     echo_texts=tuple(texts) if echo else None, prompt_only=prompt_only)
@@ -121,6 +133,7 @@ def parse_chat(body: dict[str, Any], info: ModelInfo, request_id: str) -> Genera
         params = _with(params, structured_outputs=tools.constraint)
     if tools.choice is not None and not tools.choice.skip_special_tokens:
         params = _with(params, skip_special_tokens=False)  # the parser reads their markers
+    [prompt] = _truncated([prompt], params, info)
     _check_lengths([prompt], params, info, "messages")
     return _request(f"chatcmpl-{request_id}", model, [prompt], params, body,
                     tools=tools.choice)
@@ -130,12 +143,22 @@ def chat_prompt(body: dict[str, Any], info: ModelInfo,
                 tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Token ids of body's messages (and tools) through the chat template."""
     messages = parse_messages(body.get("messages"))
-    add_generation_prompt = get_field(body, "add_generation_prompt", "bool", True)
+    flags = {name: get_field(body, name, "bool", default) for name, default in
+             (("add_generation_prompt", True), ("continue_final_message", False))}
+    kwargs = get_field(body, "chat_template_kwargs", "dict")
     try:
         return apply_chat_template(info.tokenizer, messages, tools=tools,
-                                   add_generation_prompt=add_generation_prompt)
+                                   chat_template_kwargs=kwargs, **flags)
     except ValueError as e:
-        raise APIError(str(e), param="messages") from None
+        raise APIError(str(e), param=_template_param(str(e))) from None
+
+
+def _template_param(message: str) -> str:
+    """The body field a chat template error is about (messages unless it names another)."""
+    for name in ("chat_template_kwargs", "add_generation_prompt", "continue_final_message"):
+        if message.startswith(name):
+            return name
+    return "messages"
 
 
 def tokenize(body: dict[str, Any], info: ModelInfo) -> list[int]:
@@ -161,10 +184,9 @@ def detokenize(body: dict[str, Any], info: ModelInfo) -> str:
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
     """Before tokenizing: a client relying on one of these must hear it is not honoured."""
-    for name in UNSUPPORTED:
+    for name, instead in UNSUPPORTED.items():
         if body.get(name) is not None:
-            raise APIError(f"{name} is not supported by this server; leave it out or null",
-                           param=name)
+            raise APIError(f"{name} is not supported by this server: {instead}", param=name)
 
 
 def parse_messages(messages: Any) -> list[dict[str, Any]]:
@@ -211,8 +233,10 @@ def _chat_logprobs(body: dict[str, Any]) -> int | None:
     return (top or 0) if wanted else None
 
 
-def _completion_prompts(prompt: Any, info: ModelInfo) -> tuple[list[str], list[list[int]]]:
-    """(texts for echo, token ids) of a string, strings, token ids, or lists of token ids."""
+def _completion_prompts(prompt: Any, info: ModelInfo, add_special_tokens: bool
+                        ) -> tuple[list[str], list[list[int]]]:
+    """(texts for echo, token ids) of a string, strings, token ids, or lists of token ids;
+    `add_special_tokens` (vLLM's field): the tokenizer's BOS and the like on text prompts."""
     if isinstance(prompt, str) or _is_int_list(prompt):
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt or not all(
@@ -230,7 +254,8 @@ def _completion_prompts(prompt: Any, info: ModelInfo) -> tuple[list[str], list[l
         else:
             _check_token_ids(p, info, "prompt")
     tokenizer = info.tokenizer
-    ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+    ids = [tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str)
+           else list(p) for p in prompt]
     texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompt]
     return texts, ids
 
@@ -290,6 +315,15 @@ def _with(params: SamplingParams, **changes: Any) -> SamplingParams:
         return replace(params, **changes)
     except ValueError as e:
         raise APIError(str(e), param=param_of(str(e))) from None
+
+
+def _truncated(prompts: list[list[int]], params: SamplingParams, info: ModelInfo
+               ) -> list[list[int]]:
+    """The prompts cut to their last truncate_prompt_tokens tokens (vLLM's field)."""
+    try:
+        return [params.truncate(ids, info.max_model_len) for ids in prompts]
+    except ValueError as e:
+        raise APIError(str(e), param="truncate_prompt_tokens") from None
 
 
 def _check_lengths(prompts: list[list[int]], params: SamplingParams, info: ModelInfo,

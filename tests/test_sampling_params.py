@@ -61,6 +61,13 @@ INVALID = [
     ({"logit_bias": {2**31: 1.0}}, "logit_bias keys must be token ids in [0, 2**31)"),
     ({"logit_bias": {3: 1e39}}, "logit_bias value for token 3"),
     ({"seed": 2**64}, "seed"),
+    # vLLM's allowed_token_ids and truncate_prompt_tokens
+    ({"allowed_token_ids": []}, "allowed_token_ids must not be empty"),
+    ({"allowed_token_ids": [3, -1]}, "allowed_token_ids must be a list of token ids"),
+    ({"allowed_token_ids": 3}, "allowed_token_ids must be a list of token ids"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be >= 1"),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens must be >= 1"),
+    ({"truncate_prompt_tokens": 2.5}, "truncate_prompt_tokens must be an int"),
 ]
 
 
@@ -115,6 +122,26 @@ def test_check_vocab_rejects_out_of_range_ids() -> None:
         SamplingParams(logit_bias={100: 1.0}).check_vocab(100)
     with pytest.raises(ValueError, match="^stop_token_ids token ids must be < vocab_size=100"):
         SamplingParams(stop_token_ids=[100]).check_vocab(100)
+
+
+def test_allowed_token_ids_are_frozen_and_range_checked() -> None:
+    ids = [9, 4, 9]
+    p = SamplingParams(allowed_token_ids=ids)
+    ids.append(1)
+    assert p.allowed_token_ids == (9, 4) and SamplingParams().allowed_token_ids is None
+    p.check_vocab(10)
+    with pytest.raises(ValueError, match="^allowed_token_ids token ids must be < vocab_size=9"):
+        p.check_vocab(9)
+
+
+def test_truncate_keeps_the_last_tokens_as_vllm() -> None:
+    ids = list(range(10))
+    assert SamplingParams().truncate(ids, 64) == ids
+    assert SamplingParams(truncate_prompt_tokens=3).truncate(ids, 64) == [7, 8, 9]
+    assert SamplingParams(truncate_prompt_tokens=30).truncate(ids, 64) == ids
+    assert SamplingParams(truncate_prompt_tokens=-1).truncate(ids, 4) == [6, 7, 8, 9]
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens \(65\) must be at most"):
+        SamplingParams(truncate_prompt_tokens=65).truncate(ids, 64)
 
 
 def test_int32_and_float32_limits_are_accepted() -> None:

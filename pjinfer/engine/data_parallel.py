@@ -128,7 +128,7 @@ class DataParallelEngine:
                        *, request_id: str | None = None,
                        priority: int = 0, lora_request: LoRARequest | None = None
                        ) -> AsyncIterator[RequestOutput]:
-        ids = self._first.engine.prompt_ids(prompt) if isinstance(prompt, str) else prompt
+        ids = self._first.engine.prompt_ids(prompt, params) if isinstance(prompt, str) else prompt
         replica = self.route(list(ids))
         replica.load += 1
         try:

@@ -165,7 +165,7 @@ class LLMEngine:
         self.add_lora(lora_request)
         if request_id in self.output_processor:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        prompt_ids = self.prompt_ids(prompt)
+        prompt_ids = self.prompt_ids(prompt, params)
         params.check_vocab(self.model_config.vocab_size)
         if self.tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer and this model has none; "
@@ -185,8 +185,10 @@ class LLMEngine:
         self.metrics.on_arrival()
         return prompt_ids
 
-    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
-        """Tokenize (or check) a prompt: non-empty, known ids, room left to generate."""
+    def prompt_ids(self, prompt: str | Sequence[int],
+                   params: SamplingParams | None = None) -> list[int]:
+        """Tokenize (or check) a prompt, truncated as `params` asks: non-empty, known ids,
+        room left to generate."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
@@ -200,6 +202,8 @@ class LLMEngine:
                                  f"{self.model_config.vocab_size})")
         if not ids:
             raise ValueError("prompt must not be empty")
+        if params is not None:
+            ids = params.truncate(ids, self.max_model_len)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is "
                              f"{self.max_model_len}: shorten the prompt (at least one token "

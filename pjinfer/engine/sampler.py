@@ -1,9 +1,9 @@
 """Token selection on device: pure, jit-able functions run inside the engine's step.
 
-Order (vLLM v1): structured-output token mask -> logit_bias -> min_tokens suppression ->
-penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> Gumbel-max with a
-per-row key. Logprobs are taken from the raw model distribution (before the mask too), as vLLM
-returns them by default.
+Order (vLLM v1): allowed_token_ids -> structured-output token mask -> logit_bias -> min_tokens
+suppression -> penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p ->
+Gumbel-max with a per-row key. Logprobs are taken from the raw model distribution (before the
+masks too), as vLLM returns them by default.
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int,
     row is constrained; the mask is then no part of the trace)."""
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # [S, V]
     processed = apply_penalties(
-        suppress_tokens(apply_logit_bias(apply_token_bitmask(logits, bitmask),
-                                         md.bias_token_ids, md.bias_values),
-                        md.suppress_token_ids),
+        suppress_tokens(apply_logit_bias(
+            apply_token_bitmask(apply_allowed_tokens(logits, md.allowed_token_ids), bitmask),
+            md.bias_token_ids, md.bias_values), md.suppress_token_ids),
         md,
     )
     token_ids = choose_tokens(processed, md)
@@ -78,6 +78,16 @@ def _row_index(ids: jax.Array) -> jax.Array:
 def _drop_padding(ids: jax.Array, vocab_size: int) -> jax.Array:
     """PAD (-1) would wrap to the last token; map it out of range so mode='drop' skips it."""
     return jnp.where(ids < 0, vocab_size, ids)
+
+
+def apply_allowed_tokens(logits: jax.Array, ids: jax.Array) -> jax.Array:
+    """Rows that list allowed ids [S, A] (PAD after) keep only those; A == 0: no row does."""
+    if ids.shape[1] == 0:
+        return logits
+    safe = _drop_padding(ids, logits.shape[1])
+    keep = jnp.zeros(logits.shape, jnp.bool_).at[_row_index(ids), safe].set(True, mode="drop")
+    restricted = ids[:, :1] >= 0  # [S, 1]: ids are packed from column 0
+    return jnp.where(keep | ~restricted, logits, -jnp.inf)
 
 
 def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array | None) -> jax.Array:

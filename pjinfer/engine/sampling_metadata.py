@@ -1,7 +1,8 @@
 """Per-step sampling inputs as one device pytree, and the host builder that fills it.
 
 Shapes are bucketed so the jitted step compiles a handful of variants: S is the step's sequence
-bucket, and the optional tables (token history L, logit bias B, min-tokens suppression E) are
+bucket, and the optional tables (token history L, logit bias B, allowed tokens A, min-tokens
+suppression E) are
 padded to powers of two, or have width 0 when no row in the step needs them. Static flags in
 the pytree's aux data let the step skip the [S, V] sort, the penalty histograms and the random
 noise altogether when no row uses them.
@@ -27,6 +28,7 @@ from pjinfer.engine.token_history import (
 from pjinfer.sampling_params import SamplingParams
 
 MIN_BIAS_BUCKET = 8
+MIN_ALLOWED_BUCKET = 8
 MIN_SUPPRESS_BUCKET = 4
 
 
@@ -72,6 +74,7 @@ class SamplingMetadata:
     pending: jax.Array  # [S, 2] i32 (history position, previous row) of a pending token, or -1
     bias_token_ids: jax.Array  # [S, B] i32
     bias_values: jax.Array  # [S, B] f32
+    allowed_token_ids: jax.Array  # [S, A] i32, PAD after; a row with none is unrestricted
     suppress_token_ids: jax.Array  # [S, E] i32, stop/eos ids masked until min_tokens
     all_greedy: bool = True  # static: skip temperature, top-k/p, min-p and noise
     needs_sort: bool = False  # static: some row uses top_k or top_p
@@ -106,6 +109,8 @@ class SamplingMetadata:
             pending=hist.pending,
             bias_token_ids=bias_ids,
             bias_values=bias_values,
+            allowed_token_ids=_allowed_ids([r.params for r in rows] if cols["has_allowed"].any()
+                                           else [], num_seqs_padded),
             suppress_token_ids=_suppressed_ids(rows if cols["min_tokens"].any() else [],
                                                num_seqs_padded),
             all_greedy=not sampled.any(),
@@ -157,6 +162,7 @@ def row_fields(row: SamplingRow) -> dict[str, np.ndarray]:
     fields["seed_data"] = _seed_data([row], 1)[0]
     fields["uses_penalties"] = np.bool_(p.uses_penalties)
     fields["has_bias"] = np.bool_(bool(p.logit_bias))
+    fields["has_allowed"] = np.bool_(p.allowed_token_ids is not None)
     fields["min_tokens"] = np.int32(p.min_tokens)
     return fields
 
@@ -198,6 +204,15 @@ def _logit_bias(params: Sequence[SamplingParams], size: int) -> tuple[np.ndarray
             ids[i, : len(p.logit_bias)] = list(p.logit_bias.keys())
             values[i, : len(p.logit_bias)] = list(p.logit_bias.values())
     return ids, values
+
+
+def _allowed_ids(params: Sequence[SamplingParams], size: int) -> np.ndarray:
+    per_row = [p.allowed_token_ids or () for p in params]
+    out = np.full((size, bucket(max(map(len, per_row), default=0), MIN_ALLOWED_BUCKET)),
+                  PAD_TOKEN_ID, dtype=np.int32)
+    for i, ids in enumerate(per_row):
+        out[i, : len(ids)] = ids
+    return out
 
 
 def _suppressed_ids(rows: Sequence[SamplingRow], size: int) -> np.ndarray:

@@ -39,6 +39,55 @@ def test_chat_answers_with_the_zen(demo):
     assert out.outputs[0].text.startswith("The Zen of Python, by Tim Peters")
 
 
+def test_chat_template_arguments_as_vllm(demo):
+    """LLM.chat's vLLM arguments: `chat_template` replaces the model's, `chat_template_kwargs`
+    are its variables, `continue_final_message` leaves the assistant's text open; a
+    template error is a ValueError."""
+    params = SamplingParams(temperature=0, max_tokens=6)
+    template = "{{ lead }} {% for m in messages %}{{ m['content'] }}{% endfor %}"
+    out = demo.chat([{"role": "user", "content": "is better than"}], params,
+                    chat_template=template, chat_template_kwargs={"lead": "Beautiful"})[0]
+    plain = demo.generate("Beautiful is better than", params)[0]
+    assert out.prompt_token_ids == demo.tokenizer.encode("Beautiful is better than",
+                                                         add_special_tokens=False)
+    assert out.outputs[0].text == plain.outputs[0].text
+    went_on = demo.chat([{"role": "user", "content": "What is the Zen of Python?"},
+                         {"role": "assistant", "content": "Beautiful is"}], params,
+                        add_generation_prompt=False, continue_final_message=True)[0]
+    assert demo.tokenizer.decode(went_on.prompt_token_ids).endswith("Beautiful is")
+    assert went_on.outputs[0].text.startswith(" better than")
+    with pytest.raises(ValueError, match="cannot both be true"):
+        demo.chat([{"role": "assistant", "content": "x"}], continue_final_message=True)
+    with pytest.raises(ValueError, match="the chat template failed"):
+        demo.chat([{"role": "user", "content": "x"}], chat_template="{{ raise_exception('no') }}")
+    with pytest.raises(ValueError, match="may not set add_generation_prompt"):
+        demo.chat([{"role": "user", "content": "x"}],
+                  chat_template_kwargs={"add_generation_prompt": False})
+    assert_idle(demo.engine)
+
+
+def test_allowed_token_ids_and_prompt_truncation(demo):
+    """vLLM's allowed_token_ids (greedy picks the best allowed token; a batch mate without
+    the field is untouched) and truncate_prompt_tokens (the engine runs the prompt's last k
+    tokens, exactly as if they were the prompt)."""
+    prompt = "Beautiful is better than ugly.\nExplicit is better than"
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    plain = demo.generate(prompt, greedy)[0].outputs[0].token_ids
+    superset = SamplingParams(temperature=0, max_tokens=12, allowed_token_ids=[*plain, 1, 2])
+    others = [t for t in range(3, 40) if t not in plain]
+    disjoint = SamplingParams(temperature=0, max_tokens=12, allowed_token_ids=others)
+    outs = demo.generate([prompt] * 3, [superset, disjoint, greedy])
+    assert outs[0].outputs[0].token_ids == plain == outs[2].outputs[0].token_ids
+    assert set(outs[1].outputs[0].token_ids) <= set(others)
+    ids = demo.tokenizer.encode(prompt)
+    cut = demo.generate(prompt, SamplingParams(temperature=0, max_tokens=12,
+                                               truncate_prompt_tokens=5))[0]
+    assert cut.prompt_token_ids == ids[-5:]
+    assert cut.outputs[0].token_ids == demo.generate({"prompt_token_ids": ids[-5:]},
+                                                     greedy)[0].outputs[0].token_ids
+    assert_idle(demo.engine)
+
+
 def test_vllm_prompt_dicts_and_the_frozen_heap(demo):
     """vLLM's TextPrompt / TokensPrompt dicts mean their text / ids; anything else in a
     prompt dict is refused by name. Start-up leaves its objects out of the cyclic GC."""

@@ -9,6 +9,7 @@ import pytest
 
 from pjinfer.engine.sampler import (
     SamplerOutput,
+    apply_allowed_tokens,
     apply_logit_bias,
     apply_penalties,
     sample,
@@ -152,6 +153,31 @@ def test_logit_bias_and_suppression_are_exact() -> None:
     suppressed = np.asarray(suppress_tokens(jnp.asarray(biased), md.suppress_token_ids))
     expected[0, [0, 4]] = -np.inf  # eos and the stop token; row 1 ignores eos
     np.testing.assert_array_equal(suppressed, expected)
+
+
+def test_allowed_token_ids_mask_only_their_rows() -> None:
+    """vLLM's allowed_token_ids: the listed tokens keep their logits, every other token of
+    that row is -inf; rows without the field are untouched (a reference in NumPy)."""
+    rng = np.random.default_rng(7)
+    logits = rng.normal(size=(3, 40)).astype(np.float32)
+    allowed = [[5, 39, 0], None, list(range(3, 14, 2))]
+    rows = [row(SamplingParams(allowed_token_ids=a)) for a in allowed]
+    md = SamplingMetadata.build(rows, 4)
+    assert md.allowed_token_ids.shape == (4, 8)
+    got = np.asarray(apply_allowed_tokens(jnp.asarray(np.pad(logits, ((0, 1), (0, 0)))),
+                                          md.allowed_token_ids))
+    for i, ids in enumerate(allowed):
+        expected = logits[i].copy()
+        if ids is not None:
+            expected[np.setdiff1d(np.arange(40), ids)] = -np.inf
+        np.testing.assert_array_equal(got[i], expected)
+    # greedy and sampled rows only ever choose allowed tokens, whatever the logits favour
+    for params in (SamplingParams(temperature=0.0, allowed_token_ids=[4, 9]),
+                   SamplingParams(temperature=1.5, seed=3, allowed_token_ids=[4, 9])):
+        picks = {int(run(rng.normal(size=(1, 40)).astype(np.float32) * 5,
+                         [row(params, output=[1] * k)]).token_ids[0]) for k in range(12)}
+        assert picks <= {4, 9}
+    assert SamplingMetadata.build([row(SamplingParams())], 2).allowed_token_ids.shape == (2, 0)
 
 
 def test_min_tokens_blocks_eos_until_reached() -> None:

@@ -1,5 +1,6 @@
 """Client compatibility: OpenAI-shaped 404/405, model retrieval, fields refused while not
-implemented, echo offsets and prompt scoring, vLLM's model_name metric label."""
+implemented, vLLM's request extras, echo offsets and prompt scoring, vLLM's model_name metric
+label."""
 
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ REFUSED = [
     ("/v1/completions", {**COMPLETION, "best_of": 2}, "best_of"),
     ("/v1/completions", {**COMPLETION, "n": 2, "best_of": 3}, "best_of"),
     ("/v1/completions", {**COMPLETION, "suffix": "!"}, "suffix"),
+    ("/v1/completions", {**COMPLETION, "bad_words": ["ugly"]}, "bad_words"),
+    ("/v1/chat/completions", {**CHAT, "chat_template": "{{ messages }}"}, "chat_template"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, "response_format"),
     ("/v1/completions", {**COMPLETION, "max_tokens": 0}, "max_tokens"),  # without echo
 ]
@@ -60,6 +63,43 @@ def test_unimplemented_fields_may_be_null(live_server):
     assert live_server.post("/v1/completions", json=body).status_code == 200
     chat = {**CHAT, "tools": None, "best_of": None}
     assert live_server.post("/v1/chat/completions", json=chat).status_code == 200
+
+
+def test_vllm_sampling_extras(live_server):
+    """allowed_token_ids and truncate_prompt_tokens through the openai client's extra_body:
+    one allowed token is all a sampled completion can hold; a truncated prompt answers as
+    its last tokens sent as the prompt; add_special_tokens: false drops BOS."""
+    client = live_server.client()
+    ids = live_server.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    one = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, seed=1,
+                                    extra_body={"allowed_token_ids": [ids[2]]})
+    thrice = live_server.post("/detokenize", json={"tokens": [ids[2]] * 3}).json()["prompt"]
+    assert one.choices[0].text == thrice
+    cut = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 3})
+    direct = client.completions.create(model=MODEL, prompt=ids[-3:], max_tokens=6,
+                                       temperature=0)
+    assert cut.usage.prompt_tokens == 3 and cut.choices[0].text == direct.choices[0].text
+    bare = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
+                                     extra_body={"add_special_tokens": False})
+    assert bare.usage.prompt_tokens == len(ids) - 1  # no BOS
+
+
+def test_chat_template_extras(live_server):
+    """chat_template_kwargs reach the template (the demo's takes no variables: same answer);
+    continue_final_message lets the model go on with the assistant's words."""
+    client = live_server.client()
+    plain = client.chat.completions.create(**{**CHAT, "temperature": 0, "max_tokens": 6})
+    kwargs = client.chat.completions.create(**{**CHAT, "temperature": 0, "max_tokens": 6},
+                                            extra_body={"chat_template_kwargs":
+                                                        {"enable_thinking": False}})
+    assert kwargs.choices[0].message.content == plain.choices[0].message.content
+    messages = [{"role": "user", "content": "What is the Zen of Python?"},
+                {"role": "assistant", "content": "Beautiful is"}]
+    went_on = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=6,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert went_on.choices[0].message.content.startswith(" better than")
 
 
 def _check_offsets(text: str, logprobs: dict) -> None:

@@ -64,6 +64,26 @@ BAD_REQUESTS = [
      "stop_token_ids"),
     ("/v1/completions", {**COMPLETION, "logit_bias": {str(VOCAB): 1}}, 400, "vocab_size",
      "logit_bias"),
+    # vLLM's request extras
+    ("/v1/completions", {**COMPLETION, "allowed_token_ids": []}, 400, "not be empty",
+     "allowed_token_ids"),
+    ("/v1/completions", {**COMPLETION, "allowed_token_ids": [VOCAB]}, 400, "vocab_size",
+     "allowed_token_ids"),
+    ("/v1/completions", {**COMPLETION, "allowed_token_ids": "7"}, 400, "an array",
+     "allowed_token_ids"),
+    ("/v1/completions", {**COMPLETION, "truncate_prompt_tokens": 0}, 400, ">= 1",
+     "truncate_prompt_tokens"),
+    ("/v1/completions", {**COMPLETION, "truncate_prompt_tokens": 10**6}, 400,
+     "at most max_model_len", "truncate_prompt_tokens"),
+    ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": ["x"]}, 400, "an object",
+     "chat_template_kwargs"),
+    ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"tokenize": True}}, 400,
+     "may not set tokenize", "chat_template_kwargs"),
+    ("/v1/chat/completions", {**CHAT, "continue_final_message": True}, 400,
+     "cannot both be true", "add_generation_prompt"),
+    ("/v1/chat/completions", {**CHAT, "continue_final_message": True,
+                              "add_generation_prompt": False}, 400, "assistant's",
+     "continue_final_message"),
 ]
 # values the sampler's int32/float32 device arrays cannot hold: the engine thread died on them
 DEVICE_RANGE = [
