@@ -8,6 +8,7 @@ These functions tokenize, so the app runs them off the event loop.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import replace
@@ -15,6 +16,7 @@ from typing import Any
 
 from pjinfer.sampling_params import MAX_N, SamplingParams
 from pjinfer.server.protocol import APIError, GenerationRequest, ModelInfo, param_of
+from pjinfer.server.structured_outputs import SOURCES as STRUCTURED_FIELDS
 from pjinfer.server.structured_outputs import parse_structured_outputs
 from pjinfer.server.tools import message_tool_fields, parse_tools, template_tools
 from pjinfer.tokenizer import apply_chat_template
@@ -39,6 +41,15 @@ _SAMPLING_FIELDS = {
     "include_stop_str_in_output": "bool", "prompt_logprobs": "int",
     "allowed_token_ids": "list", "truncate_prompt_tokens": "int",
 }
+# every other body field either endpoint reads (besides _SAMPLING_FIELDS, the structured
+# output fields and UNSUPPORTED's); the rest are logged as ignored, as vLLM does
+_COMMON_FIELDS = ("model", "max_tokens", "logprobs", "logit_bias", "best_of", "stream",
+                  "stream_options", "user", "priority", "use_beam_search", "length_penalty")
+COMPLETION_FIELDS = frozenset((*_COMMON_FIELDS, "prompt", "echo", "add_special_tokens"))
+CHAT_FIELDS = frozenset((*_COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs",
+                         "tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt",
+                         "continue_final_message", "chat_template_kwargs"))
+log = logging.getLogger("pjinfer.server")
 _KINDS = {"int": "an integer", "number": "a number", "bool": "a boolean", "str": "a string",
           "list": "an array", "dict": "an object"}
 _CHECKS = {
@@ -97,7 +108,7 @@ def model_not_found(model: str, info: ModelInfo) -> APIError:
 def parse_completion(body: dict[str, Any], info: ModelInfo, request_id: str
                      ) -> GenerationRequest:
     model = check_model(body, info)
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, COMPLETION_FIELDS, request_id)
     texts, prompts = _completion_prompts(body.get("prompt"), info,
                                          get_field(body, "add_special_tokens", "bool", True))
     logprobs = get_field(body, "logprobs", "int")
@@ -118,7 +129,7 @@ def parse_completion(body: dict[str, Any], info: ModelInfo, request_id: str
 
 def parse_chat(body: dict[str, Any], info: ModelInfo, request_id: str) -> GenerationRequest:
     model = check_model(body, info)
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, CHAT_FIELDS, request_id)
     tools = parse_tools(body, info)
     prompt = chat_prompt(body, info, tools.template_tools)
     max_tokens = get_field(body, "max_completion_tokens", "int")
@@ -182,11 +193,17 @@ def detokenize(body: dict[str, Any], info: ModelInfo) -> str:
     return info.tokenizer.decode(tokens)
 
 
-def _refuse_unsupported(body: dict[str, Any]) -> None:
-    """Before tokenizing: a client relying on one of these must hear it is not honoured."""
+def _refuse_unsupported(body: dict[str, Any], known: frozenset[str], request_id: str) -> None:
+    """Before tokenizing: a client relying on one of UNSUPPORTED must hear it is not
+    honoured; fields no endpoint reads (another server's extras, a typo) are logged."""
     for name, instead in UNSUPPORTED.items():
         if body.get(name) is not None:
             raise APIError(f"{name} is not supported by this server: {instead}", param=name)
+    ignored = sorted(set(body) - known - _SAMPLING_FIELDS.keys() - set(STRUCTURED_FIELDS)
+                     - UNSUPPORTED.keys())
+    if ignored:
+        log.warning("request %s: the following fields were present in the request but "
+                    "ignored: %s", request_id, ", ".join(ignored))
 
 
 def parse_messages(messages: Any) -> list[dict[str, Any]]:

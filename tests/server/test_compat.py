@@ -5,6 +5,7 @@ label."""
 from __future__ import annotations
 
 import json
+import logging
 
 import httpx
 import pytest
@@ -63,6 +64,22 @@ def test_unimplemented_fields_may_be_null(live_server):
     assert live_server.post("/v1/completions", json=body).status_code == 200
     chat = {**CHAT, "tools": None, "best_of": None}
     assert live_server.post("/v1/chat/completions", json=chat).status_code == 200
+
+
+def test_ignored_fields_are_logged_as_vllm_does(live_server, caplog):
+    """A field no endpoint reads (a typo, another server's extra) is served without it and
+    named in a warning; a request of known fields logs none."""
+    with caplog.at_level(logging.WARNING, logger="pjinfer.server"):
+        assert live_server.post("/v1/completions", json=COMPLETION).status_code == 200
+        assert live_server.post("/v1/chat/completions", json={**CHAT, "chat_template_kwargs": {},
+                                                              "max_completion_tokens": 2,
+                                                              "top_k": 3}).status_code == 200
+        assert not [r for r in caplog.records if "ignored" in r.getMessage()]
+        r = live_server.post("/v1/completions", json={**COMPLETION, "temprature": 0.5,
+                                                      "store": True})
+    assert r.status_code == 200
+    [warning] = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert warning.endswith("were present in the request but ignored: store, temprature")
 
 
 def test_vllm_sampling_extras(live_server):
