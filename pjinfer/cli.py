@@ -129,7 +129,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             enable_auto_tool_choice=bool(srv["enable_auto_tool_choice"]),
                             tool_call_parser=srv["tool_call_parser"],
                             admin_api_key=srv["admin_api_key"], lora_modules=srv["lora_modules"],
-                            allow_runtime_lora_updating=bool(srv["allow_runtime_lora_updating"]))
+                            allow_runtime_lora_updating=bool(srv["allow_runtime_lora_updating"]),
+                            chat_template=srv["chat_template"],
+                            trust_request_chat_template=bool(srv["trust_request_chat_template"]))
     if config.models:  # a model pool: engines load in the server's start-up
         try:
             engine = build_pool(config)

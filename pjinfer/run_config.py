@@ -29,7 +29,8 @@ _OTHER_KEYS: dict[str, dict[str, type]] = {
                "rate_limit_tokens": float, "max_num_queued_requests": int,
                "max_num_queued_tokens": int, "enable_auto_tool_choice": bool,
                "tool_call_parser": str, "admin_api_key": str, "lora_modules": list,
-               "allow_runtime_lora_updating": bool},
+               "allow_runtime_lora_updating": bool, "chat_template": str,
+               "trust_request_chat_template": bool},
     "pool": {"repository": str, "memory_bytes": int},
 }
 # keys of one [[models]] entry besides engine arguments (pjinfer.server.model_pool.ModelSpec)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 from pjinfer.errors import UsageError
@@ -64,6 +65,11 @@ SERVER_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--allow-runtime-lora-updating": ("allow_runtime_lora_updating", bool, "allow POST "
                                       "/v1/load_lora_adapter and /v1/unload_lora_adapter "
                                       "(also env PJINFER_ALLOW_RUNTIME_LORA_UPDATING=1)"),
+    "--chat-template": ("chat_template", str, "a Jinja chat template, or the file holding one, "
+                        "used for chat requests instead of the model's own"),
+    "--trust-request-chat-template": ("trust_request_chat_template", bool, "accept a chat "
+                                      "request's own chat_template field (else it is a 400): "
+                                      "a template runs on the server"),
 }
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -92,7 +98,32 @@ def server_args(config: RunConfig) -> dict[str, Any]:
     _check_server_options(args)
     args["admission"] = _admission(args)
     args["lora_modules"] = _lora_modules(args["lora_modules"])
+    args["chat_template"] = read_chat_template(args["chat_template"])
     return args
+
+
+def read_chat_template(given: str | None) -> str | None:
+    """--chat-template: a file's text, or the flag's text itself when it is a Jinja template
+    (as vLLM reads it); a template that does not compile is a usage error now, not a 400 on
+    every chat request later."""
+    if given is None:
+        return None
+    if not isinstance(given, str) or not given.strip():
+        raise UsageError(f"--chat-template must be a Jinja template or a file holding one, "
+                         f"got {given!r}")
+    if "{{" not in given and "{%" not in given:
+        try:
+            given = Path(given).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--chat-template {given!r} is neither a readable file nor a "
+                             f"Jinja template: {e}") from None
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(given)
+    except jinja2.TemplateSyntaxError as e:
+        raise UsageError(f"--chat-template does not compile: {e} (line {e.lineno})") from None
+    return given
 
 
 def _lora_modules(given: Any) -> tuple[tuple[str, str], ...]:

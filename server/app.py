@@ -76,6 +76,8 @@ class ServerOptions:
     admin_api_key: str | None = None  # enables the admin routes (server.admin)
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) served at start
     allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and unload (server.lora)
+    chat_template: str | None = None  # replaces the models' own (--chat-template)
+    trust_request_chat_template: bool = False  # a request's chat_template field is honoured
 
     def __post_init__(self) -> None:
         check_tool_options(self.enable_auto_tool_choice, self.tool_call_parser)
@@ -297,11 +299,13 @@ class OpenAIServer:
 
     def _info(self, lease: Lease) -> ModelInfo:
         """The leased model's ModelInfo with the server's tool-call parser (a server option,
-        used only with --enable-auto-tool-choice) and the LoRA adapters it serves."""
+        used only with --enable-auto-tool-choice), chat template options and the LoRA
+        adapters it serves."""
         opts = self.options
         return dataclasses.replace(
             lease.info, tool_parser=opts.tool_call_parser if opts.enable_auto_tool_choice else None,
-            lora_names=self.lora.names_for(lease.entry))
+            lora_names=self.lora.names_for(lease.entry), chat_template=opts.chat_template,
+            trust_request_chat_template=opts.trust_request_chat_template)
 
     async def tokenize(self, request: Request) -> Response:
         tokens, info = await self._with_model(request, validation.tokenize)

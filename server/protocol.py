@@ -87,6 +87,8 @@ class ModelInfo:
     check_structured: Callable[[Any], None] | None = None
     tool_parser: str | None = None  # --tool-call-parser, with --enable-auto-tool-choice only
     lora_names: Callable[[], Collection[str]] = tuple  # adapters servable now, by name
+    chat_template: str | None = None  # --chat-template: instead of the tokenizer's
+    trust_request_chat_template: bool = False  # a request may bring its own chat_template
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,8 +28,6 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 UNSUPPORTED = {
     "suffix": "leave it out or null",
     "bad_words": "use logit_bias with -100 for the words' tokens, or stop",
-    "chat_template": "the model's own template is used (as vLLM without "
-                     "--trust-request-chat-template); pass chat_template_kwargs for its variables",
 }
 
 # body key -> SamplingParams field, shared by both endpoints (OpenAI names, then vLLM's extras)
@@ -48,7 +46,7 @@ _COMMON_FIELDS = ("model", "max_tokens", "logprobs", "logit_bias", "best_of", "s
 COMPLETION_FIELDS = frozenset((*_COMMON_FIELDS, "prompt", "echo", "add_special_tokens"))
 CHAT_FIELDS = frozenset((*_COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs",
                          "tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt",
-                         "continue_final_message", "chat_template_kwargs"))
+                         "continue_final_message", "chat_template_kwargs", "chat_template"))
 log = logging.getLogger("pjinfer.server")
 _KINDS = {"int": "an integer", "number": "a number", "bool": "a boolean", "str": "a string",
           "list": "an array", "dict": "an object"}
@@ -157,8 +155,14 @@ def chat_prompt(body: dict[str, Any], info: ModelInfo,
     flags = {name: get_field(body, name, "bool", default) for name, default in
              (("add_generation_prompt", True), ("continue_final_message", False))}
     kwargs = get_field(body, "chat_template_kwargs", "dict")
+    template = get_field(body, "chat_template", "str")
+    if template is not None and not info.trust_request_chat_template:
+        raise APIError("chat_template in a request is refused: the server runs the model's "
+                       "template (or --chat-template); start it with "
+                       "--trust-request-chat-template to allow one", param="chat_template")
     try:
         return apply_chat_template(info.tokenizer, messages, tools=tools,
+                                   chat_template=template or info.chat_template,
                                    chat_template_kwargs=kwargs, **flags)
     except ValueError as e:
         raise APIError(str(e), param=_template_param(str(e))) from None
@@ -166,7 +170,8 @@ def chat_prompt(body: dict[str, Any], info: ModelInfo,
 
 def _template_param(message: str) -> str:
     """The body field a chat template error is about (messages unless it names another)."""
-    for name in ("chat_template_kwargs", "add_generation_prompt", "continue_final_message"):
+    for name in ("chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+                 "chat_template"):
         if message.startswith(name):
             return name
     return "messages"

@@ -47,6 +47,8 @@ def test_help_lists_commands():
     (["serve", "--enable-auto-tool-choice"], "--enable-auto-tool-choice needs "
                                              "--tool-call-parser"),
     (["serve", "--tool-call-parser", "pythonic"], "--tool-call-parser must be one of"),
+    (["serve", "--chat-template", "/nonexistent.jinja"], "neither a readable file nor a Jinja"),
+    (["serve", "--chat-template", "{% for m in messages %}"], "--chat-template does not compile"),
     (["generate", "hi", "--temperature", "-1"], "--temperature"),
 ])
 def test_bad_flags_exit_2_with_one_line(args, words):
@@ -82,8 +84,11 @@ def test_generate_chat_n2():
     assert "--- completion 1 (length) ---" in r.stdout
 
 
-def test_serve_hands_the_server_flags_to_the_server(monkeypatch):
-    """In process, with the engine and uvicorn replaced: the flags reach serve()."""
+def test_serve_hands_the_server_flags_to_the_server(monkeypatch, tmp_path):
+    """In process, with the engine and uvicorn replaced: the flags reach serve() (a
+    --chat-template file as its text)."""
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     from pjinfer import cli
     from pjinfer.server.app import ServerOptions
 
@@ -95,11 +100,14 @@ def test_serve_hands_the_server_flags_to_the_server(monkeypatch):
     assert cli.main(["serve", "--allowed-origins", '["*"]', "--max-request-bytes", "100",
                      "--engine-stuck-timeout", "5", "--ssl-keyfile", "k.pem",
                      "--ssl-certfile", "c.pem", "--api-key", "s", "--port", "8123",
-                     "--enable-auto-tool-choice", "--tool-call-parser", "mistral"]) == 0
+                     "--enable-auto-tool-choice", "--tool-call-parser", "mistral",
+                     "--chat-template", str(template), "--trust-request-chat-template"]) == 0
     assert seen["options"] == ServerOptions(api_keys=("s",), max_request_bytes=100,
                                             engine_stuck_timeout=5.0, allowed_origins=("*",),
                                             enable_auto_tool_choice=True,
-                                            tool_call_parser="mistral")
+                                            tool_call_parser="mistral",
+                                            chat_template=template.read_text(),
+                                            trust_request_chat_template=True)
     assert (seen["ssl_keyfile"], seen["ssl_certfile"], seen["port"]) == ("k.pem", "c.pem", 8123)
 
 
