@@ -102,6 +102,7 @@ class GenerationRequest:
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage on every chunk
     echo_texts: tuple[str, ...] | None = None  # completions `echo`: one text per prompt
     priority: int = 0
     # echo with max_tokens=0 (prompt scoring): the engine generates one token, never shown

@@ -194,10 +194,11 @@ async def completion_events(req: GenerationRequest, streams: list[AsyncIterator[
             out = tallies[p].see(out)
             for c in out.outputs:
                 index = p * req.params.n + c.index
-                choice = _completion_choice(req, p, out, c, tallies[p].choice(c.index),
-                                            tokenizer, index)
+                sent = tallies[p].choice(c.index)
+                choice = _completion_choice(req, p, out, c, sent, tokenizer, index)
                 if choice is not None:
-                    yield sse({**head, "choices": [choice], **_no_usage(req)})
+                    yield sse({**head, "choices": [choice],
+                               **_chunk_usage(req, req.prompts[p], sent.tokens)})
             if out.finished:
                 finals.append(tallies[p].summary(out))
                 on_finished(finals[-1])
@@ -239,14 +240,16 @@ async def chat_events(req: GenerationRequest, stream: AsyncIterator[RequestOutpu
         yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant",
                                                                "content": ""},
                                         "logprobs": None, "finish_reason": None}],
-                   **_no_usage(req)})
+                   **_chunk_usage(req, req.prompts[0], 0)})
     tally, final = _Tally(), None
     async with _errors_as_events(req.id) as errors:
         async for _, out in merge([stream]):
             for c in out.outputs:
-                choice = _chat_choice(req, c, tally.choice(c.index), tokenizer)
+                sent = tally.choice(c.index)
+                choice = _chat_choice(req, c, sent, tokenizer)
                 if choice is not None:
-                    yield sse({**head, "choices": [choice], **_no_usage(req)})
+                    yield sse({**head, "choices": [choice],
+                               **_chunk_usage(req, req.prompts[0], sent.tokens)})
             if out.finished:
                 final = tally.summary(out)
                 on_finished(final)
@@ -274,9 +277,15 @@ def _chat_choice(req: GenerationRequest, c: CompletionOutput, sent: _Sent,
             "finish_reason": finish_reason, "stop_reason": c.stop_reason}
 
 
-def _no_usage(req: GenerationRequest) -> dict[str, Any]:
-    """With include_usage, OpenAI sends `usage: null` on every chunk but the last."""
-    return {"usage": None} if req.include_usage else {}
+def _chunk_usage(req: GenerationRequest, prompt: list[int], tokens: int) -> dict[str, Any]:
+    """With include_usage, OpenAI sends `usage: null` on every chunk but the last; with
+    vLLM's continuous_usage_stats too, each chunk has its choice's usage so far."""
+    if not req.include_usage:
+        return {}
+    if not req.continuous_usage:
+        return {"usage": None}
+    return {"usage": {"prompt_tokens": len(prompt), "completion_tokens": tokens,
+                      "total_tokens": len(prompt) + tokens}}
 
 
 @contextlib.asynccontextmanager

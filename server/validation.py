@@ -369,8 +369,11 @@ def _request(request_id: str, model: str, prompts: list[list[int]], params: Samp
     stream = get_field(body, "stream", "bool", False)
     options = get_field(body, "stream_options", "dict", {})
     include_usage = get_field(options, "include_usage", "bool", False)
+    continuous = get_field(options, "continuous_usage_stats", "bool", False)
     get_field(body, "user", "str")
     priority = get_field(body, "priority", "int", 0)
     return GenerationRequest(id=request_id, created=int(time.time()),
                              model=model, prompts=prompts, params=params, stream=stream,
-                             include_usage=include_usage and stream, priority=priority, **extra)
+                             include_usage=include_usage and stream,
+                             continuous_usage=include_usage and continuous and stream,
+                             priority=priority, **extra)

@@ -76,6 +76,31 @@ def test_streamed_chat_role_first_then_usage(live_server):
     assert chunks[-2].choices[0].finish_reason == "length"
 
 
+def test_continuous_usage_stats_on_every_chunk(live_server):
+    """vLLM's stream_options.continuous_usage_stats: each chunk carries its choice's usage so
+    far (the role chunk none yet), growing to the final usage chunk's count."""
+    client = live_server.client()
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chat = list(client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=10, stream=True,
+        stream_options=options))
+    prompt = chat[-1].usage.prompt_tokens
+    counts = [c.usage.completion_tokens for c in chat]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-2] == counts[-1] == 10
+    assert all(c.usage.prompt_tokens == prompt for c in chat)
+    assert all(c.usage.total_tokens == prompt + c.usage.completion_tokens for c in chat)
+    chunks = list(client.completions.create(model=MODEL, prompt=[PROMPT, "Simple is"],
+                                            max_tokens=5, temperature=0, stream=True,
+                                            stream_options=options))
+    last = {}
+    for c in chunks[:-1]:
+        last[c.choices[0].index] = c.usage.completion_tokens
+    assert last == {0: 5, 1: 5} and chunks[-1].usage.completion_tokens == 10
+    plain = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3,
+                                           stream=True, stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 3
+
+
 def test_raw_sse_framing(live_server):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "stream": True}
     with httpx.stream("POST", live_server.base_url + "/v1/completions", json=body,
