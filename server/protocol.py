@@ -109,6 +109,7 @@ class GenerationRequest:
     prompt_only: bool = False
     beam: BeamSearchParams | None = None  # use_beam_search: n is the width (server.beam)
     tools: ToolChoice | None = None  # chat: read the output as tool calls
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
 
 # ---- responses ----------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
@@ -156,7 +157,8 @@ def chat_response(req: GenerationRequest, out: RequestOutput, tokenizer: Any) ->
             if req.tools is None else req.tools.message(c.text, c.finish_reason)
         choices.append({
             "index": c.index, "message": message,
-            "logprobs": chat_logprobs(c.logprobs, tokenizer, req.params.logprobs),
+            "logprobs": chat_logprobs(c.logprobs, tokenizer, req.params.logprobs,
+                                      req.return_tokens_as_token_ids),
             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
     return {"id": req.id, "object": "chat.completion", "created": req.created,
             "model": req.model, "choices": choices, "usage": usage([Summary.of(out)])}
@@ -182,33 +184,35 @@ def completion_logprobs(req: GenerationRequest, out: RequestOutput, c: Completio
                                      strict=False)]
     result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                "text_offset": []}
+    as_ids = req.return_tokens_as_token_ids
     for tid, entry, in_text in positions:
         token = _token_text(tokenizer, tid, entry.get(tid) if entry else None)
-        result["tokens"].append(token)
+        result["tokens"].append(f"token_id:{tid}" if as_ids else token)
         result["token_logprobs"].append(entry[tid].logprob if entry else None)
-        result["top_logprobs"].append({_token_text(tokenizer, t, lp): lp.logprob
+        result["top_logprobs"].append({_token_name(tokenizer, t, lp, as_ids): lp.logprob
                                        for t, lp in _top(entry, req.params.logprobs)}
                                       if entry else None)
-        result["text_offset"].append(text_offset)
+        result["text_offset"].append(text_offset)  # offsets count the text, ids or not
         text_offset += len(token) if in_text else 0
     return result
 
 
 def chat_logprobs(logprobs: list[PositionLogprobs] | None, tokenizer: Any,
-                  top_n: int | None) -> dict[str, Any] | None:
-    """OpenAI's chat format: {content: [{token, logprob, bytes, top_logprobs}]}."""
+                  top_n: int | None, as_ids: bool = False) -> dict[str, Any] | None:
+    """OpenAI's chat format: {content: [{token, logprob, bytes, top_logprobs}]}; `as_ids`:
+    each token named "token_id:N" (vLLM's return_tokens_as_token_ids)."""
     if top_n is None or logprobs is None:
         return None
     content = []
     for entry in logprobs:
         tid, chosen = next(iter(entry.items()))  # the engine puts the chosen token first
-        content.append({**_chat_token(tokenizer, tid, chosen), "top_logprobs": [
-            _chat_token(tokenizer, t, lp) for t, lp in _top(entry, top_n)]})
+        content.append({**_chat_token(tokenizer, tid, chosen, as_ids), "top_logprobs": [
+            _chat_token(tokenizer, t, lp, as_ids) for t, lp in _top(entry, top_n)]})
     return {"content": content}
 
 
-def _chat_token(tokenizer: Any, tid: int, lp: Logprob) -> dict[str, Any]:
-    token = _token_text(tokenizer, tid, lp)
+def _chat_token(tokenizer: Any, tid: int, lp: Logprob, as_ids: bool) -> dict[str, Any]:
+    token = _token_name(tokenizer, tid, lp, as_ids)
     return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode("utf-8"))}
 
 
@@ -216,6 +220,10 @@ def _top(entry: PositionLogprobs, n: int) -> list[tuple[int, Logprob]]:
     """The n most likely tokens by rank (the chosen token only if it is among them)."""
     return sorted(((t, lp) for t, lp in entry.items() if lp.rank <= n),
                   key=lambda item: item[1].rank)[:n]
+
+
+def _token_name(tokenizer: Any, tid: int, lp: Logprob | None, as_ids: bool) -> str:
+    return f"token_id:{tid}" if as_ids else _token_text(tokenizer, tid, lp)
 
 
 def _token_text(tokenizer: Any, tid: int, lp: Logprob | None) -> str:

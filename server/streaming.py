@@ -272,7 +272,8 @@ def _chat_choice(req: GenerationRequest, c: CompletionOutput, sent: _Sent,
         held = req.params.logprobs is not None and bool(c.logprobs)
     if not (delta or c.finished or held):
         return None
-    logprobs = chat_logprobs(c.logprobs, tokenizer, req.params.logprobs)
+    logprobs = chat_logprobs(c.logprobs, tokenizer, req.params.logprobs,
+                             req.return_tokens_as_token_ids)
     return {"index": c.index, "delta": delta, "logprobs": logprobs,
             "finish_reason": finish_reason, "stop_reason": c.stop_reason}
 

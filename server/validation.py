@@ -42,7 +42,8 @@ _SAMPLING_FIELDS = {
 # every other body field either endpoint reads (besides _SAMPLING_FIELDS, the structured
 # output fields and UNSUPPORTED's); the rest are logged as ignored, as vLLM does
 _COMMON_FIELDS = ("model", "max_tokens", "logprobs", "logit_bias", "best_of", "stream",
-                  "stream_options", "user", "priority", "use_beam_search", "length_penalty")
+                  "stream_options", "user", "priority", "use_beam_search", "length_penalty",
+                  "return_tokens_as_token_ids")
 COMPLETION_FIELDS = frozenset((*_COMMON_FIELDS, "prompt", "echo", "add_special_tokens"))
 CHAT_FIELDS = frozenset((*_COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs",
                          "tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt",
@@ -372,8 +373,9 @@ def _request(request_id: str, model: str, prompts: list[list[int]], params: Samp
     continuous = get_field(options, "continuous_usage_stats", "bool", False)
     get_field(body, "user", "str")
     priority = get_field(body, "priority", "int", 0)
+    as_ids = get_field(body, "return_tokens_as_token_ids", "bool", False)
     return GenerationRequest(id=request_id, created=int(time.time()),
                              model=model, prompts=prompts, params=params, stream=stream,
                              include_usage=include_usage and stream,
                              continuous_usage=include_usage and continuous and stream,
-                             priority=priority, **extra)
+                             priority=priority, return_tokens_as_token_ids=as_ids, **extra)

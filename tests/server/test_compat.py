@@ -102,6 +102,35 @@ def test_vllm_sampling_extras(live_server):
     assert bare.usage.prompt_tokens == len(ids) - 1  # no BOS
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_tokens_as_token_ids(live_server, stream):
+    """vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:N" (those the
+    text came from), offsets still count the text; chat's bytes are the name's."""
+    body = {**COMPLETION, "max_tokens": 4, "logprobs": 2, "echo": True, "stream": stream}
+
+    def logprobs(r: httpx.Response) -> dict:
+        if not stream:
+            return r.json()["choices"][0]["logprobs"]
+        parts = [json.loads(line[6:])["choices"][0]["logprobs"]
+                 for line in r.text.split("\n") if line.startswith("data: {")]
+        return {key: [v for p in parts if p for v in p[key]] for key in parts[0]}
+
+    named = logprobs(live_server.post("/v1/completions",
+                                      json={**body, "return_tokens_as_token_ids": True}))
+    plain = logprobs(live_server.post("/v1/completions", json=body))
+    ids = [int(t.removeprefix("token_id:")) for t in named["tokens"]]
+    text = live_server.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert [t.startswith("token_id:") for t in named["tokens"]] == [True] * len(ids)
+    assert text == "".join(plain["tokens"])  # the echoed prompt (BOS first) and the output
+    assert named["text_offset"] == plain["text_offset"]
+    assert all(k.startswith("token_id:") for top in named["top_logprobs"] if top for k in top)
+    chat = live_server.post("/v1/chat/completions", json={
+        **CHAT, "logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True}
+    ).json()["choices"][0]["logprobs"]["content"]
+    assert chat and all(e["token"].startswith("token_id:") and
+                        bytes(e["bytes"]).decode() == e["token"] for e in chat)
+
+
 def test_chat_template_extras(live_server):
     """chat_template_kwargs reach the template (the demo's takes no variables: same answer);
     continue_final_message lets the model go on with the assistant's words."""
