@@ -87,6 +87,15 @@ def _normalise_stop(stop: Any) -> tuple[str, ...]:
     return tuple(stop)
 
 
+def _normalise_bad_words(words: Any) -> tuple[str, ...]:
+    if words is None:
+        return ()
+    if isinstance(words, str) or not isinstance(words, list | tuple) or not all(
+            isinstance(w, str) and w.strip() for w in words):
+        raise ValueError(f"bad_words must be a list of words (non-blank strings), got {words!r}")
+    return tuple(words)
+
+
 def _normalise_token_ids(name: str, ids: Any) -> tuple[int, ...]:
     if ids is None:
         return ()
@@ -129,6 +138,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | tuple[int, ...] | None = None  # only these may be sampled
+    bad_words: list[str] | tuple[str, ...] | None = None  # words the output may not contain
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -154,6 +164,7 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must not be empty: list the token ids "
                                  "the output may use, or leave it None")
             object.__setattr__(self, "allowed_token_ids", tuple(dict.fromkeys(ids)))
+        object.__setattr__(self, "bad_words", _normalise_bad_words(self.bad_words))
 
     def _check_counts(self) -> None:
         _require_int("n", self.n)

@@ -298,9 +298,8 @@ class OpenAIServer:
             lease.release()
 
     def _info(self, lease: Lease) -> ModelInfo:
-        """The leased model's ModelInfo with the server's tool-call parser (a server option,
-        used only with --enable-auto-tool-choice), chat template options and the LoRA
-        adapters it serves."""
+        """The leased model's ModelInfo with the server's options (tool-call parser with
+        --enable-auto-tool-choice, chat template) and the LoRA adapters it serves."""
         opts = self.options
         return dataclasses.replace(
             lease.info, tool_parser=opts.tool_call_parser if opts.enable_auto_tool_choice else None,

@@ -27,7 +27,8 @@ Parse = Callable[[dict[str, Any], ModelInfo, str], GenerationRequest]
 _DEFAULTS = SamplingParams()
 INCOMPATIBLE = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                 "repetition_penalty", "stop", "stop_token_ids", "min_tokens", "logprobs",
-                "prompt_logprobs", "logit_bias", "structured_outputs", "allowed_token_ids")
+                "prompt_logprobs", "logit_bias", "structured_outputs", "allowed_token_ids",
+                "bad_words")
 
 
 def with_beam(parse: Parse) -> Parse:

@@ -27,7 +27,6 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # ignored, each with what to do instead
 UNSUPPORTED = {
     "suffix": "leave it out or null",
-    "bad_words": "use logit_bias with -100 for the words' tokens, or stop",
 }
 
 # body key -> SamplingParams field, shared by both endpoints (OpenAI names, then vLLM's extras)
@@ -37,7 +36,7 @@ _SAMPLING_FIELDS = {
     "min_p": "number", "repetition_penalty": "number", "min_tokens": "int",
     "ignore_eos": "bool", "stop_token_ids": "list", "skip_special_tokens": "bool",
     "include_stop_str_in_output": "bool", "prompt_logprobs": "int",
-    "allowed_token_ids": "list", "truncate_prompt_tokens": "int",
+    "allowed_token_ids": "list", "truncate_prompt_tokens": "int", "bad_words": "list",
 }
 # every other body field either endpoint reads (besides _SAMPLING_FIELDS, the structured
 # output fields and UNSUPPORTED's); the rest are logged as ignored, as vLLM does

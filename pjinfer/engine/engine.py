@@ -23,12 +23,14 @@ from dataclasses import replace
 
 from pjinfer.cache.kv_cache_manager import KVCacheManager
 from pjinfer.demo import DEMO_MODEL_DIR, DEMO_MODEL_NAME
+from pjinfer.engine.bad_words import bad_words_token_ids
 from pjinfer.engine.compilation_cache import use_compilation_cache
 from pjinfer.engine.config import EngineConfig
 from pjinfer.engine.kv_budget import claim_device_memory
 from pjinfer.engine.metrics import EngineMetrics
 from pjinfer.engine.output_processor import OutputProcessor
 from pjinfer.engine.phase_timer import timed, timed_call
+from pjinfer.engine.prompts import prompt_token_ids
 from pjinfer.engine.request import Request, RequestStatus
 from pjinfer.engine.runner import ModelRunner
 from pjinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepUpdate
@@ -167,17 +169,18 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_ids = self.prompt_ids(prompt, params)
         params.check_vocab(self.model_config.vocab_size)
-        if self.tokenizer is None and params.stop:
-            raise ValueError("stop strings need a tokenizer and this model has none; "
-                             "use stop_token_ids")
+        if self.tokenizer is None and (params.stop or params.bad_words):
+            raise ValueError("stop strings and bad_words need a tokenizer and this model has "
+                             "none; use stop_token_ids or logit_bias")
         if self.num_waiting >= self.config.max_waiting_requests:
             self.metrics.num_rejected += 1
             raise EngineOverloadedError(
                 f"{self.num_waiting} requests are already waiting "
                 f"(max_waiting_requests={self.config.max_waiting_requests}); retry later")
         group = self._make_group(request_id, prompt_ids, params, priority)
+        bad_words = bad_words_token_ids(params.bad_words, self.tokenizer)
         for r in group:
-            r.lora_request = lora_request
+            r.lora_request, r.bad_words_token_ids = lora_request, bad_words
         parked = self.structured_output.park(group)  # until its grammar compiles
         self.output_processor.add(group)
         if not parked:
@@ -187,28 +190,10 @@ class LLMEngine:
 
     def prompt_ids(self, prompt: str | Sequence[int],
                    params: SamplingParams | None = None) -> list[int]:
-        """Tokenize (or check) a prompt, truncated as `params` asks: non-empty, known ids,
-        room left to generate."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            if self.tokenizer is None:
-                raise ValueError("this model folder has no tokenizer: pass prompts as token ids")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-            if any(t < 0 or t >= self.model_config.vocab_size for t in ids):
-                raise ValueError(f"prompt token ids must be in [0, "
-                                 f"{self.model_config.vocab_size})")
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        if params is not None:
-            ids = params.truncate(ids, self.max_model_len)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is "
-                             f"{self.max_model_len}: shorten the prompt (at least one token "
-                             "must be left to generate)")
-        return ids
+        """Tokenize (or check) a prompt, truncated as `params` asks (`prompts`)."""
+        return prompt_token_ids(prompt, params, tokenizer=self.tokenizer,
+                                vocab_size=self.model_config.vocab_size,
+                                max_model_len=self.max_model_len)
 
     def _make_group(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     priority: int) -> list[Request]:

@@ -97,6 +97,7 @@ class Request:
     grammar: Any = None
     grammar_template: int = 0  # which of the grammar's templates it was copied from
     lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words, tokenized
 
     @property
     def lora_key(self) -> tuple | None:
@@ -134,15 +135,17 @@ class Request:
         """The sampler's view, taken before the step advances the request; `prev_row`: the
         previous step's row that sampled its pending token."""
         return SamplingRow(self.params, self.prompt_token_ids, self.output_token_ids, self.seed,
-                           self.eos_token_id, self.num_pending_tokens, prev_row)
+                           self.eos_token_id, self.num_pending_tokens, prev_row,
+                           self.bad_words_token_ids)
 
     @property
     def allows_async(self) -> bool:
         """Can its step stay in flight while the next is scheduled? Not when the next step's
-        host inputs need this step's tokens (n > 1 forks) or when it records prompt logprobs.
-        (Penalty histories get a pending token on the device.)"""
+        host inputs need this step's tokens (n > 1 forks, the tokens bad_words bans next) or
+        when it records prompt logprobs. (Penalty histories get a pending token on the
+        device.)"""
         p = self.params
-        return p.n == 1 and p.prompt_logprobs is None
+        return p.n == 1 and p.prompt_logprobs is None and not self.bad_words_token_ids
 
     def outputs_left(self, max_model_len: int, num_output: int) -> int:
         """Tokens it may still sample, having `num_output`, before the one length rule ends

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pjinfer.engine.bad_words import banned_tokens
 from pjinfer.engine.token_history import (
     PAD_TOKEN_ID,
     TokenHistory,
@@ -49,6 +50,7 @@ class SamplingRow:
     eos_token_id: int | None = None
     num_pending: int = 0  # output tokens sampled by a step whose result is not on the host yet
     prev_row: int = -1  # with num_pending: the previous step's row that sampled it
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences it may not complete
 
     @property
     def num_output_tokens(self) -> int:
@@ -75,7 +77,7 @@ class SamplingMetadata:
     bias_token_ids: jax.Array  # [S, B] i32
     bias_values: jax.Array  # [S, B] f32
     allowed_token_ids: jax.Array  # [S, A] i32, PAD after; a row with none is unrestricted
-    suppress_token_ids: jax.Array  # [S, E] i32, stop/eos ids masked until min_tokens
+    suppress_token_ids: jax.Array  # [S, E] i32: stop/eos ids until min_tokens, bad words' ids
     all_greedy: bool = True  # static: skip temperature, top-k/p, min-p and noise
     needs_sort: bool = False  # static: some row uses top_k or top_p
     needs_penalties: bool = False  # static: some row uses a penalty
@@ -111,8 +113,9 @@ class SamplingMetadata:
             bias_values=bias_values,
             allowed_token_ids=_allowed_ids([r.params for r in rows] if cols["has_allowed"].any()
                                            else [], num_seqs_padded),
-            suppress_token_ids=_suppressed_ids(rows if cols["min_tokens"].any() else [],
-                                               num_seqs_padded),
+            suppress_token_ids=_suppressed_ids(
+                rows if cols["min_tokens"].any() or cols["has_bad_words"].any() else [],
+                num_seqs_padded),
             all_greedy=not sampled.any(),
             needs_sort=bool((sampled & ((cols["top_k"] > 0) | (cols["top_p"] < 1.0))).any()),
             needs_penalties=needs_penalties,
@@ -164,6 +167,7 @@ def row_fields(row: SamplingRow) -> dict[str, np.ndarray]:
     fields["has_bias"] = np.bool_(bool(p.logit_bias))
     fields["has_allowed"] = np.bool_(p.allowed_token_ids is not None)
     fields["min_tokens"] = np.int32(p.min_tokens)
+    fields["has_bad_words"] = np.bool_(bool(row.bad_words))
     return fields
 
 
@@ -216,8 +220,10 @@ def _allowed_ids(params: Sequence[SamplingParams], size: int) -> np.ndarray:
 
 
 def _suppressed_ids(rows: Sequence[SamplingRow], size: int) -> np.ndarray:
-    """Stop ids (and eos unless ignore_eos) for rows still short of min_tokens, as in vLLM."""
-    per_row = [_stop_ids(r) if r.num_output_tokens < r.params.min_tokens else () for r in rows]
+    """Stop ids (and eos unless ignore_eos) for rows still short of min_tokens, and the
+    tokens that would complete a bad word (`bad_words`), as in vLLM."""
+    per_row = [(_stop_ids(r) if r.num_output_tokens < r.params.min_tokens else ())
+               + tuple(banned_tokens(r.bad_words, r.output_token_ids)) for r in rows]
     out = np.full((size, bucket(max(map(len, per_row), default=0), MIN_SUPPRESS_BUCKET)),
                   PAD_TOKEN_ID, dtype=np.int32)
     for i, ids in enumerate(per_row):

@@ -64,6 +64,7 @@ def test_chat_beams_match_offline(live_server, offline):
     ({"n": 2, "logprobs": 2}, "logprobs", "logprobs is not supported"),
     ({"n": 2, "allowed_token_ids": [5]}, "allowed_token_ids",
      "allowed_token_ids is not supported"),
+    ({"n": 2, "bad_words": ["ugly"]}, "bad_words", "bad_words is not supported"),
     ({"best_of": 3}, "best_of", "best_of must be null or equal to n"),
     ({"n": 2, "length_penalty": "long"}, "length_penalty", "length_penalty must be a number"),
 ])

@@ -47,7 +47,6 @@ REFUSED = [
     ("/v1/completions", {**COMPLETION, "best_of": 2}, "best_of"),
     ("/v1/completions", {**COMPLETION, "n": 2, "best_of": 3}, "best_of"),
     ("/v1/completions", {**COMPLETION, "suffix": "!"}, "suffix"),
-    ("/v1/completions", {**COMPLETION, "bad_words": ["ugly"]}, "bad_words"),
     ("/v1/chat/completions", {**CHAT, "chat_template": "{{ messages }}"}, "chat_template"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, "response_format"),
     ("/v1/completions", {**COMPLETION, "max_tokens": 0}, "max_tokens"),  # without echo
@@ -83,9 +82,10 @@ def test_ignored_fields_are_logged_as_vllm_does(live_server, caplog):
 
 
 def test_vllm_sampling_extras(live_server):
-    """allowed_token_ids and truncate_prompt_tokens through the openai client's extra_body:
-    one allowed token is all a sampled completion can hold; a truncated prompt answers as
-    its last tokens sent as the prompt; add_special_tokens: false drops BOS."""
+    """allowed_token_ids, truncate_prompt_tokens, add_special_tokens and bad_words through
+    the openai client's extra_body: one allowed token is all a sampled completion can hold; a
+    truncated prompt answers as its last tokens sent as the prompt; add_special_tokens: false
+    drops BOS; the greedy " ugly" is never completed."""
     client = live_server.client()
     ids = live_server.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
     one = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, seed=1,
@@ -100,6 +100,9 @@ def test_vllm_sampling_extras(live_server):
     bare = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
                                      extra_body={"add_special_tokens": False})
     assert bare.usage.prompt_tokens == len(ids) - 1  # no BOS
+    clean = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                      extra_body={"bad_words": ["ugly"]})
+    assert "ugly" not in clean.choices[0].text and clean.usage.completion_tokens == 8
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -75,6 +75,8 @@ BAD_REQUESTS = [
      "truncate_prompt_tokens"),
     ("/v1/completions", {**COMPLETION, "truncate_prompt_tokens": 10**6}, 400,
      "at most max_model_len", "truncate_prompt_tokens"),
+    ("/v1/completions", {**COMPLETION, "bad_words": "ugly"}, 400, "an array", "bad_words"),
+    ("/v1/completions", {**COMPLETION, "bad_words": [""]}, 400, "non-blank", "bad_words"),
     ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": ["x"]}, 400, "an object",
      "chat_template_kwargs"),
     ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"tokenize": True}}, 400,
