@@ -70,7 +70,8 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], *,
     `chat_template`); `tools` (OpenAI function definitions) go to the template, which decides
     how to show them; `chat_template_kwargs` are more variables for it (e.g. Qwen3's
     `enable_thinking`). `continue_final_message` leaves the last (assistant) message open
-    for the model to go on with, as vLLM does. Template errors raise ValueError."""
+    for the model to go on with, as vLLM does. Any error rendering it raises ValueError: the
+    messages, the kwargs or a request's template are the caller's."""
     import jinja2
 
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
@@ -93,6 +94,9 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], *,
             messages, tokenize=False, tools=tools, chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, **extra)
-    except jinja2.TemplateError as e:
-        raise ValueError(f"the chat template failed on these messages: {e}") from None
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a template (or its kwargs) failing is the request's
+        kind = "" if isinstance(e, jinja2.TemplateError) else f"{type(e).__name__}: "
+        raise ValueError(f"the chat template failed on these messages: {kind}{e}") from None
     return tokenizer.encode(text, add_special_tokens=False)

@@ -106,7 +106,7 @@ def model_not_found(model: str, info: ModelInfo) -> APIError:
 def parse_completion(body: dict[str, Any], info: ModelInfo, request_id: str
                      ) -> GenerationRequest:
     model = check_model(body, info)
-    _refuse_unsupported(body, COMPLETION_FIELDS, request_id)
+    _check_fields(body, COMPLETION_FIELDS, request_id)
     texts, prompts = _completion_prompts(body.get("prompt"), info,
                                          get_field(body, "add_special_tokens", "bool", True))
     logprobs = get_field(body, "logprobs", "int")
@@ -127,7 +127,7 @@ def parse_completion(body: dict[str, Any], info: ModelInfo, request_id: str
 
 def parse_chat(body: dict[str, Any], info: ModelInfo, request_id: str) -> GenerationRequest:
     model = check_model(body, info)
-    _refuse_unsupported(body, CHAT_FIELDS, request_id)
+    _check_fields(body, CHAT_FIELDS, request_id)
     tools = parse_tools(body, info)
     prompt = chat_prompt(body, info, tools.template_tools)
     max_tokens = get_field(body, "max_completion_tokens", "int")
@@ -198,7 +198,7 @@ def detokenize(body: dict[str, Any], info: ModelInfo) -> str:
     return info.tokenizer.decode(tokens)
 
 
-def _refuse_unsupported(body: dict[str, Any], known: frozenset[str], request_id: str) -> None:
+def _check_fields(body: dict[str, Any], known: frozenset[str], request_id: str) -> None:
     """Before tokenizing: a client relying on one of UNSUPPORTED must hear it is not
     honoured; fields no endpoint reads (another server's extras, a typo) are logged."""
     for name, instead in UNSUPPORTED.items():

@@ -1,11 +1,10 @@
 """Per-step sampling inputs as one device pytree, and the host builder that fills it.
 
 Shapes are bucketed so the jitted step compiles a handful of variants: S is the step's sequence
-bucket, and the optional tables (token history L, logit bias B, allowed tokens A, min-tokens
-suppression E) are
-padded to powers of two, or have width 0 when no row in the step needs them. Static flags in
-the pytree's aux data let the step skip the [S, V] sort, the penalty histograms and the random
-noise altogether when no row uses them.
+bucket, and the optional tables (token history L, logit bias B, allowed tokens A, suppressed
+tokens E: min_tokens' stop ids, bad words) are padded to powers of two, or have width 0 when no
+row in the step needs them. Static flags in the pytree's aux data let the step skip the [S, V]
+sort, the penalty histograms and the random noise altogether when no row uses them.
 """
 
 from __future__ import annotations

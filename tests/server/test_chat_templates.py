@@ -48,5 +48,9 @@ def test_request_template_needs_the_trust_flag(info):
     with pytest.raises(APIError, match="the chat template failed") as err:
         _prompt_text(trusted, chat_template="{{ raise_exception('no tools here') }}")
     assert "no tools here" in err.value.message and err.value.status == 400
+    with pytest.raises(APIError, match="failed on these messages: TypeError") as err:
+        _prompt_text(trusted, chat_template="{{ lead + messages[0]['content'] }}",
+                     chat_template_kwargs={"lead": 3})  # a kwarg of the wrong type: a 400
+    assert err.value.status == 400 and err.value.param == "messages"
     with pytest.raises(APIError, match="chat_template must be a string"):
         _prompt_text(trusted, chat_template=["x"])
