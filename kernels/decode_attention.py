@@ -183,6 +183,14 @@ def decode_attention_reference(
     return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
 
 
+# The most splits a short table (<= SHORT_TABLE_SPLITS ** 2 compute blocks: 8,192 tokens of
+# 128) takes. On an H100 (RESULTS.md round 53), one sequence of 768 tokens in an 8-sequence
+# step of Llama-3-8B's heads: 17 splits 11.4 us a layer (the kernel 7.1, XLA's merge of the
+# splits three more kernels), 8 splits 8.0 (5.2 + two), 5 splits 7.2 (5.9 + one); W1 int4,
+# whose batch-1 step has 2 sequence rows (17 splits before), decodes 2.6% faster with 8
+SHORT_TABLE_SPLITS = 8
+
+
 def default_decode_block_sizes(
     num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
     cache_dtype: jnp.dtype = jnp.bfloat16,
@@ -190,7 +198,8 @@ def default_decode_block_sizes(
     """Picks splits so that (seq, kv head, split) programs fill the GPU about twice.
 
     Aims at `common.MIN_PROGRAMS` (132 SMs on an H100/H200); more splits than compute
-    blocks would leave splits idle.
+    blocks would leave splits idle, and a short table takes at most SHORT_TABLE_SPLITS
+    (each split's partial state costs XLA's merge more work than its blocks save).
     Compute blocks of 128 tokens: with V masked by its load, on the H200 they beat 64 at
     each shape timed (device time, RESULTS.md round 25): 10 sequences x 4 KV heads at
     2,048 tokens 14.8 us a call against 17.6, 256 x 512 without splits 142.8 against 144.9,
@@ -202,5 +211,6 @@ def default_decode_block_sizes(
     tokens = 64 if wanted == 1 and common.is_fp8(cache_dtype) else 128
     pages = max(1, tokens // block_size)
     compute_blocks = max(1, -(-max_blocks_per_seq // pages))
-    splits = max(1, min(wanted, compute_blocks, 64))
+    cap = SHORT_TABLE_SPLITS if compute_blocks <= SHORT_TABLE_SPLITS ** 2 else 64
+    splits = max(1, min(wanted, compute_blocks, cap))
     return DecodeBlockSizes(pages_per_compute_block=pages, num_splits=splits)

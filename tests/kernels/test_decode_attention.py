@@ -9,6 +9,7 @@ import pytest
 
 from pjinfer.kernels.common import AttentionParams, softmax_init, softmax_step
 from pjinfer.kernels.decode_attention import (
+    SHORT_TABLE_SPLITS,
     DecodeBlockSizes,
     combine_splits,
     decode_attention,
@@ -150,6 +151,20 @@ def test_default_tiling_splits_few_long_sequences(seqs, kv_heads, pages, splits)
     assert default_decode_block_sizes(seqs, kv_heads, 3, 16).num_splits == 1  # one block
     fp8 = default_decode_block_sizes(seqs, kv_heads, 256, 16, jnp.float8_e4m3fn)
     assert fp8.pages_per_compute_block == (8 if splits > 1 else 4)  # fp8 unsplit: 64 tokens
+
+
+def test_short_tables_split_at_most_eight_ways():
+    """Up to 8,192 tokens (64 compute blocks of 128) a step splits at most SHORT_TABLE_SPLITS
+    ways, however few its programs; longer tables keep splitting to fill the GPU twice, and a
+    step that wants fewer splits keeps them."""
+    assert SHORT_TABLE_SPLITS == 8
+    for seqs, kv_heads in [(1, 1), (2, 8), (8, 4)]:  # W1 int4's 2-row step: 17 before
+        assert default_decode_block_sizes(seqs, kv_heads, 512, 16).num_splits == 8
+    assert default_decode_block_sizes(8, 8, 512, 16).num_splits == 5  # wants 5
+    assert default_decode_block_sizes(2, 8, 8192, 16).num_splits == 17  # 128k tokens
+    assert default_decode_block_sizes(8, 4, 2560, 16).num_splits == 9  # 40,960 tokens
+    assert default_decode_block_sizes(1, 1, 8192, 16).num_splits == 64
+    assert default_decode_block_sizes(2, 8, 40, 16).num_splits == 5  # 5 compute blocks
 
 
 def test_default_tiling_lowers_at_qwen3_concurrent_shapes():
