@@ -129,8 +129,12 @@ class Summary:
 
 
 def usage(finished: list[Summary]) -> dict[str, int]:
-    prompt = sum(len(s.prompt_token_ids) for s in finished)
-    completion = sum(sum(s.num_tokens) for s in finished)
+    return token_usage(sum(len(s.prompt_token_ids) for s in finished),
+                       sum(sum(s.num_tokens) for s in finished))
+
+
+def token_usage(prompt: int, completion: int) -> dict[str, int]:
+    """OpenAI's usage object."""
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 
@@ -187,7 +191,7 @@ def completion_logprobs(req: GenerationRequest, out: RequestOutput, c: Completio
     as_ids = req.return_tokens_as_token_ids
     for tid, entry, in_text in positions:
         token = _token_text(tokenizer, tid, entry.get(tid) if entry else None)
-        result["tokens"].append(f"token_id:{tid}" if as_ids else token)
+        result["tokens"].append(_id_name(tid) if as_ids else token)
         result["token_logprobs"].append(entry[tid].logprob if entry else None)
         result["top_logprobs"].append({_token_name(tokenizer, t, lp, as_ids): lp.logprob
                                        for t, lp in _top(entry, req.params.logprobs)}
@@ -223,7 +227,11 @@ def _top(entry: PositionLogprobs, n: int) -> list[tuple[int, Logprob]]:
 
 
 def _token_name(tokenizer: Any, tid: int, lp: Logprob | None, as_ids: bool) -> str:
-    return f"token_id:{tid}" if as_ids else _token_text(tokenizer, tid, lp)
+    return _id_name(tid) if as_ids else _token_text(tokenizer, tid, lp)
+
+
+def _id_name(tid: int) -> str:
+    return f"token_id:{tid}"  # vLLM's return_tokens_as_token_ids
 
 
 def _token_text(tokenizer: Any, tid: int, lp: Logprob | None) -> str:

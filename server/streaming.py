@@ -25,6 +25,7 @@ from pjinfer.server.protocol import (
     chat_logprobs,
     completion_logprobs,
     error_for,
+    token_usage,
     usage,
 )
 from pjinfer.tool_parsers.base import ToolCallStream
@@ -285,8 +286,7 @@ def _chunk_usage(req: GenerationRequest, prompt: list[int], tokens: int) -> dict
         return {}
     if not req.continuous_usage:
         return {"usage": None}
-    return {"usage": {"prompt_tokens": len(prompt), "completion_tokens": tokens,
-                      "total_tokens": len(prompt) + tokens}}
+    return {"usage": token_usage(len(prompt), tokens)}
 
 
 @contextlib.asynccontextmanager

@@ -38,13 +38,14 @@ _SAMPLING_FIELDS = {
     "include_stop_str_in_output": "bool", "prompt_logprobs": "int",
     "allowed_token_ids": "list", "truncate_prompt_tokens": "int", "bad_words": "list",
 }
-# every other body field either endpoint reads (besides _SAMPLING_FIELDS, the structured
-# output fields and UNSUPPORTED's); the rest are logged as ignored, as vLLM does
+# every body field each endpoint reads (or refuses by name); the rest are logged as ignored,
+# as vLLM does
 _COMMON_FIELDS = ("model", "max_tokens", "logprobs", "logit_bias", "best_of", "stream",
                   "stream_options", "user", "priority", "use_beam_search", "length_penalty",
                   "return_tokens_as_token_ids")
-COMPLETION_FIELDS = frozenset((*_COMMON_FIELDS, "prompt", "echo", "add_special_tokens"))
-CHAT_FIELDS = frozenset((*_COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs",
+_SHARED_FIELDS = (*_COMMON_FIELDS, *_SAMPLING_FIELDS, *STRUCTURED_FIELDS, *UNSUPPORTED)
+COMPLETION_FIELDS = frozenset((*_SHARED_FIELDS, "prompt", "echo", "add_special_tokens"))
+CHAT_FIELDS = frozenset((*_SHARED_FIELDS, "messages", "max_completion_tokens", "top_logprobs",
                          "tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt",
                          "continue_final_message", "chat_template_kwargs", "chat_template"))
 log = logging.getLogger("pjinfer.server")
@@ -204,8 +205,7 @@ def _check_fields(body: dict[str, Any], known: frozenset[str], request_id: str) 
     for name, instead in UNSUPPORTED.items():
         if body.get(name) is not None:
             raise APIError(f"{name} is not supported by this server: {instead}", param=name)
-    ignored = sorted(set(body) - known - _SAMPLING_FIELDS.keys() - set(STRUCTURED_FIELDS)
-                     - UNSUPPORTED.keys())
+    ignored = sorted(set(body) - known)
     if ignored:
         log.warning("request %s: the following fields were present in the request but "
                     "ignored: %s", request_id, ", ".join(ignored))

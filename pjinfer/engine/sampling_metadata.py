@@ -210,12 +210,7 @@ def _logit_bias(params: Sequence[SamplingParams], size: int) -> tuple[np.ndarray
 
 
 def _allowed_ids(params: Sequence[SamplingParams], size: int) -> np.ndarray:
-    per_row = [p.allowed_token_ids or () for p in params]
-    out = np.full((size, bucket(max(map(len, per_row), default=0), MIN_ALLOWED_BUCKET)),
-                  PAD_TOKEN_ID, dtype=np.int32)
-    for i, ids in enumerate(per_row):
-        out[i, : len(ids)] = ids
-    return out
+    return _id_table([p.allowed_token_ids or () for p in params], size, MIN_ALLOWED_BUCKET)
 
 
 def _suppressed_ids(rows: Sequence[SamplingRow], size: int) -> np.ndarray:
@@ -223,7 +218,13 @@ def _suppressed_ids(rows: Sequence[SamplingRow], size: int) -> np.ndarray:
     tokens that would complete a bad word (`bad_words`), as in vLLM."""
     per_row = [(_stop_ids(r) if r.num_output_tokens < r.params.min_tokens else ())
                + tuple(banned_tokens(r.bad_words, r.output_token_ids)) for r in rows]
-    out = np.full((size, bucket(max(map(len, per_row), default=0), MIN_SUPPRESS_BUCKET)),
+    return _id_table(per_row, size, MIN_SUPPRESS_BUCKET)
+
+
+def _id_table(per_row: Sequence[Sequence[int]], size: int, min_bucket: int) -> np.ndarray:
+    """[size, W] i32: each row's ids from column 0, PAD after; W the longest row's length
+    bucketed (0 when no row has any)."""
+    out = np.full((size, bucket(max(map(len, per_row), default=0), min_bucket)),
                   PAD_TOKEN_ID, dtype=np.int32)
     for i, ids in enumerate(per_row):
         out[i, : len(ids)] = ids
