@@ -119,8 +119,12 @@ def read_chat_template(given: str | None) -> str | None:
                              f"Jinja template: {e}") from None
     import jinja2
 
+    try:  # the environment transformers renders chat templates in (its tags: break, generation)
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # another transformers: requests will report a broken template
+        return given
     try:
-        jinja2.Environment().parse(given)
+        _compile_jinja_template(given)
     except jinja2.TemplateSyntaxError as e:
         raise UsageError(f"--chat-template does not compile: {e} (line {e.lineno})") from None
     return given

@@ -87,8 +87,10 @@ def test_generate_chat_n2():
 def test_serve_hands_the_server_flags_to_the_server(monkeypatch, tmp_path):
     """In process, with the engine and uvicorn replaced: the flags reach serve() (a
     --chat-template file as its text)."""
-    template = tmp_path / "chat.jinja"
-    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    template = tmp_path / "chat.jinja"  # transformers' own tags (loop controls, generation)
+    template.write_text("{% for m in messages %}{% generation %}{{ m['content'] }}"
+                        "{% endgeneration %}{% if loop.index > 2 %}{% break %}{% endif %}"
+                        "{% endfor %}")
     from pjinfer import cli
     from pjinfer.server.app import ServerOptions
 
